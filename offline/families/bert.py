@@ -1,0 +1,193 @@
+"""Adapter for Hugging Face BERT-family encoders with a classification head (``BertForSequenceClassification``).
+
+``transformers`` 5.x has no ``prune_heads``: heads are sliced out of the
+query/key/value and output-dense weights here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import FamilyAdapter, fused_block_state, grouped_linear, member_norm, shared_or_mean
+
+_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+class ZeroSelfAttention(nn.Module):
+    """Replaces ``BertSelfAttention`` when every head of a layer is pruned: empty output ``(B, T, 0)``."""
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], 0), None
+
+
+def _check_supported(model: nn.Module) -> None:
+    from transformers import BertForSequenceClassification
+
+    if not isinstance(model, BertForSequenceClassification):
+        raise TypeError(f"the bert family expects a BertForSequenceClassification, got {type(model).__name__}")
+    cfg = model.config
+    if cfg.hidden_act not in _ACTS:
+        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: {sorted(_ACTS)}")
+    if cfg.is_decoder:
+        raise ValueError("decoder BERT models are not supported")
+
+
+class BertAdapter(FamilyAdapter):
+    name = "bert"
+
+    @staticmethod
+    def _layers(model: nn.Module) -> nn.ModuleList:
+        return model.bert.encoder.layer
+
+    def num_layers(self, model: nn.Module) -> int:
+        return len(self._layers(model))
+
+    def head_dim(self, model: nn.Module) -> int:
+        return model.config.hidden_size // model.config.num_attention_heads
+
+    def heads(self, model: nn.Module) -> list[int]:
+        hd = self.head_dim(model)
+        return [layer.attention.output.dense.in_features // hd for layer in self._layers(model)]
+
+    def out_proj(self, model: nn.Module, layer: int) -> nn.Linear:
+        return self._layers(model)[layer].attention.output.dense
+
+    def qkv_weights(self, model: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self._layers(model)[layer].attention.self
+        return s.query.weight, s.key.weight, s.value.weight
+
+    def qkv_grads(self, model: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self._layers(model)[layer].attention.self
+        grads = (s.query.weight.grad, s.key.weight.grad, s.value.weight.grad)
+        if any(g is None for g in grads):
+            raise RuntimeError(f"no gradient on layer {layer} q/k/v: run a backward pass first")
+        return grads
+
+    def _slice_layer(self, model: nn.Module, layer: int, keep: Sequence[int]) -> None:
+        att = self._layers(model)[layer].attention
+        hd = self.head_dim(model)
+        rows = torch.tensor([h * hd + c for h in keep for c in range(hd)], dtype=torch.long)
+        dense = att.output.dense
+        new_dense = nn.Linear(len(rows), dense.out_features, bias=dense.bias is not None)
+        with torch.no_grad():
+            new_dense.weight.copy_(dense.weight[:, rows])
+            if dense.bias is not None:
+                new_dense.bias.copy_(dense.bias)
+        att.output.dense = new_dense.to(dense.weight)
+        if not keep:
+            att.self = ZeroSelfAttention()
+            return
+        s = att.self
+        for name in ("query", "key", "value"):
+            old = getattr(s, name)
+            new = nn.Linear(old.in_features, len(rows), bias=old.bias is not None)
+            with torch.no_grad():
+                new.weight.copy_(old.weight[rows])
+                if old.bias is not None:
+                    new.bias.copy_(old.bias[rows])
+            setattr(s, name, new.to(old.weight))
+        s.num_attention_heads = len(keep)
+        s.all_head_size = len(rows)
+
+    def stem(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        bert = model.bert
+        emb = bert.embeddings(input_ids=batch["input_ids"])
+        mask, _ = bert._create_attention_masks(
+            attention_mask=batch["attention_mask"],
+            encoder_attention_mask=None,
+            embedding_output=emb,
+            encoder_hidden_states=None,
+            past_key_values=None,
+        )
+        return emb, mask
+
+    def block(self, model: nn.Module, layer: int, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        out = self._layers(model)[layer](h, attention_mask=ctx)
+        return out[0] if isinstance(out, tuple) else out
+
+    def readout(self, model: nn.Module, h: torch.Tensor, ctx: Any) -> torch.Tensor:
+        pooled = model.bert.pooler(h) if model.bert.pooler is not None else h[:, 0]
+        return model.classifier(model.dropout(pooled))
+
+    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+    def to_fused(self, members: Sequence[nn.Module], mlp: str = "shared") -> tuple[dict, dict[str, torch.Tensor]]:
+        for m in members:
+            _check_supported(m)
+        ref = members[0]
+        cfg_hf = ref.config
+        report: dict[str, float] = {}
+        sd: dict[str, torch.Tensor] = {}
+        embs = [m.bert.embeddings for m in members]
+        for name, key in (
+            ("word_embeddings", "word_embeddings.weight"),
+            ("position_embeddings", "position_embeddings.weight"),
+            ("token_type_embeddings", "token_type_embeddings.weight"),
+        ):
+            sd[key] = shared_or_mean([getattr(e, name).weight for e in embs], name, report)
+        for k, v in member_norm([e.LayerNorm.weight for e in embs], [e.LayerNorm.bias for e in embs]).items():
+            sd[f"emb_norm.{k}"] = v
+        hd = self.head_dim(ref)
+        num_heads = []
+        for i in range(self.num_layers(ref)):
+            layers = []
+            for m in members:
+                lay = self._layers(m)[i]
+                s, o = lay.attention.self, lay.attention.output
+                if isinstance(s, ZeroSelfAttention):
+                    d = o.dense.out_features
+                    empty = torch.zeros(0, d)
+                    qkv, qkv_b = (empty, empty, empty), (torch.zeros(0),) * 3
+                else:
+                    qkv = (s.query.weight, s.key.weight, s.value.weight)
+                    qkv_b = (s.query.bias, s.key.bias, s.value.bias)
+                layers.append(
+                    {
+                        "qkv": qkv,
+                        "qkv_bias": qkv_b,
+                        "proj_w": o.dense.weight,
+                        "proj_b": o.dense.bias,
+                        "ln1_w": o.LayerNorm.weight,
+                        "ln1_b": o.LayerNorm.bias,
+                        "ln2_w": lay.output.LayerNorm.weight,
+                        "ln2_b": lay.output.LayerNorm.bias,
+                        "fc1_w": lay.intermediate.dense.weight,
+                        "fc1_b": lay.intermediate.dense.bias,
+                        "fc2_w": lay.output.dense.weight,
+                        "fc2_b": lay.output.dense.bias,
+                    }
+                )
+            hp, bsd = fused_block_state(f"encoder.blocks.{i}", layers, hd, mlp, report)
+            num_heads.append(hp)
+            sd.update(bsd)
+        has_pooler = ref.bert.pooler is not None
+        if has_pooler:
+            pools = [m.bert.pooler.dense for m in members]
+            for k, v in grouped_linear([p.weight for p in pools], [p.bias for p in pools]).items():
+                sd[f"pooler.{k}"] = v
+        for k, v in grouped_linear([m.classifier.weight for m in members], [m.classifier.bias for m in members]).items():
+            sd[f"classifier.{k}"] = v
+        cfg = {
+            "arch": "bert",
+            "members": len(members),
+            "vocab_size": cfg_hf.vocab_size,
+            "max_position": cfg_hf.max_position_embeddings,
+            "type_vocab_size": cfg_hf.type_vocab_size,
+            "dim": cfg_hf.hidden_size,
+            "head_dim": hd,
+            "num_heads": num_heads,
+            "mlp_hidden": cfg_hf.intermediate_size,
+            "num_classes": cfg_hf.num_labels,
+            "act": _ACTS[cfg_hf.hidden_act],
+            "eps": cfg_hf.layer_norm_eps,
+            "qkv_bias": True,
+            "mlp": mlp,
+            "pooler": has_pooler,
+            "averaged_shared_params": report,
+        }
+        return cfg, sd
