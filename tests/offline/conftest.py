@@ -1,0 +1,61 @@
+"""Tiny random-init models of the real architectures (timm ViT, transformers BERT)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def tiny_vit(depth: int = 3, heads: int = 4, num_classes: int = 5, **kw):
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    model = VisionTransformer(
+        img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=depth, num_heads=heads, num_classes=num_classes, **kw
+    ).eval()
+    with torch.no_grad():  # timm zero-inits the head: widen so that heads change the answers
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def tiny_bert(layers: int = 3, heads: int = 4, num_labels: int = 3):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=64,
+        num_labels=num_labels,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    model = BertForSequenceClassification(cfg).eval()
+    with torch.no_grad():  # BERT's init (std 0.02) makes outputs nearly input-independent; widen it
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return model
+
+
+def bert_batch(batch: int = 4, seq: int = 9, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 100, (batch, seq), generator=g)
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1, 5:] = 0  # padded sequences
+    mask[-1, 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture
+def vit():
+    return tiny_vit()
+
+
+@pytest.fixture
+def bert():
+    return tiny_bert()
