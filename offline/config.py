@@ -1,0 +1,262 @@
+"""Build configuration: dataclasses filled from a YAML file, every value overridable by a flag.
+
+``python offline/build.py --config FILE --out DIR [--section.key VALUE ...]``; ``--help``
+lists every key with its default and meaning. Validation happens here, before
+any model is loaded or trained, and stops with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+FAMILIES = ("vit", "bert", "clip")
+STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
+OOD_SCORES = ("msp", "entropy", "mutual_information")
+SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line before heavy work starts."""
+
+
+@dataclass
+class BaseModelConfig:
+    source: str = "train-vit"  # train-vit | minilm | timm:<name> | hf:<folder or hub name> | lit
+    path: str | None = None  # local weights: timm .safetensors/.pth file, or HF model folder
+    arch: dict[str, Any] = field(default_factory=dict)  # train-vit: make_vit kwargs (embed_dim, depth, num_heads, ...)
+    preset: str = "vit_fast"  # offline.train PRESETS entry for training / fine-tuning the base model
+    steps: int | None = None  # override the preset's step budget
+    max_length: int = 64  # text: tokenizer max length
+
+
+@dataclass
+class DataConfig:
+    setting: str = "fashion-mnist"  # fashion-mnist | tweets | image-folder | text-file
+    path: str | None = None  # image-folder root or CSV/JSONL file (user data)
+    ood_paths: dict[str, str] = field(default_factory=dict)  # user data: name -> folder/file of OOD test inputs
+    ood_val_path: str | None = None  # user data: OOD validation inputs (circuits, threshold); kept apart from test
+    labels: list[str] | None = None  # expected class names, checked against the data
+    max_train: int = 6000  # training examples for the base model and members
+    max_val: int = 1000  # ID validation examples (temperature, threshold, circuits)
+    max_test: int = 2000  # ID test examples for the report
+    max_ood: int = 1000  # examples per OOD set
+    seed: int = 0  # split seed
+
+
+@dataclass
+class HydraConfig:
+    members: int = 3  # M, the number of ensemble members
+    strategy: str = "taylor"  # taylor | circuit-acc | circuit-ood | circuit-avg | random
+    prune_per_layer: int | None = None  # heads each member prunes in every layer ...
+    prune_total: int | None = None  # ... or in the whole model (exactly one of the two)
+    pool: float | None = None  # candidate pool: ratio to the budget (default the paper's 100/48)
+    seeds: list[int] | None = None  # pruning seeds, one per member (default 0..M-1)
+    calib_samples: int = 256  # samples for Taylor gradients and circuit scoring
+    mlp: str = "shared"  # shared (the paper's averaged MLP) | per_member
+    finetune_steps: int = 0  # fine-tuning steps per member after pruning (0 = none)
+    finetune_preset: str | None = None  # offline.train PRESETS entry for member fine-tuning (default: the base one)
+    unfreeze: str = "attention+mlp+norm+head"  # which parts the member fine-tuning trains
+
+
+@dataclass
+class CalibrationConfig:
+    temperature: bool = True  # fit a temperature on ID validation data
+    ood_score: str = "msp"  # msp | entropy | mutual_information
+    tpr: float = 0.95  # fraction of ID validation inputs that must pass the OOD threshold
+
+
+@dataclass
+class ExportConfig:
+    torchscript: bool = True  # write model.ts and check it against eager
+    onnx: bool = True  # write model.onnx and check it against eager
+    tolerance: float = 1e-4  # max abs logit difference export vs eager before the build fails
+    bf16_check: bool = True  # record bf16-vs-fp32 agreement for the server's precision=auto
+
+
+@dataclass
+class BuildConfig:
+    name: str = "hydra"  # model name used in API responses and metrics
+    family: str = "vit"  # vit | bert | clip
+    threads: int = 0  # torch threads (0 = torch default)
+    base: BaseModelConfig = field(default_factory=BaseModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    hydra: HydraConfig = field(default_factory=HydraConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(BuildConfig)}
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The ``# comment`` after each field in the class source: the flag's help text."""
+    import inspect
+
+    out: dict[str, str] = {}
+    try:
+        src = inspect.getsource(cls)
+    except OSError:
+        return out
+    for line in src.splitlines():
+        line = line.strip()
+        if ":" in line and "#" in line and not line.startswith("#"):
+            name = line.split(":", 1)[0].strip()
+            out[name] = line.split("#", 1)[1].strip()
+    return out
+
+
+def _section_classes() -> dict[str, type]:
+    hints = typing.get_type_hints(BuildConfig)
+    return {name: hints[name] for name in _SECTIONS if dataclasses.is_dataclass(hints[name])}
+
+
+def _parse_value(text: str) -> Any:
+    """Flag values are YAML scalars/lists: ``6``, ``0.5``, ``true``, ``null``, ``[0,1,2]``."""
+    return yaml.safe_load(text)
+
+
+def _merge(cfg: BuildConfig, data: dict[str, Any], origin: str) -> None:
+    sections = _section_classes()
+    for key, value in data.items():
+        if key in sections:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{origin}: '{key}' must be a mapping, got {type(value).__name__}")
+            sub = getattr(cfg, key)
+            names = {f.name for f in dataclasses.fields(sub)}
+            for k, v in value.items():
+                if k not in names:
+                    raise ConfigError(f"{origin}: unknown key '{key}.{k}'; known: {', '.join(sorted(names))}")
+                setattr(sub, k, v)
+        elif key in {f.name for f in dataclasses.fields(cfg)}:
+            setattr(cfg, key, value)
+        else:
+            known = sorted(f.name for f in dataclasses.fields(cfg))
+            raise ConfigError(f"{origin}: unknown key '{key}'; known: {', '.join(known)}")
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> BuildConfig:
+    """Read a YAML config, apply dotted overrides (``{"hydra.members": 5}``), validate."""
+    cfg = BuildConfig()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({e})") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping")
+        _merge(cfg, data, str(p))
+    nested: dict[str, Any] = {}
+    for dotted, value in (overrides or {}).items():
+        if "." in dotted:
+            sec, key = dotted.split(".", 1)
+            nested.setdefault(sec, {})[key] = value
+        else:
+            nested[dotted] = value
+    _merge(cfg, nested, "command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: BuildConfig) -> None:
+    """Cheap checks that need no model or data loading; raise ConfigError with one clear line."""
+    if cfg.family not in FAMILIES:
+        raise ConfigError(f"family must be one of {FAMILIES}, got {cfg.family!r}")
+    h = cfg.hydra
+    if not isinstance(h.members, int) or h.members < 1:
+        raise ConfigError(f"hydra.members must be an integer >= 1, got {h.members!r}")
+    if h.strategy not in STRATEGIES:
+        raise ConfigError(f"hydra.strategy must be one of {STRATEGIES}, got {h.strategy!r}")
+    if (h.prune_per_layer is None) == (h.prune_total is None):
+        raise ConfigError("give exactly one of hydra.prune_per_layer and hydra.prune_total")
+    n = h.prune_per_layer if h.prune_per_layer is not None else h.prune_total
+    if not isinstance(n, int) or n < 0:
+        raise ConfigError(f"the pruning budget must be an integer >= 0, got {n!r}")
+    if h.seeds is not None and len(h.seeds) != h.members:
+        raise ConfigError(f"hydra.seeds lists {len(h.seeds)} seeds for {h.members} members")
+    if h.mlp not in ("shared", "per_member"):
+        raise ConfigError(f"hydra.mlp must be 'shared' or 'per_member', got {h.mlp!r}")
+    if cfg.calibration.ood_score not in OOD_SCORES:
+        raise ConfigError(f"calibration.ood_score must be one of {OOD_SCORES}, got {cfg.calibration.ood_score!r}")
+    if not 0 < cfg.calibration.tpr < 1:
+        raise ConfigError(f"calibration.tpr must be in (0, 1), got {cfg.calibration.tpr}")
+    d = cfg.data
+    if d.setting not in SETTINGS:
+        raise ConfigError(f"data.setting must be one of {SETTINGS}, got {d.setting!r}")
+    if d.setting in ("image-folder", "text-file"):
+        if not d.path:
+            raise ConfigError(f"data.path is required for data.setting={d.setting}")
+        if not Path(d.path).exists():
+            raise ConfigError(f"data.path {d.path} does not exist")
+        for name, p in d.ood_paths.items():
+            if not Path(p).exists():
+                raise ConfigError(f"data.ood_paths.{name}: {p} does not exist")
+    image_setting = d.setting in ("fashion-mnist", "image-folder")
+    if cfg.family == "bert" and image_setting:
+        raise ConfigError(f"family bert needs text data, but data.setting is {d.setting}")
+    if cfg.family in ("vit", "clip") and not image_setting:
+        raise ConfigError(f"family {cfg.family} needs image data, but data.setting is {d.setting}")
+    if cfg.base.path is not None and not Path(cfg.base.path).exists():
+        raise ConfigError(f"base.path {cfg.base.path} does not exist")
+    for k in ("max_train", "max_val", "max_test", "max_ood"):
+        if int(getattr(d, k)) < 1:
+            raise ConfigError(f"data.{k} must be >= 1")
+
+
+def check_budget(cfg: BuildConfig, heads_per_layer: list[int]) -> None:
+    """Refuse a budget that prunes more heads than the base model has (call once the head counts are known)."""
+    h = cfg.hydra
+    if h.prune_per_layer is not None:
+        bad = [i for i, n in enumerate(heads_per_layer) if h.prune_per_layer > n]
+        if bad:
+            raise ConfigError(
+                f"hydra.prune_per_layer={h.prune_per_layer} exceeds the {heads_per_layer[bad[0]]} heads of layer {bad[0]}"
+            )
+    elif h.prune_total > sum(heads_per_layer):
+        raise ConfigError(f"hydra.prune_total={h.prune_total} exceeds the model's {sum(heads_per_layer)} heads")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--section.key`` flag per config value, with its comment as help."""
+    for sec, cls in _section_classes().items():
+        group = parser.add_argument_group(sec)
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            group.add_argument(
+                f"--{sec}.{f.name}",
+                dest=f"{sec}.{f.name}",
+                default=argparse.SUPPRESS,
+                metavar="VALUE",
+                help=f"{comments.get(f.name, '')} (default: {json.dumps(default)})",
+            )
+    comments = _field_comments(BuildConfig)
+    for f in dataclasses.fields(BuildConfig):
+        if f.name in _SECTIONS and dataclasses.is_dataclass(typing.get_type_hints(BuildConfig)[f.name]):
+            continue
+        parser.add_argument(
+            f"--{f.name}",
+            dest=f.name,
+            default=argparse.SUPPRESS,
+            metavar="VALUE",
+            help=f"{comments.get(f.name, '')} (default: {json.dumps(f.default)})",
+        )
+
+
+def overrides_from_args(ns: argparse.Namespace, skip: tuple[str, ...] = ("config", "out")) -> dict[str, Any]:
+    return {k: _parse_value(v) for k, v in vars(ns).items() if k not in skip}

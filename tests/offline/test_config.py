@@ -1,0 +1,81 @@
+"""Config parsing, flag overrides and the one-line errors that stop a build before heavy work."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offline.config import ConfigError, check_budget, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((ROOT / "offline" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.hydra.members >= 1
+
+
+def test_fast_configs_exist_for_each_modality():
+    names = [p.name for p in CONFIGS]
+    for modality in ("text", "image"):
+        assert any("fast" in n and modality in n for n in names), names
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_overrides_win_over_file(tmp_path):
+    p = _write(tmp_path, "family: bert\ndata: {setting: tweets}\nhydra: {members: 3, prune_per_layer: 6}\n")
+    cfg = load_config(p, {"hydra.members": 5, "hydra.seeds": [1, 2, 3, 4, 5], "name": "x"})
+    assert cfg.hydra.members == 5 and cfg.name == "x" and cfg.hydra.seeds == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize(
+    "text, overrides, match",
+    [
+        ("family: bert\nhydra: {colour: red}\n", {}, "unknown key 'hydra.colour'"),
+        ("family: bert\nbogus: 1\n", {}, "unknown key 'bogus'"),
+        ("family: bert\ndata: {setting: tweets}\nhydra: {members: 0, prune_per_layer: 6}\n", {}, "members must be"),
+        ("family: vit\ndata: {setting: image-folder, path: /no/such/dir}\nhydra: {prune_per_layer: 1}\n", {},
+         "data.path /no/such/dir does not exist"),
+        ("family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6, prune_total: 3}\n", {}, "exactly one"),
+        ("family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6, strategy: magic}\n", {}, "strategy"),
+        ("family: bert\ndata: {setting: fashion-mnist}\nhydra: {prune_per_layer: 6}\n", {}, "needs text data"),
+        ("family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6}\n", {"hydra.seeds": [0]}, "seeds"),
+    ],
+)
+def test_invalid_configs_fail_with_one_clear_line(tmp_path, text, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(_write(tmp_path, text), overrides)
+
+
+def test_budget_larger_than_model_is_refused():
+    cfg = load_config(ROOT / "offline/configs/text-fast.yaml", {"hydra.prune_per_layer": 13})
+    with pytest.raises(ConfigError, match="exceeds the 12 heads of layer 0"):
+        check_budget(cfg, [12] * 6)
+    cfg = load_config(ROOT / "offline/configs/text-fast.yaml", {"hydra.prune_per_layer": None, "hydra.prune_total": 80})
+    with pytest.raises(ConfigError, match="exceeds the model's 72 heads"):
+        check_budget(cfg, [12] * 6)
+
+
+def test_cli_help_lists_every_option_and_errors_are_one_line(tmp_path):
+    env_py = sys.executable
+    out = subprocess.run([env_py, "offline/build.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for flag in ("--hydra.members", "--hydra.strategy", "--data.max_train", "--export.onnx", "--calibration.tpr"):
+        assert flag in out.stdout
+    bad = _write(tmp_path, "family: bert\nhydra: {colour: red}\n")
+    res = subprocess.run([env_py, "offline/build.py", "--config", str(bad), "--out", str(tmp_path / "a")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and "unknown key 'hydra.colour'" in res.stderr
+    res = subprocess.run([env_py, "offline/build.py", "--config", "offline/configs/text-fast.yaml", "--out",
+                          str(tmp_path / "b"), "--hydra.prune_per_layer", "20"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2 and "exceeds the 12 heads" in res.stderr
