@@ -1,0 +1,62 @@
+"""Build the server's embedded default artifacts once: ``python -m offline.default --out artifacts/default``.
+
+Each fast config under ``offline/configs`` (``text-fast``, ``image-fast`` and,
+when present, ``zeroshot-fast``) is built into ``<out>/<modality>``. An artifact
+is rebuilt only when it is missing, incomplete, or was built from a different
+config file (its sha256 is recorded next to it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULTS = {"text": "text-fast.yaml", "image": "image-fast.yaml", "zeroshot": "zeroshot-fast.yaml"}
+
+
+def _config_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _stamp(out: Path) -> Path:
+    """Kept beside the artifact (not inside it): the artifact's file list stays exactly what its manifest lists."""
+    return out.parent / f".{out.name}.built-from.json"
+
+
+def is_current(out: Path, config: Path) -> bool:
+    stamp = _stamp(out)
+    if not (out / "manifest.json").is_file() or not stamp.is_file():
+        return False
+    return json.loads(stamp.read_text()).get("config_sha256") == _config_hash(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="artifacts/default", help="folder holding one artifact per modality")
+    ap.add_argument("--only", nargs="*", choices=sorted(DEFAULTS), help="build only these modalities")
+    args = ap.parse_args(argv)
+    from offline.config import load_config
+    from offline.pipeline import build
+
+    for modality, name in DEFAULTS.items():
+        if args.only and modality not in args.only:
+            continue
+        config = ROOT / "offline" / "configs" / name
+        if not config.is_file():
+            continue
+        out = Path(args.out) / modality
+        if is_current(out, config):
+            print(f"[default] {out} is up to date")
+            continue
+        print(f"[default] building {out} from {config.relative_to(ROOT)} (a few minutes, once)", flush=True)
+        build(load_config(config), out)
+        _stamp(out).write_text(json.dumps({"config": str(config.relative_to(ROOT)), "config_sha256": _config_hash(config)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
