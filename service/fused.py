@@ -316,6 +316,10 @@ ARCHS: dict[str, type[nn.Module]] = {"vit": FusedViT, "bert": FusedBert}
 def build_model(config: dict[str, Any]) -> nn.Module:
     """Instantiate a fused model (random init) from its config; ``config["arch"]`` picks the class."""
     arch = config.get("arch")
+    if arch == "clip" and arch not in ARCHS:  # the dual encoder lives in its own module
+        from service.fused_clip import FusedCLIP
+
+        ARCHS["clip"] = FusedCLIP
     if arch not in ARCHS:
         raise ValueError(f"unknown fused architecture {arch!r}; known: {sorted(ARCHS)}")
     return ARCHS[arch](config)
