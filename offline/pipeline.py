@@ -359,6 +359,11 @@ def finish_artifact(cfg, out, adapter, base, members, fused, fcfg, data, prep, t
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     exports: dict[str, Any] = {}
     parity_batches = [b for b, _ in val[:4]]
+    first = parity_batches[0]  # also other batch sizes and, for text, a shorter sequence length
+    parity_batches += [{k: v[:1] for k, v in first.items()}, {k: v[:5] for k, v in first.items()}]
+    if "attention_mask" in first:
+        n = int(first["attention_mask"][:3].sum(1).max())
+        parity_batches.append({k: v[:3, :n] for k, v in first.items()})
     example_inputs = {k: v[:2] for k, v in parity_batches[0].items()}
     tol = cfg.export.tolerance
     if cfg.export.torchscript:

@@ -1,0 +1,258 @@
+"""Exports of the fused model (TorchScript, ONNX), each checked against eager on real inputs.
+
+A build fails when an export differs from eager by more than the tolerance
+(:class:`ExportMismatch`). Inputs are passed by name as a dict; the order of
+the traced/ONNX inputs is the order of the model's ``forward`` signature
+(``FusedViT(pixel_values)``, ``FusedBert(input_ids, attention_mask)``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from service.uncertainty import summarize
+
+__all__ = [
+    "ExportMismatch",
+    "ONNX_OPSET",
+    "BF16_TOLERANCE",
+    "BF16_MIN_AGREEMENT",
+    "input_order",
+    "export_torchscript",
+    "export_onnx",
+    "load_onnx_session",
+    "run_export",
+    "check_parity",
+    "bf16_agreement",
+]
+
+log = logging.getLogger("hydra.export")
+
+ONNX_OPSET = 17
+# IR version written for opset 17 graphs: onnx 1.23 may write IR 14, which onnxruntime releases reject (PERF.md)
+ONNX_IR_VERSION = 8
+SEQUENCE_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # inputs whose dim 1 is the sequence length
+# bf16 autocast vs fp32: largest accepted difference of each uncertainty field, and the argmax agreement needed
+BF16_TOLERANCE = {"msp": 0.05, "entropy": 0.1, "mutual_information": 0.05}
+BF16_MIN_AGREEMENT = 0.99
+
+
+@contextmanager
+def _quiet_jit():
+    """torch 2.14 marks ``torch.jit`` deprecated with a FutureWarning per call; TorchScript is still served here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=r".*torch\.jit.*")
+        yield
+
+
+class ExportMismatch(RuntimeError):
+    """An export's outputs differ from eager by more than the tolerance (or in shape)."""
+
+
+def input_order(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[str]:
+    """Names of ``inputs`` in the order of ``model.forward``'s parameters; every parameter must be given."""
+    params = [
+        p.name
+        for p in inspect.signature(model.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    missing = [p for p in params if p not in inputs]
+    unknown = [k for k in inputs if k not in params]
+    if missing or unknown:
+        raise ValueError(
+            f"inputs {sorted(inputs)} do not match {type(model).__name__}.forward{tuple(params)}: "
+            f"missing {missing}, unknown {unknown}"
+        )
+    return params
+
+
+def _settle(model: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+    """One eager call before tracing, so that decisions the model caches on first use (e.g.
+    ``MemberLayerNorm.shared``, which compares the members' parameters) are made outside the trace: the
+    comparison's ops are then not recorded, and ``check_trace``'s second trace sees the same graph."""
+    with torch.no_grad():
+        model(*args)
+
+
+def export_torchscript(model: nn.Module, example_inputs: dict[str, torch.Tensor], path: Path) -> None:
+    """Trace ``model`` on ``example_inputs`` (``torch.jit.trace`` with ``check_trace``) and save it to ``path``.
+
+    Args:
+        model: a fused model; traced in eval mode.
+        example_inputs: e.g. ``{"pixel_values": (B, C, H, W)}`` or ``{"input_ids": (B, T), "attention_mask": (B, T)}``.
+        path: output file (``model.ts``).
+    """
+    model = model.eval()
+    args = tuple(example_inputs[k] for k in input_order(model, example_inputs))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _settle(model, args)
+    with torch.no_grad(), _quiet_jit():
+        traced = torch.jit.trace(model, args, check_trace=True)
+        torch.jit.save(traced, str(path))
+
+
+def export_onnx(model: nn.Module, example_inputs: dict[str, torch.Tensor], path: Path, output_names: list[str]) -> None:
+    """Export ``model`` to ONNX (legacy exporter, opset 17) that onnxruntime loads.
+
+    Input names are the dict keys (in ``forward`` order); every input and output
+    has a dynamic batch axis (0); ``input_ids`` / ``attention_mask`` also a
+    dynamic sequence axis (1). The file's IR version is set to the one of opset
+    17 (8) when onnx wrote a newer one, since onnxruntime rejects IR versions
+    newer than it knows; the file is then loaded once with onnxruntime.
+    """
+    import onnx
+
+    model = model.eval()
+    names = input_order(model, example_inputs)
+    args = tuple(example_inputs[k] for k in names)
+    dynamic_axes: dict[str, dict[int, str]] = {}
+    for k in names:
+        dynamic_axes[k] = {0: "batch", 1: "sequence"} if k in SEQUENCE_INPUTS else {0: "batch"}
+    for k in output_names:
+        dynamic_axes[k] = {0: "batch"}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _settle(model, args)
+    with torch.no_grad():
+        torch.onnx.export(
+            model,
+            args,
+            str(path),
+            input_names=names,
+            output_names=list(output_names),
+            dynamic_axes=dynamic_axes,
+            opset_version=ONNX_OPSET,
+            dynamo=False,
+            do_constant_folding=True,
+        )
+    proto = onnx.load(str(path))
+    if proto.ir_version > ONNX_IR_VERSION:
+        log.info(
+            "onnx wrote IR version %d; setting %d (opset %d) for onnxruntime",
+            proto.ir_version,
+            ONNX_IR_VERSION,
+            ONNX_OPSET,
+        )
+        proto.ir_version = ONNX_IR_VERSION
+        onnx.save(proto, str(path))
+    onnx.checker.check_model(str(path))
+    load_onnx_session(path)  # fails here, at build time, if onnxruntime cannot run the file
+
+
+def load_onnx_session(path: str | Path, threads: int | None = None) -> Any:
+    """An ``onnxruntime.InferenceSession`` of ``path`` on the CPU provider (``threads``: intra-op threads)."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads if threads is not None else torch.get_num_threads()
+    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+
+
+def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: list[str]) -> torch.Tensor:
+    """Output of a loaded export: a TorchScript module or an onnxruntime session, on named ``inputs``."""
+    if kind == "torchscript":
+        with torch.inference_mode():
+            return runner(*(inputs[k] for k in order)).float()
+    if kind == "onnx":
+        wanted = [i.name for i in runner.get_inputs()]
+        feed = {k: inputs[k].detach().cpu().numpy() for k in wanted}
+        return torch.from_numpy(np.asarray(runner.run(None, feed)[0])).float()
+    raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
+
+
+def check_parity(model: nn.Module, path: Path, kind: str, batches: list[dict[str, torch.Tensor]], tol: float) -> float:
+    """Largest absolute output difference between ``model`` (eager) and its export over ``batches``.
+
+    Args:
+        model: the eager model the export was made from.
+        path: the export file.
+        kind: ``torchscript`` or ``onnx``.
+        batches: named inputs (real validation inputs; vary batch sizes and, for text, sequence lengths).
+        tol: largest accepted absolute difference.
+
+    Raises :class:`ExportMismatch` (naming the batch, the difference and the
+    tolerance) when a batch differs by more than ``tol``, in shape, or has NaNs.
+    """
+    if not batches:
+        raise ValueError("check_parity needs at least one batch")
+    if kind == "torchscript":
+        with _quiet_jit():
+            runner = torch.jit.load(str(path), map_location="cpu").eval()
+    elif kind == "onnx":
+        runner = load_onnx_session(path)
+    else:
+        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
+    model = model.eval()
+    order = input_order(model, batches[0])
+    worst = 0.0
+    for i, batch in enumerate(batches):
+        with torch.inference_mode():
+            ref = model(*(batch[k] for k in order)).float()
+        got = run_export(runner, kind, batch, order)
+        shapes = {k: tuple(v.shape) for k, v in batch.items()}
+        if got.shape != ref.shape:
+            raise ExportMismatch(
+                f"{kind} export {path}: batch {i} (inputs {shapes}) gives shape {tuple(got.shape)}, "
+                f"eager gives {tuple(ref.shape)}"
+            )
+        diff = float((got - ref).abs().max()) if ref.numel() else 0.0
+        if math.isnan(diff) or diff > tol:
+            raise ExportMismatch(
+                f"{kind} export {path} differs from eager on batch {i} (inputs {shapes}): "
+                f"max abs diff {diff:.3g} > tolerance {tol:.3g}"
+            )
+        worst = max(worst, diff)
+    log.info("%s parity over %d batches: max abs diff %.3g (tolerance %.3g)", kind, len(batches), worst, tol)
+    return worst
+
+
+@torch.inference_mode()
+def bf16_agreement(model: nn.Module, batches: list[dict[str, torch.Tensor]], temperature: float) -> dict:
+    """CPU bf16 autocast vs fp32 on validation batches: does serving in bf16 give the same answers?
+
+    Both runs' member logits ``(B, M, C)`` go through ``service.uncertainty.summarize``
+    at ``temperature``. Returns ``{"argmax_agreement"`` (fraction of inputs whose
+    ensemble prediction is the same), ``"max_abs_diff": {msp, entropy, mutual_information}``,
+    ``"max_abs_logit_diff"``, ``"tolerance"`` (:data:`BF16_TOLERANCE`), ``"min_agreement"``,
+    ``"ok"`` (agreement >= 0.99 and every field within tolerance), ``"n"`` (inputs)}.
+    """
+    if not batches:
+        raise ValueError("bf16_agreement needs at least one batch")
+    model = model.eval()
+    order = input_order(model, batches[0])
+    fields = tuple(BF16_TOLERANCE)
+    same, n, logit_diff = 0, 0, 0.0
+    diffs = dict.fromkeys(fields, 0.0)
+    for batch in batches:
+        args = [batch[k] for k in order]
+        ref = model(*args).float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(*args).float()
+        s_ref, s_low = summarize(ref, temperature), summarize(low, temperature)
+        same += int((s_ref["prediction"] == s_low["prediction"]).sum())
+        n += ref.shape[0]
+        logit_diff = max(logit_diff, float((ref - low).abs().max()))
+        for f in fields:
+            diffs[f] = max(diffs[f], float((s_ref[f] - s_low[f]).abs().max()))
+    agreement = same / n
+    ok = agreement >= BF16_MIN_AGREEMENT and all(diffs[f] <= BF16_TOLERANCE[f] for f in fields)
+    return {
+        "argmax_agreement": agreement,
+        "max_abs_diff": diffs,
+        "max_abs_logit_diff": logit_diff,
+        "tolerance": dict(BF16_TOLERANCE),
+        "min_agreement": BF16_MIN_AGREEMENT,
+        "ok": bool(ok),
+        "n": n,
+    }
