@@ -40,4 +40,5 @@ test-all: data
 	$(PY) -m pytest -q
 
 lint: install
-	$(VENV)/bin/ruff check service offline tests benchmarks
+	$(VENV)/bin/ruff check service offline tests benchmarks deploy
+	$(VENV)/bin/hadolint --config deploy/hadolint.yaml Dockerfile
