@@ -1,0 +1,336 @@
+"""Server throughput and latency vs the raw fused model, in one run.
+
+Starts ``python -m service`` on 127.0.0.1 (loopback only) in a subprocess with one
+artifact, drives ``POST /predict`` with a bounded number of concurrent clients
+(1, 8 and 32 by default; each level bounded in requests and seconds), and reports
+throughput and p50 / p95 / p99 latency next to the raw model's throughput at the
+same batch sizes (the backend the server chose, same threads, measured before
+and after the server ran, the better run kept). Target: at concurrency 32 the server delivers >= 80% of the raw
+model's best throughput. Writes ``benchmarks/results/server_<name>.json``.
+
+    python benchmarks/bench_server.py --artifact artifacts/default/image
+    python benchmarks/bench_server.py --tiny vit --requests 300     # a tiny random artifact, to check the script
+
+The clients (a minimal HTTP/1.1 client on asyncio streams, JSON bodies) run on
+the same machine as the server and take some CPU from it: on a 2-core machine
+that is part of what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# the raw model runs under the server's OpenMP setting (service/main.py), set before torch is imported
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+TEXT = "The new phone arrived two days late, but the screen is gorgeous and the battery easily lasts a whole day."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def payload(manifest: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """One request body of the artifact's modality: a noise image of the model's size, or a sentence."""
+    prep = manifest["preprocessing"]
+    if prep["type"] == "text":
+        return {"text": TEXT}
+    from PIL import Image
+
+    h, w = prep["size"]
+    rng = np.random.default_rng(seed)
+    shape = (h, w) if int(prep.get("channels", 3)) == 1 else (h, w, 3)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buf, format="PNG")
+    return {"image": base64.b64encode(buf.getvalue()).decode()}
+
+
+def start_server(artifact: Path, port: int, env_extra: dict[str, str]) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HYDRA_ARTIFACTS": str(artifact),
+           "HYDRA_HOST": "127.0.0.1", "HYDRA_PORT": str(port), "HYDRA_LOG_LEVEL": "warning", **env_extra}  # fmt: skip
+    return subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"the server was not ready after {timeout} s")
+
+
+def batch_stats(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's ``hydra_batch_size`` histogram over all models."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
+        if fam.name == "hydra_batch_size":
+            for s in fam.samples:
+                if s.name.endswith("_sum"):
+                    total += s.value
+                elif s.name.endswith("_count"):
+                    count += s.value
+    return total, count
+
+
+class Connection:
+    """A minimal keep-alive HTTP/1.1 client on asyncio streams: a few microseconds of CPU per request, so that
+    the clients, which share the machine with the server, take as little of it as possible (httpx takes ~1 ms)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        self.writer.write(head + body)
+        await self.writer.drain()
+        status_line = await self.reader.readline()
+        status = int(status_line.split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length)
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            await self.writer.wait_closed()
+
+
+async def drive(port: int, body: dict[str, Any], concurrency: int, requests: int, duration: float) -> dict[str, Any]:
+    """``concurrency`` clients in a loop until ``requests`` answers or ``duration`` seconds; latencies in ms."""
+    data = json.dumps(body).encode()
+    conns = [Connection("127.0.0.1", port) for _ in range(concurrency)]
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    sent = 0
+    for conn in conns[: min(concurrency, 4)]:  # open connections, fill caches
+        await conn.post("/predict", data)
+    t_start = time.perf_counter()
+    deadline = t_start + duration
+
+    async def worker(conn: Connection) -> None:
+        nonlocal sent
+        while sent < requests and time.perf_counter() < deadline:
+            sent += 1
+            t0 = time.perf_counter()
+            status, answer = await conn.post("/predict", data)
+            if status == 200:
+                latencies.append((time.perf_counter() - t0) * 1000)
+            else:
+                code = json.loads(answer).get("error", {}).get("code", str(status))
+                errors[code] = errors.get(code, 0) + 1
+
+    await asyncio.gather(*(worker(c) for c in conns))
+    wall = time.perf_counter() - t_start
+    for conn in conns:
+        await conn.close()
+    q = np.percentile(latencies, [50, 95, 99]) if latencies else [float("nan")] * 3
+    return {
+        "concurrency": concurrency,
+        "requests": len(latencies),
+        "errors": errors,
+        "seconds": round(wall, 3),
+        "throughput_rps": round(len(latencies) / wall, 2),
+        "p50_ms": round(float(q[0]), 2),
+        "p95_ms": round(float(q[1]), 2),
+        "p99_ms": round(float(q[2]), 2),
+    }
+
+
+def raw_throughput(artifact: Path, plan: dict[str, str], body: dict[str, Any], batches: list[int],
+                   min_seconds: float, threads: int | None) -> dict[str, Any]:  # fmt: skip
+    """The backend the server chose, alone: inputs/s of one forward pass at each batch size (median of runs)."""
+    import torch
+
+    from service.artifact import load_manifest
+    from service.backends import Plan, load_backend
+    from service.preprocess import ImagePreprocessor, decode_base64, make_preprocessor
+
+    if threads:
+        torch.set_num_threads(threads)
+    manifest = load_manifest(artifact)
+    backend = load_backend(artifact, manifest, Plan(plan["backend"], plan["device"], plan["precision"], "bench"),
+                           threads=threads)  # fmt: skip
+    pre = make_preprocessor(manifest["preprocessing"], artifact, 10**9)
+    if isinstance(pre, ImagePreprocessor):
+        item = pre(decode_base64(body["image"], "image"))
+    else:
+        item = pre.encode([body["text"]])[0]
+    out = {}
+    for b in batches:
+        inputs = pre.collate([item] * b)
+        backend(inputs)  # warm-up for this shape
+        times = []
+        t_end = time.perf_counter() + min_seconds
+        while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 200):
+            t0 = time.perf_counter()
+            backend(inputs)
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        out[str(b)] = {"batch": b, "latency_ms": round(med * 1000, 3), "throughput_ips": round(b / med, 2),
+                       "runs": len(times)}  # fmt: skip
+        print(f"  batch {b:3d}: {b / med:9.1f} inputs/s  ({med * 1000:.2f} ms per batch)", flush=True)
+    return out
+
+
+def _plan_tuple(p: Any) -> tuple[str, str, str]:
+    return p.backend, p.device, p.precision
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--artifact", type=Path, help="artifact directory to serve")
+    src.add_argument("--tiny", choices=["vit", "bert"], help="build a tiny random artifact of this family instead")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="client counts (each <= 64)")
+    p.add_argument("--requests", type=int, default=200, help="most requests per concurrency level")
+    p.add_argument("--duration", type=float, default=30.0, help="most seconds per concurrency level")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "torchscript", "onnx"])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--max-batch", type=int, default=32, help="HYDRA_MAX_BATCH")
+    p.add_argument("--max-wait-ms", type=float, default=None, help="HYDRA_MAX_WAIT_MS (default: the server's)")
+    p.add_argument("--threads", type=int, default=None, help="HYDRA_THREADS (torch / ORT intra-op threads)")
+    p.add_argument("--raw-seconds", type=float, default=3.0, help="time per batch size for the raw model")
+    p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/server_<name>.json)")
+    args = p.parse_args(argv)
+    if any(not 1 <= c <= 64 for c in args.concurrency):
+        p.error("--concurrency values must be between 1 and 64")
+    if not 1 <= args.requests <= 100_000 or not 0 < args.duration <= 600:
+        p.error("--requests must be in 1..100000 and --duration in (0, 600]")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    tmp = None
+    if args.tiny:
+        from service.tiny_artifact import make_tiny_artifact
+
+        tmp = tempfile.TemporaryDirectory(prefix="hydra-bench-")
+        artifact = make_tiny_artifact(Path(tmp.name) / args.tiny, args.tiny, name=f"tiny-{args.tiny}")
+    else:
+        artifact = args.artifact.resolve()
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    name = manifest["name"]
+    body = payload(manifest)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {"HYDRA_BACKEND": args.backend, "HYDRA_PRECISION": args.precision, "HYDRA_MAX_BATCH": str(args.max_batch),
+           "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.concurrency)))}  # fmt: skip
+    if args.max_wait_ms is not None:
+        env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
+    if args.threads:
+        env["HYDRA_THREADS"] = str(args.threads)
+    from service.backends import resolve_plan
+
+    # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
+    plan = dict(zip(("backend", "device", "precision"), _plan_tuple(resolve_plan(
+        manifest, device="auto", backend=args.backend, precision=args.precision)), strict=True))  # fmt: skip
+    batches = sorted(set(args.concurrency))
+    print(f"raw model, before the server ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
+    raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]
+    print(f"starting the server on {url} with {artifact}", flush=True)
+    proc = start_server(artifact, port, env)
+    levels = []
+    try:
+        wait_ready(url, proc)
+        import httpx
+
+        (model,) = [m for m in httpx.get(f"{url}/v1/models", timeout=5).json()["models"] if m["name"] == name]
+        served = {k: model[k] for k in ("backend", "device", "precision")}
+        if served != plan:
+            raise SystemExit(f"the server runs {served}, the raw model was measured with {plan}")
+        print(f"{name}: backend {plan['backend']}, device {plan['device']}, precision {plan['precision']}", flush=True)
+        for c in args.concurrency:
+            s0, n0 = batch_stats(url)
+            res = asyncio.run(drive(port, body, c, args.requests, args.duration))
+            s1, n1 = batch_stats(url)
+            res["mean_batch"] = round((s1 - s0) / max(n1 - n0, 1), 2)
+            levels.append(res)
+            print(f"  concurrency {c:3d}: {res['throughput_rps']:9.1f} req/s  p50 {res['p50_ms']:8.1f} ms  "
+                  f"p95 {res['p95_ms']:8.1f} ms  p99 {res['p99_ms']:8.1f} ms  mean batch {res['mean_batch']:5.1f}  "
+                  f"errors {res['errors'] or 0}", flush=True)  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print("raw model, after the server:", flush=True)
+    raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
+    # the better of the two runs per batch size: the server is compared with the raw model at its best
+    raw = {b: max((run[b] for run in raw_runs), key=lambda r: r["throughput_ips"]) for b in raw_runs[0]}
+    print("raw model, the better of the two runs:")
+    for r in raw.values():
+        print(f"  batch {r['batch']:3d}: {r['throughput_ips']:9.1f} inputs/s  ({r['latency_ms']:.2f} ms per batch)")
+    best_raw = max(r["throughput_ips"] for r in raw.values())
+    top = max(levels, key=lambda x: x["concurrency"])
+    ratio = top["throughput_rps"] / best_raw if best_raw else float("nan")
+    print(f"server at concurrency {top['concurrency']} / best raw = {ratio:.2f} (target >= 0.80)")
+    result = {
+        "name": name,
+        "artifact": str(artifact) if not args.tiny else f"tiny {args.tiny} (random weights)",
+        "family": manifest["family"],
+        "members": manifest["members"],
+        **plan,
+        "settings": {"max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms or "server default",
+                     "threads": args.threads,
+                     "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "server": levels,
+        "raw": raw,
+        "raw_runs": raw_runs,
+        "ratio_top_concurrency_vs_best_raw": round(ratio, 3),
+        "target": 0.8,
+        "target_met": bool(ratio >= 0.8),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out = args.out or ROOT / "benchmarks" / "results" / f"server_{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if tmp is not None:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

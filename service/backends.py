@@ -1,0 +1,272 @@
+"""Model backends (torch eager, TorchScript, ONNX Runtime) and the choice of backend, device and precision.
+
+Every backend maps a dict of input tensors (the manifest's ``model.inputs``) to
+the model's first output as a float32 CPU tensor, member logits ``(B, M, C)``.
+
+:func:`resolve_plan` is the policy (pure, tested without hardware):
+
+* device ``auto``: CUDA when available, else CPU.
+* precision ``auto``: bf16 autocast on CUDA; on CPU bf16 only when the CPU has
+  native bf16 (``avx512_bf16`` / ``amx_bf16``) *and* the build recorded that bf16
+  predictions agree with fp32 (manifest ``precision.bf16.ok``); else fp32.
+* backend ``auto``: CUDA -> torch; CPU -> ONNX Runtime when the artifact has an
+  ONNX export and precision is fp32 (2-3x faster than fp32 eager, PERF.md), else
+  torch eager (bf16 autocast).
+* TorchScript and ONNX exports run fp32 only.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Backend",
+    "BackendConfigError",
+    "OnnxBackend",
+    "Plan",
+    "TorchBackend",
+    "TorchScriptBackend",
+    "cpu_has_native_bf16",
+    "load_backend",
+    "onnxruntime_available",
+    "resolve_plan",
+]
+
+log = logging.getLogger("hydra.backends")
+
+# exports traced in fp32: autocast cannot re-type a traced graph (the fused model's in-place fp32 fast paths are
+# baked into it), so these backends serve fp32; bf16 is the eager torch backend's.
+FP32_ONLY = frozenset({"onnx", "torchscript"})
+
+
+class BackendConfigError(ValueError):
+    """The requested backend / device / precision cannot serve this artifact; the message says what to change."""
+
+
+def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True when the CPU flags list ``avx512_bf16`` or ``amx_bf16`` (Linux; False when unreadable)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[-1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def onnxruntime_available() -> bool:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Resolved serving choice for one artifact."""
+
+    backend: str  # torch | torchscript | onnx
+    device: str  # cpu | cuda
+    precision: str  # fp32 | bf16
+    reason: str  # why, for the log
+
+
+def _export_file(manifest: dict[str, Any], kind: str) -> str | None:
+    exp = (manifest.get("exports") or {}).get(kind)
+    if not exp:
+        return None
+    return exp.get("file") if isinstance(exp, dict) else None
+
+
+def resolve_plan(
+    manifest: dict[str, Any],
+    *,
+    device: str = "auto",
+    backend: str = "auto",
+    precision: str = "auto",
+    cuda_available: bool | None = None,
+    cpu_bf16: bool | None = None,
+    onnx_available: bool | None = None,
+) -> Plan:
+    """Pick backend, device and precision for ``manifest`` from the settings and the hardware.
+
+    Hardware facts default to the real machine; pass them to test the policy.
+    """
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    name = manifest.get("name", "?")
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    elif device == "cuda" and not cuda_available:
+        raise BackendConfigError(f"{name}: HYDRA_DEVICE=cuda but no CUDA device is visible; use auto or cpu")
+    elif device not in ("cpu", "cuda"):
+        raise BackendConfigError(f"{name}: HYDRA_DEVICE={device!r} is not auto, cpu or cuda")
+
+    bf16_ok = bool(((manifest.get("precision") or {}).get("bf16") or {}).get("ok", False))
+    reasons = []
+    if precision == "auto":
+        if device == "cuda":
+            precision, why = "bf16", "CUDA"
+        else:
+            native = cpu_has_native_bf16() if cpu_bf16 is None else cpu_bf16
+            if native and bf16_ok:
+                precision, why = "bf16", "CPU has native bf16 and the build found bf16 agrees with fp32"
+            else:
+                precision = "fp32"
+                why = "CPU lacks native bf16" if not native else "the build did not record that bf16 agrees with fp32"
+        # the exports run fp32 only (a trace is specialised to fp32): auto precision follows an explicit one
+        if backend in FP32_ONLY and precision == "bf16":
+            precision, why = "fp32", f"the {backend} export runs fp32"
+        reasons.append(f"precision {precision} ({why})")
+    elif precision not in ("fp32", "bf16"):
+        raise BackendConfigError(f"{name}: HYDRA_PRECISION={precision!r} is not auto, fp32 or bf16")
+
+    onnx_file = _export_file(manifest, "onnx")
+    ts_file = _export_file(manifest, "torchscript")
+    ort_ok = onnxruntime_available() if onnx_available is None else onnx_available
+    if backend == "auto":
+        if device == "cpu" and precision == "fp32" and onnx_file and ort_ok:
+            backend = "onnx"
+            reasons.append("backend onnx (CPU fp32: ONNX Runtime is faster than eager)")
+        else:
+            backend = "torch"
+            reasons.append("backend torch" + (" (CUDA)" if device == "cuda" else f" ({precision})"))
+    elif backend == "onnx":
+        if not onnx_file:
+            raise BackendConfigError(f"{name}: HYDRA_BACKEND=onnx but the artifact has no ONNX export; use torch")
+        if not ort_ok:
+            raise BackendConfigError(f"{name}: HYDRA_BACKEND=onnx but onnxruntime is not installed")
+    elif backend == "torchscript":
+        if not ts_file:
+            raise BackendConfigError(f"{name}: HYDRA_BACKEND=torchscript but the artifact has no TorchScript export")
+    elif backend != "torch":
+        raise BackendConfigError(f"{name}: HYDRA_BACKEND={backend!r} is not auto, torch, torchscript or onnx")
+    if backend in FP32_ONLY and precision == "bf16":
+        raise BackendConfigError(
+            f"{name}: the {backend} export runs fp32 only; set HYDRA_PRECISION=fp32 (or auto), or HYDRA_BACKEND=torch"
+        )
+    return Plan(backend=backend, device=device, precision=precision, reason="; ".join(reasons) or "as configured")
+
+
+class Backend:
+    """Base: ``backend(inputs) -> (B, M, C)`` float32 on CPU."""
+
+    name = "base"
+
+    def __init__(self, input_names: list[str], device: str, precision: str) -> None:
+        self.input_names = list(input_names)
+        self.device = device
+        self.precision = precision
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _check(self, inputs: dict[str, torch.Tensor]) -> None:
+        missing = [k for k in self.input_names if k not in inputs]
+        if missing:
+            raise KeyError(f"backend {self.name}: missing inputs {missing}")
+
+
+class _TorchLike(Backend):
+    """Shared by eager and TorchScript: device transfer, inference mode and bf16 autocast."""
+
+    def _run(self, fn: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        self._check(inputs)
+        dev = torch.device(self.device)
+        args = [inputs[k].to(dev, non_blocking=True) for k in self.input_names]
+        with torch.inference_mode(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            out = fn(*args)
+        if isinstance(out, (tuple, list)):
+            out = out[0]
+        return out.float().cpu()
+
+
+class TorchBackend(_TorchLike):
+    """``nn.Module`` eager; ``forward`` takes the inputs positionally in manifest order."""
+
+    name = "torch"
+
+    def __init__(self, model: torch.nn.Module, input_names: list[str], device: str, precision: str) -> None:
+        super().__init__(input_names, device, precision)
+        self.model = model.to(device).eval()
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._run(self.model, inputs)
+
+
+class TorchScriptBackend(_TorchLike):
+    """A ``torch.jit`` export (traced with the inputs in manifest order)."""
+
+    name = "torchscript"
+
+    def __init__(self, path: str | Path, input_names: list[str], device: str, precision: str) -> None:
+        super().__init__(input_names, device, precision)
+        with warnings.catch_warnings():  # torch.jit.load's deprecation notice: the export is what we serve
+            warnings.simplefilter("ignore", FutureWarning)
+            self.module = torch.jit.load(str(path), map_location=device).eval()
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._run(self.module, inputs)
+
+
+class OnnxBackend(Backend):
+    """An ONNX export in ONNX Runtime: CUDA execution provider when asked for and present, else CPU."""
+
+    name = "onnx"
+
+    def __init__(self, path: str | Path, input_names: list[str], device: str, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        opts.intra_op_num_threads = threads or torch.get_num_threads()
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        # idle worker threads must not spin: the event loop and preprocessing share these cores
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        providers = ["CPUExecutionProvider"]
+        if device == "cuda":
+            if "CUDAExecutionProvider" in ort.get_available_providers():
+                providers.insert(0, "CUDAExecutionProvider")
+            else:
+                log.warning("onnxruntime has no CUDA execution provider (install onnxruntime-gpu): running on CPU")
+        self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        active = self.session.get_providers()[0]
+        super().__init__(input_names, "cuda" if active == "CUDAExecutionProvider" else "cpu", "fp32")
+        graph_inputs = {i.name: i for i in self.session.get_inputs()}
+        missing = [k for k in input_names if k not in graph_inputs]
+        if missing:
+            raise BackendConfigError(f"{path}: ONNX graph lacks inputs {missing}; it has {sorted(graph_inputs)}")
+        self._dtypes = {k: ("int64" if "int64" in graph_inputs[k].type else "float32") for k in input_names}
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        self._check(inputs)
+        feed = {k: inputs[k].numpy().astype(self._dtypes[k], copy=False) for k in self.input_names}
+        out = self.session.run(None, feed)[0]
+        return torch.from_numpy(out).float()
+
+
+def load_backend(
+    root: str | Path, manifest: dict[str, Any], plan: Plan, threads: int | None = None
+) -> Backend:
+    """Build the backend ``plan`` names for the artifact at ``root``."""
+    root = Path(root)
+    spec = manifest["model"]
+    inputs = list(spec["inputs"])
+    if plan.backend == "onnx":
+        return OnnxBackend(root / _export_file(manifest, "onnx"), inputs, plan.device, threads)
+    if plan.backend == "torchscript":
+        return TorchScriptBackend(root / _export_file(manifest, "torchscript"), inputs, plan.device, plan.precision)
+    from .fused import load_model
+
+    model = load_model(root / spec["weights"], spec["config"], device=plan.device)
+    return TorchBackend(model, inputs, plan.device, plan.precision)

@@ -1,0 +1,178 @@
+"""Domain exceptions and their one mapping to the contract's error body (CONTRACT.md §2).
+
+Every error answer is ``{"error": {"code": ..., "message": ...}}``. Code raises a
+:class:`ServiceError` subclass; :func:`install_error_handlers` maps those, FastAPI's
+own validation errors (422), Starlette's 404/405 and any unexpected exception
+(500, logged server-side, never echoed) to that body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+__all__ = [
+    "ServiceError",
+    "InvalidInput",
+    "Unauthorized",
+    "NotFound",
+    "MethodNotAllowed",
+    "PayloadTooLarge",
+    "UnsupportedMediaType",
+    "NotReady",
+    "Overloaded",
+    "InternalError",
+    "error_body",
+    "error_response",
+    "format_validation_errors",
+    "install_error_handlers",
+]
+
+log = logging.getLogger("hydra.service")
+
+
+class ServiceError(Exception):
+    """An error with a contract code, an HTTP status and a message for the client."""
+
+    code = "internal"
+    status = 500
+
+    def __init__(self, message: str, *, status: int | None = None, headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        self.headers = dict(headers or {})
+
+
+class InvalidInput(ServiceError):
+    """Malformed or out-of-range input: 400 (or 422 for schema violations)."""
+
+    code = "invalid_input"
+    status = 400
+
+
+class Unauthorized(ServiceError):
+    code = "unauthorized"
+    status = 401
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class NotFound(ServiceError):
+    code = "not_found"
+    status = 404
+
+
+class MethodNotAllowed(ServiceError):
+    code = "method_not_allowed"
+    status = 405
+
+
+class PayloadTooLarge(ServiceError):
+    code = "payload_too_large"
+    status = 413
+
+
+class UnsupportedMediaType(ServiceError):
+    code = "unsupported_media_type"
+    status = 415
+
+
+class NotReady(ServiceError):
+    code = "not_ready"
+    status = 503
+
+
+class Overloaded(ServiceError):
+    """The queue is full: 503 with ``Retry-After`` (seconds)."""
+
+    code = "overloaded"
+    status = 503
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, int(retry_after)))})
+
+
+class InternalError(ServiceError):
+    code = "internal"
+    status = 500
+
+
+def error_body(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def error_response(exc: ServiceError) -> JSONResponse:
+    return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status, headers=exc.headers or None)
+
+
+def _loc(loc: Sequence[Any]) -> str:
+    """``("body", "texts", 3)`` -> ``texts[3]``; the request part (body/query/...) is dropped."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "form"):
+        parts = parts[1:]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out or "body"
+
+
+def format_validation_errors(errors: Iterable[Mapping[str, Any]], limit: int = 5) -> str:
+    """A one-line message naming every bad field (at most ``limit``) from pydantic's ``errors()``."""
+    msgs = []
+    errors = list(errors)
+    for e in errors[:limit]:
+        where = _loc(e.get("loc", ()))
+        if e.get("type") == "extra_forbidden":
+            msgs.append(f"{where}: unknown field (not accepted here)")
+        else:
+            msgs.append(f"{where}: {e.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - limit} more)" if len(errors) > limit else ""
+    return "invalid request: " + "; ".join(msgs) + more
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception reaching FastAPI to the contract's error body, in one place."""
+
+    async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        if exc.status >= 500 and not isinstance(exc, (Overloaded, NotReady)):
+            log.error("%s %s -> %s: %s", request.method, request.url.path, exc.code, exc.message)
+        return error_response(exc)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(InvalidInput(format_validation_errors(exc.errors()), status=422))
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err: ServiceError = NotFound(f"no endpoint {request.url.path}; see /docs for the API")
+        elif exc.status_code == 405:
+            err = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}; see /docs")
+        elif exc.status_code == 413:
+            err = PayloadTooLarge("request body too large")
+        elif exc.status_code < 500:
+            err = InvalidInput(str(exc.detail), status=exc.status_code)
+        else:
+            err = InternalError("internal error; the server log has the details")
+        err.headers.update(exc.headers or {})
+        return error_response(err)
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(InternalError("internal error; the server log has the details"))
+
+    app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_unexpected)
+

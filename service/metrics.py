@@ -1,0 +1,52 @@
+"""Prometheus metrics of CONTRACT.md §2, in a registry of their own per app (tests build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics", "LATENCY_BUCKETS", "BATCH_BUCKETS", "CONTENT_TYPE_LATEST"]
+
+# seconds: sub-millisecond (tiny models, health checks) to tens of seconds (big batches on CPU)
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Metrics:
+    """The server's metrics; ``render()`` gives the Prometheus text format."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.request_duration = Histogram(
+            "hydra_request_duration_seconds", "HTTP request latency, from first byte in to response sent.",
+            ["endpoint", "status"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.inference_duration = Histogram(
+            "hydra_inference_duration_seconds", "Time of one batch through the model (collate, forward, uncertainty).",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            "hydra_batch_size", "Inputs per model forward pass.", ["model"], buckets=BATCH_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge("hydra_queue_depth", "Inputs waiting for a batch.", ["model"], registry=r)
+        self.predictions = Counter(
+            "hydra_predictions_total", "Predictions answered, by OOD flag.", ["model", "ood"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "hydra_queue_wait_seconds", "Time an input waited before its batch started.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.batch_errors = Counter(
+            "hydra_batch_errors_total", "Model batches that raised (their requests got 500 internal).", ["model"],
+            registry=r,
+        )  # fmt: skip
+        self.model_info = Gauge(
+            "hydra_model_info", "Loaded models (value 1) with their backend, device and precision.",
+            ["model", "family", "task", "backend", "device", "precision"], registry=r,
+        )  # fmt: skip
+        self.ready = Gauge("hydra_ready", "1 once every model is loaded and warmed up.", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,260 @@
+"""Request and response bodies of the HTTP API (CONTRACT.md §2), as pydantic models for validation and OpenAPI.
+
+Requests forbid unknown fields (the answer names the field). Limits that depend
+on settings (``HYDRA_MAX_ITEMS``, ``HYDRA_MAX_TEXT_CHARS``, ``HYDRA_MAX_LABELS``)
+are checked by :func:`check_limits` right after parsing. ``top_k`` must be >= 1;
+above the number of labels it is clamped to it (so the default 5 works for any model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .errors import InvalidInput
+
+__all__ = [
+    "DEFAULT_TEMPLATE",
+    "PredictRequest",
+    "ZeroShotRequest",
+    "FormOptions",
+    "TopK",
+    "Uncertainty",
+    "OOD",
+    "MemberPrediction",
+    "Prediction",
+    "Timing",
+    "PredictResponse",
+    "ModelInfo",
+    "ModelsResponse",
+    "HealthResponse",
+    "ReadyResponse",
+    "ErrorResponse",
+    "ERROR_RESPONSES",
+    "check_limits",
+]
+
+DEFAULT_TEMPLATE = "A photo of a {label}."
+
+_STRICT = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+
+class _Options(BaseModel):
+    model_config = _STRICT
+
+    model: str | None = Field(None, min_length=1, description="artifact name; default: routed by input modality")
+    top_k: int = Field(5, ge=1, strict=True, description="labels returned per input; clamped to the label count")
+    return_members: bool = Field(False, strict=True, description="add each member's prediction")
+
+
+class PredictRequest(_Options):
+    """JSON body of ``POST /predict``: exactly one of ``text``, ``texts``, ``image``, ``images``."""
+
+    text: str | None = Field(None, min_length=1, description="one text")
+    texts: list[str] | None = Field(None, min_length=1, description="several texts, one prediction each")
+    image: str | None = Field(None, min_length=1, description="one image: base64 or data URL (JPEG, PNG, WebP)")
+    images: list[str] | None = Field(None, min_length=1, description="several images, base64 or data URLs")
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> PredictRequest:
+        given = [k for k in ("text", "texts", "image", "images") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of text, texts, image, images (got {', '.join(given) if given else 'none'})"
+            )
+        return self
+
+    @property
+    def modality(self) -> Literal["text", "image"]:
+        return "text" if self.text is not None or self.texts is not None else "image"
+
+    @property
+    def items(self) -> list[str]:
+        for single, many in (("text", "texts"), ("image", "images")):
+            if getattr(self, single) is not None:
+                return [getattr(self, single)]
+            if getattr(self, many) is not None:
+                return list(getattr(self, many))
+        return []
+
+
+class ZeroShotRequest(_Options):
+    """JSON body of ``POST /zero-shot``: ``image`` or ``images`` against ``labels``."""
+
+    image: str | None = Field(None, min_length=1, description="one image: base64 or data URL")
+    images: list[str] | None = Field(None, min_length=1, description="several images")
+    labels: list[str] = Field(..., min_length=2, description="two or more candidate labels")
+    template: str = Field(DEFAULT_TEMPLATE, min_length=1, description="prompt with a {label} placeholder")
+
+    @model_validator(mode="after")
+    def _check(self) -> ZeroShotRequest:
+        if (self.image is None) == (self.images is None):
+            raise ValueError("give exactly one of image, images")
+        if "{label}" not in self.template:
+            raise ValueError("template must contain the placeholder {label}")
+        return self
+
+    @property
+    def items(self) -> list[str]:
+        return [self.image] if self.image is not None else list(self.images or [])
+
+
+class FormOptions(BaseModel):
+    """Options sent as multipart form fields (strings, parsed leniently: ``top_k=3``, ``return_members=true``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, min_length=1)
+    top_k: int = Field(5, ge=1)
+    return_members: bool = False
+    labels: list[str] | None = None
+    template: str = Field(DEFAULT_TEMPLATE, min_length=1)
+
+
+def check_limits(
+    items: list[Any],
+    field: str,
+    *,
+    max_items: int,
+    max_chars: int | None = None,
+    labels: list[str] | None = None,
+    max_labels: int | None = None,
+    max_label_chars: int | None = None,
+) -> None:
+    """Raise :class:`InvalidInput` naming the field when a request exceeds a configured limit.
+
+    ``max_chars``: the items are texts (whitespace-only ones are refused too).
+    ``labels``: zero-shot labels, two or more, distinct, non-empty.
+    """
+    if not items:
+        raise InvalidInput(f"{field}: no inputs given")
+    if len(items) > max_items:
+        raise InvalidInput(f"{field}: {len(items)} inputs, above the limit of {max_items} (HYDRA_MAX_ITEMS)")
+    if max_chars is not None:
+        for i, t in enumerate(items):
+            where = field if len(items) == 1 and not field.endswith("s") else f"{field}[{i}]"
+            if not t.strip():
+                raise InvalidInput(f"{where}: empty text; send at least one non-space character")
+            if len(t) > max_chars:
+                raise InvalidInput(
+                    f"{where}: {len(t)} characters, above the limit of {max_chars} (HYDRA_MAX_TEXT_CHARS)"
+                )
+    if labels is not None:
+        if len(labels) < 2:
+            raise InvalidInput(f"labels: {len(labels)} given; send two or more")
+        if max_labels is not None and len(labels) > max_labels:
+            raise InvalidInput(f"labels: {len(labels)} given, above the limit of {max_labels} (HYDRA_MAX_LABELS)")
+        for i, lab in enumerate(labels):
+            if not lab.strip():
+                raise InvalidInput(f"labels[{i}]: empty label")
+            if max_label_chars is not None and len(lab) > max_label_chars:
+                raise InvalidInput(
+                    f"labels[{i}]: {len(lab)} characters, above {max_label_chars} (HYDRA_MAX_TEXT_CHARS)"
+                )
+        if len(set(labels)) != len(labels):
+            raise InvalidInput("labels: duplicate labels; give each label once")
+
+
+# ----------------------------------------------------------------------------- responses
+class TopK(BaseModel):
+    label: str
+    prob: float
+
+
+class Uncertainty(BaseModel):
+    msp: float = Field(description="max of the mean member probability (higher = more confident)")
+    entropy: float = Field(description="entropy of the mean prediction, nats (total uncertainty)")
+    expected_entropy: float = Field(description="mean of the member entropies, nats (aleatoric)")
+    mutual_information: float = Field(description="entropy - expected_entropy, nats (epistemic, member disagreement)")
+    disagreement: float = Field(description="fraction of members whose argmax differs from the ensemble's")
+
+
+class OOD(BaseModel):
+    flag: bool = Field(description="true when the score is past the calibrated threshold")
+    score: float
+    metric: Literal["msp", "entropy", "mutual_information"]
+    threshold: float
+
+
+class MemberPrediction(BaseModel):
+    label: str
+    confidence: float
+
+
+class Prediction(BaseModel):
+    label: str
+    label_index: int
+    confidence: float = Field(description="ensemble probability of the predicted label")
+    top_k: list[TopK]
+    uncertainty: Uncertainty
+    ood: OOD
+    members: list[MemberPrediction] | None = Field(None, description="only with return_members")
+
+
+class Timing(BaseModel):
+    queue_ms: float
+    inference_ms: float
+    total_ms: float
+
+
+class PredictResponse(BaseModel):
+    model: str
+    predictions: list[Prediction]
+    timing: Timing
+
+
+class ModelInfo(BaseModel):
+    name: str
+    family: str
+    task: str
+    modality: str
+    members: int
+    labels: list[str]
+    backend: str
+    device: str
+    precision: str
+    max_batch: int
+    uncertainty: dict[str, Any]
+
+
+class ModelsResponse(BaseModel):
+    models: list[ModelInfo]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ReadyResponse(BaseModel):
+    status: Literal["ready"] = "ready"
+    models: list[str]
+
+
+class _ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: _ErrorDetail
+
+
+def _example(code: str, description: str) -> dict[str, Any]:
+    return {
+        "model": ErrorResponse,
+        "description": description,
+        "content": {"application/json": {"example": {"error": {"code": code, "message": description}}}},
+    }
+
+
+# `responses=` for route declarations: the error codes a route can answer, for the OpenAPI docs.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: _example("invalid_input", "malformed input: bad base64, undecodable image, empty text, ambiguous model"),
+    401: _example("unauthorized", "missing or wrong bearer token (when HYDRA_API_KEY is set)"),
+    413: _example("payload_too_large", "request body or image above the configured limit"),
+    415: _example("unsupported_media_type", "send application/json or multipart/form-data; images JPEG/PNG/WebP"),
+    422: _example("invalid_input", "the body does not match the schema; the message names the field"),
+    500: _example("internal", "internal error; the server log has the details"),
+    503: _example("overloaded", "queue full, retry after Retry-After seconds (or not_ready while loading)"),
+}

@@ -1,0 +1,94 @@
+"""Server configuration: ``HYDRA_*`` environment variables (CONTRACT.md §2-§3), validated at start-up.
+
+Every field maps to one variable, ``HYDRA_<FIELD>`` (case-insensitive). List
+fields (``artifacts``, ``cors_origins``) are comma-separated strings.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+__all__ = ["Settings"]
+
+
+def _split_commas(value: object) -> object:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``; lists pass through stripped."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = value.split(",")
+    if isinstance(value, (list, tuple)):
+        return [str(v).strip() for v in value if str(v).strip()]
+    return value
+
+
+class Settings(BaseSettings):
+    """The server's settings; construct with keyword arguments in tests, from the environment in production."""
+
+    model_config = SettingsConfigDict(env_prefix="HYDRA_", extra="forbid", case_sensitive=False)
+
+    # artifact directories to serve, comma-separated (each holds a manifest.json)
+    artifacts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # interface `python -m service` binds; loopback unless told otherwise
+    host: str = "127.0.0.1"
+    # TCP port `python -m service` listens on
+    port: int = Field(8000, ge=1, le=65535)
+    # auto = CUDA when available, else CPU
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # auto = onnx on CPU when exported and fp32, torch eager otherwise (see service/backends.py)
+    backend: Literal["auto", "torch", "torchscript", "onnx"] = "auto"
+    # auto = bf16 on CUDA, bf16 on CPUs with native bf16 when the build recorded bf16 agrees, else fp32
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # most inputs run through the model in one forward pass
+    max_batch: int = Field(32, ge=1, le=4096)
+    # longest wait of a queued input for others to join its batch (a lone client under low load does not wait)
+    max_wait_ms: float = Field(20.0, ge=0.0, le=10_000.0)
+    # most inputs waiting per model; beyond it requests get 503 overloaded
+    max_queue: int = Field(512, ge=1)
+    # bearer token required on every endpoint but /healthz, /readyz and /metrics; unset = no auth
+    api_key: SecretStr | None = None
+    # largest request body accepted (bytes), JSON or multipart
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    # largest image accepted (width x height), checked before decoding (decompression bombs)
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    # most inputs (texts or images) in one request
+    max_items: int = Field(64, ge=1)
+    # longest text accepted, in characters
+    max_text_chars: int = Field(10_000, ge=1)
+    # most labels in one zero-shot request
+    max_labels: int = Field(256, ge=2)
+    # log level of the service and uvicorn loggers
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # origins allowed by CORS, comma-separated; empty = CORS off
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # torch / ONNX Runtime intra-op threads per model; unset = torch's default (physical cores)
+    threads: int | None = Field(None, ge=1, le=1024)
+
+    @field_validator("artifacts", "cors_origins", mode="before")
+    @classmethod
+    def _comma_list(cls, value: object) -> object:
+        return _split_commas(value)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("api_key", mode="after")
+    @classmethod
+    def _non_empty_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            return None  # HYDRA_API_KEY="" means auth off, as if unset
+        return value
+
+    @model_validator(mode="after")
+    def _queue_fits_a_request(self) -> Settings:
+        if self.max_queue < self.max_items:
+            raise ValueError(
+                f"max_queue ({self.max_queue}) is below max_items ({self.max_items}): "
+                "a full-size request could never be queued; raise HYDRA_MAX_QUEUE"
+            )
+        return self

@@ -1,0 +1,37 @@
+"""Helpers shared by the server tests: settings, encoded images."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from service.settings import Settings
+
+
+def settings_for(*dirs: Path, **overrides) -> Settings:
+    base = {"artifacts": [str(d) for d in dirs], "device": "cpu", "max_wait_ms": 2.0}
+    return Settings(**{**base, **overrides})
+
+
+def png(value: int | np.ndarray = 128, size: tuple[int, int] = (16, 16), mode: str = "L", fmt: str = "PNG") -> bytes:
+    """An encoded image: constant ``value`` or the given uint8 array; ``size`` is (W, H)."""
+    if isinstance(value, np.ndarray):
+        im = Image.fromarray(value)
+    else:
+        im = Image.new(mode, size, value if mode == "L" else (value,) * len(mode))
+    buf = io.BytesIO()
+    im.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def noise_images(n: int, seed: int = 0, size: int = 16) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (size, size), dtype=np.uint8) for _ in range(n)]
