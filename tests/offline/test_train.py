@@ -1,0 +1,274 @@
+"""Training: batch preprocessing known answers, which parameters train, loss goes down, exact checkpoint resume."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from offline import train as T
+from offline.data import Data, Split
+from offline.families import get_adapter
+
+from .conftest import tiny_bert, tiny_vit
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models train fastest on one thread; on a shared 2-core machine two threads mostly wait on each other."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(T.minilm_path())
+
+
+def _toy_images(n: int, seed: int = 0, size: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Two easy classes: background noise only (0), or with ink in the top or the bottom half (1)."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 2, n)
+    x = rng.integers(0, 60, (n, size, size)).astype(np.uint8)
+    for i in np.flatnonzero(y):
+        rows = slice(0, size // 2) if rng.random() < 0.5 else slice(size // 2, size)
+        x[i, rows] = rng.integers(180, 256, (size // 2, size))
+    return x, y.astype(np.int64)
+
+
+def _image_data(n: int = 96, size: int = 16) -> Data:
+    x, y = _toy_images(n, 0, size)
+    xv, yv = _toy_images(32, 1, size)
+    return Data("image", ["blank", "ink"], Split(x, y), Split(xv, yv), Split(xv, yv), {}, {}, {})
+
+
+IMAGE_PREP = {"type": "image", "size": [16, 16], "mean": [0.5], "std": [0.25], "channels": 1}
+
+
+def _params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- batches
+def test_make_batches_image_normalisation_known_answer():
+    x = np.zeros((5, 4, 4), dtype=np.uint8)
+    x[:, :2] = 255
+    batches = T.make_batches(x, [0, 1, 2, 3, 4], 2, "image", mean=[0.5], std=[0.25])
+    assert [len(y) for _, y in batches] == [2, 2, 1]
+    pv = batches[0][0]["pixel_values"]
+    assert pv.dtype == torch.float32 and pv.shape == (2, 1, 4, 4)
+    assert torch.equal(pv[:, :, :2], torch.full((2, 1, 2, 4), 2.0))  # (1 - 0.5) / 0.25
+    assert torch.equal(pv[:, :, 2:], torch.full((2, 1, 2, 4), -2.0))  # (0 - 0.5) / 0.25
+    assert batches[2][1].dtype == torch.int64 and batches[2][1].tolist() == [4]
+
+
+def test_make_batches_channels_resize_and_rgb():
+    gray = np.full((2, 8, 8), 51, dtype=np.uint8)  # 0.2
+    ((b, _),) = T.make_batches(gray, [0, 1], 4, "image", mean=[0.1, 0.2, 0.3], std=[0.5, 0.5, 0.5], size=16,
+                               channels=3)
+    pv = b["pixel_values"]
+    assert pv.shape == (2, 3, 16, 16)
+    assert torch.allclose(pv[:, :, 5, 7], torch.tensor([[0.2, 0.0, -0.2]] * 2), atol=1e-6)
+    rgb = np.zeros((1, 6, 6, 3), dtype=np.uint8)
+    rgb[..., 0] = 255  # pure red, stored (H, W, 3)
+    ((b, _),) = T.make_batches(rgb, [0], 1, "image")
+    assert b["pixel_values"].shape == (1, 3, 6, 6) and b["pixel_values"][0, 0].min() == 1.0
+    assert b["pixel_values"][0, 1:].abs().max() == 0
+    ((b, _),) = T.make_batches(rgb, [0], 1, "image", channels=1)
+    assert torch.allclose(b["pixel_values"], torch.full((1, 1, 6, 6), 0.299))
+    with pytest.raises(ValueError, match="mean/std give 2/2 values for 3-channel"):
+        T.make_batches(rgb, [0], 1, "image", mean=[0.1, 0.2], std=[1, 1])
+
+
+def test_make_batches_text_pads_to_longest_and_truncates(tok):
+    texts = ["short", "a somewhat longer sentence with more words in it", "mid length text"]
+    batches = T.make_batches(texts, [0, 1, 0], 2, "text", tokenizer=tok, max_length=8)
+    (b0, y0), (b1, y1) = batches
+    assert set(b0) == {"input_ids", "attention_mask"}
+    assert b0["input_ids"].dtype == torch.int64 and b0["attention_mask"].dtype == torch.int64
+    assert b0["input_ids"].shape == (2, 8)  # second text truncated to max_length
+    assert b0["attention_mask"].sum(1).tolist() == [3, 8]  # [CLS] short [SEP]
+    single = tok(["mid length text"], return_tensors="pt")["input_ids"]
+    assert torch.equal(b1["input_ids"], single)  # last batch padded only to its own longest, order kept
+    assert y0.tolist() == [0, 1] and y1.tolist() == [0]
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        T.make_batches(texts, [0, 1, 0], 2, "text")
+
+
+# ----------------------------------------------------------------------------- schedule, sampling, parts
+def test_lr_schedule_warmup_then_cosine():
+    f = [T.lr_factor(s, 100, 0.1, 0.0) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # linear warm-up over 10 steps
+    assert f[10] == pytest.approx(1.0) and f[55] == pytest.approx(0.5 * (1 + math.cos(math.pi * 45 / 90)))
+    assert all(a >= b for a, b in zip(f[10:], f[11:], strict=False)) and f[-1] < 0.001
+
+
+def test_batch_indices_cover_each_epoch_once():
+    epoch = np.concatenate([T.batch_indices(10, 3, s, seed=0) for s in range(3)])
+    assert len(set(epoch.tolist())) == 9  # 3 full batches, the partial one dropped
+    nxt = np.concatenate([T.batch_indices(10, 3, s, seed=0) for s in range(3, 6)])
+    assert not np.array_equal(epoch, nxt)  # a new permutation each epoch
+    assert np.array_equal(T.batch_indices(10, 3, 4, seed=0), T.batch_indices(10, 3, 4, seed=0))
+    assert T.batch_indices(2, 8, 0, seed=0).tolist() in ([0, 1], [1, 0])  # fewer examples than a batch
+
+
+def test_every_parameter_has_a_part():
+    vit = tiny_vit()
+    parts = {n: T.param_part(n) for n, _ in vit.named_parameters()}
+    assert parts["cls_token"] == parts["pos_embed"] == parts["patch_embed.proj.weight"] == "embed"
+    assert parts["blocks.0.attn.qkv.weight"] == parts["blocks.2.attn.proj.bias"] == "attention"
+    assert parts["blocks.1.mlp.fc2.weight"] == "mlp" and parts["head.weight"] == "head"
+    assert parts["blocks.0.norm1.weight"] == parts["norm.bias"] == "norm"
+    bert = tiny_bert()
+    parts = {n: T.param_part(n) for n, _ in bert.named_parameters()}
+    L = "bert.encoder.layer.0."
+    assert parts[L + "attention.self.query.weight"] == parts[L + "attention.output.dense.weight"] == "attention"
+    assert parts[L + "attention.output.LayerNorm.weight"] == parts[L + "output.LayerNorm.bias"] == "norm"
+    assert parts[L + "intermediate.dense.weight"] == parts[L + "output.dense.weight"] == "mlp"
+    assert parts["bert.embeddings.word_embeddings.weight"] == "embed"
+    assert parts["bert.embeddings.LayerNorm.weight"] == "norm"
+    assert parts["classifier.weight"] == parts["bert.pooler.dense.weight"] == "head"
+    with pytest.raises(ValueError, match="unknown parts"):
+        T.TrainConfig(unfreeze="attention+heads")
+
+
+# ----------------------------------------------------------------------------- training
+def test_fit_lowers_the_loss():
+    model = tiny_vit(num_classes=2)
+    x, y = _toy_images(64)
+    ((b, yt),) = T.make_batches(x, y, 64, "image", mean=[0.5], std=[0.25])
+    before = F.cross_entropy(model(b["pixel_values"]), yt).item()
+    tcfg = T.TrainConfig(steps=25, batch_size=16, lr=1e-3, label_smoothing=0.0, progress=False)
+    get = T._data_batcher(x, y, IMAGE_PREP, None, tcfg)
+    losses = T.fit(model, T._vit_forward, get, len(y), tcfg)
+    with torch.no_grad():
+        after = F.cross_entropy(model(b["pixel_values"]), yt).item()
+    assert len(losses) == 25 and after < 0.5 * before
+    assert not model.training
+
+
+def test_train_base_vit_learns_a_toy_task():
+    x, y = _toy_images(128)
+    xv, yv = _toy_images(64, seed=1)
+    arch = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 1, "num_heads": 2,
+            "mlp_ratio": 2.0, "num_classes": 2}
+    tcfg = T.TrainConfig(steps=40, batch_size=32, lr=3e-3, progress=False)
+    model = T.train_base_vit(x, y, xv, yv, arch, tcfg, mean=[0.5], std=[0.25])
+    from timm.models.vision_transformer import VisionTransformer
+
+    assert isinstance(model, VisionTransformer) and not model.training
+    log = getattr(model, T.TRAIN_LOG_ATTR)
+    assert log["val_accuracy"] >= 0.95 and log["steps_run"] == 40
+    again = T.train_base_vit(x, y, xv, yv, arch, tcfg, mean=[0.5], std=[0.25])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(),
+                                                 strict=True))  # seeded: the same run gives the same model
+
+
+def test_finetune_member_trains_only_unfrozen_parts(tmp_path):
+    adapter = get_adapter("vit")
+    member = adapter.prune(tiny_vit(num_classes=2), [[0, 2], [1, 3], [0, 1]])
+    before = _params(member)
+    tcfg = T.TrainConfig(steps=6, batch_size=16, lr=1e-3, unfreeze="attention+head", progress=False)
+    out = T.finetune_member(adapter, member, _image_data(), IMAGE_PREP, None, tcfg, tmp_path / "ck", "m0")
+    assert out is member and adapter.kept_heads(out) == [[0, 2], [1, 3], [0, 1]]
+    for name, p in out.named_parameters():
+        changed = not torch.equal(p, before[name])
+        assert changed == (T.param_part(name) in ("attention", "head")), name
+        assert p.requires_grad  # flags restored after training
+
+
+def test_finetune_member_resumes_to_the_same_weights(tmp_path):
+    class Crashing(type(get_adapter("vit"))):
+        calls = 0
+
+        def forward(self, model, batch):
+            Crashing.calls += 1
+            if Crashing.calls == 8:
+                raise RuntimeError("simulated crash")
+            return super().forward(model, batch)
+
+    adapter = get_adapter("vit")
+    keep = [[0, 1, 3], [2, 3], [0, 1, 2]]
+    base = tiny_vit(num_classes=2, proj_drop_rate=0.1)  # dropout: the RNG state must be restored too
+    data = _image_data()
+    tcfg = T.TrainConfig(steps=12, batch_size=16, lr=1e-3, hflip=True, checkpoint_every=3, progress=False)
+
+    ref = T.finetune_member(adapter, adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, tmp_path / "a", "ref")
+    crash_dir = tmp_path / "b"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        T.finetune_member(Crashing(), adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, crash_dir, "crash")
+    assert T._checkpoints(crash_dir) == [6]  # saved after steps 3 and 6, only the last one kept
+    resumed = T.finetune_member(adapter, adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, crash_dir, "resume")
+    assert getattr(resumed, T.TRAIN_LOG_ATTR)["steps_run"] == 6
+    for (k, a), b in zip(ref.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    uninterrupted_but_other_lr = T.TrainConfig(**{**vars(tcfg), "lr": 5e-4})
+    other = T.finetune_member(adapter, adapter.prune(base, keep), data, IMAGE_PREP, None, uninterrupted_but_other_lr,
+                              crash_dir, "other config")
+    assert getattr(other, T.TRAIN_LOG_ATTR)["steps_run"] == 12  # a checkpoint of another config is not resumed
+
+
+def test_finetune_text_member_and_bert(tmp_path, tok):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, num_labels=2, attn_implementation="eager")
+    model = BertForSequenceClassification(cfg)
+    good = [f"this is great and wonderful {w}" for w in ("today", "again", "really", "now", "indeed", "sir")]
+    bad = [f"this is awful and terrible {w}" for w in ("today", "again", "really", "now", "indeed", "sir")]
+    x, y = good + bad, np.array([1] * 6 + [0] * 6)
+    tcfg = T.TrainConfig(steps=30, batch_size=8, lr=2e-3, weight_decay=0.0, label_smoothing=0.0, progress=False)
+    model = T.finetune_bert(model, tok, x, y, x, y, tcfg, max_length=16)
+    assert getattr(model, T.TRAIN_LOG_ATTR)["val_accuracy"] == 1.0
+
+    adapter = get_adapter("bert")
+    member = adapter.prune(model, [[0, 1], [2, 3]])
+    before = _params(member)
+    data = Data("text", ["neg", "pos"], Split(x, y), Split(x, y), Split(x, y), {}, {}, {})
+    tcfg = T.TrainConfig(steps=3, batch_size=4, lr=1e-3, unfreeze="mlp", progress=False)
+    T.finetune_member(adapter, member, data, {"type": "text", "max_length": 16}, tok, tcfg, tmp_path / "ck", "m")
+    changed = {n for n, p in member.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(T.param_part(n) == "mlp" for n in changed)
+
+
+# ----------------------------------------------------------------------------- loading
+def test_load_packaged_minilm_offline():
+    model, tok = T.load_minilm_classifier(3)
+    from transformers import BertForSequenceClassification
+
+    assert isinstance(model, BertForSequenceClassification)
+    assert model.config.num_attention_heads == 12 and model.config.num_hidden_layers == 6
+    assert model.classifier.out_features == 3 and model.config._attn_implementation == "eager"
+    assert tok("hello world")["input_ids"] == [101, 7592, 2088, 102]
+
+
+def test_load_classifier_from_local_folder(tmp_path, tok):
+    tiny_bert(num_labels=2).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    model, tok2 = T.load_minilm_classifier(4, path=str(tmp_path))
+    assert model.classifier.out_features == 4 and model.config.num_hidden_layers == 3
+    assert tok2("hello")["input_ids"] == tok("hello")["input_ids"]
+    with pytest.raises(ValueError, match="cannot load a text classifier"):
+        T.load_minilm_classifier(2, path=str(tmp_path / "missing"))
+
+
+def test_presets_are_valid_configs():
+    for name, p in T.PRESETS.items():
+        T.TrainConfig(**p["train"])
+        T.TrainConfig(**p["finetune"])
+        if name.startswith("vit"):
+            from timm.models.vision_transformer import VisionTransformer
+
+            from offline.families.vit import _check_supported
+
+            with torch.device("meta"):
+                _check_supported(VisionTransformer(**p["arch"], num_classes=6))
+            assert p["arch"]["num_heads"] == 6  # the image configs prune 2 heads per layer: 4 of 6 kept
