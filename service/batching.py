@@ -13,6 +13,13 @@ answering. The queue is bounded (``max_queue`` inputs): beyond it
 If a batch raises, the requests in it are retried one by one, so that one bad
 input fails only its own request; requests that still fail get
 :class:`~service.errors.InternalError` (500) and the batcher keeps serving.
+
+Health: a batch in which no request could be run (its retries included) is a
+failed batch. After ``unhealthy_after`` failed batches in a row the batcher is
+unhealthy (``healthy`` False, ``on_health(False)``) until a batch runs again
+(``on_health(True)``); it keeps accepting requests meanwhile, so a request or
+the runtime's probe batch can bring it back. Errors the run function raises as
+client errors (a :class:`~service.errors.ServiceError` below 500) do not count.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class Batcher:
         max_wait_s: longest wait of the oldest queued request for its batch to fill.
         max_queue: most inputs waiting; more -> :class:`Overloaded` (503, Retry-After).
         metrics: where batch sizes, inference times, queue waits and depth go.
+        unhealthy_after: failed batches in a row that make the batcher unhealthy; 0 = never.
+        on_health: called on the event loop with the new value when ``healthy`` changes.
     """
 
     def __init__(
@@ -73,6 +82,8 @@ class Batcher:
         max_wait_s: float,
         max_queue: int,
         metrics: Metrics | None = None,
+        unhealthy_after: int = 0,
+        on_health: Callable[[bool], None] | None = None,
     ) -> None:
         self.name = name
         self._fn = run
@@ -89,6 +100,10 @@ class Batcher:
         self._last_batch_s = 0.0
         self._free_since = 0.0  # when the worker last finished a batch
         self._recent: deque[int] = deque(maxlen=8)  # sizes (inputs) of the last batches
+        self.unhealthy_after = unhealthy_after
+        self._on_health = on_health
+        self.consecutive_failures = 0  # failed batches in a row (server-side errors only)
+        self.healthy = True
 
     @property
     def depth(self) -> int:
@@ -174,6 +189,7 @@ class Batcher:
                     for r in batch:
                         if not r.future.done():
                             r.future.set_exception(InternalError("internal error; the server log has the details"))
+                    self._outcome(ran=False, server_fault=True)
                 self._free_since = time.perf_counter()
 
     def _take(self) -> list[_Request]:
@@ -222,23 +238,26 @@ class Batcher:
         try:
             results = await loop.run_in_executor(self._executor, self._call, items)
         except Exception as e:
-            self._count_error(e, len(items))
+            fault = self._count_error(e, len(items))
+            ran = False
             if len(batch) == 1:
                 self._fail(batch[0], e)
-                return
-            # isolate the culprit: each request alone; only the ones that fail again get an error
-            for r in batch:
-                if r.future.done():
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    res = await loop.run_in_executor(self._executor, self._call, list(r.items))
-                except Exception as e2:
-                    self._count_error(e2, len(r.items))
-                    self._fail(r, e2)
-                else:
-                    self._resolve(r, res, start, time.perf_counter() - t0, len(r.items))
+            else:  # isolate the culprit: each request alone; only the ones that fail again get an error
+                for r in batch:
+                    if r.future.done():
+                        continue
+                    t0 = time.perf_counter()
+                    try:
+                        res = await loop.run_in_executor(self._executor, self._call, list(r.items))
+                    except Exception as e2:
+                        fault = self._count_error(e2, len(r.items)) or fault
+                        self._fail(r, e2)
+                    else:
+                        ran = True
+                        self._resolve(r, res, start, time.perf_counter() - t0, len(r.items))
+            self._outcome(ran=ran, server_fault=fault)
             return
+        self._outcome(ran=True, server_fault=False)
         elapsed = time.perf_counter() - start
         i = 0
         for r in batch:
@@ -246,12 +265,37 @@ class Batcher:
             self._resolve(r, results[i : i + n], start, elapsed, len(items))
             i += n
 
-    def _count_error(self, e: BaseException, n: int) -> None:
+    def _count_error(self, e: BaseException, n: int) -> bool:
+        """Log and count a failed forward pass; False for a client error (not the model's fault)."""
         if isinstance(e, ServiceError) and e.status < 500:
-            return
+            return False
         log.error("model %s: batch of %d inputs failed: %r", self.name, n, e, exc_info=e)
         if self.metrics is not None:
             self.metrics.batch_errors.labels(self.name).inc()
+        return True
+
+    def _outcome(self, *, ran: bool, server_fault: bool) -> None:
+        """Track failed batches in a row: ``ran`` = the model answered at least one request of the batch."""
+        if ran:
+            self.consecutive_failures = 0
+            if not self.healthy:
+                self._set_healthy(True)
+        elif server_fault:
+            self.consecutive_failures += 1
+            if self.healthy and self.unhealthy_after and self.consecutive_failures >= self.unhealthy_after:
+                self._set_healthy(False)
+
+    def _set_healthy(self, healthy: bool) -> None:
+        self.healthy = healthy
+        if healthy:
+            log.warning("model %s: a batch ran again: healthy", self.name)
+        else:
+            log.error("model %s: %d batches failed in a row: unhealthy", self.name, self.consecutive_failures)
+        if self._on_health is not None:
+            try:
+                self._on_health(healthy)
+            except Exception:  # a callback must not stop the batching loop
+                log.exception("model %s: health callback failed", self.name)
 
     @staticmethod
     def _fail(r: _Request, e: BaseException) -> None:

@@ -1,10 +1,20 @@
 """The FastAPI app (CONTRACT.md §2): ``create_app(settings)``; ``service.main:app`` for uvicorn.
 
-The lifespan loads every artifact of ``HYDRA_ARTIFACTS`` once (refusing to start,
-naming the file, when one is missing or corrupt), warms each model up through
-the full path, and only then reports ready. Handlers reach the loaded models
-through ``request.app.state.hydra``. Errors are domain exceptions mapped to the
-contract's body in :mod:`service.errors`.
+Start-up: the lifespan verifies every artifact of ``HYDRA_ARTIFACTS`` (manifest,
+every file's size and sha256, settings against the artifact) and refuses to start,
+naming the file, when one is missing or corrupt. Then the models are loaded and
+warmed up through the full path, by default in the background once the server
+accepts connections (``HYDRA_LOAD_IN_BACKGROUND``): ``/healthz`` answers 200
+throughout, ``/readyz`` and the inference endpoints 503 ``not_ready`` until every
+model is warm. If loading fails there, the error is logged, ``/readyz`` stays 503
+and ``ServerState.on_fatal`` is called (``python -m service`` then stops with a
+non-zero status, so that the orchestrator restarts it).
+
+Readiness also goes false while a model is unhealthy (``HYDRA_UNREADY_AFTER_FAILURES``
+failed batches in a row, until a probe batch succeeds; :class:`service.runtime.Runtime`).
+
+Handlers reach the loaded models through ``request.app.state.hydra``. Errors are
+domain exceptions mapped to the contract's body in :mod:`service.errors`.
 """
 
 from __future__ import annotations
@@ -17,11 +27,14 @@ import os
 # choose otherwise.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import asyncio
+import contextlib
+import hashlib
 import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +45,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .artifact import ArtifactError
@@ -48,7 +62,7 @@ from .errors import (
     install_error_handlers,
 )
 from .metrics import CONTENT_TYPE_LATEST, Metrics
-from .runtime import ClassifierRuntime, Runtime, ZeroShotRuntime, load_runtime
+from .runtime import ClassifierRuntime, Runtime, ZeroShotRuntime, open_runtime
 from .schemas import (
     ERROR_RESPONSES,
     FormOptions,
@@ -77,10 +91,30 @@ class StartupError(RuntimeError):
 
 @dataclass
 class ServerState:
+    """What the handlers share: settings, metrics, the runtimes and the server's lifecycle."""
+
     settings: Settings
     metrics: Metrics
     runtimes: dict[str, Runtime] = field(default_factory=dict)
+    # every model loaded and warmed up, and not shutting down
     ready: bool = False
+    # why loading in the background failed (the server cannot serve and should be restarted)
+    load_error: str | None = None
+    # called (on the event loop) with load_error when background loading fails; python -m service stops the server
+    on_fatal: Callable[[str], None] | None = None
+    loader: asyncio.Task | None = None
+    # HTTP requests received / answered (a response sent to the end), for the shutdown log and the SIGTERM check
+    requests_received: int = 0
+    requests_answered: int = 0
+
+    def unhealthy(self) -> list[str]:
+        """Names of the loaded models that failed their last batches (not ready until a probe batch runs)."""
+        return [name for name, rt in self.runtimes.items() if not rt.healthy]
+
+    @property
+    def serving(self) -> bool:
+        """What ``/readyz`` answers: ready and every model healthy."""
+        return self.ready and not self.unhealthy()
 
 
 # ----------------------------------------------------------------------------- middleware
@@ -91,7 +125,9 @@ class GuardMiddleware:
         self.app = app
         self.state = state
         key = state.settings.api_key
-        self._key = key.get_secret_value().encode() if key is not None else None
+        # only the key's digest is kept; tokens are compared by digest in constant time (hmac.compare_digest),
+        # so neither the content nor the length of the key can be learnt from response times
+        self._key_digest = hashlib.sha256(key.get_secret_value().encode()).digest() if key is not None else None
         self._max_body = state.settings.max_body_bytes
         self._paths: frozenset[str] | None = None  # the app's route paths, read on first use
 
@@ -102,12 +138,17 @@ class GuardMiddleware:
         t0 = time.perf_counter()
         scope["hydra.t0"] = t0
         status = 500
+        state = self.state
+        state.requests_received += 1
+        state.metrics.in_flight.inc()
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                state.requests_answered += 1
 
         try:
             err = self._check(scope)
@@ -116,9 +157,10 @@ class GuardMiddleware:
                 return
             await self.app(scope, self._limited(receive), send_wrapper)
         finally:
+            state.metrics.in_flight.dec()
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or self._endpoint(scope)
-            self.state.metrics.request_duration.labels(endpoint, str(status)).observe(time.perf_counter() - t0)
+            state.metrics.request_duration.labels(endpoint, str(status)).observe(time.perf_counter() - t0)
 
     def _endpoint(self, scope: Scope) -> str:
         """The metrics label of a request answered before routing (401, 413): its path if it is a route."""
@@ -129,12 +171,12 @@ class GuardMiddleware:
 
     def _check(self, scope: Scope) -> ServiceError | None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        if self._key is not None and scope["path"] not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
+        if self._key_digest is not None and scope["path"] not in PUBLIC_PATHS and scope.get("method") != "OPTIONS":
             auth = headers.get(b"authorization", b"")
             scheme, _, token = auth.partition(b" ")
             if scheme.lower() != b"bearer" or not token.strip():
                 return Unauthorized("missing bearer token: send the header 'Authorization: Bearer <HYDRA_API_KEY>'")
-            if not hmac.compare_digest(token.strip(), self._key):
+            if not hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._key_digest):
                 return Unauthorized("invalid bearer token")
         length = headers.get(b"content-length")
         if length is not None:
@@ -179,7 +221,8 @@ async def _parse_json(request: Request, model: type[BaseModel]) -> Any:
     except ValidationError as e:
         errors = e.errors(include_url=False)
         if any(err.get("type") == "json_invalid" for err in errors):
-            raise InvalidInput(f"malformed JSON: {errors[0].get('msg', 'invalid JSON')}") from None
+            msg = errors[0].get("msg", "invalid JSON")
+            raise InvalidInput(f"malformed JSON: {msg}; send one UTF-8 encoded JSON object") from None
         raise InvalidInput(format_validation_errors(errors), status=422) from None
 
 
@@ -203,7 +246,13 @@ async def _parse_multipart(
     request: Request, allowed: set[str], max_items: int
 ) -> tuple[list[bytes], FormOptions, Any]:
     """``file`` parts and option fields of a multipart form; unknown fields are refused by name."""
-    form = await request.form(max_files=max_items + 1, max_fields=64, max_part_size=1024 * 1024)
+    try:
+        form = await request.form(max_files=max_items + 1, max_fields=64, max_part_size=1024 * 1024)
+    except StarletteHTTPException as e:  # python-multipart / Starlette refused the body (limits, syntax)
+        raise InvalidInput(
+            f"multipart body refused: {e.detail}; send at most {max_items} 'file' parts (HYDRA_MAX_ITEMS), "
+            "64 fields and 1 MiB per field"
+        ) from None
     try:
         files, opts = await _read_form(form, allowed)
     except BaseException:
@@ -247,11 +296,14 @@ def _state(request: Request) -> ServerState:
 def _pick(state: ServerState, name: str | None, modality: str, task: str) -> Runtime:
     """The runtime named ``name``, else the only one of this task and modality; 400 when none or ambiguous."""
     if not state.ready:
+        if state.load_error is not None:
+            raise NotReady("the server cannot serve: loading the models failed; it is stopping")
         raise NotReady("the server is not ready (loading models or shutting down); retry shortly")
     if name is not None:
         rt = state.runtimes.get(name)
         if rt is None:
-            raise InvalidInput(f"model: unknown model {name!r}; loaded: {sorted(state.runtimes)}")
+            shown = name if len(name) <= 64 else name[:64] + "..."
+            raise InvalidInput(f"model: unknown model {shown!r}; loaded: {sorted(state.runtimes)}")
         if rt.task != task:
             other = "/predict" if rt.task == "classification" else "/zero-shot"
             raise InvalidInput(f"model: {name!r} is a {rt.task} model; send it to {other}")
@@ -293,6 +345,7 @@ def _body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any]) -> dict
             **extra_fields,
         },
         "required": ["file"],
+        "additionalProperties": False,
     }
     return {
         "requestBody": {
@@ -324,6 +377,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.hydra = state
+    state.metrics.ready.set_function(lambda: 1.0 if state.serving else 0.0)
     install_error_handlers(app)
     app.add_middleware(GuardMiddleware, state=state)
     if settings.cors_origins:  # outermost, so that 401/413 answers carry CORS headers too
@@ -336,6 +390,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 
 async def _startup(state: ServerState) -> None:
+    """Verify every artifact (refusing to start, naming the file), then load and warm up: in the background
+    (``HYDRA_LOAD_IN_BACKGROUND``, the default) or before returning."""
     s = state.settings
     logging.getLogger("hydra").setLevel(s.log_level.upper())
     if s.threads:
@@ -344,21 +400,21 @@ async def _startup(state: ServerState) -> None:
         torch.set_num_threads(s.threads)
     if not s.artifacts:
         raise StartupError("HYDRA_ARTIFACTS is empty: set it to a comma-separated list of artifact directories")
+    # a lifespan may run again on the same app (test clients): start from nothing loaded
+    state.runtimes.clear()
+    state.ready, state.load_error, state.loader = False, None, None
     try:
         for path in s.artifacts:
-            rt = await anyio.to_thread.run_sync(load_runtime, path, s, state.metrics)
+            rt = await anyio.to_thread.run_sync(open_runtime, path, s, state.metrics)
             if rt.name in state.runtimes:
                 raise StartupError(f"{path}: model name {rt.name!r} is already used by another artifact")
             state.runtimes[rt.name] = rt
-        for rt in state.runtimes.values():
-            rt.start()
-        for rt in state.runtimes.values():
-            t0 = time.perf_counter()
-            await rt.warmup()
-            d = rt.describe()
-            info = (rt.name, rt.family, rt.task, d["backend"], d["device"], d["precision"])
-            state.metrics.model_info.labels(*info).set(1)
-            log.info("%s warmed up in %.2f s", rt.name, time.perf_counter() - t0)
+        log.info("verified: %s", ", ".join(f"{n} ({rt.root})" for n, rt in state.runtimes.items()))
+        if s.load_in_background:
+            state.loader = asyncio.get_running_loop().create_task(_load_in_background(state), name="hydra-load")
+            log.info("loading and warming up in the background; /readyz answers 503 until done")
+            return
+        await _load_and_warm(state)
     except (ArtifactError, BackendConfigError, StartupError) as e:
         log.error("refusing to start: %s", e)
         await _shutdown(state)
@@ -367,19 +423,58 @@ async def _startup(state: ServerState) -> None:
         log.exception("refusing to start")
         await _shutdown(state)
         raise
+
+
+async def _load_and_warm(state: ServerState) -> None:
+    """Load every verified runtime (worker threads: the event loop keeps answering), warm each up, set ready."""
+    for rt in state.runtimes.values():
+        t0 = time.perf_counter()
+        await anyio.to_thread.run_sync(rt.load)
+        log.info("%s loaded in %.2f s", rt.name, time.perf_counter() - t0)
+    for rt in state.runtimes.values():
+        rt.start()
+    for rt in state.runtimes.values():
+        t0 = time.perf_counter()
+        await rt.warmup()
+        d = rt.describe()
+        info = (rt.name, rt.family, rt.task, d["backend"], d["device"], d["precision"])
+        state.metrics.model_info.labels(*info).set(1)
+        log.info("%s warmed up in %.2f s", rt.name, time.perf_counter() - t0)
     state.ready = True
-    state.metrics.ready.set(1)
     log.info("ready: %s", ", ".join(state.runtimes))
 
 
+async def _load_in_background(state: ServerState) -> None:
+    """:func:`_load_and_warm` after the port is bound; a failure leaves the server not ready and calls on_fatal."""
+    try:
+        await _load_and_warm(state)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        if isinstance(e, (ArtifactError, BackendConfigError)):
+            log.error("cannot serve: loading failed: %s", e)
+        else:
+            log.exception("cannot serve: loading failed")
+        state.load_error = f"{type(e).__name__}: {e}"
+        if state.on_fatal is not None:
+            state.on_fatal(state.load_error)
+        else:
+            log.error("not ready for good: /readyz answers 503; restart the server")
+
+
 async def _shutdown(state: ServerState) -> None:
-    """Not ready any more; finish what is queued, then stop the workers."""
+    """Not ready any more; stop loading, finish what is queued, then stop the workers."""
     state.ready = False
-    state.metrics.ready.set(0)
+    loader, state.loader = state.loader, None
+    if loader is not None and not loader.done():
+        loader.cancel()  # a model being read in a worker thread finishes first
+        with contextlib.suppress(asyncio.CancelledError):
+            await loader
     for rt in list(state.runtimes.values()):
         await rt.close()
     if state.runtimes:
-        log.info("stopped: every queued request answered, model workers stopped")
+        log.info("stopped: every queued request answered, model workers stopped (%d requests received, %d answered)",
+                 state.requests_received, state.requests_answered)  # fmt: skip
 
 
 def _routes(app: FastAPI) -> None:
@@ -393,8 +488,17 @@ def _routes(app: FastAPI) -> None:
     )  # fmt: skip
     async def readyz(request: Request) -> dict[str, Any]:
         state = _state(request)
+        if state.load_error is not None:
+            raise NotReady("not ready: loading the models failed (the server log has the details); restart it")
         if not state.ready:
             raise NotReady("not ready: models are loading or warming up, or the server is shutting down")
+        bad = state.unhealthy()
+        if bad:
+            s = state.settings
+            raise NotReady(
+                f"not ready: model(s) {', '.join(bad)} failed {s.unready_after_failures} or more batches in a row; "
+                f"a probe batch runs every {s.probe_interval_s:g} s until one succeeds"
+            )
         return {"status": "ready", "models": list(state.runtimes)}
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
@@ -481,9 +585,6 @@ def _routes(app: FastAPI) -> None:
             if opts.labels is None:
                 await form.close()
                 raise InvalidInput("labels: required; send two or more labels", status=422)
-            if "{label}" not in opts.template:
-                await form.close()
-                raise InvalidInput("template must contain the placeholder {label}", status=422)
             labels, template, name, top_k, members, b64 = (opts.labels, opts.template, opts.model, opts.top_k,
                                                            opts.return_members, False)  # fmt: skip
         else:

@@ -46,7 +46,14 @@ class Metrics:
             "hydra_model_info", "Loaded models (value 1) with their backend, device and precision.",
             ["model", "family", "task", "backend", "device", "precision"], registry=r,
         )  # fmt: skip
-        self.ready = Gauge("hydra_ready", "1 once every model is loaded and warmed up.", registry=r)
+        self.ready = Gauge(
+            "hydra_ready", "1 while /readyz answers 200: every model loaded, warmed up and healthy.", registry=r
+        )
+        self.model_healthy = Gauge(
+            "hydra_model_healthy", "0 after HYDRA_UNREADY_AFTER_FAILURES failed batches in a row, until a batch runs.",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge("hydra_requests_in_flight", "HTTP requests received and not yet answered.", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

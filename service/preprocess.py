@@ -96,12 +96,15 @@ class ImagePreprocessor:
 
     def decode(self, data: bytes, where: str = "image") -> Image.Image:
         """Open and check an encoded image; the pixel limit is checked on the header, before decoding."""
+        if not data:
+            raise InvalidInput(f"{where}: empty image (0 bytes); send JPEG, PNG or WebP bytes")
         try:
             im = Image.open(io.BytesIO(data), formats=list(ACCEPTED_IMAGE_FORMATS))
         except Image.DecompressionBombError as e:  # Pillow's own guard, at twice our limit
+            size = re.search(r"\((\d+) pixels\)", str(e))  # Pillow's message gives the image's pixel count
             raise PayloadTooLarge(
-                f"{where}: image has more than twice the limit of {self.max_pixels} pixels (HYDRA_MAX_IMAGE_PIXELS); "
-                "send a smaller image"
+                f"{where}: image has {size.group(1) + ' pixels, ' if size else ''}more than twice the limit of "
+                f"{self.max_pixels} pixels (HYDRA_MAX_IMAGE_PIXELS); send a smaller image"
             ) from e
         except UnidentifiedImageError as e:
             for magic, name in _OTHER_FORMATS:

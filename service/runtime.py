@@ -1,8 +1,9 @@
 """A loaded artifact: preprocess -> batcher -> backend -> uncertainty -> response fields.
 
-:func:`load_runtime` reads and verifies an artifact (every file's sha256), picks
-the backend (:mod:`service.backends`) and returns the :class:`Runtime` of its
-``task``, found in :data:`RUNTIMES`. Classification is :class:`ClassifierRuntime`;
+:func:`open_runtime` reads and verifies an artifact (every file's sha256) and
+returns the :class:`Runtime` of its ``task``, found in :data:`RUNTIMES`, with its
+backend chosen (:mod:`service.backends`) but not loaded; :meth:`Runtime.load`
+then reads the weights (:func:`load_runtime` does both). Classification is :class:`ClassifierRuntime`;
 a zero-shot runtime (CLIP: image encoder ``(B, M, D)``, text encoder ``(L, M, D)``,
 logit scale) is one subclass of :class:`ZeroShotRuntime` registered under
 ``"zero-shot"``: the app routes ``/zero-shot`` to it without other changes, and
@@ -12,6 +13,8 @@ logit scale) is one subclass of :class:`ZeroShotRuntime` registered under
 from __future__ import annotations
 
 import abc
+import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ __all__ = [
     "ZeroShotRuntime",
     "format_predictions",
     "load_runtime",
+    "open_runtime",
     "summarize_rows",
 ]
 
@@ -115,7 +119,11 @@ def format_predictions(
 
 
 class Runtime(abc.ABC):
-    """One loaded artifact behind one batcher. Subclasses set ``task`` and implement ``_run``/``warmup``."""
+    """One loaded artifact behind one batcher. Subclasses set ``task`` and implement ``_run``/``warmup``.
+
+    Health: after ``HYDRA_UNREADY_AFTER_FAILURES`` failed batches in a row the runtime is not ``healthy``
+    (``/readyz`` 503) and runs :meth:`probe` every ``HYDRA_PROBE_INTERVAL_S`` seconds until a batch succeeds.
+    """
 
     task: ClassVar[str]
 
@@ -138,9 +146,11 @@ class Runtime(abc.ABC):
         self.plan: Plan | None = None
         self.batcher = Batcher(
             self.name, self._run, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000,
-            max_queue=settings.max_queue, metrics=metrics,
+            max_queue=settings.max_queue, metrics=metrics, unhealthy_after=settings.unready_after_failures,
+            on_health=self._health_changed,
         )  # fmt: skip
         self.ready = False
+        self._prober: asyncio.Task | None = None
 
     @property
     @abc.abstractmethod
@@ -150,6 +160,14 @@ class Runtime(abc.ABC):
     @property
     def labels(self) -> list[str]:
         return list(self.manifest.get("labels") or [])
+
+    def resolve(self) -> None:
+        """Check the settings against the artifact before loading (cheap; e.g. set ``self.plan``).
+
+        Raises :class:`BackendConfigError` for a backend / device / precision that cannot serve it, so
+        that a bad configuration refuses start-up before the port is bound. Default: nothing to check.
+        """
+        return None
 
     @abc.abstractmethod
     def load(self) -> None:
@@ -163,12 +181,49 @@ class Runtime(abc.ABC):
     async def warmup(self) -> None:
         """One batch through the full path (preprocess, batcher, backend, uncertainty)."""
 
+    @property
+    def healthy(self) -> bool:
+        """False after ``HYDRA_UNREADY_AFTER_FAILURES`` failed batches in a row, until a batch runs again."""
+        return self.batcher.healthy
+
+    async def probe(self) -> None:
+        """One batch through the model while it is unhealthy (default: :meth:`warmup`)."""
+        await self.warmup()
+
     def start(self) -> None:
         self.batcher.start()
+        if self.metrics is not None:
+            self.metrics.model_healthy.labels(self.name).set(1)
 
     async def close(self) -> None:
         self.ready = False
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
         await self.batcher.close()
+
+    def _health_changed(self, healthy: bool) -> None:
+        """Batcher callback (event loop): start probing when the model fails, stop when it runs again."""
+        if self.metrics is not None:
+            self.metrics.model_healthy.labels(self.name).set(1 if healthy else 0)
+        if not healthy and (self._prober is None or self._prober.done()):
+            loop = asyncio.get_running_loop()
+            self._prober = loop.create_task(self._probe_until_healthy(), name=f"probe-{self.name}")
+
+    async def _probe_until_healthy(self) -> None:
+        interval = self.settings.probe_interval_s
+        log.error("%s: not ready; a probe batch runs every %.3g s until one succeeds", self.name, interval)
+        while not self.batcher.healthy and self.batcher.running:
+            await asyncio.sleep(interval)
+            if self.batcher.healthy or not self.batcher.running:
+                break
+            try:
+                await self.probe()
+            except Exception as e:  # the batcher logged the cause; keep probing
+                log.warning("%s: probe batch failed (%s); next in %.3g s", self.name, type(e).__name__, interval)
+        if self.batcher.healthy:
+            log.warning("%s: ready again", self.name)
 
     def describe(self) -> dict[str, Any]:
         """The ``/v1/models`` entry."""
@@ -230,10 +285,17 @@ class ClassifierRuntime(Runtime):
     def modality(self) -> str:
         return self.pre.modality
 
+    def resolve(self) -> None:
+        """Choose backend, device and precision (:func:`resolve_plan`); raises :class:`BackendConfigError`."""
+        s = self.settings
+        self.plan = resolve_plan(self.manifest, device=s.device, backend=s.backend, precision=s.precision)
+
     def load(self) -> None:
         """Build the backend (blocking: reads weights / exports)."""
         s = self.settings
-        self.plan = resolve_plan(self.manifest, device=s.device, backend=s.backend, precision=s.precision)
+        if self.plan is None:
+            self.resolve()
+        assert self.plan is not None
         try:
             self.backend = load_backend(self.root, self.manifest, self.plan, threads=s.threads)
         except BackendConfigError:
@@ -286,6 +348,10 @@ class ClassifierRuntime(Runtime):
         await self.predict(prepared, top_k=1, return_members=True, t0=time.perf_counter())
         self.ready = True
 
+    async def probe(self) -> None:
+        """The warm-up input through the batcher and backend, not counted as a prediction."""
+        await self.batcher.submit(self.prepare([self.pre.example()], "probe", base64_encoded=False))
+
 
 class ZeroShotRuntime(Runtime):
     """``task: zero-shot`` (CLIP family): images against labels given per request.
@@ -317,6 +383,15 @@ RUNTIMES: dict[str, type[Runtime]] = {"classification": ClassifierRuntime}
 
 def load_runtime(root: str | Path, settings: Settings, metrics: Metrics | None = None) -> Runtime:
     """Read, verify and load the artifact at ``root`` (blocking). Raises :class:`ArtifactError` naming the file."""
+    rt = open_runtime(root, settings, metrics)
+    rt.load()
+    return rt
+
+
+def open_runtime(root: str | Path, settings: Settings, metrics: Metrics | None = None) -> Runtime:
+    """Read and verify the artifact at ``root`` (manifest, every file's size and sha256) and check the settings
+    against it, without loading the model (:meth:`Runtime.load`). Raises :class:`ArtifactError` naming the file,
+    :class:`BackendConfigError` for settings that cannot serve it."""
     root = Path(root)
     if not root.is_dir():
         raise ArtifactError(f"{root}: artifact directory does not exist (HYDRA_ARTIFACTS)")
@@ -330,5 +405,5 @@ def load_runtime(root: str | Path, settings: Settings, metrics: Metrics | None =
             f"{root}: task {manifest['task']!r} has no runtime in this server (known: {sorted(RUNTIMES)})"
         )
     rt = cls(root, manifest, settings, metrics)
-    rt.load()
+    rt.resolve()
     return rt

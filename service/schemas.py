@@ -8,9 +8,11 @@ above the number of labels it is clamped to it (so the default 5 works for any m
 
 from __future__ import annotations
 
+import re
+import string
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .errors import InvalidInput
 
@@ -33,11 +35,40 @@ __all__ = [
     "ErrorResponse",
     "ERROR_RESPONSES",
     "check_limits",
+    "check_template",
 ]
 
 DEFAULT_TEMPLATE = "A photo of a {label}."
 
 _STRICT = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+# OpenAPI: exactly one of the given properties is present and not null (null is read as absent)
+_ONE_OF = lambda *names: {"oneOf": [{"required": [n], "properties": {n: {"not": {"type": "null"}}}} for n in names]}
+# OpenAPI: what check_template accepts: text, {{ and }}, and at least one bare {label}
+TEMPLATE_PATTERN = r"^(?:[^{}]|\{\{|\}\}|\{label\})*\{label\}(?:[^{}]|\{\{|\}\}|\{label\})*$"
+# a character that is not whitespace, a control (Cc) or an invisible format character (zero-width, bidi marks, BOM):
+# a text without one has nothing for a model to read
+_VISIBLE = re.compile(r"[^\s\x00-\x1f\x7f-\x9f\u00ad\u200b-\u200f\u202a-\u202e\u2060-\u206f\ufeff]")
+
+
+def check_template(template: str) -> str:
+    """A zero-shot prompt template: ``{label}`` at least once, no other field (``{{``/``}}`` for braces).
+
+    Only the bare ``{label}`` field is allowed (no ``{label.attr}``, ``{0}``, conversions or format specs),
+    so ``template.format(label=...)`` cannot fail or reach attributes. Raises ``ValueError`` saying what is wrong.
+    """
+    try:
+        fields = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:  # "Single '}' encountered", "expected '}' before end of string"
+        raise ValueError(f"template is not a valid format string ({e}); write literal braces as {{{{ and }}}}") from e
+    for f, spec, conv in fields:
+        if f != "label" or spec or conv:
+            shown = "{" + f + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ValueError(f"template may only hold the placeholder {{label}}, found {shown}; "
+                             "write literal braces as {{ and }}")  # fmt: skip
+    if not fields:
+        raise ValueError("template must contain the placeholder {label}")
+    return template
 
 
 class _Options(BaseModel):
@@ -47,9 +78,19 @@ class _Options(BaseModel):
     top_k: int = Field(5, ge=1, strict=True, description="labels returned per input; clamped to the label count")
     return_members: bool = Field(False, strict=True, description="add each member's prediction")
 
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _integral_float(cls, value: Any) -> Any:
+        """JSON's ``3.0`` is the integer 3 (JSON Schema says so); strings, booleans and ``2.5`` stay refused."""
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+
 
 class PredictRequest(_Options):
     """JSON body of ``POST /predict``: exactly one of ``text``, ``texts``, ``image``, ``images``."""
+
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_ONE_OF("text", "texts", "image", "images"))
 
     text: str | None = Field(None, min_length=1, description="one text")
     texts: list[str] | None = Field(None, min_length=1, description="several texts, one prediction each")
@@ -82,17 +123,28 @@ class PredictRequest(_Options):
 class ZeroShotRequest(_Options):
     """JSON body of ``POST /zero-shot``: ``image`` or ``images`` against ``labels``."""
 
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_ONE_OF("image", "images"))
+
     image: str | None = Field(None, min_length=1, description="one image: base64 or data URL")
     images: list[str] | None = Field(None, min_length=1, description="several images")
-    labels: list[str] = Field(..., min_length=2, description="two or more candidate labels")
-    template: str = Field(DEFAULT_TEMPLATE, min_length=1, description="prompt with a {label} placeholder")
+    labels: list[str] = Field(
+        ..., min_length=2, description="two or more distinct candidate labels",
+        json_schema_extra={"uniqueItems": True, "items": {"type": "string", "minLength": 1}},
+    )  # fmt: skip
+    template: str = Field(
+        DEFAULT_TEMPLATE, min_length=1, json_schema_extra={"pattern": TEMPLATE_PATTERN},
+        description="prompt with a {label} placeholder; no other {field}; {{ and }} for literal braces",
+    )  # fmt: skip
+
+    @field_validator("template")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        return check_template(value)
 
     @model_validator(mode="after")
     def _check(self) -> ZeroShotRequest:
         if (self.image is None) == (self.images is None):
             raise ValueError("give exactly one of image, images")
-        if "{label}" not in self.template:
-            raise ValueError("template must contain the placeholder {label}")
         return self
 
     @property
@@ -111,6 +163,11 @@ class FormOptions(BaseModel):
     labels: list[str] | None = None
     template: str = Field(DEFAULT_TEMPLATE, min_length=1)
 
+    @field_validator("template")
+    @classmethod
+    def _template(cls, value: str) -> str:
+        return check_template(value)
+
 
 def check_limits(
     items: list[Any],
@@ -124,7 +181,8 @@ def check_limits(
 ) -> None:
     """Raise :class:`InvalidInput` naming the field when a request exceeds a configured limit.
 
-    ``max_chars``: the items are texts (whitespace-only ones are refused too).
+    ``max_chars``: the items are texts (ones with no visible character, only whitespace, control or
+    zero-width characters, are refused too).
     ``labels``: zero-shot labels, two or more, distinct, non-empty.
     """
     if not items:
@@ -134,20 +192,20 @@ def check_limits(
     if max_chars is not None:
         for i, t in enumerate(items):
             where = field if len(items) == 1 and not field.endswith("s") else f"{field}[{i}]"
-            if not t.strip():
-                raise InvalidInput(f"{where}: empty text; send at least one non-space character")
             if len(t) > max_chars:
                 raise InvalidInput(
                     f"{where}: {len(t)} characters, above the limit of {max_chars} (HYDRA_MAX_TEXT_CHARS)"
                 )
+            if not _VISIBLE.search(t):
+                raise InvalidInput(f"{where}: empty text (only whitespace or control characters); send some words")
     if labels is not None:
         if len(labels) < 2:
             raise InvalidInput(f"labels: {len(labels)} given; send two or more")
         if max_labels is not None and len(labels) > max_labels:
             raise InvalidInput(f"labels: {len(labels)} given, above the limit of {max_labels} (HYDRA_MAX_LABELS)")
         for i, lab in enumerate(labels):
-            if not lab.strip():
-                raise InvalidInput(f"labels[{i}]: empty label")
+            if not _VISIBLE.search(lab):
+                raise InvalidInput(f"labels[{i}]: empty label (only whitespace or control characters)")
             if max_label_chars is not None and len(lab) > max_label_chars:
                 raise InvalidInput(
                     f"labels[{i}]: {len(lab)} characters, above {max_label_chars} (HYDRA_MAX_TEXT_CHARS)"

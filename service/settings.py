@@ -66,6 +66,13 @@ class Settings(BaseSettings):
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # torch / ONNX Runtime intra-op threads per model; unset = torch's default (physical cores)
     threads: int | None = Field(None, ge=1, le=1024)
+    # load and warm up the models after the port is bound (/healthz answers, /readyz is 503 meanwhile); false = before
+    # the server accepts connections. Artifact files are verified before either way (a bad file refuses start-up).
+    load_in_background: bool = True
+    # consecutive failed batches of one model after which /readyz answers 503 until a probe batch succeeds; 0 = never
+    unready_after_failures: int = Field(5, ge=0)
+    # seconds between probe batches (the warm-up input) while a model is failing
+    probe_interval_s: float = Field(5.0, gt=0.0, le=3600.0)
 
     @field_validator("artifacts", "cors_origins", mode="before")
     @classmethod

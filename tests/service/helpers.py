@@ -13,7 +13,9 @@ from service.settings import Settings
 
 
 def settings_for(*dirs: Path, **overrides) -> Settings:
-    base = {"artifacts": [str(d) for d in dirs], "device": "cpu", "max_wait_ms": 2.0}
+    # load_in_background=False: `with TestClient(app)` returns once every model is warm (tests of the background
+    # start-up set it back to True)
+    base = {"artifacts": [str(d) for d in dirs], "device": "cpu", "max_wait_ms": 2.0, "load_in_background": False}
     return Settings(**{**base, **overrides})
 
 

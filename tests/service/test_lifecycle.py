@@ -190,7 +190,7 @@ def test_python_m_service_serves_and_stops_on_sigterm(artifacts, artifact_copy):
         assert r.status_code == 200 and r.json()["model"] == "tiny-vit"
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a graceful stop
+        assert proc.returncode == 0  # a graceful stop on SIGTERM exits 0 (service/__main__.py)
         assert "stopped: every queued request answered" in err and "Application shutdown complete" in err
     finally:
         if proc.poll() is None:

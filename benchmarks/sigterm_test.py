@@ -1,0 +1,263 @@
+"""SIGTERM under load: in-flight requests finish, new ones are refused, no request is lost, exit status 0.
+
+Starts ``python -m service`` on 127.0.0.1 (a free port) with one artifact, runs
+``--concurrency`` clients that each send ``POST /predict`` on a fresh connection
+per request (so that "refused" is unambiguous: a new connection is not
+accepted), sends SIGTERM after ``--load-seconds``, keeps the clients trying for
+``--after-seconds`` more, and waits for the server to exit. Then it accounts for
+every request:
+
+* ``in_flight_at_sigterm``: sent before the signal, answered after it (they finished);
+* sent after the signal but before the server closed its listening socket (a
+  fraction of a second): accepted and served;
+* ``refused``: the connection was refused (the listening socket is closed), or
+  ``reset`` before any response byte (it was in the kernel's accept queue when
+  the socket closed: it never reached the app, as the server's counts show);
+* ``lost``: reached the app and got no answer. The server logs how many requests
+  it received and answered (``hydra.service`` at shutdown): ``lost = received -
+  answered``, and the client's answer count must equal the server's.
+
+    python benchmarks/sigterm_test.py --tiny vit
+    python benchmarks/sigterm_test.py --artifact artifacts/default/image --concurrency 32
+
+Writes ``benchmarks/results/sigterm_<name>.json``; exits 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.load_test import (  # noqa: E402 (after the path)
+    HOST,
+    ROOT,
+    Connection,
+    error_code,
+    free_port,
+    payload,
+    request,
+    start_server,
+    wait_ready,
+)
+
+# the server's shutdown line (service/main.py::_shutdown)
+SHUTDOWN_LINE = re.compile(r"\((\d+) requests received, (\d+) answered\)")
+
+
+@dataclass
+class Outcome:
+    """One client request: when it was sent and answered (perf_counter seconds), and how it ended."""
+
+    sent: float
+    done: float
+    # "answered"; "refused" (connect refused); "reset" (closed before any response byte: never reached the app, see
+    # the server's counts); "broken" (closed in the middle of a response); "timeout"
+    kind: str
+    code: str = ""  # the contract's code of an answer ("ok" for 200)
+
+
+async def load_until(
+    port: int, body: bytes, concurrency: int, sigterm_at: float, stop_at: float, timeout: float, on_signal: Any
+) -> tuple[list[Outcome], dict[str, Any]]:
+    """Clients posting ``body`` until ``stop_at`` (perf_counter); ``on_signal()`` is called at ``sigterm_at``."""
+    outcomes: list[Outcome] = []
+    at_signal: dict[str, Any] = {}
+
+    async def worker() -> None:
+        while time.perf_counter() < stop_at:
+            conn = Connection(port)
+            t0 = time.perf_counter()
+            try:
+                status, _, data = await asyncio.wait_for(conn.request("POST", "/predict", body, close=True), timeout)
+            except asyncio.TimeoutError:  # noqa: UP041 (3.10: not the builtin)
+                outcomes.append(Outcome(t0, time.perf_counter(), "timeout"))
+            except ConnectionRefusedError:
+                outcomes.append(Outcome(t0, time.perf_counter(), "refused"))
+                await asyncio.sleep(0.05)
+            except OSError as e:
+                kind = "refused" if e.errno == errno.ECONNREFUSED else "reset"
+                outcomes.append(Outcome(t0, time.perf_counter(), kind))
+                await asyncio.sleep(0.05)
+            except (ValueError, asyncio.IncompleteReadError):  # closed in the middle of a response: a real loss
+                outcomes.append(Outcome(t0, time.perf_counter(), "broken"))
+            else:
+                outcomes.append(Outcome(t0, time.perf_counter(), "answered", error_code(status, data)))
+            finally:
+                await conn.close()
+
+    async def signaller() -> None:
+        await asyncio.sleep(max(0.0, sigterm_at - time.perf_counter()))
+        at_signal["t"] = time.perf_counter()
+        at_signal["answered_before"] = sum(o.kind == "answered" for o in outcomes)
+        on_signal()
+
+    await asyncio.gather(signaller(), *(worker() for _ in range(concurrency)))
+    return outcomes, at_signal
+
+
+def account(outcomes: list[Outcome], t_sig: float) -> dict[str, Any]:
+    """Counts by fate. ``in_flight_at_sigterm``: sent before the signal, ended after it. The server stops accepting
+    a moment after the signal (uvicorn checks for it every 0.1 s, later on a busy machine): requests sent in between
+    are accepted and served; ``after_listener_closed`` starts at the first refused connection."""
+    refused_at = [o.sent for o in outcomes if o.kind == "refused" and o.sent >= t_sig]
+    t_closed = min(refused_at) if refused_at else float("inf")
+    before = [o for o in outcomes if o.sent < t_sig]
+    between = [o for o in outcomes if t_sig <= o.sent < t_closed]
+    after = [o for o in outcomes if o.sent >= t_closed]
+    straddling = [o for o in before if o.done >= t_sig]
+
+    def by_kind(xs: list[Outcome]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for o in xs:
+            key = o.code if o.kind == "answered" else o.kind
+            out[key] = out.get(key, 0) + 1
+        return dict(sorted(out.items()))
+
+    return {
+        "sent": len(outcomes),
+        "answered": sum(o.kind == "answered" for o in outcomes),
+        "by_outcome": by_kind(outcomes),
+        "sent_before_sigterm": by_kind(before),
+        "in_flight_at_sigterm": by_kind(straddling),
+        "sent_after_sigterm_before_listener_closed": by_kind(between),
+        "listener_closed_after_sigterm_ms": round((t_closed - t_sig) * 1000, 1) if refused_at else None,
+        "sent_after_listener_closed": by_kind(after),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--artifact", type=Path, help="artifact directory to serve")
+    src.add_argument("--tiny", choices=["vit", "bert"], help="build a tiny random artifact of this family instead")
+    p.add_argument("--concurrency", type=int, default=64, help="clients (<= 64)")
+    p.add_argument("--load-seconds", type=float, default=8.0, help="load before SIGTERM")
+    p.add_argument("--after-seconds", type=float, default=4.0, help="clients keep trying this long after SIGTERM")
+    p.add_argument("--timeout", type=float, default=30.0, help="a request without an answer after this is hung")
+    p.add_argument("--max-queue", type=int, default=1024, help="HYDRA_MAX_QUEUE (large: no overload here)")
+    p.add_argument("--out", type=Path, default=None, help="JSON (default benchmarks/results/sigterm_<name>.json)")
+    args = p.parse_args(argv)
+    if not 1 <= args.concurrency <= 64 or not 0 < args.load_seconds <= 60 or not 0 < args.after_seconds <= 30:
+        p.error("--concurrency in 1..64, --load-seconds in (0, 60], --after-seconds in (0, 30]")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    tmp = tempfile.TemporaryDirectory(prefix="hydra-sigterm-")
+    if args.tiny:
+        from service.tiny_artifact import make_tiny_artifact
+
+        artifact = make_tiny_artifact(Path(tmp.name) / args.tiny, args.tiny, name=f"tiny-{args.tiny}")
+    else:
+        artifact = args.artifact.resolve()
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    name = manifest["name"]
+    body = json.dumps(payload(manifest)).encode()
+    env = {"HYDRA_MAX_QUEUE": str(args.max_queue), "HYDRA_LOG_LEVEL": "info"}
+    port = free_port()
+    log_file = Path(tmp.name) / "server.log"
+    print(f"starting python -m service on {HOST}:{port} with {artifact}", flush=True)
+    proc = start_server(artifact, port, env, log_file=log_file)
+    control_answered = 0  # the script's own requests (readiness polls are not counted: see below)
+    try:
+        wait_ready(port, proc)
+        # wait_ready's polls reached the server too; count the server's answers so far from /metrics
+        status, _, metrics = asyncio.run(request(port, "GET", "/metrics"))
+        assert status == 200
+        before = _requests_so_far(metrics.decode()) + 1  # + this /metrics request, answered after rendering
+        control_answered = before
+        t0 = time.perf_counter()
+        print(f"load: {args.concurrency} clients for {args.load_seconds} s, then SIGTERM", flush=True)
+        outcomes, at_signal = asyncio.run(load_until(
+            port, body, args.concurrency, t0 + args.load_seconds, t0 + args.load_seconds + args.after_seconds,
+            args.timeout, lambda: proc.send_signal(signal.SIGTERM),
+        ))  # fmt: skip
+        try:
+            exit_status = proc.wait(60)
+        except Exception:
+            proc.kill()
+            exit_status = proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    log = log_file.read_text(errors="replace")
+    m = SHUTDOWN_LINE.search(log)
+    received, answered = (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+    acc = account(outcomes, at_signal["t"])
+    client_answered = acc["answered"] + control_answered
+    lost = received - answered if m else None
+    in_flight = acc["in_flight_at_sigterm"]
+    checks = {
+        "exit_status_0": exit_status == 0,
+        "shutdown_line_logged": m is not None,
+        "lost_0": lost == 0,
+        "client_and_server_answer_counts_agree": client_answered == answered,
+        "in_flight_requests_finished_ok": in_flight.get("ok", 0) > 0
+        and set(in_flight) <= {"ok", "refused", "reset"},
+        "no_timeouts": acc["by_outcome"].get("timeout", 0) == 0,
+        "only_ok_answers": set(acc["by_outcome"]) <= {"ok", "refused", "reset"},
+        "new_requests_refused_after_listener_closed": set(acc["sent_after_listener_closed"]) <= {"refused", "reset"}
+        and acc["sent_after_listener_closed"].get("refused", 0) > 0,
+        "listener_closed_within_2_s": (acc["listener_closed_after_sigterm_ms"] or 1e9) < 2000,
+    }
+    result = {
+        "command": "python benchmarks/sigterm_test.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "name": name,
+        "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(artifact),
+        "loopback": f"{HOST}:{port}",
+        "concurrency": args.concurrency,
+        "load_seconds": args.load_seconds,
+        "after_seconds": args.after_seconds,
+        "client": acc,
+        "answered_before_sigterm": at_signal["answered_before"],
+        "server": {"requests_received": received, "requests_answered": answered,
+                   "of_which_readiness_and_metrics_polls": control_answered},  # fmt: skip
+        "lost": lost,
+        "exit_status": exit_status,
+        "checks": checks,
+        "passed": all(checks.values()),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "server_log_tail": log.splitlines()[-12:],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out = args.out or ROOT / "benchmarks" / "results" / f"sigterm_{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"sent {acc['sent']}: {acc['by_outcome']}; in flight at SIGTERM: {in_flight}; sent after SIGTERM, "
+          f"before the listener closed ({acc['listener_closed_after_sigterm_ms']} ms later): "
+          f"{acc['sent_after_sigterm_before_listener_closed']}; after: {acc['sent_after_listener_closed']}; "
+          f"server received {received}, answered {answered} (client saw {client_answered}); lost {lost}; "
+          f"exit status {exit_status}")  # fmt: skip
+    for k, v in checks.items():
+        print(f"  {'PASS' if v else 'FAIL'} {k}")
+    print(f"wrote {out}")
+    tmp.cleanup()
+    return 0 if result["passed"] else 1
+
+
+def _requests_so_far(metrics_text: str) -> int:
+    """Requests the server answered so far: the sum of ``hydra_request_duration_seconds_count``."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith("hydra_request_duration_seconds_count"):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

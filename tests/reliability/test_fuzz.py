@@ -1,0 +1,80 @@
+"""Property-based fuzzing of the HTTP API from its own OpenAPI schema (schemathesis), in-process against the ASGI
+app with tiny models loaded: valid and invalid bodies (JSON and multipart) for every operation. No answer may be a
+5xx, every answer must match the schema (declared status code, content type, body), and invalid data must be
+refused with a 4xx.
+
+schemathesis' pytest loader (``schemathesis.pytest.from_fixture``) reads a private attribute pytest 9 removed
+(``Function._nodeid``), so the cases are drawn with hypothesis from ``APIOperation.as_strategy`` instead: the same
+generation and the same checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from service.main import create_app
+from tests.service.helpers import settings_for
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          negative_data_rejection]  # fmt: skip
+OPERATIONS = ["GET /healthz", "GET /readyz", "GET /metrics", "GET /v1/models", "POST /predict", "POST /zero-shot"]
+# examples per operation and generation mode: a bounded run (about 20 s on 2 busy cores)
+MAX_EXAMPLES = 15
+
+
+@pytest.fixture(scope="module")
+def api_schema(artifacts: dict[str, Path]) -> Iterator[schemathesis.BaseSchema]:
+    app = create_app(settings_for(artifacts["vit"], artifacts["bert"], max_items=4, max_text_chars=2000))
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    yield schema
+    from schemathesis.python import asgi
+
+    asgi.shutdown_lifespans()  # the first call started the lifespan (models loaded and warm): stop the workers
+
+
+def test_every_operation_is_fuzzed(api_schema: schemathesis.BaseSchema) -> None:
+    labels = sorted(r.ok().label for r in api_schema.get_all_operations())
+    assert labels == sorted(OPERATIONS)
+
+
+CASES = [pytest.param(op, GenerationMode.POSITIVE, id=f"{op}-valid") for op in OPERATIONS] + [
+    pytest.param(op, GenerationMode.NEGATIVE, id=f"{op}-invalid") for op in OPERATIONS if op.startswith("POST")
+]  # the GET operations take no input: nothing to make invalid
+
+
+@pytest.mark.parametrize(("label", "mode"), CASES)
+def test_no_5xx_and_every_answer_matches_the_schema(
+    api_schema: schemathesis.BaseSchema, label: str, mode: GenerationMode
+) -> None:
+    operation = api_schema.find_operation_by_label(label)
+    assert operation is not None, label
+    seen: dict[int, int] = {}
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    def run(case: schemathesis.Case) -> None:
+        response = case.call_and_validate(checks=CHECKS)
+        seen[response.status_code] = seen.get(response.status_code, 0) + 1
+
+    run()
+    assert seen and max(seen) < 500, seen
+    if mode is GenerationMode.NEGATIVE:
+        assert all(400 <= code < 500 for code in seen), seen
+    elif label == "POST /predict":
+        assert 200 in seen, seen  # some generated inputs are real texts or images that reach the model
+    ready = api_schema.find_operation_by_label("GET /readyz").Case().call()
+    assert ready.status_code == 200  # the server is still ready after the fuzzing
