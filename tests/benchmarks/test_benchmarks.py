@@ -1,0 +1,155 @@
+"""Benchmarks: known answers for the helpers, the result files' shape, and a slow end-to-end smoke run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks import cost as cost_mod
+from benchmarks import quality as q
+from benchmarks import run as run_mod
+
+QUALITY_KEYS = {"setting", "method", "seed", "acc", "nll", "brier", "ece", "aece", "ood", "mi_id", "mi_ood"}
+COST_KEYS = {"layout", "method", "batch", "device", "precision", "latency_ms_min", "latency_ms_median", "params",
+             "macs"}
+
+
+def test_mean_std_known_answer():
+    assert q.mean_std([1.0, 2.0, 3.0]) == pytest.approx((2.0, 1.0))  # sample std (ddof=1)
+    assert q.mean_std([0.5]) == (0.5, 0.0)
+    m, s = q.mean_std([float("nan"), None])
+    assert math.isnan(m) and math.isnan(s)
+
+
+def test_count_macs_counts_inplace_gemms():
+    x, w, r = torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16)
+    assert cost_mod.count_macs(lambda: x @ w) == 4 * 8 * 16
+    assert cost_mod.count_macs(lambda: r.clone().addmm_(x, w)) == 4 * 8 * 16  # torch's registry alone gives 0
+    a, b = torch.randn(2, 4, 8), torch.randn(2, 8, 16)
+    assert cost_mod.count_macs(lambda: torch.zeros(2, 4, 16).baddbmm_(a, b)) == 2 * 4 * 8 * 16
+    lin = torch.nn.Linear(32, 10)
+    assert cost_mod.count_macs(lambda: lin(torch.randn(3, 32))) == 3 * 32 * 10
+
+
+def test_ratios_known_answer():
+    rows = [{"layout": "x", "device": "cpu", "precision": "fp32", "batch": 1, "method": m, "latency_ms_min": t,
+             "latency_ms_median": 2 * t, "params": p, "macs": c}
+            for m, t, p, c in (("single", 10.0, 100, 50), ("hydra", 12.0, 130, 120), ("deep_ensemble", 30.0, 300, 150))]
+    by = {r["method"]: r for r in cost_mod.ratios(rows, "single")}
+    assert by["hydra"]["ratio_min"] == pytest.approx(1.2) and by["hydra"]["ratio_median"] == pytest.approx(1.2)
+    assert by["deep_ensemble"]["macs_ratio"] == pytest.approx(3.0) and by["single"]["params_ratio"] == 1.0
+    to_de = {r["method"]: r for r in cost_mod.ratios(rows, "deep_ensemble")}
+    assert to_de["hydra"]["ratio_min"] == pytest.approx(0.4)
+
+
+def test_mc_dropout_model_turns_dropout_on():
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    vit = VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=4,
+                            num_classes=3).eval()
+    for p in vit.parameters():
+        torch.nn.init.normal_(p, 0, 0.3)
+    mc = q.mc_dropout_model(vit, 0.3)
+    x = torch.randn(2, 1, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(vit(x), vit(x))  # the original is untouched and deterministic
+        assert not torch.allclose(mc(x), mc(x))  # samples differ
+    assert all(m.p == 0 for m in vit.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def _fake_quality_row(setting: str, method: str, seed: int, auroc: float, ece: float) -> dict:
+    ood = {"near-set": {"kind": "near", "auroc": auroc, "fpr95": 0.5, "aupr_in": 0.6, "aupr_out": 0.6},
+           "far-set": {"kind": "far", "auroc": auroc + 0.1, "fpr95": 0.3, "aupr_in": 0.7, "aupr_out": 0.7}}
+    return {"setting": setting, "method": method, "seed": seed, "acc": 0.9, "nll": 0.3, "brier": 0.15, "ece": ece,
+            "aece": ece, "ood": ood, "mi_id": 0.01, "mi_ood": 0.05, "disagreement_id": 0.02,
+            "disagreement_ood": 0.1, "params": 1000}
+
+
+def test_outputs_merge_and_readme_block(tmp_path: Path):
+    out, readme = tmp_path / "results", tmp_path / "README.md"
+    out.mkdir()
+    readme.write_text(f"# B\n\nintro\n\n{run_mod.BEGIN}\nold tables\n{run_mod.END}\n\n## Reading\nkept\n")
+    rows = [_fake_quality_row("image", "single", s, 0.70 + 0.01 * s, 0.05) for s in range(3)]
+    rows += [_fake_quality_row("image", "deep_ensemble", 0, 0.75, 0.03)]
+    rows += [_fake_quality_row("image", "hydra_taylor", s, 0.80, 0.04) for s in range(3)]
+    run_mod.write_part(out, "quality", rows, "setting", {"image"}, {"mode": "fast", "sizes": {"max_train": 1}})
+    text_rows = [_fake_quality_row("text", "single", 0, 0.6, 0.1)]
+    run_mod.write_part(out, "quality", text_rows, "setting", {"text"}, {"mode": "fast"})
+    again = [_fake_quality_row("image", "single", 0, 0.5, 0.2)]  # rerunning image replaces only image rows
+    doc = run_mod.write_part(out, "quality", again, "setting", {"image"}, {"mode": "fast"})
+    assert [(r["setting"], r["method"]) for r in doc["rows"]] == [("text", "single"), ("image", "single")]
+    run_mod.write_part(out, "quality", rows, "setting", {"image"}, {"mode": "fast"})
+    summary = run_mod.write_outputs(out, readme, "python benchmarks/run.py --fast")
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["machine"] and on_disk["quality"] == summary["quality"]
+    assert all(QUALITY_KEYS <= set(r) for r in on_disk["quality"])
+    text = readme.read_text()
+    assert "old tables" not in text and "intro" in text and "## Reading\nkept" in text
+    assert text.count(run_mod.BEGIN) == 1 and text.count(run_mod.END) == 1
+    # Hydra 80 % AUROC (mean of near 80 and far 90 = 85) vs Single mean 71/81 -> met; vs Deep Ensemble 80 -> met
+    assert "| Hydra (Taylor) | 3 | 90.0 ± 0.0 |" in text
+    assert "| OOD AUROC ≥ Single | AUROC 85.0: met |" in text
+    assert "| ECE ≤ Single | ECE 4.0: met |" in text
+    assert (out / "plots" / "quality.png").is_file()
+
+
+@pytest.mark.slow
+def test_fast_mode_smoke_end_to_end(tmp_path: Path):
+    """Tiny sizes of the image setting through quality, ablations and cost, then the summary's shape."""
+    spec = q.with_spec(q.setting_spec("image", fast=True), mode="custom",
+                       sizes={"max_train": 240, "max_val": 48, "max_test": 64, "max_ood": 32}, calib_samples=16,
+                       finetune_steps=2, base_steps=4, ablation_prune=(1,), ablation_members=(1, 2))
+    torch.set_num_threads(1)
+    try:
+        ctx = q.prepare(spec, tmp_path / "cache", progress=False)
+    except FileNotFoundError as e:
+        pytest.skip(f"Fashion-MNIST is not installed here: {e}")
+    rows = q.run_setting(ctx, hydra_seeds=(0, 1, 2))
+    methods = [(r["method"], r.get("samples")) for r in rows]
+    for m in q.METHODS:
+        assert any(x == m for x, _ in methods), m
+    assert {s for m, s in methods if m == "mc_dropout"} == {3, 10}
+    assert sorted(r["seed"] for r in rows if r["method"] == "hydra_circ") == [0, 1, 2]
+    for r in rows:
+        assert QUALITY_KEYS <= set(r)
+        for k in ("acc", "ece", "aece"):
+            assert 0 <= r[k] <= 1
+        for v in r["ood"].values():
+            assert v["kind"] in ("near", "far") and 0 <= v["auroc"] <= 1 and 0 <= v["fpr95"] <= 1
+    de = next(r for r in rows if r["method"] == "deep_ensemble")
+    single = [r for r in rows if r["method"] == "single"]
+    assert de["members"] == 3 and de["params"] == sum(r["params"] for r in single)
+    assert all(r["mi_id"] == 0 for r in single)  # one member: no mutual information
+    # rerunning hits the cache (bases, rankings, member checkpoints) and gives the same numbers
+    again = q.run_setting(ctx, hydra_seeds=(0,), methods=("single", "hydra_circ"))
+    first = {(r["method"], r["seed"]): r for r in rows}
+    for r in again:
+        assert r["acc"] == first[(r["method"], r["seed"])]["acc"]
+        assert r["nll"] == pytest.approx(first[(r["method"], r["seed"])]["nll"], abs=1e-6)
+    abl = q.run_ablations(ctx)
+    assert [(r["ablation"], r["value"]) for r in abl] == [
+        ("members", 1), ("members", 2), ("heads_kept", "5/6"),
+        ("diversity", "none"), ("diversity", "order"), ("diversity", "pruning"), ("diversity", "both")]
+    none = next(r for r in abl if r["value"] == "none")
+    assert none["mi_id"] == pytest.approx(0, abs=1e-6) and none["disagreement_id"] == 0  # identical members
+    crows = cost_mod.run_layout("image", batches=(1,), precisions=("fp32",), repeats=1, progress=lambda s: None)
+    assert {r["method"] for r in crows} == set(cost_mod.METHODS)
+    assert all(COST_KEYS <= set(r) and r["latency_ms_min"] > 0 for r in crows)
+    by = {r["method"]: r for r in crows}
+    assert by["deep_ensemble"]["macs"] == 3 * by["single"]["macs"]
+    assert by["hydra_unfused"]["macs"] < by["deep_ensemble"]["macs"]
+    out = tmp_path / "results"
+    out.mkdir()
+    run_mod.write_part(out, "quality", rows, "setting", {"image"}, {"mode": "custom"})
+    run_mod.write_part(out, "ablations", abl, "setting", {"image"}, {"mode": "custom"})
+    run_mod.write_part(out, "cost", crows, "layout", {"image"}, {"mode": "custom"})
+    summary = run_mod.write_outputs(out, tmp_path / "README.md", "test")
+    assert {"machine", "quality", "cost"} <= set(summary)
+    assert {p.name for p in (out / "plots").iterdir()} == {"quality.png", "cost.png", "ablations.png"}
+    assert np.isfinite([r["latency_ms_median"] for r in summary["cost"]]).all()
