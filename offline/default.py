@@ -1,7 +1,8 @@
 """Build the server's embedded default artifacts once: ``python -m offline.default --out artifacts/default``.
 
-Each fast config under ``offline/configs`` (``text-fast``, ``image-fast`` and,
-when present, ``zeroshot-fast``) is built into ``<out>/<modality>``. An artifact
+Each fast config under ``offline/configs`` that the server can serve (``text-fast``,
+``image-fast``) is built into ``<out>/<modality>``; ``zeroshot-fast`` joins once the
+server's zero-shot runtime lands (``--only zeroshot`` builds it now). An artifact
 is rebuilt only when it is missing, incomplete, or was built from a different
 config file (its sha256 is recorded next to it).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {"text": "text-fast.yaml", "image": "image-fast.yaml", "zeroshot": "zeroshot-fast.yaml"}
+SERVED = ("text", "image")  # built by default: the modalities the server has a runtime for
 
 
 def _config_hash(path: Path) -> str:
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from offline.pipeline import build
 
     for modality, name in DEFAULTS.items():
-        if args.only and modality not in args.only:
+        if (args.only and modality not in args.only) or (not args.only and modality not in SERVED):
             continue
         config = ROOT / "offline" / "configs" / name
         if not config.is_file():
