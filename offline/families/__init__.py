@@ -6,7 +6,7 @@ from .base import FamilyAdapter
 
 
 def get_adapter(family: str) -> FamilyAdapter:
-    """The adapter of ``family`` (``vit``, ``bert``)."""
+    """The adapter of ``family`` (``vit``, ``bert``, ``clip``)."""
     if family == "vit":
         from .vit import ViTAdapter
 
@@ -15,7 +15,11 @@ def get_adapter(family: str) -> FamilyAdapter:
         from .bert import BertAdapter
 
         return BertAdapter()
-    raise ValueError(f"unknown model family {family!r}; expected 'vit' or 'bert'")
+    if family == "clip":
+        from .clip import CLIPAdapter
+
+        return CLIPAdapter()
+    raise ValueError(f"unknown model family {family!r}; expected 'vit', 'bert' or 'clip'")
 
 
 __all__ = ["FamilyAdapter", "get_adapter"]

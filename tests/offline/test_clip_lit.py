@@ -1,0 +1,104 @@
+"""LiT: an OpenCLIP CustomTextCLIP with a frozen Hugging Face text tower, image tower trained on captions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from offline import lit
+from offline.train import TrainConfig, minilm_path
+
+VISION = {"image_size": 28, "patch_size": 7, "width": 32, "layers": 2, "head_width": 8, "mlp_ratio": 2.0}
+CLASSES = ["top-left square", "bottom-right square", "horizontal bar"]
+PREP = {"mean": [0.5] * 3, "std": [0.5] * 3, "size": [28, 28], "channels": 3}
+
+
+def _text_tower(folder) -> str:
+    """A tiny random BERT saved as a local HF folder, with MiniLM's (packaged) tokenizer."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                         max_position_embeddings=64), add_pooling_layer=False).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(folder)
+    return str(folder)
+
+
+def _shapes(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Three visually distinct classes of 28x28 uint8 images with noise."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n)
+    x = rng.integers(0, 60, (n, 28, 28)).astype(np.uint8)
+    for i, c in enumerate(y):
+        if c == 0:
+            x[i, 2:12, 2:12] = 250
+        elif c == 1:
+            x[i, 16:26, 16:26] = 250
+        else:
+            x[i, 12:16, :] = 250
+    return x, y.astype(np.int64)
+
+
+def test_lit_trains_the_image_tower_against_the_frozen_text_tower(tmp_path):
+    import open_clip
+
+    cfg = lit.lit_model_config(VISION, text_path=_text_tower(tmp_path / "text"))
+    assert cfg["embed_dim"] == 32 and cfg["text_cfg"]["hf_proj_type"] is None  # the text tower's own space
+    model = lit.make_lit_model(cfg, pretrained_text=True)
+    from transformers import BertModel
+
+    saved = BertModel.from_pretrained(str(tmp_path / "text"), add_pooling_layer=False)
+    for k, v in saved.state_dict().items():  # the pretrained text tower was loaded, offline
+        torch.testing.assert_close(model.text.transformer.state_dict()[k], v)
+    tok = lit.load_tokenizer(cfg)
+    text_before = {k: v.clone() for k, v in model.text.state_dict().items()}
+    vision_before = {k: v.clone() for k, v in model.visual.state_dict().items()}
+    x, y = _shapes(384, 0)
+    xv, yv = _shapes(120, 1)
+    chance = lit.zero_shot_accuracy(model, tok, CLASSES, xv, yv, PREP)
+    tcfg = TrainConfig(steps=60, batch_size=32, lr=3e-3, warmup_frac=0.1, label_smoothing=0.0, progress=False)
+    lit.train_lit(model, tok, CLASSES, x, y, xv, yv, tcfg, PREP)
+    info = getattr(model, lit.LIT_TRAIN_LOG_ATTR)
+    assert info["val_zero_shot_accuracy"] > 0.9 > chance + 0.2
+    assert info["val_zero_shot_accuracy"] == lit.zero_shot_accuracy(model, tok, CLASSES, xv, yv, PREP)
+    for k, v in model.text.state_dict().items():
+        assert torch.equal(v, text_before[k]), f"text tower changed: {k}"
+    assert any(not torch.equal(v, vision_before[k]) for k, v in model.visual.state_dict().items())
+    assert all(isinstance(b.attn, torch.nn.MultiheadAttention) for b in model.visual.transformer.resblocks)
+    # an ordinary OpenCLIP model: open_clip's own loader reads it back
+    cfg_path, weights = lit.save_openclip(model, cfg, tmp_path / "ckpt", "lit-test-tiny")
+    open_clip.add_model_config(cfg_path)
+    again = open_clip.create_model("lit-test-tiny", pretrained=str(weights)).eval()
+    ids = lit.tokenize_prompts(tok, lit.prompts(CLASSES))["input_ids"]
+    px = lit.pixel_batch(xv[:4], PREP["mean"], PREP["std"], PREP["size"])
+    with torch.no_grad():
+        torch.testing.assert_close(again.encode_image(px), model.encode_image(px))
+        torch.testing.assert_close(again.encode_text(ids), model.encode_text(ids))
+
+
+def test_packaged_minilm_is_the_text_tower_offline():
+    """The real LiT text tower: all-MiniLM-L6-v2 through open_clip's HF tower, mean pooled, = its sentence space."""
+    from transformers import AutoModel
+
+    cfg = lit.lit_model_config(lit.LIT_PRESETS["lit_fast"]["vision"])
+    model = lit.make_lit_model(cfg)
+    tok = lit.load_tokenizer(cfg)
+    assert cfg["embed_dim"] == 384 and isinstance(model.text.proj, torch.nn.Identity)
+    batch = lit.tokenize_prompts(tok, lit.prompts(["Trouser", "Bag"]))
+    ref = AutoModel.from_pretrained(minilm_path()).eval()
+    with torch.no_grad():
+        h = ref(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        expected = torch.nn.functional.normalize((h * mask).sum(1) / mask.sum(1), dim=-1)
+        torch.testing.assert_close(model.encode_text(batch["input_ids"], normalize=True), expected,
+                                   atol=1e-5, rtol=0)
+    from offline.families import get_adapter
+
+    assert get_adapter("clip").heads(model) == [4] * 4 + [12] * 6  # 16 vision heads, then MiniLM's 72
+
+
+@pytest.mark.parametrize("preset", sorted(lit.LIT_PRESETS))
+def test_presets_share_minilm_head_width(preset):
+    v = lit.LIT_PRESETS[preset]["vision"]
+    assert v["head_width"] == 32 and v["width"] % 32 == 0  # MiniLM: 384 / 12 heads

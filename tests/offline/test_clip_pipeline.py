@@ -1,0 +1,127 @@
+"""The zero-shot build end to end on a tiny OpenCLIP checkpoint file saved by the test (synthetic images)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from offline.data import Data, Split
+from offline.families import get_adapter
+
+CLASSES = ["square", "bar", "cross"]
+
+
+def _images(n: int, seed: int, kind: str = "id") -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n).astype(np.int64)
+    x = rng.integers(0, 80, (n, 28, 28)).astype(np.uint8)
+    if kind == "noise":
+        return rng.integers(0, 255, (n, 28, 28)).astype(np.uint8), y
+    for i, c in enumerate(y):
+        if c == 0:
+            x[i, 8:20, 8:20] = 240
+        elif c == 1:
+            x[i, 12:16, :] = 240
+        else:
+            x[i, 12:16, :] = 240
+            x[i, :, 12:16] = 240
+    return x, y
+
+
+def synthetic_data() -> Data:
+    (xtr, ytr), (xva, yva), (xte, yte) = _images(64, 0), _images(48, 1), _images(40, 2)
+    noise_val, _ = _images(24, 3, "noise")
+    noise_test, _ = _images(20, 4, "noise")
+    blank = np.zeros((16, 28, 28), dtype=np.uint8)
+    return Data(
+        "image", CLASSES, Split(xtr, ytr), Split(xva, yva), Split(xte, yte),
+        ood_val={"noise": noise_val, "blank": blank[:8]},
+        ood_test={"noise": (noise_test, "far"), "blank": (blank, "far")},
+        splits={"setting": "synthetic", "id": {"train": {"size": 64}}},
+    )
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path):
+    """A tiny random OpenCLIP ``CLIP`` (real tokenizer vocabulary) saved as config JSON + checkpoint file."""
+    import open_clip
+
+    cfg_path = tmp_path / "tiny-clip-build-test.json"
+    cfg_path.write_text(json.dumps({
+        "embed_dim": 16, "quick_gelu": True,
+        "vision_cfg": {"image_size": 16, "patch_size": 4, "width": 32, "layers": 2, "head_width": 8, "mlp_ratio": 2},
+        "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 24, "heads": 3, "layers": 2},
+    }))
+    open_clip.add_model_config(cfg_path)
+    torch.manual_seed(0)
+    model = open_clip.create_model("tiny-clip-build-test")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    weights = tmp_path / "open_clip_pytorch_model.bin"
+    torch.save(model.state_dict(), weights)
+    return cfg_path, weights
+
+
+@pytest.mark.slow  # a whole build: circuits, fusion, calibration, evaluation, four exports (~1-2 min on 2 cores)
+def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, monkeypatch):
+    import open_clip
+    from transformers import AutoTokenizer
+
+    from offline import pipeline_clip
+    from offline.config import load_config
+    from offline.pipeline import build
+    from service.artifact import load_manifest, verify_files
+    from service.fused import load_model
+
+    cfg_path, weights = tiny_checkpoint
+    monkeypatch.setattr(pipeline_clip, "load_data", lambda cfg: synthetic_data())
+    cfg = load_config(None, {
+        "name": "tiny-zs", "family": "clip", "base.source": f"openclip:{cfg_path}", "base.path": str(weights),
+        "hydra.members": 3, "hydra.strategy": "circuit-avg", "hydra.prune_total": 3, "hydra.calib_samples": 32,
+        "export.bf16_check": False,
+    })
+    out = build(cfg, tmp_path / "artifact")
+
+    manifest = load_manifest(out)
+    verify_files(out, manifest)
+    assert (manifest["family"], manifest["task"], manifest["members"]) == ("clip", "zero-shot", 3)
+    assert manifest["labels"] == CLASSES
+    assert manifest["zero_shot"]["template"] == "A photo of a {label}."
+    assert manifest["base_model"]["sha256"] == pipeline_clip.file_sha256(weights)
+    heads = manifest["heads"]
+    assert [sorted(h) for h in heads] == [["text", "vision"]] * 3
+    n_pruned = [sum(4 - len(k) for k in h["vision"]) + sum(3 - len(k) for k in h["text"]) for h in heads]
+    assert n_pruned == [3, 3, 3]  # the joint budget: 3 heads per member over both towers
+    for side in ("image", "text"):
+        for kind, tol in (("torchscript", 1e-4), ("onnx", 1e-4)):
+            assert (out / manifest["exports"][kind][side]).is_file()
+            assert manifest["exports"][kind]["max_abs_diff"][side] <= tol
+    assert manifest["exports"]["onnx"]["inputs"]["image"] == ["pixel_values"]
+    assert {"hydra", "single", "ensemble_unfused", "member_0"} <= set(manifest["metrics"])
+
+    # the artifact's tokenizer reproduces open_clip's ids for the prompts
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    prompts = [manifest["zero_shot"]["template"].format(label=c) for c in CLASSES]
+    text = manifest["preprocessing"]["text"]
+    enc = tok(prompts, padding=text["padding"], truncation=True, max_length=text["max_length"], return_tensors="pt")
+    assert torch.equal(enc["input_ids"], open_clip.tokenize(prompts, context_length=12))
+
+    # the served model is exactly the members the manifest names, pruned from the checkpoint
+    fused = load_model(out / manifest["model"]["weights"], manifest["model"]["config"])
+    base = pipeline_clip.load_openclip(str(cfg_path), str(weights))
+    adapter = get_adapter("clip")
+    members = [adapter.prune_to(base, h["vision"] + h["text"]) for h in heads]
+    px = torch.randn(4, 3, 16, 16)
+    batch = {"pixel_values": px, "input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+    with torch.no_grad():
+        logits = fused(**batch)
+        for m, member in enumerate(members):
+            torch.testing.assert_close(logits[:, m], adapter.forward(member, batch), atol=1e-5, rtol=0)
+        assert manifest["zero_shot"]["logit_scale"] == pytest.approx(float(base.logit_scale.exp()), rel=1e-6)
+    report = json.loads((out / "report.json").read_text())
+    assert {r["method"] for r in report["rows"]} >= {"single", "single_ts", "hydra"}
