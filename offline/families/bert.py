@@ -170,7 +170,8 @@ class BertAdapter(FamilyAdapter):
             pools = [m.bert.pooler.dense for m in members]
             for k, v in grouped_linear([p.weight for p in pools], [p.bias for p in pools]).items():
                 sd[f"pooler.{k}"] = v
-        for k, v in grouped_linear([m.classifier.weight for m in members], [m.classifier.bias for m in members]).items():
+        heads = [m.classifier for m in members]
+        for k, v in grouped_linear([c.weight for c in heads], [c.bias for c in heads]).items():
             sd[f"classifier.{k}"] = v
         cfg = {
             "arch": "bert",
