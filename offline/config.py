@@ -32,7 +32,7 @@ class BaseModelConfig:
     source: str = "train-vit"  # train-vit | minilm | timm:<name> | hf:<folder or hub name> | lit | openclip:<name|json>
     path: str | None = None  # local weights: timm .safetensors/.pth, HF model folder, or open_clip checkpoint
     arch: dict[str, Any] = field(default_factory=dict)  # train-vit: make_vit kwargs (embed_dim, depth, num_heads, ...)
-    preset: str = "vit_fast"  # training preset: offline.train PRESETS (vit_*, bert_*) or offline.lit (lit_fast, lit_full)
+    preset: str = "vit_fast"  # training preset: offline.train PRESETS (vit_*, bert_*) or lit_fast / lit_full
     steps: int | None = None  # override the preset's step budget
     max_length: int = 64  # text: tokenizer max length
 
