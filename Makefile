@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HYDRA_DATA_DIR ?= $(CURDIR)/.cache/datasets
 
-HYDRA_ARTIFACTS ?= artifacts/default/text,artifacts/default/image
+HYDRA_ARTIFACTS ?= artifacts/default/text,artifacts/default/image,artifacts/default/zeroshot
 export HYDRA_ARTIFACTS
 
 .PHONY: install data test test-all serve artifacts lint

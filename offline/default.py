@@ -1,8 +1,7 @@
 """Build the server's embedded default artifacts once: ``python -m offline.default --out artifacts/default``.
 
-Each fast config under ``offline/configs`` that the server can serve (``text-fast``,
-``image-fast``) is built into ``<out>/<modality>``; ``zeroshot-fast`` joins once the
-server's zero-shot runtime lands (``--only zeroshot`` builds it now). An artifact
+Each fast config under ``offline/configs`` (``text-fast``, ``image-fast``,
+``zeroshot-fast``) is built into ``<out>/<modality>``. An artifact
 is rebuilt only when it is missing, incomplete, or was built from a different
 config file (its sha256 is recorded next to it).
 """
@@ -17,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {"text": "text-fast.yaml", "image": "image-fast.yaml", "zeroshot": "zeroshot-fast.yaml"}
-SERVED = ("text", "image")  # built by default: the modalities the server has a runtime for
+SERVED = ("text", "image", "zeroshot")  # built by default
 
 
 def _config_hash(path: Path) -> str:
