@@ -1,161 +1,322 @@
 """Cost of the fused Hydra model vs one dense model, one member, the members one by one and a deep ensemble.
 
-Everything is measured side by side in one process, on random weights of a real
-layout (timm ``vit_base_patch16_224`` or BERT-base), M members each keeping
-``--keep`` of the heads per layer. Prints parameters, multiply-adds per input and
-min / median latency, with ratios to three dense models.
+Everything is measured in one process on random weights of a real layout (timm
+``vit_base_patch16_224`` at 224 px, or BERT-base at sequence length 128), M
+members each keeping ``--keep`` of the 12 heads per layer. Prints parameters,
+multiply-adds per input and min / median latency per method, in fp32 and under
+CPU bf16 autocast, with ratios to the deep ensemble (three dense models run one
+after another).
+
+The methods are timed interleaved: each repetition runs every method once (in a
+rotated order), so that load from other processes on a shared machine hits all
+of them alike; ``paired`` ratios are the median over repetitions of
+``hydra / deep_ensemble`` within the same repetition.
+
+Methods:
+    single            one dense model
+    member            one pruned member
+    hydra             the fused model (service.fused), as served: the last layer computes only the
+                      first token, the only one the readout reads
+    hydra_all_tokens  the fused model computing every token in every layer (the exact same
+                      arithmetic as the members: the floor is its multiply-add ratio)
+    hydra_unfused     the M pruned members run one after another
+    deep_ensemble     M dense models run one after another
 
     python benchmarks/bench_fusion.py --layout vit_b16 --batches 1 4 16 32 --precisions fp32 bf16
+    python benchmarks/bench_fusion.py --layout bert_base --batches 1 8 --precisions fp32 bf16
+
+Results go to ``benchmarks/results/fusion_<layout>.txt`` (the printed tables, with
+the command line) and ``.json`` (one row per method, batch and precision).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
+import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline.families import get_adapter  # noqa: E402
 from offline.fusion import fuse  # noqa: E402
 
+METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble")
+LAYOUTS = {  # heads kept per member by default, batch sizes by default
+    "vit_b16": {"keep": 8, "batches": [1, 4, 16, 32]},
+    "bert_base": {"keep": 6, "batches": [1, 8]},
+}
+SEQ_LEN = 128  # bert_base
 
-def build(layout: str, members: int, keep: int, seed: int = 0):
+
+def _dense(layout: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if layout == "vit_b16":
         import timm
 
-        base = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000).eval()
+        return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000).eval()
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return BertForSequenceClassification(BertConfig(num_labels=2, attn_implementation="sdpa")).eval()
+
+
+def build(layout: str, members: int, keep: int, seed: int = 0) -> dict[str, Any]:
+    """Random-weight models of ``layout``: the base, ``members`` pruned copies, their fusion, ``members`` dense models.
+
+    Returns ``{"base", "pruned", "fused", "dense", "make_input" (batch -> inputs), "run" (model, inputs -> logits)}``.
+    """
+    if layout not in LAYOUTS:
+        raise SystemExit(f"unknown layout {layout!r}; expected one of {sorted(LAYOUTS)}")
+    base = _dense(layout, seed)
+    if layout == "vit_b16":
         adapter = get_adapter("vit")
-        H = 12
 
-        def make_input(b: int):
-            return {"pixel_values": torch.randn(b, 3, 224, 224)}
+        def make_input(b: int) -> dict[str, torch.Tensor]:
+            return {"pixel_values": torch.randn(b, 3, 224, 224, generator=torch.Generator().manual_seed(b))}
 
-        def run_member(m, x):
+        def run(m: nn.Module, x: dict[str, torch.Tensor]) -> torch.Tensor:
             return m(x["pixel_values"])
 
-    elif layout == "bert_base":
-        from transformers import BertConfig, BertForSequenceClassification
-
-        cfg = BertConfig(num_labels=2, attn_implementation="sdpa")
-        base = BertForSequenceClassification(cfg).eval()
+    else:
         adapter = get_adapter("bert")
-        H = 12
 
-        def make_input(b: int):
-            return {"input_ids": torch.randint(0, 30522, (b, 128)), "attention_mask": torch.ones(b, 128, dtype=torch.long)}
+        def make_input(b: int) -> dict[str, torch.Tensor]:
+            g = torch.Generator().manual_seed(b)
+            ids = torch.randint(0, 30522, (b, SEQ_LEN), generator=g)
+            return {"input_ids": ids, "attention_mask": torch.ones(b, SEQ_LEN, dtype=torch.long)}
 
-        def run_member(m, x):
+        def run(m: nn.Module, x: dict[str, torch.Tensor]) -> torch.Tensor:
             return m(**x).logits
 
-    else:
-        raise SystemExit(f"unknown layout {layout}")
+    heads = adapter.heads(base)
+    if not all(keep <= h for h in heads):
+        raise SystemExit(f"--keep {keep} is more than the {min(heads)} heads of a layer")
     g = torch.Generator().manual_seed(seed)
-    L = adapter.num_layers(base)
-    keeps = [[sorted(torch.randperm(H, generator=g)[:keep].tolist()) for _ in range(L)] for _ in range(members)]
+    keeps = [[sorted(torch.randperm(h, generator=g)[:keep].tolist()) for h in heads] for _ in range(members)]
     pruned = [adapter.prune(base, k).eval() for k in keeps]
     fused, _ = fuse(adapter, pruned)
     # a deep ensemble: M dense models of the same layout (weights differ; cost is what matters)
-    dense = [base]
-    for s in range(1, members):
-        torch.manual_seed(seed + s)
-        other = type(base)(base.config) if layout == "bert_base" else None
-        if other is None:
-            import timm
-
-            other = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000)
-        dense.append(other.eval())
-    return base, pruned, fused, dense, make_input, run_member
+    dense = [base] + [_dense(layout, seed + s) for s in range(1, members)]
+    return {"base": base, "pruned": pruned, "fused": fused, "dense": dense, "make_input": make_input, "run": run}
 
 
-def macs(fn) -> int:
+def methods(models: dict[str, Any]) -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:
+    """The timed callables, by method name (see the module docstring)."""
+    base, pruned, fused, dense, run = (models[k] for k in ("base", "pruned", "fused", "dense", "run"))
+
+    def hydra(x: dict[str, torch.Tensor], first_token: bool = True) -> torch.Tensor:
+        fused.first_token_readout = first_token
+        try:
+            return fused(**x)
+        finally:
+            fused.first_token_readout = True
+
+    return {
+        "single": lambda x: run(base, x),
+        "member": lambda x: run(pruned[0], x),
+        "hydra": hydra,
+        "hydra_all_tokens": lambda x: hydra(x, first_token=False),
+        "hydra_unfused": lambda x: [run(m, x) for m in pruned],
+        "deep_ensemble": lambda x: [run(m, x) for m in dense],
+    }
+
+
+def count_macs(fn: Callable[[], Any]) -> int:
+    """Multiply-adds of one call of ``fn`` (matmuls, convolutions and attention, as torch's FLOP counter sees them)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as fc, torch.inference_mode():
+    def addmm_(self_shape, a_shape, b_shape, *args, **kwargs) -> int:  # GEMMs accumulating in place
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_})
+    # the math attention backend is made of matmuls that the counter sees (the fused CPU kernels are not counted)
+    with counter as fc, torch.inference_mode(), sdpa_kernel([SDPBackend.MATH]):
         fn()
     return fc.get_total_flops() // 2
 
 
-def timeit(fn, repeats: int, warmup: int = 1) -> tuple[float, float]:
-    with torch.inference_mode():
+def _precision(prec: str) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.bfloat16) if prec == "bf16" else contextlib.nullcontext()
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]], repeats: int, warmup: int, prec: str
+) -> dict[str, dict[str, list[float]]]:
+    """Milliseconds per call of each of ``fns``, wall clock and process CPU time.
+
+    Every repetition calls each function once, in an order rotated per repetition.
+    Returns ``{name: {"wall": [ms, ...], "cpu": [ms, ...]}}``.
+    """
+    names = list(fns)
+    times: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": []} for k in names}
+    with torch.inference_mode(), _precision(prec):
         for _ in range(warmup):
-            fn()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            ts.append((time.perf_counter() - t0) * 1e3)
-    return min(ts), statistics.median(ts)
+            for f in fns.values():
+                f()
+        for r in range(repeats):
+            for k in names[r % len(names) :] + names[: r % len(names)]:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fns[k]()
+                times[k]["cpu"].append((time.process_time() - c0) * 1e3)
+                times[k]["wall"].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def _ratios(t: list[float], dense: list[float]) -> tuple[float, float]:
+    """(min / min of the deep ensemble, median over repetitions of the paired ratio)."""
+    return min(t) / min(dense), statistics.median(a / d for a, d in zip(t, dense, strict=True))
+
+
+def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[dict[str, Any]]) -> list[str]:
+    """The text report of a results file: model sizes, then one latency line per precision and batch."""
+    names = [m for m in METHODS if m in macs]
+    unit = "image 224 px" if meta["layout"] == "vit_b16" else f"sequence of {SEQ_LEN} tokens"
+    lines = [f"$ {c}" for c in meta["commands"]]
+    lines.append(
+        f"# {meta['layout']}, M={meta['members']}, {meta['keep']}/12 heads kept per member, torch {meta['torch']}, "
+        f"{meta['threads']} threads, {meta['cpu']}"
+    )
+    lines.append(f"{'method':<17} {'params (M)':>10} {'GMAC/input':>11} {'vs 3 dense':>10}   (per {unit})")
+    for k in names:
+        ratio = macs[k]["macs"] / macs["deep_ensemble"]["macs"]
+        lines.append(f"{k:<17} {macs[k]['params'] / 1e6:>10.1f} {macs[k]['macs'] / 1e9:>11.2f} {ratio:>10.3f}")
+    lines += [
+        "",
+        "Latency, ms, wall clock: min / median of the interleaved repetitions. Ratios to the deep ensemble:",
+        "min/min and the median of per-repetition ratios (wall clock, then process CPU time of the 2 threads).",
+        "load = 1-minute load average of the machine before / after the cell (2 cores; other jobs were running).",
+    ]
+    cells = {(r["precision"], r["batch"], r["method"]): r for r in rows}
+    keys = sorted({(r["precision"], r["batch"]) for r in rows}, key=lambda k: (k[0] != "fp32", k[1]))
+    head = " ".join(f"{k:>21}" for k in names)
+    ratio_head = f"{'ratio':<16} {'wall min, paired':>17} {'cpu min, paired':>16}  load"
+    lines.append(f"{'prec':<5} {'batch':>5} {'reps':>4} {head}   {ratio_head}")
+    for prec, b in keys:
+        row = [cells.get((prec, b, k)) for k in names]
+        have = [r for r in row if r is not None]
+        lat = " ".join(
+            f"{r['wall_ms_min']:>10.1f} / {r['wall_ms_median']:>8.1f}" if r else f"{'-':>21}" for r in row
+        )
+        dense = cells[(prec, b, "deep_ensemble")]
+        first = True
+        for k in ("hydra", "hydra_all_tokens", "hydra_unfused"):
+            r = cells.get((prec, b, k))
+            if r is None:
+                continue
+            wall = _ratios(r["wall_ms"], dense["wall_ms"])
+            cpu = _ratios(r["cpu_ms"], dense["cpu_ms"])
+            load = f"{have[0]['load_before']:.1f} / {have[0]['load_after']:.1f}"
+            prefix = f"{prec:<5} {b:>5} {have[0]['repeats']:>4} {lat}" if first else " " * (17 + len(lat))
+            lines.append(
+                f"{prefix}   {k:<16} {wall[0]:>8.3f}, {wall[1]:.3f} {cpu[0]:>8.3f}, {cpu[1]:.3f}"
+                + (f"  {load}" if first else "")
+            )
+            first = False
+    return lines
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layout", default="vit_b16", choices=["vit_b16", "bert_base"])
+    ap.add_argument("--layout", default="vit_b16", choices=sorted(LAYOUTS))
     ap.add_argument("--members", type=int, default=3)
-    ap.add_argument("--keep", type=int, default=8, help="heads kept per layer per member (of 12)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--keep", type=int, default=0, help="heads kept per layer per member (0: layout default)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 4 16 32 (vit_b16), 1 8 (bert)")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    ap.add_argument("--repeats", type=int, default=0, help="timed runs per cell (0: 10 at batch<=4, 5 above)")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--repeats", type=int, default=5, help="timed repetitions per cell (each runs every method once)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--no-save", action="store_true", help="print only; do not write fusion_<layout>.txt/.json")
+    ap.add_argument(
+        "--fresh", action="store_true", help="start the results file anew instead of merging these cells into it"
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    base, pruned, fused, dense, make_input, run_member = build(args.layout, args.members, args.keep)
+    keep = args.keep or LAYOUTS[args.layout]["keep"]
+    batches = args.batches or LAYOUTS[args.layout]["batches"]
+    names = [m for m in METHODS if m in {*args.methods, "hydra", "deep_ensemble"}]
+    command = f"python {shlex.join(['benchmarks/bench_fusion.py', *sys.argv[1:]])}"
+    meta = {
+        "layout": args.layout, "members": args.members, "keep": keep, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "cpu": _cpu_name(), "commands": [command],
+    }  # fmt: skip
+
+    models = build(args.layout, args.members, keep)
+    fns = {k: f for k, f in methods(models).items() if k in names}
     n_params = {
-        "single": sum(p.numel() for p in base.parameters()),
-        "member": sum(p.numel() for p in pruned[0].parameters()),
-        "hydra": sum(p.numel() for p in fused.parameters()),
-        "hydra_unfused": sum(sum(p.numel() for p in m.parameters()) for m in pruned),
-        "deep_ensemble": sum(sum(p.numel() for p in m.parameters()) for m in dense),
+        "single": sum(p.numel() for p in models["base"].parameters()),
+        "member": sum(p.numel() for p in models["pruned"][0].parameters()),
+        "hydra": sum(p.numel() for p in models["fused"].parameters()),
+        "hydra_unfused": sum(sum(p.numel() for p in m.parameters()) for m in models["pruned"]),
+        "deep_ensemble": sum(sum(p.numel() for p in m.parameters()) for m in models["dense"]),
     }
-    x1 = make_input(1)
-    fns1 = {
-        "single": lambda x: run_member(base, x),
-        "member": lambda x: run_member(pruned[0], x),
-        "hydra": lambda x: fused(**x),
-        "hydra_unfused": lambda x: [run_member(m, x) for m in pruned],
-        "deep_ensemble": lambda x: [run_member(m, x) for m in dense],
-    }
-    n_macs = {k: macs(lambda f=f: f(x1)) for k, f in fns1.items()}
-    print(f"# {args.layout}, M={args.members}, {args.keep}/12 heads kept per member, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
-    print(f"{'method':<14} {'params (M)':>10} {'GMAC/input':>11} {'vs single':>9}")
-    for k in fns1:
-        print(f"{k:<14} {n_params[k] / 1e6:>10.1f} {n_macs[k] / 1e9:>11.2f} {n_macs[k] / n_macs['single']:>9.2f}")
-    rows = []
-    print(f"\n{'prec':<5} {'batch':>5} " + " ".join(f"{k + ' min/med ms':>26}" for k in fns1) + "  hydra/3dense(min, med)")
+    n_params["hydra_all_tokens"] = n_params["hydra"]
+    x1 = models["make_input"](1)
+    macs = {k: {"params": n_params[k], "macs": count_macs(lambda f=f: f(x1))} for k, f in fns.items()}
+    n_head = len(render(meta, macs, []))
+    print("\n".join(render(meta, macs, [])), flush=True)
+
+    rows: list[dict[str, Any]] = []
     for prec in args.precisions:
-        for b in args.batches:
-            x = make_input(b)
-            reps = args.repeats or (10 if b <= 4 else 5)
-            res = {}
-            for k, f in fns1.items():
-                if prec == "bf16":
-                    def call(f=f):
-                        with torch.autocast("cpu", dtype=torch.bfloat16):
-                            return f(x)
-                else:
-                    def call(f=f):
-                        return f(x)
-                res[k] = timeit(call, reps)
-                rows.append({"layout": args.layout, "method": k, "batch": b, "device": "cpu", "precision": prec,
-                             "latency_ms_min": res[k][0], "latency_ms_median": res[k][1],
-                             "params": n_params[k], "macs": n_macs[k]})
-            r_min = res["hydra"][0] / res["deep_ensemble"][0]
-            r_med = res["hydra"][1] / res["deep_ensemble"][1]
-            cells = " ".join(f"{res[k][0]:>12.1f} / {res[k][1]:>9.1f}" for k in fns1)
-            print(f"{prec:<5} {b:>5} {cells}  {r_min:.3f}, {r_med:.3f}", flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        for b in batches:
+            x = models["make_input"](b)
+            load_before = os.getloadavg()[0]
+            times = time_interleaved({k: (lambda f=fns[k], x=x: f(x)) for k in names}, args.repeats, args.warmup, prec)
+            load_after = os.getloadavg()[0]
+            cell = []
+            for k in names:
+                wall, cpu = times[k]["wall"], times[k]["cpu"]
+                cell.append(
+                    {
+                        "layout": args.layout, "method": k, "batch": b, "device": "cpu", "precision": prec,
+                        "threads": torch.get_num_threads(), "repeats": args.repeats,
+                        "wall_ms_min": min(wall), "wall_ms_median": statistics.median(wall), "wall_ms": wall,
+                        "cpu_ms": cpu, "load_before": load_before, "load_after": load_after, "command": command,
+                        **macs[k],
+                    }
+                )  # fmt: skip
+            rows += cell
+            print("\n".join(render(meta, macs, cell)[n_head:]), flush=True)
+    if args.no_save:
+        return
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"fusion_{args.layout}.json"
+    if path.exists() and not args.fresh:  # merge: these cells replace the same cells of an earlier run
+        old = json.loads(path.read_text())
+        same = all(old["meta"].get(k) == meta[k] for k in ("layout", "members", "keep", "threads"))
+        if same and set(old["macs"]) >= set(macs):
+            new_keys = {(r["precision"], r["batch"]) for r in rows}
+            rows = [r for r in old["rows"] if (r["precision"], r["batch"]) not in new_keys] + rows
+            meta["commands"] = [c for c in old["meta"]["commands"] if c != command] + [command]
+            macs = {**old["macs"], **macs}
+    rows.sort(key=lambda r: (r["precision"] != "fp32", r["batch"], METHODS.index(r["method"])))
+    path.write_text(json.dumps({"meta": meta, "macs": macs, "rows": rows}, indent=1) + "\n")
+    (out_dir / f"fusion_{args.layout}.txt").write_text("\n".join(render(meta, macs, rows)) + "\n")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

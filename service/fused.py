@@ -4,19 +4,34 @@ This is the runtime half of the project: the offline builder (``offline/fusion.p
 writes a config dict plus a safetensors state dict, and the server rebuilds the
 model from them with :func:`load_model`. Only torch is imported here.
 
-Layout (see ``shared/PERF.md`` for why): activations are kept as ``(M, B*T, d)``
-(members, batch × tokens, width). Per-member attention projections are grouped
-linears computed with one ``torch.baddbmm`` over members; the attention kernel
-sees ``M*B`` independent sequences; the MLP is one shared ``nn.Linear`` applied
-to every member stream (the paper's averaged MLP) or a grouped linear when the
-members keep their own MLPs. Members may keep different numbers of heads in a
-layer: each layer is padded to the largest member's head count with zero heads
-(zero q/k/v rows and zero output-projection columns), which contribute exactly
-nothing, so the fusion stays exact.
+Layout (see ``benchmarks/bench_fusion.py`` and its results): the residual
+streams of the M members are one tensor ``(M, B*T, d)`` (members, batch ×
+tokens, width). Per-member q/k/v and output projections are grouped linears
+computed with one ``torch.baddbmm`` over members, the output projection
+accumulating straight into the residual stream; the attention kernel sees
+``M*B`` independent sequences as ``(M*B, H, T, hd)`` views of the q/k/v tensor
+(no copies). The MLP, shared by all members (the paper's averaged MLP), is one
+GEMM over all M·B·T rows, its activation applied in place and its second GEMM
+accumulating into the residual stream. LayerNorms whose affine is the same for
+every member (members pruned from one base model) run as one ``layer_norm``.
+Few, large operations matter on a small shared CPU: every operation is a
+parallel region whose threads must meet, and a per-member loop of 2-D GEMMs
+was slower than one ``baddbmm`` as soon as other processes competed for the
+cores. With a first-token readout (ViT class token, BERT [CLS]) the last layer
+computes only that token (exact: nothing else is read). Members may keep
+different numbers of heads in a layer: each layer is padded to the largest
+member's head count with zero heads (zero q/k/v rows and zero
+output-projection columns), which contribute exactly nothing, so the fusion
+stays exact.
+
+Parameter layout (what ``offline.families.base.fused_block_state`` writes):
+``GroupedLinear.weight (M, in, out)``, ``bias (M, 1, out)``;
+``MemberLayerNorm.weight/bias (M, 1, d)``; the shared MLP is two ``nn.Linear``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,26 +43,17 @@ __all__ = [
     "GroupedLinear",
     "MemberLayerNorm",
     "FusedAttention",
+    "FusedMLP",
     "FusedBlock",
+    "FusedEncoder",
     "FusedViT",
     "FusedBert",
+    "QuickGELU",
     "build_model",
     "load_model",
     "tiny_config",
     "ARCHS",
 ]
-
-
-def _act(name: str):
-    if name == "gelu":
-        return nn.GELU()
-    if name == "gelu_tanh":
-        return nn.GELU(approximate="tanh")
-    if name == "quick_gelu":
-        return QuickGELU()
-    if name == "relu":
-        return nn.ReLU()
-    raise ValueError(f"unknown activation {name!r}; expected gelu, gelu_tanh, quick_gelu or relu")
 
 
 class QuickGELU(nn.Module):
@@ -57,11 +63,41 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
+def _quick_gelu_(x: torch.Tensor) -> torch.Tensor:
+    return x.mul_(torch.sigmoid(1.702 * x))
+
+
+# Activations of the MLP's hidden tensor, the largest activation in the model ((M*B*T, 4d)),
+# out of place and in place: in place saves allocating (and page-faulting) a second one.
+_ACTS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "gelu": (F.gelu, torch._C._nn.gelu_),
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), lambda x: torch._C._nn.gelu_(x, approximate="tanh")),
+    "quick_gelu": (lambda x: x * torch.sigmoid(1.702 * x), _quick_gelu_),
+    "relu": (torch.relu, torch.relu_),
+}
+
+
+def _activate(name: str, x: torch.Tensor) -> torch.Tensor:
+    """Activation ``name`` of a fresh intermediate ``x``, in place unless autograd needs ``x``."""
+    out_of_place, in_place = _ACTS[name]
+    return out_of_place(x) if x.requires_grad else in_place(x)
+
+
+def _residual_fusable(x: torch.Tensor) -> bool:
+    """Whether a GEMM may accumulate into the residual stream: not under autocast, which would make it bf16."""
+    return not torch.is_autocast_enabled(x.device.type)
+
+
+def _bmm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x (M, N, in) @ w (M, in, out) + b (M, 1, out)``, one batched GEMM."""
+    return torch.bmm(x, w) if b is None else torch.baddbmm(b, x, w)
+
+
 class GroupedLinear(nn.Module):
     """M independent linears applied to M streams: ``(M, N, in) -> (M, N, out)``.
 
-    Weight is stored as ``(M, in, out)`` (transposed w.r.t. ``nn.Linear``) so the
-    forward is a single ``baddbmm`` with no copies.
+    Weight is stored as ``(M, in, out)`` (transposed w.r.t. ``nn.Linear``) and bias
+    as ``(M, 1, out)``, so the forward is a single ``baddbmm`` with no copies.
     """
 
     def __init__(self, members: int, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -70,14 +106,26 @@ class GroupedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(members, 1, out_features)) if bias else None
         nn.init.normal_(self.weight, std=in_features**-0.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return torch.bmm(x, self.weight)
-        return torch.baddbmm(self.bias, x, self.weight)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x (M, N, in) -> (M, N, out)``, plus ``residual (M, N, out)`` when given."""
+        if residual is not None and _residual_fusable(x):
+            if self.bias is None:
+                return torch.baddbmm(residual, x, self.weight)
+            # residual + bias is a fresh tensor: the GEMM accumulates into it in place (no extra pass)
+            return (residual + self.bias).baddbmm_(x, self.weight)
+        y = _bmm(x, self.weight, self.bias)
+        return y if residual is None else residual + y
 
 
 class MemberLayerNorm(nn.Module):
-    """LayerNorm whose affine parameters differ per member: ``(M, N, d) -> (M, N, d)``."""
+    """LayerNorm whose affine parameters may differ per member: ``(M, N, d) -> (M, N, d)``.
+
+    Parameters are ``(M, 1, d)``. When every member holds the same affine (members
+    pruned from one base model and not fine-tuned), the forward is a single
+    ``layer_norm`` with that affine; otherwise the normalised tensor is scaled per
+    member (one more pass). Which case holds is re-checked only when the
+    parameters change (their version counters or storage).
+    """
 
     def __init__(self, members: int, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -85,9 +133,30 @@ class MemberLayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(members, 1, dim))
         self.bias = nn.Parameter(torch.zeros(members, 1, dim))
+        self._shared_key: tuple[int, ...] | None = None
+        self._shared = True
+
+    def shared(self) -> bool:
+        """True when all members' affine parameters are equal (cached on the parameters' versions)."""
+        w, b = self.weight, self.bias
+        key = (w._version, b._version, w.data_ptr(), b.data_ptr())
+        if key != self._shared_key:
+            with torch.no_grad():
+                self._shared = all(torch.equal(w[0], w[i]) and torch.equal(b[0], b[i]) for i in range(1, len(w)))
+            self._shared_key = key
+        return self._shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (M, N, d)
+        if self.shared():
+            return F.layer_norm(x, (self.dim,), self.weight[0, 0], self.bias[0, 0], self.eps)
         return torch.addcmul(self.bias, F.layer_norm(x, (self.dim,), eps=self.eps), self.weight)
+
+
+def _first_tokens(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """(M, B*T, d) -> (M, B, d): the first token of every sequence (a view)."""
+    M, N, d = x.shape
+    return x.reshape(M, N // seq_len, seq_len, d)[:, :, 0]
 
 
 class FusedAttention(nn.Module):
@@ -113,17 +182,38 @@ class FusedAttention(nn.Module):
             self.proj = None
             self.proj_bias = nn.Parameter(torch.zeros(members, 1, dim))
 
-    def forward(self, x: torch.Tensor, seq_len: int, attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
-        # x: (M, B*T, d); attn_mask: None or bool (M*B, 1, 1|T, T), True = attend
+    def forward(
+        self,
+        x: torch.Tensor,
+        seq_len: int,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        residual: torch.Tensor | None = None,
+        first_token_only: bool = False,
+    ) -> torch.Tensor:
+        """``x (M, B*T, d) -> (M, B*T, d)``, plus ``residual`` when given.
+
+        ``attn_mask``: None or bool broadcastable to ``(M*B, H, T, T)``, True = attend. With
+        ``first_token_only`` only each sequence's first token is queried (keys and values
+        still cover every token): the output and ``residual`` are ``(M, B, d)``.
+        """
+        M, N, d = x.shape
         if self.qkv is None:
-            return self.proj_bias.expand_as(x)
-        M, N, _ = x.shape
-        qkv = self.qkv(x)  # (M, B*T, 3*H*hd)
-        q, k, v = qkv.view(-1, seq_len, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        # q, k, v: (M*B, H, T, hd)
-        z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (M*B, H, T, hd)
-        z = z.transpose(1, 2).reshape(M, N, self.attn_dim)  # (M, B*T, H*hd)
-        return self.proj(z)
+            out = self.proj_bias.expand(M, N // seq_len if first_token_only else N, d)
+            return out if residual is None else residual + self.proj_bias
+        H, hd, A = self.num_heads, self.head_dim, self.attn_dim
+        w, b = self.qkv.weight, self.qkv.bias  # (M, d, 3*H*hd): columns q | k | v, head-major within each
+        if first_token_only:
+            q = _bmm(_first_tokens(x, seq_len), w[..., :A], None if b is None else b[..., :A])  # (M, B, H*hd)
+            q = q.view(-1, 1, H, hd).transpose(1, 2)  # (M*B, H, 1, hd)
+            kv = _bmm(x, w[..., A:], None if b is None else b[..., A:])  # (M, B*T, 2*H*hd)
+            k, v = kv.view(-1, seq_len, 2, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (M*B, H, T, hd) each
+        else:
+            qkv = _bmm(x, w, b)  # (M, B*T, 3*H*hd)
+            q, k, v = qkv.view(-1, seq_len, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (M*B, H, T, hd) each
+        z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (M*B, H, T|1, hd)
+        z = z.transpose(1, 2).reshape(M, -1, A)  # (M, B*T or B, H*hd)
+        return self.proj(z, residual)
 
 
 class FusedMLP(nn.Module):
@@ -138,10 +228,25 @@ class FusedMLP(nn.Module):
         else:
             self.fc1 = GroupedLinear(members, dim, hidden)
             self.fc2 = GroupedLinear(members, hidden, dim)
-        self.act = _act(act)
+        if act not in _ACTS:
+            raise ValueError(f"unknown activation {act!r}; expected one of {sorted(_ACTS)}")
+        self.act = act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x (M, N, d) -> (M, N, d)``, plus ``residual (M, N, d)`` when given."""
+        if not self.shared:
+            return self.fc2(_activate(self.act, self.fc1(x)), residual)
+        M, N, d = x.shape
+        # one GEMM over every member's rows: (M*N, d) -> (M*N, hidden)
+        h = _activate(self.act, F.linear(x.reshape(M * N, d), self.fc1.weight, self.fc1.bias))
+        if residual is not None and _residual_fusable(x):
+            # (residual + bias) is a fresh tensor: the GEMM accumulates h @ W2^T into it in place
+            out = (residual.reshape(M * N, d) + self.fc2.bias).addmm_(h, self.fc2.weight.t())
+        else:
+            out = F.linear(h, self.fc2.weight, self.fc2.bias)
+            if residual is not None:
+                out = residual.reshape(M * N, d) + out
+        return out.view(M, N, d)
 
 
 class FusedBlock(nn.Module):
@@ -171,15 +276,30 @@ class FusedBlock(nn.Module):
         self.ls2 = nn.Parameter(torch.ones(members, 1, dim)) if layer_scale else None
 
     def forward(
-        self, x: torch.Tensor, seq_len: int, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+        self,
+        x: torch.Tensor,
+        seq_len: int,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        first_token_only: bool = False,
     ) -> torch.Tensor:
-        if self.norm_first:
-            a = self.attn(self.norm1(x), seq_len, attn_mask, is_causal)
-            x = x + (a if self.ls1 is None else a * self.ls1)
-            m = self.mlp(self.norm2(x))
-            return x + (m if self.ls2 is None else m * self.ls2)
-        x = self.norm1(x + self.attn(x, seq_len, attn_mask, is_causal))
-        return self.norm2(x + self.mlp(x))
+        """``x (M, B*T, d) -> (M, B*T, d)``; ``attn_mask`` as in :meth:`FusedAttention.forward`.
+
+        With ``first_token_only`` the layer computes only each sequence's first token: ``-> (M, B, d)``.
+        """
+        res = _first_tokens(x, seq_len) if first_token_only else x  # the rows this layer outputs
+        if not self.norm_first:  # post-norm (BERT): norm1(x + attn(x)), then norm2(x + mlp(x))
+            x = self.norm1(self.attn(x, seq_len, attn_mask, is_causal, residual=res, first_token_only=first_token_only))
+            return self.norm2(self.mlp(x, residual=x))
+        h = self.norm1(x)
+        if self.ls1 is None:  # x + attn(norm1(x)), the residual added by the output projection's GEMM
+            x = self.attn(h, seq_len, attn_mask, is_causal, residual=res, first_token_only=first_token_only)
+        else:
+            a = self.attn(h, seq_len, attn_mask, is_causal, first_token_only=first_token_only)
+            x = torch.addcmul(res, a, self.ls1)
+        if self.ls2 is None:
+            return self.mlp(self.norm2(x), residual=x)
+        return torch.addcmul(x, self.mlp(self.norm2(x)), self.ls2)
 
 
 class FusedEncoder(nn.Module):
@@ -206,15 +326,26 @@ class FusedEncoder(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, seq_len: int, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+        self,
+        x: torch.Tensor,
+        seq_len: int,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = False,
+        first_token_only: bool = False,
     ) -> torch.Tensor:
-        for blk in self.blocks:
-            x = blk(x, seq_len, attn_mask, is_causal)
+        """``x (M, B*T, d) -> (M, B*T, d)``; ``attn_mask`` as in :meth:`FusedAttention.forward`.
+
+        ``first_token_only``: the last layer computes only each sequence's first token (all that a
+        class-token readout reads; exact, and it skips most of that layer's work): ``-> (M, B, d)``.
+        """
+        last = len(self.blocks) - 1
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, seq_len, attn_mask, is_causal, first_token_only=first_token_only and i == last)
         return x
 
 
 def _stack_members(x: torch.Tensor, members: int) -> torch.Tensor:
-    """(B, T, d) shared embedding -> (M, B*T, d) member streams."""
+    """(B, T, d) shared embedding -> (M, B*T, d) member streams (a broadcast view, no copy)."""
     B, T, d = x.shape
     return x.reshape(1, B * T, d).expand(members, B * T, d)
 
@@ -247,6 +378,9 @@ class FusedViT(nn.Module):
         self.fc_norm = MemberLayerNorm(M, d, eps) if cfg.get("fc_norm", False) else None
         self.global_pool = cfg.get("global_pool", "token")
         self.head = GroupedLinear(M, d, cfg["num_classes"])
+        # The readout of token pooling reads only the first token, so the last layer computes only that
+        # token (exact; about one layer less work). False computes every token, as the members do.
+        self.first_token_readout = self.global_pool == "token"
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         B = pixel_values.shape[0]
@@ -258,14 +392,18 @@ class FusedViT(nn.Module):
         x = _stack_members(x, self.members)  # (M, B*T, d)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
-        x = self.encoder(x, T)
-        if self.norm is not None:
-            x = self.norm(x)
-        x = x.view(self.members, B, T, self.dim)  # (M, B, T, d)
         if self.global_pool == "avg":
-            x = x[:, :, self.num_prefix :].mean(dim=2)
+            x = self.encoder(x, T)  # (M, B*T, d)
+            if self.norm is not None:
+                x = self.norm(x)
+            x = x.view(self.members, B, T, self.dim)[:, :, self.num_prefix :].mean(dim=2)  # (M, B, d)
         else:
-            x = x[:, :, 0]  # (M, B, d)
+            if self.first_token_readout:
+                x = self.encoder(x, T, first_token_only=True)  # (M, B, d)
+            else:
+                x = self.encoder(x, T).view(self.members, B, T, self.dim)[:, :, 0]  # (M, B, d)
+            if self.norm is not None:  # LayerNorm is per token: normalising the first token alone is exact
+                x = self.norm(x)
         if self.fc_norm is not None:
             x = self.fc_norm(x)
         return self.head(x).transpose(0, 1)  # (B, M, C)
@@ -295,6 +433,9 @@ class FusedBert(nn.Module):
         self.encoder = FusedEncoder({**cfg, "eps": eps}, norm_first=False)
         self.pooler = GroupedLinear(M, d, d) if cfg.get("pooler", True) else None
         self.classifier = GroupedLinear(M, d, cfg["num_classes"])
+        # The readout reads only the first token, so the last layer computes only that token (exact;
+        # about one layer less work). False computes every token, as the members do.
+        self.first_token_readout = True
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape
@@ -303,8 +444,11 @@ class FusedBert(nn.Module):
         x = self.emb_norm(_stack_members(x, self.members))  # (M, B*T, d)
         # key padding mask, True = attend: (B, T) -> (M*B, 1, 1, T)
         mask = attention_mask.to(torch.bool).view(1, B, 1, 1, T).expand(self.members, B, 1, 1, T)
-        x = self.encoder(x, T, mask.reshape(self.members * B, 1, 1, T))
-        x = x.view(self.members, B, T, self.dim)[:, :, 0]  # (M, B, d) first token
+        mask = mask.reshape(self.members * B, 1, 1, T)
+        if self.first_token_readout:
+            x = self.encoder(x, T, mask, first_token_only=True)  # (M, B, d) first token
+        else:
+            x = self.encoder(x, T, mask).view(self.members, B, T, self.dim)[:, :, 0]  # (M, B, d) first token
         if self.pooler is not None:
             x = torch.tanh(self.pooler(x))
         return self.classifier(x).transpose(0, 1)  # (B, M, C)
