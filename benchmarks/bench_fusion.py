@@ -140,7 +140,11 @@ def count_macs(fn: Callable[[], Any]) -> int:
     def addmm_(self_shape, a_shape, b_shape, *args, **kwargs) -> int:  # GEMMs accumulating in place
         return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
-    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten.addmm_: addmm_})
+    def baddbmm_(self_shape, a_shape, b_shape, *args, **kwargs) -> int:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+    inplace = {torch.ops.aten.addmm_: addmm_, torch.ops.aten.baddbmm_: baddbmm_}
+    counter = FlopCounterMode(display=False, custom_mapping=inplace)
     # the math attention backend is made of matmuls that the counter sees (the fused CPU kernels are not counted)
     with counter as fc, torch.inference_mode(), sdpa_kernel([SDPBackend.MATH]):
         fn()
