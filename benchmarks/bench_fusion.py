@@ -44,7 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+# as the server runs (service/main.py): large activations on transparent huge pages; set before torch allocates
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -257,6 +260,7 @@ def main() -> None:
     meta = {
         "layout": args.layout, "members": args.members, "keep": keep, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "cpu": _cpu_name(), "commands": [command],
+        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
     }  # fmt: skip
 
     models = build(args.layout, args.members, keep)
@@ -302,7 +306,7 @@ def main() -> None:
     path = out_dir / f"fusion_{args.layout}.json"
     if path.exists() and not args.fresh:  # merge: these cells replace the same cells of an earlier run
         old = json.loads(path.read_text())
-        same = all(old["meta"].get(k) == meta[k] for k in ("layout", "members", "keep", "threads"))
+        same = all(old["meta"].get(k) == meta[k] for k in ("layout", "members", "keep", "threads", "thp"))
         if same and set(old["macs"]) >= set(macs):
             new_keys = {(r["precision"], r["batch"]) for r in rows}
             rows = [r for r in old["rows"] if (r["precision"], r["batch"]) not in new_keys] + rows

@@ -198,6 +198,27 @@ def run_layout(
     return rows
 
 
+def rows_from_fusion(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Cost rows from a ``bench_fusion`` result (``results/fusion_<layout>.json``), same schema as :func:`run_layout`.
+
+    ``bench_fusion`` measures the big layouts with the same interleaved timing and the same models, so its
+    cells are imported instead of timed twice (``benchmarks/run.py --import-fusion``). Its extra method
+    ``hydra_all_tokens`` is not a cost-table method and is left out.
+    """
+    meta = doc["meta"]
+    rows = []
+    for r in doc["rows"]:
+        if r["method"] not in METHODS:
+            continue
+        rows.append({"layout": r["layout"], "method": r["method"], "batch": r["batch"], "device": r["device"],
+                     "precision": r["precision"], "latency_ms_min": round(r["wall_ms_min"], 3),
+                     "latency_ms_median": round(r["wall_ms_median"], 3), "params": r["params"], "macs": r["macs"],
+                     "members": meta["members"], "keep": meta["keep"], "repeats": r["repeats"],
+                     "threads": r["threads"], "device_name": f"{meta['cpu']}, {r['threads']} torch threads",
+                     "load": [round(r["load_before"], 2), round(r["load_after"], 2)], "command": r["command"]})
+    return rows
+
+
 def ratios(rows: Sequence[dict[str, Any]], to: str = "single") -> list[dict[str, Any]]:
     """Per (layout, device, precision, batch, method): latency min and median divided by those of ``to``."""
     ref = {(r["layout"], r["device"], r["precision"], r["batch"]): r for r in rows if r["method"] == to}

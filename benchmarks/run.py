@@ -29,6 +29,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the server runs (service/main.py); before torch allocates
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -380,6 +381,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     help="torch threads for quality/ablations (1: small models on a shared 2-core machine run "
                          "faster single-threaded)")
     ap.add_argument("--cost-threads", type=int, default=0, help="torch threads for cost timings (0: torch default)")
+    ap.add_argument("--import-fusion", nargs="*", choices=["vit_b16", "bert_base"], default=None,
+                    help="take these layouts' CPU cost rows from benchmarks/results/fusion_<layout>.json "
+                         "(bench_fusion.py measures them the same way) instead of timing them again")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--cache", type=Path, default=q.DEFAULT_CACHE)
     ap.add_argument("--readme", type=Path, default=README, help="README whose result block is replaced")
@@ -397,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if "cost" in args.only:
         if args.cost_threads:
             torch.set_num_threads(args.cost_threads)
-        layouts = args.layouts or list(cost_mod.LAYOUTS)
+        layouts = [x for x in args.layouts or cost_mod.LAYOUTS if x not in (args.import_fusion or [])]
         batches = args.batches or ([1, 4] if args.fast else [1, 4, 32])
         devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
         repeats = args.repeats or (3 if args.fast else 10)
@@ -409,6 +413,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                        progress=lambda s: log.info("%s", s))
             write_part(out, "cost", rows, "layout", {layout}, meta)  # after each layout: a long run keeps its part
             log.info("cost %s done in %.0f s", layout, time.perf_counter() - t0)
+
+    for layout in args.import_fusion or []:
+        src = out / f"fusion_{layout}.json"
+        if not src.is_file():
+            raise SystemExit(f"--import-fusion {layout}: {src} does not exist; run benchmarks/bench_fusion.py first")
+        doc = json.loads(src.read_text())
+        meta = {"mode": "bench_fusion", "source": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
+                "commands": doc["meta"]["commands"], "threads": doc["meta"]["threads"], "command": command}
+        write_part(out, "cost", cost_mod.rows_from_fusion(doc), "layout", {layout}, meta)
+        log.info("cost %s imported from %s", layout, src)
 
     torch.set_num_threads(args.threads)
     for part in ("quality", "ablations"):

@@ -35,6 +35,10 @@ class BaseModelConfig:
     preset: str = "vit_fast"  # training preset: offline.train PRESETS (vit_*, bert_*) or lit_fast / lit_full
     steps: int | None = None  # override the preset's step budget
     max_length: int = 64  # text: tokenizer max length
+    # folder keeping trained base models, one per (family, base, data) setting: builds that differ only in their
+    # hydra / calibration / export settings reuse the base (and a stopped base training resumes); unset = the
+    # artifact's own .checkpoints (resumable, removed when the build finishes)
+    cache_dir: str | None = None
 
 
 @dataclass
@@ -225,7 +229,8 @@ def check_budget(cfg: BuildConfig, heads_per_layer: list[int]) -> None:
         bad = [i for i, n in enumerate(heads_per_layer) if h.prune_per_layer > n]
         if bad:
             raise ConfigError(
-                f"hydra.prune_per_layer={h.prune_per_layer} exceeds the {heads_per_layer[bad[0]]} heads of layer {bad[0]}"
+                f"hydra.prune_per_layer={h.prune_per_layer} exceeds the "
+                f"{heads_per_layer[bad[0]]} heads of layer {bad[0]}"
             )
     elif h.prune_total > sum(heads_per_layer):
         raise ConfigError(f"hydra.prune_total={h.prune_total} exceeds the model's {sum(heads_per_layer)} heads")

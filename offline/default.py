@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[default] building {out} from {config.relative_to(ROOT)} (a few minutes, once)", flush=True)
         build(load_config(config), out)
-        _stamp(out).write_text(json.dumps({"config": str(config.relative_to(ROOT)), "config_sha256": _config_hash(config)}))
+        stamp = {"config": str(config.relative_to(ROOT)), "config_sha256": _config_hash(config)}
+        _stamp(out).write_text(json.dumps(stamp))
     return 0
 
 

@@ -6,6 +6,7 @@ logs what it did and how long it took; those timings go into the manifest.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -92,9 +93,23 @@ def file_sha256(path: str | Path) -> str:
 
 
 # ----------------------------------------------------------------------------- models
-def load_base(cfg: BuildConfig, data, timer: Timer) -> tuple[nn.Module, dict[str, Any], Any, dict[str, Any]]:
+def base_checkpoint_dir(cfg: BuildConfig, out: Path | None) -> Path | None:
+    """Where the base model's training checkpoints go: ``base.cache_dir/<family>-<hash of base and data settings>``,
+    else ``out/.checkpoints/base``."""
+    if cfg.base.cache_dir:
+        base = {k: v for k, v in dataclasses.asdict(cfg.base).items() if k != "cache_dir"}
+        key = {"family": cfg.family, "base": base, "data": dataclasses.asdict(cfg.data)}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return Path(cfg.base.cache_dir) / f"{cfg.family}-{digest}"
+    return None if out is None else out / ".checkpoints" / "base"
+
+
+def load_base(
+    cfg: BuildConfig, data, timer: Timer, out: Path | None = None
+) -> tuple[nn.Module, dict[str, Any], Any, dict[str, Any]]:
     """Base classifier, preprocessing spec, tokenizer (text) and a description for the manifest."""
     src = cfg.base.source
+    ckpt = base_checkpoint_dir(cfg, out)
     preset = train_mod.PRESETS[cfg.base.preset]
     tcfg = train_mod.TrainConfig(**{**preset["train"], **({"steps": cfg.base.steps} if cfg.base.steps else {})})
     n_classes = len(data.class_names)
@@ -112,7 +127,7 @@ def load_base(cfg: BuildConfig, data, timer: Timer) -> tuple[nn.Module, dict[str
             arch = {**preset["arch"], **cfg.base.arch, "num_classes": n_classes}
             model = train_mod.train_base_vit(
                 data.train.inputs, data.train.labels, data.val.inputs, data.val.labels, arch, tcfg,
-                mean=prep["mean"], std=prep["std"],
+                mean=prep["mean"], std=prep["std"], checkpoint_dir=ckpt,
             )
             desc = {"name": "vit trained here", "arch": arch, "train": vars(tcfg),
                     "result": getattr(model, train_mod.TRAIN_LOG_ATTR, None)}
@@ -130,7 +145,8 @@ def load_base(cfg: BuildConfig, data, timer: Timer) -> tuple[nn.Module, dict[str
                 size=list(dc["input_size"][1:]), mean=list(dc["mean"]), std=list(dc["std"]), channels=3,
                 interpolation=dc.get("interpolation", "bicubic"),
             )
-            desc = {"name": name, "path": cfg.base.path, "sha256": file_sha256(cfg.base.path) if cfg.base.path else None}
+            sha = file_sha256(cfg.base.path) if cfg.base.path else None
+            desc = {"name": name, "path": cfg.base.path, "sha256": sha}
             model = train_mod.train_classifier_on_arrays(model, data, prep, tcfg)  # fine-tune the new head
         else:
             raise ConfigError(f"base.source {src!r} is not an image model source (train-vit, timm:<name>)")
@@ -140,7 +156,7 @@ def load_base(cfg: BuildConfig, data, timer: Timer) -> tuple[nn.Module, dict[str
         model, tok = train_mod.load_minilm_classifier(n_classes, path=path)
         model = train_mod.finetune_bert(
             model, tok, data.train.inputs, data.train.labels, data.val.inputs, data.val.labels, tcfg,
-            max_length=cfg.base.max_length,
+            max_length=cfg.base.max_length, checkpoint_dir=ckpt,
         )
         prep = {"type": "text", "max_length": cfg.base.max_length, "tokenizer": "tokenizer"}
         base_path = path or train_mod.minilm_path()
@@ -232,7 +248,7 @@ def build(cfg: BuildConfig, out: Path) -> Path:
         raise ConfigError(f"data.labels {cfg.data.labels} do not match the data's classes {data.class_names}")
     timer.lap("data")
     adapter = get_adapter(cfg.family)
-    base, prep, tok, base_desc = load_base(cfg, data, timer)
+    base, prep, tok, base_desc = load_base(cfg, data, timer, out)
     check_budget(cfg, adapter.heads(base))
     timer.lap("base model")
 
@@ -258,7 +274,8 @@ def build(cfg: BuildConfig, out: Path) -> Path:
             tcfg = train_mod.TrainConfig(**{**preset["finetune"], "steps": cfg.hydra.finetune_steps,
                                             "unfreeze": cfg.hydra.unfreeze, "seed": cfg.data.seed})
             members[i] = train_mod.finetune_member(
-                adapter, m, data, prep, tok, tcfg, checkpoint_dir=out / ".checkpoints" / f"member{i}", desc=f"member {i}"
+                adapter, m, data, prep, tok, tcfg,
+                checkpoint_dir=out / ".checkpoints" / f"member{i}", desc=f"member {i}",
             ).eval()
         timer.lap("member fine-tuning")
     fused, fcfg = fuse(adapter, members, mlp=cfg.hydra.mlp)

@@ -471,6 +471,7 @@ def train_base_vit(
     tcfg: TrainConfig,
     mean: Sequence[float] = GRAY_MEAN,
     std: Sequence[float] = GRAY_STD,
+    checkpoint_dir: Path | None = None,
 ) -> nn.Module:
     """Train a timm ``VisionTransformer(**arch)`` from scratch on uint8 images ``(N, H, W)``; returned in eval mode.
 
@@ -489,7 +490,8 @@ def train_base_vit(
     prep = {"type": "image", "mean": list(mean), "std": list(std), "size": [img, img] if isinstance(img, int) else img,
             "channels": arch.get("in_chans", 3)}
     y_tr = np.asarray(y_tr, dtype=np.int64)
-    losses = fit(model, _vit_forward, _data_batcher(x_tr, y_tr, prep, None, tcfg), len(y_tr), tcfg, desc="base ViT")
+    losses = fit(model, _vit_forward, _data_batcher(x_tr, y_tr, prep, None, tcfg), len(y_tr), tcfg, desc="base ViT",
+                 checkpoint_dir=checkpoint_dir, checkpoint_key={"arch": arch, "mean": list(mean), "std": list(std)})
     val, n_val = _val_batches(x_val, y_val, prep, None, tcfg)
     _record(model, "base ViT", losses, accuracy(model, _vit_forward, val) if n_val else None, n_val, t0)
     return model.eval()
@@ -555,13 +557,19 @@ def finetune_bert(
     y_val: np.ndarray,
     tcfg: TrainConfig,
     max_length: int,
+    checkpoint_dir: Path | None = None,
 ) -> nn.Module:
-    """Fine-tune a ``BertForSequenceClassification`` on texts (tokenised to ``max_length``); logs val accuracy."""
+    """Fine-tune a ``BertForSequenceClassification`` on texts (tokenised to ``max_length``); logs val accuracy.
+
+    With ``checkpoint_dir`` the run is resumable (and a finished run is reused) as in :func:`fit`."""
     t0 = time.perf_counter()
     prep = {"type": "text", "max_length": max_length}
     x_tr = list(x_tr)
     y = np.asarray(y_tr, dtype=np.int64)
-    losses = fit(model, _hf_forward, _data_batcher(x_tr, y, prep, tok, tcfg), len(y), tcfg, desc="fine-tune")
+    losses = fit(model, _hf_forward, _data_batcher(x_tr, y, prep, tok, tcfg), len(y), tcfg, desc="fine-tune",
+                 checkpoint_dir=checkpoint_dir,
+                 checkpoint_key={"max_length": max_length, "model": type(model).__name__,
+                                 "config": model.config.to_json_string() if hasattr(model, "config") else None})
     val, n_val = _val_batches(list(x_val), y_val, prep, tok, tcfg)
     _record(model, "fine-tune", losses, accuracy(model, _hf_forward, val) if n_val else None, n_val, t0)
     return model.eval()

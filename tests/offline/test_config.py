@@ -76,6 +76,24 @@ def test_cli_help_lists_every_option_and_errors_are_one_line(tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "unknown key 'hydra.colour'" in res.stderr
-    res = subprocess.run([env_py, "offline/build.py", "--config", "offline/configs/text-fast.yaml", "--out",
-                          str(tmp_path / "b"), "--hydra.prune_per_layer", "20"], cwd=ROOT, capture_output=True, text=True)
+    cmd = [env_py, "offline/build.py", "--config", "offline/configs/text-fast.yaml", "--out", str(tmp_path / "b"),
+           "--hydra.prune_per_layer", "20"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2 and "exceeds the 12 heads" in res.stderr
+
+
+def test_base_cache_dir_is_shared_by_builds_that_differ_only_in_hydra_settings(tmp_path):
+    from offline.pipeline import base_checkpoint_dir
+
+    root = Path(__file__).resolve().parents[2] / "offline" / "configs"
+    over = {"base.cache_dir": str(tmp_path / "bases")}
+    taylor = load_config(root / "text-full-taylor.yaml", over)
+    circuit = load_config(root / "text-full-circuit.yaml", over)
+    assert taylor.hydra.strategy != circuit.hydra.strategy
+    shared = base_checkpoint_dir(taylor, tmp_path / "a")
+    assert shared == base_checkpoint_dir(circuit, tmp_path / "b")  # one base for both builds
+    assert shared.parent == tmp_path / "bases"
+    fewer = load_config(root / "text-full-taylor.yaml", {**over, "data.max_train": 100})
+    assert base_checkpoint_dir(fewer, tmp_path / "a") != shared  # other data: another base
+    plain = load_config(root / "text-full-taylor.yaml")
+    assert base_checkpoint_dir(plain, tmp_path / "a") == tmp_path / "a" / ".checkpoints" / "base"
