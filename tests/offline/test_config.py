@@ -95,5 +95,6 @@ def test_base_cache_dir_is_shared_by_builds_that_differ_only_in_hydra_settings(t
     assert shared.parent == tmp_path / "bases"
     fewer = load_config(root / "text-full-taylor.yaml", {**over, "data.max_train": 100})
     assert base_checkpoint_dir(fewer, tmp_path / "a") != shared  # other data: another base
-    plain = load_config(root / "text-full-taylor.yaml")
+    plain = load_config(root / "text-fast.yaml")  # no cache_dir: the artifact's own resumable checkpoints
+    assert plain.base.cache_dir is None
     assert base_checkpoint_dir(plain, tmp_path / "a") == tmp_path / "a" / ".checkpoints" / "base"
