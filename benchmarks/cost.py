@@ -184,7 +184,8 @@ def run_layout(
                 else:
                     times = bench_fusion.time_interleaved({k: (lambda f=f, x=x: f(x)) for k, f in fns.items()},
                                                           repeats, warmup, prec)
-                res = {k: (min(v), statistics.median(v)) for k, v in times.items()}
+                # time_interleaved gives {name: {"wall": [ms, ...], "cpu": [ms, ...]}}: latency is wall clock
+                res = {k: (min(v["wall"]), statistics.median(v["wall"])) for k, v in times.items()}
                 for k in fns:
                     mn, med = res[k]
                     rows.append({"layout": layout, "method": k, "batch": b, "device": device, "precision": prec,

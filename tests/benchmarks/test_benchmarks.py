@@ -153,3 +153,16 @@ def test_fast_mode_smoke_end_to_end(tmp_path: Path):
     assert {"machine", "quality", "cost"} <= set(summary)
     assert {p.name for p in (out / "plots").iterdir()} == {"quality.png", "cost.png", "ablations.png"}
     assert np.isfinite([r["latency_ms_median"] for r in summary["cost"]]).all()
+
+
+def test_cost_rows_of_a_small_layout_are_timed_side_by_side():
+    """run_layout on the image setting's architecture (random weights): every method, positive latencies, exact MACs."""
+    rows = cost_mod.run_layout("image", batches=(1, 2), precisions=("fp32",), repeats=2, progress=lambda s: None)
+    assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in cost_mod.METHODS for b in (1, 2)}
+    assert all(COST_KEYS <= set(r) for r in rows)
+    assert all(0 < r["latency_ms_min"] <= r["latency_ms_median"] for r in rows)
+    by = {r["method"]: r for r in rows if r["batch"] == 1}
+    assert by["deep_ensemble"]["macs"] == 3 * by["single"]["macs"]
+    assert by["member"]["macs"] < by["single"]["macs"] < by["hydra"]["macs"] < by["deep_ensemble"]["macs"]
+    ratios = {r["method"]: r for r in cost_mod.ratios(rows, "single") if r["batch"] == 1}
+    assert ratios["single"]["ratio_min"] == 1.0 and ratios["deep_ensemble"]["macs_ratio"] == 3.0
