@@ -259,7 +259,7 @@ def main() -> None:
     command = f"python {shlex.join(['benchmarks/bench_fusion.py', *sys.argv[1:]])}"
     meta = {
         "layout": args.layout, "members": args.members, "keep": keep, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu": _cpu_name(), "commands": [command],
+        "threads": torch.get_num_threads(), "cpu": cpu_name(), "commands": [command],
         "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
     }  # fmt: skip
 
@@ -317,7 +317,8 @@ def main() -> None:
     (out_dir / f"fusion_{args.layout}.txt").write_text("\n".join(render(meta, macs, rows)) + "\n")
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -19,7 +19,6 @@ computes only the token the readout reads).
 from __future__ import annotations
 
 import contextlib
-import platform
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -239,12 +238,4 @@ def device_name(device: str) -> str:
     """Human name of ``device`` (CPU model and thread count, or the CUDA device name)."""
     if device == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
-    name = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name}, {torch.get_num_threads()} torch threads"
+    return f"{bench_fusion.cpu_name()}, {torch.get_num_threads()} torch threads"
