@@ -60,6 +60,7 @@ from offline.pipeline import (
     _take,
     batches_of,
     build_members,
+    circuit_batches,
     collect_logits,
     load_data,
 )
@@ -193,11 +194,11 @@ def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) 
     cal_idx = np.sort(rng.choice(len(data.train.labels), size=n_cal, replace=False))
     calib = batches_of(cfg, _take(data.train.inputs, cal_idx), data.train.labels[cal_idx], prep, tok, 64)
     n_val = min(spec.calib_samples, len(data.val.labels))
-    val_circ = batches_of(cfg, _take(data.val.inputs, np.arange(n_val)), data.val.labels[:n_val], prep, tok, 256)
+    val_circ = circuit_batches(cfg, _take(data.val.inputs, np.arange(n_val)), data.val.labels[:n_val], prep, tok)
     ood_val_inputs = _concat(list(data.ood_val.values()))
     n_ood = min(n_val, len(ood_val_inputs))
-    ood_circ = batches_of(cfg, _take(ood_val_inputs, np.arange(n_ood)), np.zeros(n_ood, dtype=np.int64), prep, tok,
-                          256)
+    ood_circ = circuit_batches(cfg, _take(ood_val_inputs, np.arange(n_ood)), np.zeros(n_ood, dtype=np.int64), prep,
+                               tok)
     test = batches_of(cfg, data.test.inputs, data.test.labels, prep, tok)
     ood_test = {n: batches_of(cfg, x, np.zeros(len(x), dtype=np.int64), prep, tok)
                 for n, (x, _) in data.ood_test.items()}
@@ -206,7 +207,7 @@ def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) 
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "spec.json").write_text(json.dumps(spec.key(), indent=1))
     return Context(spec, cfg, adapter, data, prep, tok, calib, [b for b, _ in val_circ],
-                   torch.as_tensor(data.val.labels[:n_val]), [b for b, _ in ood_circ], test, ood_test, kinds, cache,
+                   torch.cat([y for _, y in val_circ]), [b for b, _ in ood_circ], test, ood_test, kinds, cache,
                    progress)
 
 

@@ -61,7 +61,7 @@ class HydraConfig:
     strategy: str = "taylor"  # taylor | circuit-acc | circuit-ood | circuit-avg | random
     prune_per_layer: int | None = None  # heads each member prunes in every layer ...
     prune_total: int | None = None  # ... or in the whole model (exactly one of the two)
-    pool: float | None = None  # candidate pool: ratio to the budget (default the paper's 100/48)
+    pool: float | None = None  # candidate pool / budget (default: the paper's 100/48, at most 100/144 of the heads)
     seeds: list[int] | None = None  # pruning seeds, one per member (default 0..M-1)
     calib_samples: int = 256  # samples for Taylor gradients and circuit scoring
     mlp: str = "shared"  # shared (the paper's averaged MLP) | per_member

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PAPER_POOL_RATIO = 100 / 48  # candidates per pruned head in the paper's sampling
+PAPER_POOL_SHARE = 100 / 144  # candidates per head of the model (ViT-B/16 has 144 heads)
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,19 @@ class Budget:
 
 
 def pool_size(n_prune: int, available: int, pool: int | float | None) -> int:
-    """Candidate pool for sampling ``n_prune`` heads: an explicit count, a ratio, or the paper's 100/48."""
+    """Candidate pool for sampling ``n_prune`` of ``available`` heads: an explicit count, a ratio, or the paper's.
+
+    The paper draws 48 heads from the 100 least important of ViT-B/16's 144: the
+    default pool is ``n_prune * 100/48`` capped at ``available * 100/144``. Both give
+    100 there (and 4 of 6 heads for pruning 2 per layer); the cap matters when half a
+    layer is pruned (BERT's 6 of 12 heads per layer): without it the pool would be the
+    whole layer, members would prune uniformly random heads and the ranking would be
+    ignored; with it the pool is the 8 least important and the top 4 always stay. The
+    cap never takes away the last choice (pool >= n_prune + 1 where heads remain).
+    """
     if pool is None:
-        size = round(n_prune * PAPER_POOL_RATIO)
+        size = min(round(n_prune * PAPER_POOL_RATIO), round(available * PAPER_POOL_SHARE))
+        size = max(size, min(n_prune + 1, available)) if n_prune else 0
     elif isinstance(pool, float):  # a ratio of candidates to pruned heads
         size = round(n_prune * pool)
     else:  # an explicit number of candidates
@@ -83,9 +94,9 @@ def sample_members(
     members = []
     if budget.total is not None:
         n = budget.total
-        size = pool_size(n, len(ranking), pool)
-        if size < n:
-            raise ValueError(f"the ranking covers {len(ranking)} heads, fewer than the {n} to prune")
+        size = pool_size(n, sum(heads_per_layer), pool)
+        if len(ranking) < size:
+            raise ValueError(f"the ranking covers {len(ranking)} heads, the pool needs {size}")
         candidates = list(ranking[:size])
         for seed in seeds:
             rng = np.random.default_rng(seed)

@@ -31,16 +31,35 @@ Batch = dict[str, torch.Tensor]
 
 # ----------------------------------------------------------------------------- Taylor
 def accumulate_grads(
-    adapter: FamilyAdapter, model: nn.Module, batches: Sequence[tuple[Batch, torch.Tensor]]
+    adapter: FamilyAdapter,
+    model: nn.Module,
+    batches: Sequence[tuple[Batch, torch.Tensor]],
+    only: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """Zero the grads, then sum d(CE loss)/dθ over the calibration batches (each loss a batch mean)."""
+    """Zero the grads, then sum d(CE loss)/dθ over the calibration batches (each loss a batch mean).
+
+    ``only``: the gradients wanted (parameters or views of them, e.g. one layer's
+    W_q, W_k, W_v); every other parameter is frozen for the pass, so the backward
+    stops at that layer and computes no other weight gradient (same values, about
+    half the work of a full backward for Taylor's layer-by-layer scoring).
+    """
     model.zero_grad(set_to_none=True)
     was_training = model.training
+    saved = None
+    if only is not None:
+        wanted = {id(t._base if t._base is not None else t) for t in only}
+        saved = [(p, p.requires_grad) for p in model.parameters()]
+        for p, _ in saved:
+            p.requires_grad_(id(p) in wanted)
     model.eval()  # no dropout: scores must be a deterministic function of the weights
-    for batch, labels in batches:
-        loss = F.cross_entropy(adapter.forward(model, batch), labels)
-        loss.backward()
-    model.train(was_training)
+    try:
+        for batch, labels in batches:
+            loss = F.cross_entropy(adapter.forward(model, batch), labels)
+            loss.backward()
+    finally:
+        model.train(was_training)
+        for p, flag in saved or ():
+            p.requires_grad_(flag)
 
 
 def taylor_layer_scores(adapter: FamilyAdapter, model: nn.Module, layer: int) -> torch.Tensor:
@@ -92,7 +111,7 @@ def taylor_prune(
             pruned_all.append([])
             scores_all.append([])
             continue
-        accumulate_grads(adapter, current, batches)
+        accumulate_grads(adapter, current, batches, only=adapter.qkv_weights(current, layer))
         s = taylor_layer_scores(adapter, current, layer)
         order = torch.argsort(s, stable=True).tolist()  # least important first
         pool = r if rng is None or pool_per_layer is None else max(r, min(int(pool_per_layer[layer]), H))

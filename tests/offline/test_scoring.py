@@ -141,3 +141,43 @@ def test_random_ranking_is_a_seeded_permutation():
     r = random_ranking([3, 2], seed=0)
     assert sorted(r) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     assert r == random_ranking([3, 2], seed=0) and r != random_ranking([3, 2], seed=1)
+
+
+@pytest.mark.parametrize("family", ["vit", "bert"])
+def test_accumulate_grads_only_one_layer_gives_the_same_gradients(family):
+    """Taylor's per-layer backward (other parameters frozen) equals the full backward for that layer's W_q, W_k, W_v."""
+    model = tiny_vit() if family == "vit" else tiny_bert()
+    adapter = get_adapter(family)
+    data = [_vit_data()] if family == "vit" else [(bert_batch(), torch.tensor([0, 1, 2, 0]))]
+    accumulate_grads(adapter, model, data)
+    full = [g.clone() for g in adapter.qkv_grads(model, 1)]
+    flags = [p.requires_grad for p in model.parameters()]
+    accumulate_grads(adapter, model, data, only=adapter.qkv_weights(model, 1))
+    for a, b in zip(full, adapter.qkv_grads(model, 1), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and all(("layer.1." in n or "blocks.1." in n) and ("qkv" in n or "self." in n) for n in with_grad)
+    assert [p.requires_grad for p in model.parameters()] == flags  # restored
+
+
+def test_circuit_batches_sort_texts_by_length_with_their_labels():
+    """Circuit extraction's text batches pad only to their own longest text; labels stay with their texts."""
+    from transformers import AutoTokenizer
+
+    from offline.config import BuildConfig
+    from offline.pipeline import circuit_batches
+    from offline.train import minilm_path
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    rng = np.random.default_rng(0)
+    texts = [" ".join(["word"] * int(n)) for n in rng.integers(1, 40, size=70)]
+    labels = np.arange(70) % 2
+    prep = {"type": "text", "max_length": 32}
+    batches = circuit_batches(BuildConfig(), texts, labels, prep, tok)
+    assert [len(y) for _, y in batches] == [32, 32, 6]
+    got = [(tok.decode(ids[m.bool()], skip_special_tokens=True), int(label))
+           for b, y in batches for ids, m, label in zip(b["input_ids"], b["attention_mask"], y, strict=True)]
+    want = {(" ".join(t.split()[:30]), int(label)) for t, label in zip(texts, labels, strict=True)}  # 30 + [CLS], [SEP]
+    assert set(got) == want
+    widths = [b["input_ids"].shape[1] for b, _ in batches]
+    assert widths == sorted(widths) and widths[0] < widths[-1] <= 32
