@@ -120,7 +120,7 @@ def setting_spec(setting: str, fast: bool) -> Spec:
         if fast:
             return Spec("text", "fast", "bert", "tweets", "bert_fast",
                         {"max_train": 2000, "max_val": 300, "max_test": 600, "max_ood": 300},
-                        prune_per_layer=6, calib_samples=16, finetune_steps=5, base_steps=60, max_length=32,
+                        prune_per_layer=6, calib_samples=32, finetune_steps=20, base_steps=60, max_length=32,
                         ablation_prune=(6, 9))
         return Spec("text", "full", "bert", "tweets", "bert_full",
                     {"max_train": 20000, "max_val": 1000, "max_test": 2000, "max_ood": 1000},
