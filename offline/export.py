@@ -33,6 +33,7 @@ __all__ = [
     "load_onnx_session",
     "run_export",
     "check_parity",
+    "eager_outputs",
     "bf16_agreement",
 ]
 
@@ -171,7 +172,22 @@ def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: l
     raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
 
 
-def check_parity(model: nn.Module, path: Path, kind: str, batches: list[dict[str, torch.Tensor]], tol: float) -> float:
+def eager_outputs(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """fp32 eager outputs of ``model`` on ``batches`` (the reference shared by the export and bf16 checks)."""
+    model = model.eval()
+    order = input_order(model, batches[0])
+    with torch.inference_mode():
+        return [model(*(b[k] for k in order)).float() for b in batches]
+
+
+def check_parity(
+    model: nn.Module,
+    path: Path,
+    kind: str,
+    batches: list[dict[str, torch.Tensor]],
+    tol: float,
+    reference: list[torch.Tensor] | None = None,
+) -> float:
     """Largest absolute output difference between ``model`` (eager) and its export over ``batches``.
 
     Args:
@@ -180,6 +196,7 @@ def check_parity(model: nn.Module, path: Path, kind: str, batches: list[dict[str
         kind: ``torchscript`` or ``onnx``.
         batches: named inputs (real validation inputs; vary batch sizes and, for text, sequence lengths).
         tol: largest accepted absolute difference.
+        reference: the eager outputs on ``batches`` when already computed (:func:`eager_outputs`).
 
     Raises :class:`ExportMismatch` (naming the batch, the difference and the
     tolerance) when a batch differs by more than ``tol``, in shape, or has NaNs.
@@ -196,9 +213,14 @@ def check_parity(model: nn.Module, path: Path, kind: str, batches: list[dict[str
     model = model.eval()
     order = input_order(model, batches[0])
     worst = 0.0
+    if reference is not None and len(reference) != len(batches):
+        raise ValueError(f"{len(reference)} reference outputs for {len(batches)} batches")
     for i, batch in enumerate(batches):
-        with torch.inference_mode():
-            ref = model(*(batch[k] for k in order)).float()
+        if reference is not None:
+            ref = reference[i]
+        else:
+            with torch.inference_mode():
+                ref = model(*(batch[k] for k in order)).float()
         got = run_export(runner, kind, batch, order)
         shapes = {k: tuple(v.shape) for k, v in batch.items()}
         if got.shape != ref.shape:
@@ -218,7 +240,12 @@ def check_parity(model: nn.Module, path: Path, kind: str, batches: list[dict[str
 
 
 @torch.inference_mode()
-def bf16_agreement(model: nn.Module, batches: list[dict[str, torch.Tensor]], temperature: float) -> dict:
+def bf16_agreement(
+    model: nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    temperature: float,
+    reference: list[torch.Tensor] | None = None,
+) -> dict:
     """CPU bf16 autocast vs fp32 on validation batches: does serving in bf16 give the same answers?
 
     Both runs' member logits ``(B, M, C)`` go through ``service.uncertainty.summarize``
@@ -226,17 +253,20 @@ def bf16_agreement(model: nn.Module, batches: list[dict[str, torch.Tensor]], tem
     ensemble prediction is the same), ``"max_abs_diff": {msp, entropy, mutual_information}``,
     ``"max_abs_logit_diff"``, ``"tolerance"`` (:data:`BF16_TOLERANCE`), ``"min_agreement"``,
     ``"ok"`` (agreement >= 0.99 and every field within tolerance), ``"n"`` (inputs)}.
+    ``reference``: the fp32 outputs on ``batches`` when already computed (:func:`eager_outputs`).
     """
     if not batches:
         raise ValueError("bf16_agreement needs at least one batch")
+    if reference is not None and len(reference) != len(batches):
+        raise ValueError(f"{len(reference)} reference outputs for {len(batches)} batches")
     model = model.eval()
     order = input_order(model, batches[0])
     fields = tuple(BF16_TOLERANCE)
     same, n, logit_diff = 0, 0, 0.0
     diffs = dict.fromkeys(fields, 0.0)
-    for batch in batches:
+    for i, batch in enumerate(batches):
         args = [batch[k] for k in order]
-        ref = model(*args).float()
+        ref = reference[i] if reference is not None else model(*args).float()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = model(*args).float()
         s_ref, s_low = summarize(ref, temperature), summarize(low, temperature)

@@ -189,9 +189,19 @@ def circuit_batches(cfg: BuildConfig, inputs, labels, prep, tok) -> list:
     """
     if prep["type"] != "text":
         return batches_of(cfg, inputs, labels, prep, tok, 256)
+    return length_sorted_batches(cfg, inputs, labels, prep, tok, 32)[0]
+
+
+def length_sorted_batches(cfg: BuildConfig, inputs, labels, prep, tok, batch_size: int = EVAL_BATCH):
+    """``(batches, order)``: texts sorted by token count (stable) so each batch pads only to its own longest.
+
+    ``order`` maps batch position to input index (labels are reordered with it). Images: in order.
+    """
+    if prep["type"] != "text":
+        return batches_of(cfg, inputs, labels, prep, tok, batch_size), np.arange(len(labels))
     lengths = [len(ids) for ids in tok(list(inputs), truncation=True, max_length=prep.get("max_length"))["input_ids"]]
     order = np.argsort(lengths, kind="stable")
-    return batches_of(cfg, _take(inputs, order), np.asarray(labels)[order], prep, tok, 32)
+    return batches_of(cfg, _take(inputs, order), np.asarray(labels)[order], prep, tok, batch_size), order
 
 
 @torch.inference_mode()
@@ -314,7 +324,7 @@ def finish_artifact(cfg, out, adapter, base, members, fused, fcfg, data, prep, t
 
     from service.artifact import write_manifest
 
-    from .export import bf16_agreement, check_parity, export_onnx, export_torchscript
+    from .export import bf16_agreement, check_parity, eager_outputs, export_onnx, export_torchscript
     from .report import measure_latency, write_report
 
     out.mkdir(parents=True, exist_ok=True)
@@ -322,13 +332,15 @@ def finish_artifact(cfg, out, adapter, base, members, fused, fcfg, data, prep, t
         if p.name != ".checkpoints":
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     val = batches_of(cfg, data.val.inputs, data.val.labels, prep, tok)
-    test = batches_of(cfg, data.test.inputs, data.test.labels, prep, tok)
+    # evaluation sets in token-length order (texts): every metric is order-free, the labels travel along
+    test, test_order = length_sorted_batches(cfg, data.test.inputs, data.test.labels, prep, tok)
     ood_test = {
-        name: batches_of(cfg, x, np.zeros(len(x), dtype=np.int64), prep, tok) for name, (x, _) in data.ood_test.items()
+        name: length_sorted_batches(cfg, x, np.zeros(len(x), dtype=np.int64), prep, tok)[0]
+        for name, (x, _) in data.ood_test.items()
     }
     ood_kinds = {name: kind for name, (_, kind) in data.ood_test.items()}
     ood_val_inputs = _concat(list(data.ood_val.values()))
-    ood_val = batches_of(cfg, ood_val_inputs, np.zeros(len(ood_val_inputs), dtype=np.int64), prep, tok)
+    ood_val = length_sorted_batches(cfg, ood_val_inputs, np.zeros(len(ood_val_inputs), dtype=np.int64), prep, tok)[0]
 
     def fused_fn(b):
         return fused(**b)
@@ -344,7 +356,7 @@ def finish_artifact(cfg, out, adapter, base, members, fused, fcfg, data, prep, t
     timer.lap("calibration")
 
     # evaluation: single base model, each member, fused Hydra, unfused ensemble of the same members
-    y_test = data.test.labels
+    y_test = np.asarray(data.test.labels)[test_order]
     outputs: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
     outputs["single"] = (collect_logits(lambda b: adapter.forward(base, b), test),
                          {n: collect_logits(lambda b: adapter.forward(base, b), bs) for n, bs in ood_test.items()})
@@ -359,7 +371,7 @@ def finish_artifact(cfg, out, adapter, base, members, fused, fcfg, data, prep, t
         torch.cat([mo[0] for mo in member_out], dim=1),
         {n: torch.cat([mo[1][n] for mo in member_out], dim=1) for n in ood_test},
     )
-    example = test[0][0]
+    example = batches_of(cfg, _take(data.test.inputs, np.arange(min(8, len(y_test)))), y_test[:8], prep, tok, 8)[0][0]
     one = {k: v[:1] for k, v in example.items()}
     lat_inputs = {k: v[:8] for k, v in example.items()}
     fns = {
@@ -394,7 +406,7 @@ def finish_artifact(cfg, out, adapter, base, members, fused, fcfg, data, prep, t
     # artifact files: weights, exports (checked against eager), tokenizer
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     exports: dict[str, Any] = {}
-    full_batches = [b for b, _ in val[:4]]
+    full_batches = [b for b, _ in val[:2]]
     first = full_batches[0]  # also other batch sizes and, for text, a shorter sequence length
     odd_batches = [{k: v[:1] for k, v in first.items()}, {k: v[:5] for k, v in first.items()}]
     if "attention_mask" in first:
@@ -403,18 +415,19 @@ def finish_artifact(cfg, out, adapter, base, members, fused, fcfg, data, prep, t
     parity_batches = full_batches + odd_batches
     example_inputs = {k: v[:2] for k, v in parity_batches[0].items()}
     tol = cfg.export.tolerance
+    # 256 validation inputs and the odd shapes; the fp32 eager reference is computed once for all three checks
+    reference = eager_outputs(fused, parity_batches)
     if cfg.export.torchscript:
         export_torchscript(fused, example_inputs, out / "model.ts")
-        diff = check_parity(fused, out / "model.ts", "torchscript", parity_batches, tol)
+        diff = check_parity(fused, out / "model.ts", "torchscript", parity_batches, tol, reference=reference)
         exports["torchscript"] = {"file": "model.ts", "max_abs_diff": diff, "tolerance": tol}
     if cfg.export.onnx:
         export_onnx(fused, example_inputs, out / "model.onnx", output_names=["logits"])
-        diff = check_parity(fused, out / "model.onnx", "onnx", parity_batches, tol)
+        diff = check_parity(fused, out / "model.onnx", "onnx", parity_batches, tol, reference=reference)
         exports["onnx"] = {"file": "model.onnx", "max_abs_diff": diff, "tolerance": tol, "opset": 17}
     precision = {}
-    if cfg.export.bf16_check:
-        # 2 full batches (256 inputs) and the odd shapes: CPUs without native bf16 emulate it 3-4x slower than fp32
-        precision["bf16"] = bf16_agreement(fused, full_batches[:2] + odd_batches, temperature=T)
+    if cfg.export.bf16_check:  # CPUs without native bf16 emulate it 3-4x slower than fp32
+        precision["bf16"] = bf16_agreement(fused, parity_batches, temperature=T, reference=reference)
     if tok is not None:
         tok.save_pretrained(str(out / "tokenizer"))
     timer.lap("export")

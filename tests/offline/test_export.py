@@ -131,3 +131,21 @@ def test_bf16_agreement_report(case):
     assert 0.0 < r["max_abs_logit_diff"] < 0.5
     assert all(0.0 <= v <= BF16_TOLERANCE[k] for k, v in r["max_abs_diff"].items())
     assert r["ok"] is (r["argmax_agreement"] >= 0.99)
+
+
+def test_shared_eager_reference_gives_the_same_checks(case):
+    """The build computes the fp32 eager outputs once for the TorchScript, ONNX and bf16 checks."""
+    from offline.export import eager_outputs
+
+    family, model, example, batches, d = case
+    export_torchscript(model, example, d / "shared.ts")
+    ref = eager_outputs(model, batches)
+    assert check_parity(model, d / "shared.ts", "torchscript", batches, TOL, reference=ref) == check_parity(
+        model, d / "shared.ts", "torchscript", batches, TOL)
+    assert bf16_agreement(model, batches, 1.5, reference=ref) == bf16_agreement(model, batches, 1.5)
+    # a reference that is not the model's own output is what gets compared against
+    shifted = [r + 0.01 for r in ref]
+    with pytest.raises(ExportMismatch, match="max abs diff 0.01"):
+        check_parity(model, d / "shared.ts", "torchscript", batches, TOL, reference=shifted)
+    with pytest.raises(ValueError, match="reference outputs"):
+        bf16_agreement(model, batches, 1.5, reference=ref[:1])

@@ -181,3 +181,20 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
     assert set(got) == want
     widths = [b["input_ids"].shape[1] for b, _ in batches]
     assert widths == sorted(widths) and widths[0] < widths[-1] <= 32
+
+
+def test_length_sorted_batches_order_maps_back_to_the_inputs():
+    from transformers import AutoTokenizer
+
+    from offline.config import BuildConfig
+    from offline.pipeline import length_sorted_batches
+    from offline.train import minilm_path
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    texts = [" ".join([f"w{i}"] * (1 + (7 * i) % 13)) for i in range(20)]
+    labels = np.arange(20)
+    batches, order = length_sorted_batches(BuildConfig(), texts, labels, {"type": "text", "max_length": 16}, tok, 8)
+    np.testing.assert_array_equal(torch.cat([y for _, y in batches]).numpy(), labels[order])
+    assert sorted(order.tolist()) == list(range(20))
+    first = tok.decode(batches[0][0]["input_ids"][0], skip_special_tokens=True).replace(" ", "")
+    assert first == texts[order[0]].replace(" ", "")
