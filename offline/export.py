@@ -180,6 +180,17 @@ def eager_outputs(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> l
         return [model(*(b[k] for k in order)).float() for b in batches]
 
 
+def _reference(
+    model: nn.Module, batches: list[dict[str, torch.Tensor]], reference: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """``reference`` checked against ``batches``, or the eager outputs computed now."""
+    if reference is None:
+        return eager_outputs(model, batches)
+    if len(reference) != len(batches):
+        raise ValueError(f"{len(reference)} reference outputs for {len(batches)} batches")
+    return reference
+
+
 def check_parity(
     model: nn.Module,
     path: Path,
@@ -213,14 +224,7 @@ def check_parity(
     model = model.eval()
     order = input_order(model, batches[0])
     worst = 0.0
-    if reference is not None and len(reference) != len(batches):
-        raise ValueError(f"{len(reference)} reference outputs for {len(batches)} batches")
-    for i, batch in enumerate(batches):
-        if reference is not None:
-            ref = reference[i]
-        else:
-            with torch.inference_mode():
-                ref = model(*(batch[k] for k in order)).float()
+    for i, (batch, ref) in enumerate(zip(batches, _reference(model, batches, reference), strict=True)):
         got = run_export(runner, kind, batch, order)
         shapes = {k: tuple(v.shape) for k, v in batch.items()}
         if got.shape != ref.shape:
@@ -257,16 +261,14 @@ def bf16_agreement(
     """
     if not batches:
         raise ValueError("bf16_agreement needs at least one batch")
-    if reference is not None and len(reference) != len(batches):
-        raise ValueError(f"{len(reference)} reference outputs for {len(batches)} batches")
+    refs = _reference(model, batches, reference)
     model = model.eval()
     order = input_order(model, batches[0])
     fields = tuple(BF16_TOLERANCE)
     same, n, logit_diff = 0, 0, 0.0
     diffs = dict.fromkeys(fields, 0.0)
-    for i, batch in enumerate(batches):
+    for batch, ref in zip(batches, refs, strict=True):
         args = [batch[k] for k in order]
-        ref = reference[i] if reference is not None else model(*args).float()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = model(*args).float()
         s_ref, s_low = summarize(ref, temperature), summarize(low, temperature)
