@@ -70,6 +70,7 @@ log = logging.getLogger("hydra.bench.quality")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = ROOT / ".cache" / "benchmarks"
+BUILDER_BASES = ROOT / ".cache" / "bases"  # the base.cache_dir of offline/configs/*-full*.yaml
 SETTINGS = ("text", "image")
 METHODS = ("single", "deep_ensemble", "mc_dropout", "taylor", "circavg", "hydra_taylor", "hydra_circ")
 Batch = dict[str, torch.Tensor]
@@ -87,7 +88,7 @@ class Spec:
     preset: str  # offline.train PRESETS entry
     sizes: dict[str, int]  # max_train, max_val, max_test, max_ood
     prune_per_layer: int  # heads each member prunes per layer
-    calib_samples: int  # Taylor gradients and circuit extraction samples
+    calib_samples: int  # Taylor gradient samples (and circuit extraction samples unless circuit_samples is set)
     finetune_steps: int  # member (and pruned-single) fine-tuning steps
     base_steps: int | None = None  # override the preset's base training steps
     max_length: int = 64  # text: tokenizer max length
@@ -97,7 +98,12 @@ class Spec:
     data_seed: int = 0  # split seed
     ablation_prune: tuple[int, ...] = ()  # heads pruned per layer in the heads-kept ablation
     ablation_members: tuple[int, ...] = (1, 3, 5)  # M in the members ablation
+    circuit_samples: int | None = None  # ID (and OOD) validation samples of circuit extraction; None: calib_samples
     extra: dict[str, Any] = field(default_factory=dict)  # free-form notes recorded with the results
+
+    @property
+    def n_circuit(self) -> int:
+        return self.calib_samples if self.circuit_samples is None else self.circuit_samples
 
     def key(self) -> dict[str, Any]:
         """What a cached base model depends on."""
@@ -113,19 +119,22 @@ def setting_spec(setting: str, fast: bool) -> Spec:
                         {"max_train": 6000, "max_val": 400, "max_test": 1000, "max_ood": 400},
                         prune_per_layer=2, calib_samples=128, finetune_steps=40, base_steps=300,
                         ablation_prune=(1, 2, 3))
+        # the recipe of offline/configs/image-full.yaml (the build's full image setting)
         return Spec("image", "full", "vit", "fashion-mnist", "vit_full",
                     {"max_train": 36000, "max_val": 1000, "max_test": 6000, "max_ood": 1797},
-                    prune_per_layer=2, calib_samples=512, finetune_steps=500, ablation_prune=(1, 2, 3))
+                    prune_per_layer=2, calib_samples=512, finetune_steps=300, base_steps=1200,
+                    ablation_prune=(1, 2, 3))
     if setting == "text":
         if fast:
             return Spec("text", "fast", "bert", "tweets", "bert_fast",
                         {"max_train": 2000, "max_val": 300, "max_test": 600, "max_ood": 300},
                         prune_per_layer=6, calib_samples=32, finetune_steps=20, base_steps=60, max_length=32,
                         ablation_prune=(6, 9))
+        # the recipe of offline/configs/text-full-{taylor,circuit}.yaml (the build's full text setting)
         return Spec("text", "full", "bert", "tweets", "bert_full",
                     {"max_train": 20000, "max_val": 1000, "max_test": 2000, "max_ood": 1000},
-                    prune_per_layer=6, calib_samples=256, finetune_steps=400, max_length=64,
-                    ablation_prune=(3, 6, 9))
+                    prune_per_layer=6, calib_samples=512, finetune_steps=150, base_steps=400, max_length=64,
+                    circuit_samples=64, ablation_prune=(3, 6, 9))
     raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS}")
 
 
@@ -193,7 +202,7 @@ def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) 
     n_cal = min(spec.calib_samples, len(data.train.labels))
     cal_idx = np.sort(rng.choice(len(data.train.labels), size=n_cal, replace=False))
     calib = batches_of(cfg, _take(data.train.inputs, cal_idx), data.train.labels[cal_idx], prep, tok, 64)
-    n_val = min(spec.calib_samples, len(data.val.labels))
+    n_val = min(spec.n_circuit, len(data.val.labels))
     val_circ = circuit_batches(cfg, _take(data.val.inputs, np.arange(n_val)), data.val.labels[:n_val], prep, tok)
     ood_val_inputs = _concat(list(data.ood_val.values()))
     n_ood = min(n_val, len(ood_val_inputs))
@@ -230,6 +239,24 @@ def _new_base(ctx: Context, seed: int) -> nn.Module:
     return model
 
 
+def builder_base_dir(spec: Spec, seed: int, cache_dir: Path = BUILDER_BASES) -> Path | None:
+    """The builder's cached base of the same recipe (``base.cache_dir`` of ``offline/build.py``), if there is one.
+
+    ``offline.pipeline.load_base`` trains with seed 0 and keys its cache by (family, base, data) config;
+    the benchmark's seed-0 base has exactly that recipe, so a full benchmark run after the full builds
+    (or a build after the benchmark) trains it once. ``fit``'s checkpoint fingerprint (training config,
+    data size, architecture) still has to match for the checkpoint to be used.
+    """
+    from offline.pipeline import base_checkpoint_dir
+
+    if seed != train_mod.TrainConfig.seed:
+        return None
+    cfg = build_config(spec)
+    cfg = replace(cfg, base=replace(cfg.base, cache_dir=str(cache_dir)))
+    folder = base_checkpoint_dir(cfg, None)
+    return folder if folder is not None and folder.is_dir() else None
+
+
 def base_model(ctx: Context, seed: int) -> nn.Module:
     """The base classifier trained (image) or fine-tuned (text) with ``seed``; cached as safetensors."""
     from safetensors.torch import load_model, save_model
@@ -241,16 +268,18 @@ def base_model(ctx: Context, seed: int) -> nn.Module:
         load_model(model, str(path), strict=True)
         return model.eval()
     tcfg = _train_config(ctx.spec, "train", seed, ctx.progress)
+    shared = builder_base_dir(ctx.spec, seed)
     t0 = time.perf_counter()
     if ctx.spec.family == "vit":
         arch = {**train_mod.PRESETS[ctx.spec.preset]["arch"], "num_classes": len(d.class_names)}
-        model = train_mod.train_base_vit(d.train.inputs, d.train.labels, d.val.inputs, d.val.labels, arch, tcfg)
+        model = train_mod.train_base_vit(d.train.inputs, d.train.labels, d.val.inputs, d.val.labels, arch, tcfg,
+                                         checkpoint_dir=shared)
     else:
         model = train_mod.finetune_bert(_new_base(ctx, seed), ctx.tok, d.train.inputs, d.train.labels, d.val.inputs,
-                                        d.val.labels, tcfg, max_length=ctx.spec.max_length)
+                                        d.val.labels, tcfg, max_length=ctx.spec.max_length, checkpoint_dir=shared)
     save_model(model, str(path))
     info = {**getattr(model, train_mod.TRAIN_LOG_ATTR, {}), "seconds_total": round(time.perf_counter() - t0, 1),
-            "train": asdict(tcfg)}
+            "train": asdict(tcfg), "builder_checkpoint": str(shared) if shared else None}
     path.with_suffix(".json").write_text(json.dumps(info, indent=1, default=str))
     return model.eval()
 
@@ -259,7 +288,7 @@ def circuit_order(ctx: Context, base: nn.Module, base_seed: int, prune_per_layer
     """CircAvg ranking of ``base`` (least useful first) for a per-layer budget, as ``build_members`` makes; cached."""
     heads = ctx.adapter.heads(base)
     caps = [pool_size(prune_per_layer, n, None) for n in heads]
-    path = ctx.cache / f"circuit-avg-seed{base_seed}-caps{_hash(caps)}-n{ctx.spec.calib_samples}.json"
+    path = ctx.cache / f"circuit-avg-seed{base_seed}-caps{_hash(caps)}-n{ctx.spec.n_circuit}.json"
     if path.is_file():
         return [tuple(x) for x in json.loads(path.read_text())["ranking"]]
     t0 = time.perf_counter()

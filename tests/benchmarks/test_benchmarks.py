@@ -26,6 +26,28 @@ def test_mean_std_known_answer():
     assert math.isnan(m) and math.isnan(s)
 
 
+@pytest.mark.parametrize(("setting", "config"), [("image", "image-full.yaml"), ("text", "text-full-taylor.yaml"),
+                                                ("text", "text-full-circuit.yaml")])
+def test_full_mode_is_the_builds_full_recipe(tmp_path: Path, setting: str, config: str):
+    """The full benchmark's base and member recipe is the full build config's, so the seed-0 base is shared."""
+    from dataclasses import replace
+
+    from offline.config import load_config
+    from offline.pipeline import base_checkpoint_dir
+
+    spec = q.setting_spec(setting, fast=False)
+    cfg = load_config(Path(q.ROOT) / "offline" / "configs" / config)
+    samples = spec.n_circuit if cfg.hydra.strategy.startswith("circuit") else spec.calib_samples
+    assert (spec.finetune_steps, samples, spec.prune_per_layer, spec.members) == (
+        cfg.hydra.finetune_steps, cfg.hydra.calib_samples, cfg.hydra.prune_per_layer, cfg.hydra.members)
+    builder_dir = base_checkpoint_dir(replace(cfg, base=replace(cfg.base, cache_dir=str(tmp_path))), None)
+    assert q.builder_base_dir(spec, 0, tmp_path) is None  # nothing cached yet: train in the benchmark's own cache
+    builder_dir.mkdir(parents=True)
+    assert q.builder_base_dir(spec, 0, tmp_path) == builder_dir
+    assert q.builder_base_dir(spec, 1, tmp_path) is None  # the builder trains seed 0 only
+    assert q.builder_base_dir(q.setting_spec(setting, fast=True), 0, tmp_path) is None  # another recipe
+
+
 def test_count_macs_counts_inplace_gemms():
     x, w, r = torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16)
     assert cost_mod.count_macs(lambda: x @ w) == 4 * 8 * 16
