@@ -305,9 +305,14 @@ def finetune(ctx: Context, member: nn.Module, base_seed: int, ft_seed: int, desc
         return member.eval()
     tcfg = _train_config(ctx.spec, "finetune", ft_seed, ctx.progress, steps=ctx.spec.finetune_steps,
                          unfreeze=ctx.cfg.hydra.unfreeze)
-    key = _hash({"base": base_seed, "heads": ctx.adapter.kept_heads(member), "train": asdict(tcfg)})
+    ident = {"base": base_seed, "heads": ctx.adapter.kept_heads(member)}
+    # progress bars do not change the member: the key holds run.py's default (True) whatever --quiet says
+    folder = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=True))})
+    legacy = ctx.cache / "members" / _hash({**ident, "train": asdict(tcfg)})  # keyed with --quiet's progress=False
+    if legacy != folder and legacy.is_dir() and not folder.exists():
+        legacy.rename(folder)
     return train_mod.finetune_member(ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg,
-                                     checkpoint_dir=ctx.cache / "members" / key, desc=desc).eval()
+                                     checkpoint_dir=folder, desc=desc).eval()
 
 
 def pruned_members(

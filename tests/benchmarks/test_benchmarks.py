@@ -48,6 +48,34 @@ def test_full_mode_is_the_builds_full_recipe(tmp_path: Path, setting: str, confi
     assert q.builder_base_dir(q.setting_spec(setting, fast=True), 0, tmp_path) is None  # another recipe
 
 
+def test_member_cache_key_ignores_progress_and_adopts_quiet_runs(tmp_path: Path, monkeypatch):
+    """A member fine-tuned under --quiet is found by a run with progress bars (its folder is renamed once)."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    seen: list[Path] = []
+    monkeypatch.setattr(q.train_mod, "finetune_member",
+                        lambda *a, checkpoint_dir, **k: seen.append(checkpoint_dir) or torch.nn.Identity())
+    spec = q.setting_spec("image", fast=True)
+    adapter = SimpleNamespace(kept_heads=lambda m: [[0, 1], [2]])
+
+    def ctx(progress: bool):
+        return SimpleNamespace(spec=spec, cache=tmp_path, progress=progress, adapter=adapter, data=None, prep=None,
+                               tok=None, cfg=SimpleNamespace(hydra=SimpleNamespace(unfreeze="attention+mlp")))
+
+    q.finetune(ctx(True), torch.nn.Identity(), 0, 1, "m")
+    q.finetune(ctx(False), torch.nn.Identity(), 0, 1, "m")
+    assert seen[0] == seen[1]  # one key whatever the progress flag
+    # a folder made by the old key of a --quiet run (progress=False in the hash) is adopted, not retrained
+    tcfg = q._train_config(spec, "finetune", 1, False, steps=spec.finetune_steps, unfreeze="attention+mlp")
+    legacy = tmp_path / "members" / q._hash({"base": 0, "heads": [[0, 1], [2]], "train": asdict(tcfg)})
+    assert legacy != seen[0]
+    legacy.mkdir(parents=True)
+    (legacy / "model-0000040.safetensors").write_bytes(b"x")
+    q.finetune(ctx(False), torch.nn.Identity(), 0, 1, "m")
+    assert seen[2] == seen[0] and (seen[0] / "model-0000040.safetensors").is_file() and not legacy.exists()
+
+
 def test_count_macs_counts_inplace_gemms():
     x, w, r = torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16)
     assert cost_mod.count_macs(lambda: x @ w) == 4 * 8 * 16
