@@ -308,7 +308,8 @@ def finetune(ctx: Context, member: nn.Module, base_seed: int, ft_seed: int, desc
     ident = {"base": base_seed, "heads": ctx.adapter.kept_heads(member)}
     # progress bars do not change the member: the key holds run.py's default (True) whatever --quiet says
     folder = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=True))})
-    legacy = ctx.cache / "members" / _hash({**ident, "train": asdict(tcfg)})  # keyed with --quiet's progress=False
+    # the key of a --quiet run before 2026-11-23 (progress=False in the hash): adopted, not retrained
+    legacy = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=False))})
     if legacy != folder and legacy.is_dir() and not folder.exists():
         legacy.rename(folder)
     return train_mod.finetune_member(ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg,

@@ -72,7 +72,7 @@ def test_member_cache_key_ignores_progress_and_adopts_quiet_runs(tmp_path: Path,
     assert legacy != seen[0]
     legacy.mkdir(parents=True)
     (legacy / "model-0000040.safetensors").write_bytes(b"x")
-    q.finetune(ctx(False), torch.nn.Identity(), 0, 1, "m")
+    q.finetune(ctx(True), torch.nn.Identity(), 0, 1, "m")  # a run with bars finds the --quiet run's member
     assert seen[2] == seen[0] and (seen[0] / "model-0000040.safetensors").is_file() and not legacy.exists()
 
 
