@@ -244,8 +244,8 @@ def builder_base_dir(spec: Spec, seed: int, cache_dir: Path = BUILDER_BASES) -> 
 
     ``offline.pipeline.load_base`` trains with seed 0 and keys its cache by (family, base, data) config;
     the benchmark's seed-0 base has exactly that recipe, so a full benchmark run after the full builds
-    (or a build after the benchmark) trains it once. ``fit``'s checkpoint fingerprint (training config,
-    data size, architecture) still has to match for the checkpoint to be used.
+    resumes from the build's base instead of training it again (the benchmark never creates that folder).
+    ``fit``'s checkpoint fingerprint (training config, data size, architecture) still has to match.
     """
     from offline.pipeline import base_checkpoint_dir
 
@@ -310,7 +310,7 @@ def finetune(ctx: Context, member: nn.Module, base_seed: int, ft_seed: int, desc
     folder = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=True))})
     # the key of a --quiet run before 2026-11-23 (progress=False in the hash): adopted, not retrained
     legacy = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=False))})
-    if legacy != folder and legacy.is_dir() and not folder.exists():
+    if legacy.is_dir() and not folder.exists():
         legacy.rename(folder)
     return train_mod.finetune_member(ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg,
                                      checkpoint_dir=folder, desc=desc).eval()
