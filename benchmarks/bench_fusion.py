@@ -194,6 +194,7 @@ def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[d
     lines.append(
         f"# {meta['layout']}, M={meta['members']}, {meta['keep']}/12 heads kept per member, torch {meta['torch']}, "
         f"{meta['threads']} threads, {meta['cpu']}"
+        + (f" (native bf16: {meta['cpu_bf16']})" if "cpu_bf16" in meta else "")
     )
     lines.append(f"{'method':<17} {'params (M)':>10} {'GMAC/input':>11} {'vs 3 dense':>10}   (per {unit})")
     for k in names:
@@ -259,9 +260,13 @@ def main() -> None:
     command = f"python {shlex.join(['benchmarks/bench_fusion.py', *sys.argv[1:]])}"
     meta = {
         "layout": args.layout, "members": args.members, "keep": keep, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu": cpu_name(), "commands": [command],
+        "threads": torch.get_num_threads(), "cpu": cpu_name(), "cpu_bf16": cpu_bf16(), "commands": [command],
         "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
     }  # fmt: skip
+
+    path = Path(args.out_dir) / f"fusion_{args.layout}.json"
+    if path.exists() and not (args.fresh or args.no_save):  # fail before minutes of timing, not after
+        check_mergeable(json.loads(path.read_text())["meta"], meta, path)
 
     models = build(args.layout, args.members, keep)
     fns = {k: f for k, f in methods(models).items() if k in names}
@@ -301,13 +306,12 @@ def main() -> None:
             print("\n".join(render(meta, macs, cell)[n_head:]), flush=True)
     if args.no_save:
         return
-    out_dir = Path(args.out_dir)
+    out_dir = path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"fusion_{args.layout}.json"
     if path.exists() and not args.fresh:  # merge: these cells replace the same cells of an earlier run
         old = json.loads(path.read_text())
-        same = all(old["meta"].get(k) == meta[k] for k in ("layout", "members", "keep", "threads", "thp"))
-        if same and set(old["macs"]) >= set(macs):
+        check_mergeable(old["meta"], meta, path)
+        if set(old["macs"]) >= set(macs):
             new_keys = {(r["precision"], r["batch"]) for r in rows}
             rows = [r for r in old["rows"] if (r["precision"], r["batch"]) not in new_keys] + rows
             meta["commands"] = [c for c in old["meta"]["commands"] if c != command] + [command]
@@ -315,6 +319,30 @@ def main() -> None:
     rows.sort(key=lambda r: (r["precision"] != "fp32", r["batch"], METHODS.index(r["method"])))
     path.write_text(json.dumps({"meta": meta, "macs": macs, "rows": rows}, indent=1) + "\n")
     (out_dir / f"fusion_{args.layout}.txt").write_text("\n".join(render(meta, macs, rows)) + "\n")
+
+
+MERGE_KEYS = ("layout", "members", "keep", "threads", "thp", "cpu", "cpu_bf16")
+
+
+def check_mergeable(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:
+    """Exit unless ``new`` cells may join the file ``path`` whose meta is ``old``: same layout, CPU and setup.
+
+    Latencies from another CPU (one with native bf16 and one without differ 3x in bf16) are not comparable.
+    """
+    diff = {k: (old.get(k), new[k]) for k in MERGE_KEYS if old.get(k) != new[k]}
+    if diff:
+        raise SystemExit(f"{path} was measured under other settings {diff} (file, now): "
+                         "pass --out-dir for a separate file or --fresh to replace it")
+
+
+def cpu_bf16() -> str:
+    """The CPU's native bf16 instructions (``avx512_bf16``, ``amx_bf16``) or ``none`` (bf16 is then emulated)."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    found = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
+    return ", ".join(found) or "none"
 
 
 def cpu_name() -> str:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks import bench_fusion
 from benchmarks import cost as cost_mod
 from benchmarks import quality as q
 from benchmarks import run as run_mod
@@ -95,6 +96,15 @@ def test_ratios_known_answer():
     assert by["deep_ensemble"]["macs_ratio"] == pytest.approx(3.0) and by["single"]["params_ratio"] == 1.0
     to_de = {r["method"]: r for r in cost_mod.ratios(rows, "deep_ensemble")}
     assert to_de["hydra"]["ratio_min"] == pytest.approx(0.4)
+
+
+def test_fusion_results_never_mix_cpus(tmp_path: Path):
+    """Cells timed on a CPU with native bf16 must not join a file timed on one without (3x apart in bf16)."""
+    meta = {"layout": "bert_base", "members": 3, "keep": 6, "threads": 2, "thp": "1", "cpu": "Xeon", "cpu_bf16": "none"}
+    bench_fusion.check_mergeable(meta, dict(meta), tmp_path / "f.json")  # same setup: merges
+    for key, value in (("cpu_bf16", "avx512_bf16, amx_bf16"), ("cpu", "EPYC"), ("threads", 1)):
+        with pytest.raises(SystemExit, match=key):
+            bench_fusion.check_mergeable(meta, {**meta, key: value}, tmp_path / "f.json")
 
 
 def test_mc_dropout_model_turns_dropout_on():
