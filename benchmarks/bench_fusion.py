@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline.families import get_adapter  # noqa: E402
 from offline.fusion import fuse  # noqa: E402
+from service.fused import CPU_MAX_ROWS  # noqa: E402
 
 METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble")
 LAYOUTS = {  # heads kept per member by default, batch sizes by default
@@ -190,11 +191,12 @@ def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[d
     """The text report of a results file: model sizes, then one latency line per precision and batch."""
     names = [m for m in METHODS if m in macs]
     unit = "image 224 px" if meta["layout"] == "vit_b16" else f"sequence of {SEQ_LEN} tokens"
-    lines = [f"$ {c}" for c in meta["commands"]]
+    lines = [f"$ {c}" for c in meta["commands"]] + ([f"# note: {meta['note']}"] if meta.get("note") else [])
     lines.append(
         f"# {meta['layout']}, M={meta['members']}, {meta['keep']}/12 heads kept per member, torch {meta['torch']}, "
         f"{meta['threads']} threads, {meta['cpu']}"
         + (f" (native bf16: {meta['cpu_bf16']})" if "cpu_bf16" in meta else "")
+        + (f"; fused CPU sub-batches of {meta['cpu_max_rows']} member rows" if meta.get("cpu_max_rows") else "")
     )
     lines.append(f"{'method':<17} {'params (M)':>10} {'GMAC/input':>11} {'vs 3 dense':>10}   (per {unit})")
     for k in names:
@@ -248,6 +250,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-save", action="store_true", help="print only; do not write fusion_<layout>.txt/.json")
+    ap.add_argument("--cpu-max-rows", type=int, default=CPU_MAX_ROWS,
+                    help="the fused model's CPU sub-batch size in member rows (0: one pass; see service/fused.py)")
     ap.add_argument(
         "--fresh", action="store_true", help="start the results file anew instead of merging these cells into it"
     )
@@ -261,7 +265,7 @@ def main() -> None:
     meta = {
         "layout": args.layout, "members": args.members, "keep": keep, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "cpu": cpu_name(), "cpu_bf16": cpu_bf16(), "commands": [command],
-        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""), "cpu_max_rows": args.cpu_max_rows,
     }  # fmt: skip
 
     path = Path(args.out_dir) / f"fusion_{args.layout}.json"
@@ -269,6 +273,7 @@ def main() -> None:
         check_mergeable(json.loads(path.read_text())["meta"], meta, path)
 
     models = build(args.layout, args.members, keep)
+    models["fused"].cpu_max_rows = args.cpu_max_rows
     fns = {k: f for k, f in methods(models).items() if k in names}
     n_params = {
         "single": sum(p.numel() for p in models["base"].parameters()),
@@ -321,7 +326,7 @@ def main() -> None:
     (out_dir / f"fusion_{args.layout}.txt").write_text("\n".join(render(meta, macs, rows)) + "\n")
 
 
-MERGE_KEYS = ("layout", "members", "keep", "threads", "thp", "cpu", "cpu_bf16")
+MERGE_KEYS = ("layout", "members", "keep", "threads", "thp", "cpu", "cpu_bf16", "cpu_max_rows")
 
 
 def check_mergeable(old: dict[str, Any], new: dict[str, Any], path: Path) -> None:

@@ -344,6 +344,29 @@ class FusedEncoder(nn.Module):
         return x
 
 
+# Most rows (members x sequences x tokens) one CPU forward pass works on; larger batches run as
+# sub-batches, one after another. On a CPU with native bf16 (AMX) a batch-32 pass over 3 x 32 x 128
+# rows made the fused model *slower* than the deep ensemble (its 12,288-row activations leave the
+# cache; each member's 4,096 rows do not), while sub-batches of about 4,096 rows made it 0.77 of it
+# (benchmarks/README.md, "CPU with native bf16"). Exact: the sequences of a batch never interact.
+CPU_MAX_ROWS = 4096
+
+
+def _sub_batch(model: nn.Module, batch: int, tokens: int, device: torch.device) -> int:
+    """Sequences per forward pass: ``batch`` (one pass) unless the model runs eagerly on CPU with more
+    than ``model.cpu_max_rows`` member rows (0 disables); traced, scripted and exported graphs are one pass."""
+    max_rows = model.cpu_max_rows
+    if (
+        not max_rows
+        or device.type != "cpu"
+        or torch.jit.is_scripting()
+        or torch.jit.is_tracing()
+        or torch.onnx.is_in_onnx_export()
+    ):
+        return batch
+    return max(1, min(batch, max_rows // (model.members * tokens)))
+
+
 def _stack_members(x: torch.Tensor, members: int) -> torch.Tensor:
     """(B, T, d) shared embedding -> (M, B*T, d) member streams (a broadcast view, no copy)."""
     B, T, d = x.shape
@@ -381,8 +404,18 @@ class FusedViT(nn.Module):
         # The readout of token pooling reads only the first token, so the last layer computes only that
         # token (exact; about one layer less work). False computes every token, as the members do.
         self.first_token_readout = self.global_pool == "token"
+        self.cpu_max_rows = CPU_MAX_ROWS  # eager CPU passes split larger batches (see CPU_MAX_ROWS)
+        self.num_tokens = gh * gw + self.num_prefix
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``pixel_values (B, C, H, W) -> logits (B, M, C)``."""
+        B = pixel_values.shape[0]
+        step = _sub_batch(self, B, self.num_tokens, pixel_values.device)
+        if step < B:
+            return torch.cat([self._forward(pixel_values[i : i + step]) for i in range(0, B, step)])
+        return self._forward(pixel_values)
+
+    def _forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         B = pixel_values.shape[0]
         x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)  # (B, T0, d)
         if self.cls_token is not None:
@@ -436,8 +469,19 @@ class FusedBert(nn.Module):
         # The readout reads only the first token, so the last layer computes only that token (exact;
         # about one layer less work). False computes every token, as the members do.
         self.first_token_readout = True
+        self.cpu_max_rows = CPU_MAX_ROWS  # eager CPU passes split larger batches (see CPU_MAX_ROWS)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``input_ids, attention_mask (B, T) -> logits (B, M, C)``."""
+        B, T = input_ids.shape
+        step = _sub_batch(self, B, T, input_ids.device)
+        if step < B:
+            return torch.cat(
+                [self._forward(input_ids[i : i + step], attention_mask[i : i + step]) for i in range(0, B, step)]
+            )
+        return self._forward(input_ids, attention_mask)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]

@@ -169,6 +169,30 @@ def test_vit_variants_match_naive_members(act, pool):
         torch.testing.assert_close(model(**batch), reference_vit(model, **batch), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["vit", "bert"])
+def test_cpu_sub_batches_equal_one_pass(family, monkeypatch):
+    """A batch over ``cpu_max_rows`` member rows runs as sub-batches (CPU eager): same logits as one pass."""
+    model = _model(family, False)
+    batch = _batch(family, n=5)
+    tokens = model.num_tokens if family == "vit" else batch["input_ids"].shape[1]
+    passes: list[int] = []
+    inner = model._forward
+    monkeypatch.setattr(model, "_forward", lambda *a: passes.append(len(a[0])) or inner(*a))
+    with torch.no_grad():
+        model.cpu_max_rows = 0  # one pass
+        whole = model(**batch)
+        assert passes == [5]
+        passes.clear()
+        model.cpu_max_rows = 2 * model.members * tokens  # two sequences per pass
+        split = model(**batch)
+        assert passes == [2, 2, 1]
+        passes.clear()
+        torch.jit.trace(model, tuple(batch.values()), check_trace=False)  # a traced graph is one pass
+        assert passes == [5]
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split, _reference(model, batch), atol=1e-5, rtol=1e-5)
+
+
 def test_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="unknown activation 'swish'"):
         build_model({**tiny_config("vit"), "act": "swish"})
