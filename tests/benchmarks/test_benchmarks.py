@@ -100,9 +100,10 @@ def test_ratios_known_answer():
 
 def test_fusion_results_never_mix_cpus(tmp_path: Path):
     """Cells timed on a CPU with native bf16 must not join a file timed on one without (3x apart in bf16)."""
-    meta = {"layout": "bert_base", "members": 3, "keep": 6, "threads": 2, "thp": "1", "cpu": "Xeon", "cpu_bf16": "none"}
+    meta = {"layout": "bert_base", "members": 3, "keep": 6, "threads": 2, "thp": "1", "cpu": "Xeon", "cpu_bf16": "none",
+            "cpu_max_rows": 0}
     bench_fusion.check_mergeable(meta, dict(meta), tmp_path / "f.json")  # same setup: merges
-    for key, value in (("cpu_bf16", "avx512_bf16, amx_bf16"), ("cpu", "EPYC"), ("threads", 1)):
+    for key, value in (("cpu_bf16", "avx512_bf16, amx_bf16"), ("cpu", "EPYC"), ("threads", 1), ("cpu_max_rows", 4096)):
         with pytest.raises(SystemExit, match=key):
             bench_fusion.check_mergeable(meta, {**meta, key: value}, tmp_path / "f.json")
 

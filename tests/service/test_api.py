@@ -80,7 +80,7 @@ def test_health_ready_models_metrics_docs(client):
         m = models[name]
         assert (m["family"], m["task"], m["modality"], m["members"]) == (family, "classification", modality, 3)
         assert m["labels"] == TINY_LABELS
-        assert (m["backend"], m["device"], m["precision"]) == ("onnx", "cpu", "fp32")  # no bf16 CPU in tests
+        assert (m["backend"], m["device"], m["precision"]) == ("onnx", "cpu", "fp32")  # fp32: ONNX on CPU
     metrics = client.get("/metrics")
     assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
     spec = client.get("/openapi.json").json()
