@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline.families import get_adapter  # noqa: E402
 from offline.fusion import fuse  # noqa: E402
+from service.backends import cpu_bf16_flags  # noqa: E402
 from service.fused import CPU_MAX_ROWS  # noqa: E402
 
 METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble")
@@ -342,12 +343,8 @@ def check_mergeable(old: dict[str, Any], new: dict[str, Any], path: Path) -> Non
 
 def cpu_bf16() -> str:
     """The CPU's native bf16 instructions (``avx512_bf16``, ``amx_bf16``) or ``none`` (bf16 is then emulated)."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "unknown"
-    found = [f for f in ("avx512_bf16", "amx_bf16") if f in flags.split()]
-    return ", ".join(found) or "none"
+    flags = cpu_bf16_flags()
+    return "unknown" if flags is None else ", ".join(flags) or "none"
 
 
 def cpu_name() -> str:

@@ -32,6 +32,7 @@ __all__ = [
     "Plan",
     "TorchBackend",
     "TorchScriptBackend",
+    "cpu_bf16_flags",
     "cpu_has_native_bf16",
     "load_backend",
     "onnxruntime_available",
@@ -49,17 +50,22 @@ class BackendConfigError(ValueError):
     """The requested backend / device / precision cannot serve this artifact; the message says what to change."""
 
 
-def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
-    """True when the CPU flags list ``avx512_bf16`` or ``amx_bf16`` (Linux; False when unreadable)."""
+def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str] | None:
+    """The native bf16 flags the CPU lists (``avx512_bf16``, ``amx_bf16``; Linux), None when unreadable."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
-        return False
+        return None
     for line in text.splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[-1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return False
+            return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return None
+
+
+def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """True when the CPU flags list ``avx512_bf16`` or ``amx_bf16`` (Linux; False when unreadable)."""
+    return bool(cpu_bf16_flags(cpuinfo))
 
 
 def onnxruntime_available() -> bool:

@@ -347,8 +347,8 @@ class FusedEncoder(nn.Module):
 # Most rows (members x sequences x tokens) one CPU forward pass works on; larger batches run as
 # sub-batches, one after another. On a CPU with native bf16 (AMX) a batch-32 pass over 3 x 32 x 128
 # rows made the fused model *slower* than the deep ensemble (its 12,288-row activations leave the
-# cache; each member's 4,096 rows do not), while sub-batches of about 4,096 rows made it 0.77 of it
-# (benchmarks/README.md, "CPU with native bf16"). Exact: the sequences of a batch never interact.
+# cache; each member's 4,096 rows do not), while sub-batches of at most 4,096 rows made it 0.79 of it
+# (benchmarks/README.md, "A CPU with native bf16"). Exact: the sequences of a batch never interact.
 CPU_MAX_ROWS = 4096
 
 
@@ -365,6 +365,17 @@ def _sub_batch(model: nn.Module, batch: int, tokens: int, device: torch.device) 
     ):
         return batch
     return max(1, min(batch, max_rows // (model.members * tokens)))
+
+
+def _in_sub_batches(
+    model: nn.Module, run: Callable[..., torch.Tensor], tokens: int, *inputs: torch.Tensor
+) -> torch.Tensor:
+    """``run(*inputs)`` (each input batch-first), as sub-batches of :func:`_sub_batch`'s size, concatenated."""
+    B = inputs[0].shape[0]
+    step = _sub_batch(model, B, tokens, inputs[0].device)
+    if step >= B:
+        return run(*inputs)
+    return torch.cat([run(*(t[i : i + step] for t in inputs)) for i in range(0, B, step)])
 
 
 def _stack_members(x: torch.Tensor, members: int) -> torch.Tensor:
@@ -409,11 +420,7 @@ class FusedViT(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``pixel_values (B, C, H, W) -> logits (B, M, C)``."""
-        B = pixel_values.shape[0]
-        step = _sub_batch(self, B, self.num_tokens, pixel_values.device)
-        if step < B:
-            return torch.cat([self._forward(pixel_values[i : i + step]) for i in range(0, B, step)])
-        return self._forward(pixel_values)
+        return _in_sub_batches(self, self._forward, self.num_tokens, pixel_values)
 
     def _forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         B = pixel_values.shape[0]
@@ -473,13 +480,7 @@ class FusedBert(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``input_ids, attention_mask (B, T) -> logits (B, M, C)``."""
-        B, T = input_ids.shape
-        step = _sub_batch(self, B, T, input_ids.device)
-        if step < B:
-            return torch.cat(
-                [self._forward(input_ids[i : i + step], attention_mask[i : i + step]) for i in range(0, B, step)]
-            )
-        return self._forward(input_ids, attention_mask)
+        return _in_sub_batches(self, self._forward, input_ids.shape[1], input_ids, attention_mask)
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         B, T = input_ids.shape
