@@ -1,7 +1,19 @@
-"""The artifact on disk (CONTRACT.md §1): write the manifest with file hashes, read and verify it.
+"""The artifact contract, owned here: typed models of ``manifest.json``, its one writer and its validator.
 
-Used by the offline builder (:func:`write_manifest`) and the server
-(:func:`load_manifest`, :func:`verify_files`). Only the standard library here.
+The format is documented for users in ``docs/artifact.md``; this module is its definition in code.
+:class:`Manifest` (with :class:`ImagePreprocessing` / :class:`TextPreprocessing`, :class:`Uncertainty`,
+:class:`ModelSpec`, the export records) types every field; :func:`build_manifest` is the one constructor every
+writer calls (the classifier and zero-shot builders, the test fixtures); :func:`write_manifest` adds the
+``files`` table (sha256 and size of every file) and writes it; :func:`load_manifest` validates a manifest read
+from disk through the same models, so a field the writer could not produce is refused at load time, naming the
+field. :func:`verify_files` then checks every listed file against its hash.
+
+Cross-field rules (checked by :class:`Manifest`): ``heads`` has one entry per member; a classification artifact
+has labels and as many as its model's classes; a zero-shot artifact has a ``zero_shot`` block and image
+preprocessing with a ``text`` part; every file the manifest points to (weights, exports, tokenizer) is listed in
+``files`` once files are listed.
+
+Imports only the standard library and pydantic: the server reads artifacts without the builder's dependencies.
 """
 
 from __future__ import annotations
@@ -9,49 +21,308 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
     "FORMAT_VERSION",
-    "REQUIRED_FIELDS",
+    "MANIFEST",
+    "OOD_SCORES",
     "ArtifactError",
+    "BaseModelInfo",
+    "Bf16Check",
+    "ClipTextPreprocessing",
+    "DualExport",
+    "Export",
+    "FileEntry",
+    "ImagePreprocessing",
+    "Manifest",
+    "ModelSpec",
+    "Preprocessing",
+    "Strategy",
+    "TextPreprocessing",
+    "Uncertainty",
+    "ZeroShotSpec",
+    "build_manifest",
     "file_sha256",
     "list_files",
-    "write_manifest",
     "load_manifest",
+    "parse_manifest",
     "verify_files",
-    "validate_manifest",
+    "write_manifest",
 ]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-REQUIRED_FIELDS = (
-    "format_version",
-    "name",
-    "family",
-    "task",
-    "base_model",
-    "members",
-    "heads",
-    "strategy",
-    "preprocessing",
-    "uncertainty",
-    "files",
-    "exports",
-    "metrics",
-)
+# the OOD scores a threshold can be calibrated on (service.uncertainty computes them)
+OOD_SCORES = ("msp", "entropy", "mutual_information")
+STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 
 
 class ArtifactError(RuntimeError):
     """An artifact that cannot be used: missing or corrupt file, bad manifest. The message names the file."""
 
 
-def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+# ----------------------------------------------------------------------------- the models
+class _Record(BaseModel):
+    """A manifest block whose fields are all known: unknown keys are refused (a typo is an error, not ignored)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form written into ``manifest.json`` (unset optional fields left out)."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class _OpenRecord(_Record):
+    """A descriptive block: its named fields are typed, further keys are kept as written (build provenance)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class ClipTextPreprocessing(_Record):
+    """The text side of a zero-shot artifact: prompts tokenised with ``tokenizer/``."""
+
+    max_length: PositiveInt  # prompts are truncated to this many tokens
+    tokenizer: str = "tokenizer"  # folder inside the artifact, loadable with AutoTokenizer / tokenizers
+    padding: Literal["longest", "max_length"] = "longest"  # open_clip's own text tower pads to max_length
+
+
+class ImagePreprocessing(_Record):
+    """Image bytes -> ``(C, H, W)``: convert to ``channels``, resize to ``size``, ``(u8 / 255 - mean) / std``."""
+
+    type: Literal["image"] = "image"
+    size: tuple[PositiveInt, PositiveInt]  # (H, W) the model takes
+    mean: list[float] = Field(min_length=1)  # one value, or one per channel
+    std: list[float] = Field(min_length=1)  # one value, or one per channel; all > 0
+    interpolation: Literal["bilinear", "bicubic", "nearest", "lanczos"] = "bilinear"
+    channels: Literal[1, 3] = 3  # 1 = grayscale (Pillow "L"), 3 = RGB
+    resize: Literal["direct"] = "direct"  # resize straight to ``size`` (no crop)
+    text: ClipTextPreprocessing | None = None  # zero-shot artifacts only
+
+    @model_validator(mode="after")
+    def _per_channel(self) -> ImagePreprocessing:
+        for name in ("mean", "std"):
+            n = len(getattr(self, name))
+            if n not in (1, self.channels):
+                raise ValueError(f"{name} needs 1 or {self.channels} values, got {n}")
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"std must be > 0, got {self.std}")
+        return self
+
+
+class TextPreprocessing(_Record):
+    """Texts -> token ids with the artifact's tokenizer, truncated to ``max_length``, padded per batch."""
+
+    type: Literal["text"] = "text"
+    max_length: PositiveInt
+    tokenizer: str = "tokenizer"  # folder inside the artifact
+
+
+Preprocessing = Annotated[ImagePreprocessing | TextPreprocessing, Field(discriminator="type")]
+
+
+class Uncertainty(_Record):
+    """How answers are calibrated: the ensemble's temperature and the OOD flag's score and threshold."""
+
+    temperature: float = Field(gt=0)  # member logits are divided by it before the softmax
+    ood_score: Literal["msp", "entropy", "mutual_information"]  # the score the flag thresholds
+    ood_threshold: float  # inputs past it are flagged (below it for msp, above it otherwise)
+    tpr: float = Field(0.95, gt=0, le=1)  # share of ID validation inputs the threshold lets through
+
+
+class Strategy(_OpenRecord):
+    """How the members' heads were chosen; further keys (budget, pool, ranking, scores) are provenance."""
+
+    name: Literal["taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random"]
+    seeds: list[int]  # one pruning seed per member
+
+
+class BaseModelInfo(_OpenRecord):
+    """Where the weights came from: a name, and the local path and sha256 of the file when there was one."""
+
+    name: str = Field(min_length=1)
+    path: str | None = None
+    sha256: str | None = None
+
+
+class ModelSpec(_OpenRecord):
+    """The fused model: its config (``service.fused.build_model``), weights file and input/output names."""
+
+    config: dict[str, Any]  # the fused architecture; ``arch`` picks the class
+    weights: str = "model.safetensors"  # safetensors file inside the artifact
+    inputs: list[str] = Field(min_length=1)  # forward's inputs, in order
+    output: str = "logits"
+    shape: str = "(B, M, C)"  # the output's shape, in words
+
+    @field_validator("config")
+    @classmethod
+    def _arch(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if value.get("arch") not in ("vit", "bert", "clip"):
+            raise ValueError(f"config.arch must be vit, bert or clip, got {value.get('arch')!r}")
+        return value
+
+
+class Export(_OpenRecord):
+    """One exported graph of a classifier and how far it is from eager on the build's check inputs."""
+
+    file: str
+    max_abs_diff: float = Field(ge=0)
+    tolerance: float = Field(gt=0)
+    opset: int | None = None  # ONNX only
+
+
+class DualExport(_OpenRecord):
+    """The two exported encoders of a zero-shot model (image and text), each checked against eager."""
+
+    image: str
+    text: str
+    max_abs_diff: dict[Literal["image", "text"], float]
+    tolerance: float = Field(gt=0)
+    opset: int | None = None  # ONNX only
+    inputs: dict[Literal["image", "text"], list[str]] | None = None  # ONNX graph inputs actually present
+
+
+class Bf16Check(_OpenRecord):
+    """bf16 autocast vs fp32 on validation inputs: may the server serve this artifact in bf16?"""
+
+    ok: bool
+    argmax_agreement: float | None = Field(None, ge=0, le=1)
+
+
+class ZeroShotSpec(_Record):
+    """Zero-shot serving: the prompt template and the model's logit scale (exp'd) and bias."""
+
+    template: str = "A photo of a {label}."
+    logit_scale: float
+    logit_bias: float | None = None
+    embed_dim: PositiveInt
+
+
+class FileEntry(_Record):
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+ClassifierHeads = list[list[int]]  # per layer, the kept head indices of the base model
+ZeroShotHeads = dict[Literal["vision", "text"], list[list[int]]]  # per tower, per layer
+
+
+class Manifest(_Record):
+    """``manifest.json``: everything the server needs to load, check and serve one built model."""
+
+    format_version: Literal[1] = FORMAT_VERSION
+    name: str = Field(min_length=1)  # the model's name in API answers and metrics
+    family: Literal["vit", "bert", "clip"]
+    task: Literal["classification", "zero-shot"]
+    base_model: BaseModelInfo
+    members: PositiveInt  # M
+    heads: list[ClassifierHeads | ZeroShotHeads]  # per member
+    head_index: str | None = None  # zero-shot: how the joint (layer, head) pairs of strategy.ranking are numbered
+    strategy: Strategy
+    labels: list[str] | None = None  # class names in logit order (zero-shot: the build's fixed label set)
+    zero_shot: ZeroShotSpec | None = None
+    preprocessing: Preprocessing
+    uncertainty: Uncertainty
+    model: ModelSpec
+    exports: dict[Literal["torchscript", "onnx"], Export | DualExport] = Field(default_factory=dict)
+    precision: dict[Literal["bf16"], Bf16Check] = Field(default_factory=dict)
+    metrics: dict[str, Any] = Field(default_factory=dict)  # the build's evaluation headline numbers per method
+    data: dict[str, Any] | None = None  # which data the build used (provenance)
+    build: dict[str, Any] | None = None  # the resolved build config, timings, versions (provenance)
+    files: dict[str, FileEntry] | None = None  # every file of the artifact; written by write_manifest
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        if len(self.heads) != self.members:
+            raise ValueError(f"heads lists {len(self.heads)} members, members is {self.members}")
+        if self.task == "classification":
+            self._check_classifier()
+        else:
+            self._check_zero_shot()
+        if self.files is not None:
+            self._check_listed()
+        return self
+
+    def _check_classifier(self) -> None:
+        if not self.labels:
+            raise ValueError("a classification artifact needs its labels")
+        n = self.model.config.get("num_classes")
+        if n is not None and int(n) != len(self.labels):
+            raise ValueError(f"{len(self.labels)} labels but the model has {n} classes")
+        if any(not isinstance(h, list) for h in self.heads):
+            raise ValueError("heads: a classifier lists per member, per layer, the kept heads")
+        if any(isinstance(e, DualExport) for e in self.exports.values()):
+            raise ValueError("exports: a classifier's export is one file (file, max_abs_diff, tolerance)")
+
+    def _check_zero_shot(self) -> None:
+        if self.family != "clip":
+            raise ValueError(f"task zero-shot needs family clip, not {self.family}")
+        if self.zero_shot is None:
+            raise ValueError("a zero-shot artifact needs its zero_shot block (template, logit_scale, embed_dim)")
+        if not isinstance(self.preprocessing, ImagePreprocessing) or self.preprocessing.text is None:
+            raise ValueError("a zero-shot artifact needs image preprocessing with a text part")
+        if any(isinstance(e, Export) for e in self.exports.values()):
+            raise ValueError("exports: a zero-shot artifact exports an image and a text encoder")
+
+    def referenced_files(self) -> list[str]:
+        """Files the manifest points to: weights, exports; for a tokenizer folder, the folder with a slash."""
+        refs = [self.model.weights]
+        for e in self.exports.values():
+            refs += [e.file] if isinstance(e, Export) else [e.image, e.text]
+        prep = self.preprocessing
+        tok = prep.tokenizer if isinstance(prep, TextPreprocessing) else (prep.text.tokenizer if prep.text else None)
+        if tok is not None:
+            refs.append(tok.rstrip("/") + "/")
+        return refs
+
+    def _check_listed(self) -> None:
+        assert self.files is not None
+        for ref in self.referenced_files():
+            found = any(f.startswith(ref) for f in self.files) if ref.endswith("/") else ref in self.files
+            if not found:
+                raise ValueError(f"files: {ref!r} is referenced by the manifest but is not in the artifact")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form of ``manifest.json``."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+# ----------------------------------------------------------------------------- writing
+def build_manifest(
+    *,
+    name: str,
+    family: str,
+    task: str,
+    base_model: dict[str, Any],
+    heads: list[Any],
+    strategy: dict[str, Any],
+    labels: list[str] | None,
+    preprocessing: ImagePreprocessing | TextPreprocessing | dict[str, Any],
+    uncertainty: dict[str, Any],
+    model: dict[str, Any],
+    exports: dict[str, Any] | None = None,
+    precision: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+    data: dict[str, Any] | None = None,
+    build: dict[str, Any] | None = None,
+    zero_shot: dict[str, Any] | None = None,
+    head_index: str | None = None,
+) -> Manifest:
+    """The one constructor of a manifest (``members`` is ``len(heads)``); raises :class:`ArtifactError` naming the
+    first bad field. ``files`` is added by :func:`write_manifest`."""
+    fields = {
+        "name": name, "family": family, "task": task, "base_model": base_model, "members": len(heads),
+        "heads": heads, "head_index": head_index, "strategy": strategy, "labels": labels, "zero_shot": zero_shot,
+        "preprocessing": preprocessing.to_dict() if isinstance(preprocessing, BaseModel) else preprocessing,
+        "uncertainty": uncertainty, "model": model, "exports": exports or {}, "precision": precision or {},
+        "metrics": metrics or {}, "data": data, "build": build,
+    }  # fmt: skip
+    return parse_manifest(_jsonable(fields), "manifest")
 
 
 def list_files(root: Path) -> list[Path]:
@@ -63,65 +334,73 @@ def list_files(root: Path) -> list[Path]:
     )
 
 
-def write_manifest(out: str | Path, manifest: dict[str, Any]) -> Path:
-    """Add ``files`` (sha256 and size of every file in ``out``) to ``manifest`` and write ``manifest.json``."""
+def write_manifest(out: str | Path, manifest: Manifest | dict[str, Any]) -> Path:
+    """Add ``files`` (sha256 and size of every file in ``out``) to ``manifest``, validate and write it."""
     out = Path(out)
-    manifest = dict(manifest)
-    manifest["files"] = {
+    doc = manifest.to_dict() if isinstance(manifest, Manifest) else _jsonable(dict(manifest))
+    doc["files"] = {
         p.relative_to(out).as_posix(): {"sha256": file_sha256(p), "size": p.stat().st_size} for p in list_files(out)
     }
-    validate_manifest(manifest, out)
+    doc = parse_manifest(doc, out).to_dict()
     path = out / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2, sort_keys=False, default=_json_default) + "\n")
+    path.write_text(json.dumps(doc, indent=2) + "\n")
     return path
 
 
-def _json_default(o: Any) -> Any:
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
-def validate_manifest(manifest: dict[str, Any], where: str | Path = "manifest") -> None:
-    """Check the fields CONTRACT.md §1 requires; raise :class:`ArtifactError` naming the first problem."""
-    missing = [k for k in REQUIRED_FIELDS if k not in manifest]
-    if missing:
-        raise ArtifactError(f"{where}: manifest lacks required fields {missing}")
-    if manifest["format_version"] != FORMAT_VERSION:
-        raise ArtifactError(f"{where}: format_version {manifest['format_version']!r} is not {FORMAT_VERSION}")
-    if manifest["family"] not in ("vit", "bert", "clip"):
-        raise ArtifactError(f"{where}: family {manifest['family']!r} is not vit, bert or clip")
-    if manifest["task"] not in ("classification", "zero-shot"):
-        raise ArtifactError(f"{where}: task {manifest['task']!r} is not classification or zero-shot")
-    if manifest["task"] == "classification" and not manifest.get("labels"):
-        raise ArtifactError(f"{where}: a classification artifact needs its labels")
-    m = manifest["members"]
-    if not isinstance(m, int) or m < 1:
-        raise ArtifactError(f"{where}: members must be an integer >= 1, got {m!r}")
-    if len(manifest["heads"]) != m:
-        raise ArtifactError(f"{where}: heads lists {len(manifest['heads'])} members, members is {m}")
-    unc = manifest["uncertainty"]
-    for k in ("temperature", "ood_score", "ood_threshold"):
-        if k not in unc:
-            raise ArtifactError(f"{where}: uncertainty lacks {k!r}")
+def _jsonable(x: Any) -> Any:
+    """Plain JSON types from what builders hand over (numpy arrays and scalars, paths, tuples)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, Path):
+        return str(x)
+    if hasattr(x, "tolist"):  # numpy / torch arrays and scalars
+        return x.tolist()
+    return x
+
+
+# ----------------------------------------------------------------------------- reading
+def _where(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith(("function-", "tagged-union"))))
+
+
+def parse_manifest(doc: dict[str, Any], where: str | Path = "manifest") -> Manifest:
+    """Validate a manifest's JSON form through :class:`Manifest`; :class:`ArtifactError` names the first bad field."""
+    try:
+        return Manifest.model_validate(doc)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = _where(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ArtifactError(f"{where}: manifest field {field or '(top level)'}: {msg}") from None
 
 
 def load_manifest(root: str | Path) -> dict[str, Any]:
-    """Read and validate ``root/manifest.json``."""
+    """Read ``root/manifest.json`` and validate every field (:class:`Manifest`); return its JSON form."""
     root = Path(root)
     path = root / MANIFEST
     if not path.is_file():
         raise ArtifactError(f"{path}: no manifest.json (is {root} an artifact directory?)")
     try:
-        manifest = json.loads(path.read_text())
+        doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ArtifactError(f"{path}: unreadable manifest ({e})") from e
-    if not isinstance(manifest, dict):
+    if not isinstance(doc, dict):
         raise ArtifactError(f"{path}: the manifest must be a JSON object")
-    validate_manifest(manifest, path)
-    return manifest
+    if "files" not in doc:
+        raise ArtifactError(f"{path}: manifest field files: Field required (write it with write_manifest)")
+    parse_manifest(doc, path)
+    return doc
 
 
 def verify_files(root: str | Path, manifest: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "cpu_bf16_flags",
     "cpu_has_native_bf16",
     "load_backend",
+    "onnx_session",
     "onnxruntime_available",
     "resolve_plan",
 ]
@@ -223,29 +224,39 @@ class TorchScriptBackend(_TorchLike):
         return self._run(self.module, inputs)
 
 
+def onnx_session(path: str | Path, device: str = "cpu", threads: int | None = None) -> Any:
+    """The one way an ONNX export is opened, by the server and by the build's parity check.
+
+    An ``onnxruntime.InferenceSession`` with every graph optimisation, ``threads`` intra-op threads (default
+    torch's), idle threads that sleep instead of spinning (the event loop and preprocessing share these cores),
+    and the CUDA execution provider first when ``device`` is ``cuda`` and onnxruntime has it (else CPU, with a
+    warning). The provider that runs is ``session.get_providers()[0]``.
+    """
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.intra_op_num_threads = threads or torch.get_num_threads()
+    opts.inter_op_num_threads = 1
+    opts.log_severity_level = 3
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    providers = ["CPUExecutionProvider"]
+    if device == "cuda":
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            providers.insert(0, "CUDAExecutionProvider")
+        else:
+            log.warning("onnxruntime has no CUDA execution provider (install onnxruntime-gpu): running on CPU")
+    return ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+
+
 class OnnxBackend(Backend):
-    """An ONNX export in ONNX Runtime: CUDA execution provider when asked for and present, else CPU."""
+    """An ONNX export in ONNX Runtime (:func:`onnx_session`): CUDA execution provider when asked for and present."""
 
     name = "onnx"
 
     def __init__(self, path: str | Path, input_names: list[str], device: str, threads: int | None = None) -> None:
-        import onnxruntime as ort
-
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.intra_op_num_threads = threads or torch.get_num_threads()
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        # idle worker threads must not spin: the event loop and preprocessing share these cores
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        providers = ["CPUExecutionProvider"]
-        if device == "cuda":
-            if "CUDAExecutionProvider" in ort.get_available_providers():
-                providers.insert(0, "CUDAExecutionProvider")
-            else:
-                log.warning("onnxruntime has no CUDA execution provider (install onnxruntime-gpu): running on CPU")
-        self.session = ort.InferenceSession(str(path), sess_options=opts, providers=providers)
+        self.session = onnx_session(path, device, threads)
         active = self.session.get_providers()[0]
         super().__init__(input_names, "cuda" if active == "CUDAExecutionProvider" else "cpu", "fp32")
         graph_inputs = {i.name: i for i in self.session.get_inputs()}
