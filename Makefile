@@ -33,7 +33,9 @@ artifacts: data
 serve: artifacts
 	$(PY) -m service
 
+# The architecture contracts (pyproject.toml [tool.importlinter]) first: a broken module boundary fails fast.
 test: data
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -m "not slow" -q
 
 test-all: data
@@ -41,4 +43,5 @@ test-all: data
 
 lint: install
 	$(VENV)/bin/ruff check service offline tests benchmarks deploy
+	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/hadolint --config deploy/hadolint.yaml Dockerfile

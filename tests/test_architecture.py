@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,3 +32,13 @@ def long_functions(packages: tuple[str, ...] = ("service", "offline"), limit: in
 
 def test_no_function_in_service_or_offline_is_longer_than_80_lines():
     assert long_functions() == []
+
+
+def test_nothing_cites_a_spec_outside_the_repository():
+    """User docs live in docs/ (artifact.md, api.md); no file points at a spec the repository does not hold."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\n")  # fmt: skip
+    paths = [ROOT / p for p in listed if p and (ROOT / p).is_file() and not p.endswith(".png")]
+    cited = [str(p.relative_to(ROOT)) for p in paths if "CONTRACT" + ".md" in p.read_text(errors="ignore")]
+    assert cited == []
+    assert (ROOT / "docs" / "artifact.md").is_file() and (ROOT / "docs" / "api.md").is_file()
