@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# hydra-serve: the serving image (CONTRACT.md §2), built from one file in two variants.
+# hydra-serve: the serving image (HTTP API: docs/api.md), built from one file in two variants.
 #
 #   GPU (default, CUDA runtime base): docker build -t hydra-serve:0.1.0-gpu .
 #   CPU (Ubuntu base, CPU torch):     docker build --build-arg VARIANT=cpu -t hydra-serve:0.1.0-cpu .

@@ -1,4 +1,4 @@
-"""Server configuration: ``HYDRA_*`` environment variables (CONTRACT.md §2-§3), validated at start-up.
+"""Server configuration: ``HYDRA_*`` environment variables (docs/api.md lists them), validated at start-up.
 
 Every field maps to one variable, ``HYDRA_<FIELD>`` (case-insensitive). List
 fields (``artifacts``, ``cors_origins``) are comma-separated strings.

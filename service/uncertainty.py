@@ -38,7 +38,7 @@ def entropy(p: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def summarize(logits: torch.Tensor, temperature: float = 1.0) -> dict[str, torch.Tensor]:
-    """Every uncertainty field of CONTRACT.md §2 from member logits.
+    """Every uncertainty field of an answer (docs/api.md) from member logits.
 
     Args:
         logits: ``(B, M, C)`` member logits.

@@ -1,0 +1,122 @@
+"""Out-of-distribution scores of the fused ensemble's outputs: pure functions, torch only.
+
+Shared by the builder (fitting the threshold, choosing the served score) and the
+server (every answer), so both compute exactly the same numbers. Every score here
+is an *outlier* score: higher means more likely out of distribution. The values
+follow pytorch-ood's definitions, so they can be checked against it:
+
+* ``energy``: ``-T · logsumexp(logits / T)`` per member (Liu et al. 2020).
+* ``max_logit``: ``-max_c logits`` per member (Hendrycks et al. 2022).
+* ``mahalanobis``: half the squared Mahalanobis distance of a member's penultimate
+  feature to its closest class mean, with one covariance shared by the classes
+  (Lee et al. 2018): ``0.5 · min_k (f - μ_k)ᵀ Σ⁻¹ (f - μ_k)``.
+* ``relative_mahalanobis``: the class distance minus the distance under one
+  background Gaussian of all ID features, which cancels directions every input
+  varies in (Ren et al. 2021; better on near-OOD): ``min_k d_k² - d_0²``.
+
+Per-member scores ``(B, M)`` are combined across members by the mean of their
+standardised values (each member's score minus its ID-validation mean, over its
+standard deviation), so members on different scales weigh the same.
+
+Statistics (class means, precisions) are fitted at build time on ID features and
+stored in the artifact; :class:`GaussianStats` holds them for scoring. The
+distances are computed in float64: ``Σ⁻¹`` of a 384-d feature has a large
+condition number, and float32 loses digits on the squared distances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "GaussianStats",
+    "combine",
+    "energy",
+    "mahalanobis",
+    "max_logit",
+    "relative_mahalanobis",
+    "squared_distances",
+    "standardize",
+]
+
+
+def energy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Energy ``(..., )`` of logits ``(..., C)``: ``-T · logsumexp(logits / T)`` (higher = more OOD)."""
+    return -temperature * torch.logsumexp(logits.float() / temperature, dim=-1)
+
+
+def max_logit(logits: torch.Tensor) -> torch.Tensor:
+    """Negated maximum logit ``(..., )`` of logits ``(..., C)`` (higher = more OOD)."""
+    return -logits.float().max(dim=-1).values
+
+
+@dataclass(frozen=True)
+class GaussianStats:
+    """Per-member class-conditional Gaussians with a shared covariance, plus one background Gaussian.
+
+    Shapes: ``means (M, C, D)``, ``precision (M, D, D)`` (inverse of the covariance shared by the classes),
+    ``background_mean (M, D)``, ``background_precision (M, D, D)``. Float64.
+    """
+
+    means: torch.Tensor
+    precision: torch.Tensor
+    background_mean: torch.Tensor
+    background_precision: torch.Tensor
+
+    def __post_init__(self) -> None:
+        m, c, d = self.means.shape
+        expected = {"precision": (m, d, d), "background_mean": (m, d), "background_precision": (m, d, d)}
+        for name, shape in expected.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ValueError(f"GaussianStats.{name} has shape {got}, expected {shape} (means are {(m, c, d)})")
+
+    @property
+    def members(self) -> int:
+        return int(self.means.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.means.shape[2])
+
+
+def squared_distances(features: torch.Tensor, means: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """Squared Mahalanobis distances ``(B, M, K)`` of member features ``(B, M, D)`` to ``K`` means per member.
+
+    Args:
+        features: ``(B, M, D)``, each member's feature of each input.
+        means: ``(M, K, D)``, per member ``K`` centres (class means, or one background mean with ``K = 1``).
+        precision: ``(M, D, D)``, per member the inverse covariance.
+    """
+    if features.dim() != 3 or features.shape[1:] != (means.shape[0], means.shape[2]):
+        raise ValueError(f"features must be (B, M={means.shape[0]}, D={means.shape[2]}), got {tuple(features.shape)}")
+    f = features.to(torch.float64)
+    diff = f.unsqueeze(2) - means.to(torch.float64).unsqueeze(0)  # (B, M, K, D)
+    proj = torch.einsum("bmkd,mde->bmke", diff, precision.to(torch.float64))  # (B, M, K, D)
+    return (proj * diff).sum(-1)  # (B, M, K)
+
+
+def mahalanobis(features: torch.Tensor, stats: GaussianStats) -> torch.Tensor:
+    """Per-member Mahalanobis score ``(B, M)``: half the squared distance to the closest class mean."""
+    return 0.5 * squared_distances(features, stats.means, stats.precision).min(dim=-1).values
+
+
+def relative_mahalanobis(features: torch.Tensor, stats: GaussianStats) -> torch.Tensor:
+    """Per-member relative Mahalanobis score ``(B, M)``: ``min_k d_k² - d_0²`` (d_0: background Gaussian)."""
+    d_k = squared_distances(features, stats.means, stats.precision)  # (B, M, C)
+    d_0 = squared_distances(features, stats.background_mean.unsqueeze(1), stats.background_precision)  # (B, M, 1)
+    return (d_k - d_0).min(dim=-1).values
+
+
+def standardize(scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-member scores ``(B, M)`` standardised by each member's ID statistics ``mean (M,)``, ``std (M,)``."""
+    if scores.dim() != 2 or scores.shape[1] != mean.numel() or mean.shape != std.shape:
+        raise ValueError(f"scores (B, M) with mean and std (M,): got {tuple(scores.shape)}, {tuple(mean.shape)}")
+    return (scores.to(torch.float64) - mean.to(torch.float64)) / std.to(torch.float64).clamp_min(1e-12)
+
+
+def combine(scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """One score ``(B,)`` from per-member scores ``(B, M)``: the mean of the members' standardised scores."""
+    return standardize(scores, mean, std).mean(dim=1)
