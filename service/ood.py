@@ -39,6 +39,8 @@ __all__ = [
     "relative_mahalanobis",
     "squared_distances",
     "standardize",
+    "stats_from_tensors",
+    "stats_tensors",
 ]
 
 
@@ -120,3 +122,19 @@ def standardize(scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> 
 def combine(scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """One score ``(B,)`` from per-member scores ``(B, M)``: the mean of the members' standardised scores."""
     return standardize(scores, mean, std).mean(dim=1)
+
+
+STATS_KEYS = ("means", "precision", "background_mean", "background_precision")
+
+
+def stats_tensors(stats: GaussianStats, prefix: str = "gaussian.") -> dict[str, torch.Tensor]:
+    """The tensors of ``stats`` by name, for a safetensors file (``prefix`` + field name)."""
+    return {prefix + k: getattr(stats, k).contiguous() for k in STATS_KEYS}
+
+
+def stats_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "gaussian.") -> GaussianStats:
+    """:class:`GaussianStats` back from :func:`stats_tensors`' names (shapes checked)."""
+    missing = [prefix + k for k in STATS_KEYS if prefix + k not in tensors]
+    if missing:
+        raise ValueError(f"OOD statistics lack {missing}")
+    return GaussianStats(**{k: tensors[prefix + k].to(torch.float64) for k in STATS_KEYS})
