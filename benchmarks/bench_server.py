@@ -20,15 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import os
-import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,54 +32,11 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-# the raw model runs under the server's OpenMP setting (service/main.py), set before torch is imported
+sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
+# the raw model runs under the server's OpenMP setting (the server sets it too), set before torch is imported
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-TEXT = "The new phone arrived two days late, but the screen is gorgeous and the battery easily lasts a whole day."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def payload(manifest: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    """One request body of the artifact's modality: a noise image of the model's size, or a sentence."""
-    prep = manifest["preprocessing"]
-    if prep["type"] == "text":
-        return {"text": TEXT}
-    from PIL import Image
-
-    h, w = prep["size"]
-    rng = np.random.default_rng(seed)
-    shape = (h, w) if int(prep.get("channels", 3)) == 1 else (h, w, 3)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(buf, format="PNG")
-    return {"image": base64.b64encode(buf.getvalue()).decode()}
-
-
-def start_server(artifact: Path, port: int, env_extra: dict[str, str]) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HYDRA_ARTIFACTS": str(artifact),
-           "HYDRA_HOST": "127.0.0.1", "HYDRA_PORT": str(port), "HYDRA_LOG_LEVEL": "warning", **env_extra}  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with status {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise SystemExit(f"the server was not ready after {timeout} s")
+from benchmarks import harness  # noqa: E402 (after the path)
 
 
 def batch_stats(url: str) -> tuple[float, float]:
@@ -104,56 +55,24 @@ def batch_stats(url: str) -> tuple[float, float]:
     return total, count
 
 
-class Connection:
-    """A minimal keep-alive HTTP/1.1 client on asyncio streams: a few microseconds of CPU per request, so that
-    the clients, which share the machine with the server, take as little of it as possible (httpx takes ~1 ms)."""
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
-        self.writer.write(head + body)
-        await self.writer.drain()
-        status_line = await self.reader.readline()
-        status = int(status_line.split()[1])
-        length = 0
-        while (line := await self.reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            if name.strip().lower() == "content-length":
-                length = int(value)
-        return status, await self.reader.readexactly(length)
-
-    async def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            await self.writer.wait_closed()
-
-
 async def drive(port: int, body: dict[str, Any], concurrency: int, requests: int, duration: float) -> dict[str, Any]:
     """``concurrency`` clients in a loop until ``requests`` answers or ``duration`` seconds; latencies in ms."""
     data = json.dumps(body).encode()
-    conns = [Connection("127.0.0.1", port) for _ in range(concurrency)]
+    conns = [harness.Connection(port) for _ in range(concurrency)]
     latencies: list[float] = []
     errors: dict[str, int] = {}
     sent = 0
     for conn in conns[: min(concurrency, 4)]:  # open connections, fill caches
-        await conn.post("/predict", data)
+        await conn.request("POST", "/predict", data)
     t_start = time.perf_counter()
     deadline = t_start + duration
 
-    async def worker(conn: Connection) -> None:
+    async def worker(conn: harness.Connection) -> None:
         nonlocal sent
         while sent < requests and time.perf_counter() < deadline:
             sent += 1
             t0 = time.perf_counter()
-            status, answer = await conn.post("/predict", data)
+            status, _, answer = await conn.request("POST", "/predict", data)
             if status == 200:
                 latencies.append((time.perf_counter() - t0) * 1000)
             else:
@@ -219,9 +138,7 @@ def _plan_tuple(p: Any) -> tuple[str, str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--artifact", type=Path, help="artifact directory to serve")
-    src.add_argument("--tiny", choices=["vit", "bert"], help="build a tiny random artifact of this family instead")
+    harness.add_artifact_arguments(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="client counts (each <= 64)")
     p.add_argument("--requests", type=int, default=200, help="most requests per concurrency level")
     p.add_argument("--duration", type=float, default=30.0, help="most seconds per concurrency level")
@@ -238,23 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.requests <= 100_000 or not 0 < args.duration <= 600:
         p.error("--requests must be in 1..100000 and --duration in (0, 600]")
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    tmp = None
-    if args.tiny:
-        from service.tiny_artifact import make_tiny_artifact
-
-        tmp = tempfile.TemporaryDirectory(prefix="hydra-bench-")
-        artifact = make_tiny_artifact(Path(tmp.name) / args.tiny, args.tiny, name=f"tiny-{args.tiny}")
-    else:
-        artifact = args.artifact.resolve()
-    manifest = json.loads((artifact / "manifest.json").read_text())
+    tmp = tempfile.TemporaryDirectory(prefix="hydra-bench-")
+    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
     name = manifest["name"]
-    body = payload(manifest)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    body = harness.payload(manifest)
+    port = harness.free_port()
+    url = f"http://{harness.HOST}:{port}"
     env = {"HYDRA_BACKEND": args.backend, "HYDRA_PRECISION": args.precision, "HYDRA_MAX_BATCH": str(args.max_batch),
-           "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.concurrency)))}  # fmt: skip
+           "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.concurrency))), "HYDRA_LOG_LEVEL": "warning"}  # fmt: skip
     if args.max_wait_ms is not None:
         env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
     if args.threads:
@@ -268,10 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"raw model, before the server ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
     raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]
     print(f"starting the server on {url} with {artifact}", flush=True)
-    proc = start_server(artifact, port, env)
+    proc = harness.start_server(artifact, port, env, inherit_output=True)
     levels = []
     try:
-        wait_ready(url, proc)
+        try:
+            harness.wait_ready(port, proc, timeout=300)
+        except RuntimeError as e:
+            raise SystemExit(str(e)) from None
         import httpx
 
         (model,) = [m for m in httpx.get(f"{url}/v1/models", timeout=5).json()["models"] if m["name"] == name]
@@ -289,11 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"p95 {res['p95_ms']:8.1f} ms  p99 {res['p99_ms']:8.1f} ms  mean batch {res['mean_batch']:5.1f}  "
                   f"errors {res['errors'] or 0}", flush=True)  # fmt: skip
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        harness.stop_server(proc)
     print("raw model, after the server:", flush=True)
     raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
     # the better of the two runs per batch size: the server is compared with the raw model at its best
@@ -314,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms or "server default",
                      "threads": args.threads,
                      "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": harness.machine(),
         "server": levels,
         "raw": raw,
         "raw_runs": raw_runs,
@@ -323,12 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         "target_met": bool(ratio >= 0.8),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = args.out or ROOT / "benchmarks" / "results" / f"server_{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = harness.write_result(result, args.out, f"server_{name}.json")
     print(f"wrote {out}")
-    if tmp is not None:
-        tmp.cleanup()
+    tmp.cleanup()
     return 0
 
 

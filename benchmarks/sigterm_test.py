@@ -29,8 +29,6 @@ import argparse
 import asyncio
 import errno
 import json
-import os
-import platform
 import re
 import shlex
 import signal
@@ -41,21 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 
-from benchmarks.load_test import (  # noqa: E402 (after the path)
-    HOST,
-    ROOT,
-    Connection,
-    error_code,
-    free_port,
-    payload,
-    request,
-    start_server,
-    wait_ready,
-)
+from benchmarks import harness  # noqa: E402 (after the path)
 
-# the server's shutdown line (service/main.py::_shutdown)
+# the server's shutdown log line: "stopped: ... (N requests received, M answered)"
 SHUTDOWN_LINE = re.compile(r"\((\d+) requests received, (\d+) answered\)")
 
 
@@ -80,7 +68,7 @@ async def load_until(
 
     async def worker() -> None:
         while time.perf_counter() < stop_at:
-            conn = Connection(port)
+            conn = harness.Connection(port)
             t0 = time.perf_counter()
             try:
                 status, _, data = await asyncio.wait_for(conn.request("POST", "/predict", body, close=True), timeout)
@@ -96,7 +84,7 @@ async def load_until(
             except (ValueError, asyncio.IncompleteReadError):  # closed in the middle of a response: a real loss
                 outcomes.append(Outcome(t0, time.perf_counter(), "broken"))
             else:
-                outcomes.append(Outcome(t0, time.perf_counter(), "answered", error_code(status, data)))
+                outcomes.append(Outcome(t0, time.perf_counter(), "answered", harness.error_code(status, data)))
             finally:
                 await conn.close()
 
@@ -142,9 +130,7 @@ def account(outcomes: list[Outcome], t_sig: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--artifact", type=Path, help="artifact directory to serve")
-    src.add_argument("--tiny", choices=["vit", "bert"], help="build a tiny random artifact of this family instead")
+    harness.add_artifact_arguments(p)
     p.add_argument("--concurrency", type=int, default=64, help="clients (<= 64)")
     p.add_argument("--load-seconds", type=float, default=8.0, help="load before SIGTERM")
     p.add_argument("--after-seconds", type=float, default=4.0, help="clients keep trying this long after SIGTERM")
@@ -155,28 +141,20 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.concurrency <= 64 or not 0 < args.load_seconds <= 60 or not 0 < args.after_seconds <= 30:
         p.error("--concurrency in 1..64, --load-seconds in (0, 60], --after-seconds in (0, 30]")
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     tmp = tempfile.TemporaryDirectory(prefix="hydra-sigterm-")
-    if args.tiny:
-        from service.tiny_artifact import make_tiny_artifact
-
-        artifact = make_tiny_artifact(Path(tmp.name) / args.tiny, args.tiny, name=f"tiny-{args.tiny}")
-    else:
-        artifact = args.artifact.resolve()
-    manifest = json.loads((artifact / "manifest.json").read_text())
+    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
     name = manifest["name"]
-    body = json.dumps(payload(manifest)).encode()
+    body = json.dumps(harness.payload(manifest)).encode()
     env = {"HYDRA_MAX_QUEUE": str(args.max_queue), "HYDRA_LOG_LEVEL": "info"}
-    port = free_port()
+    port = harness.free_port()
     log_file = Path(tmp.name) / "server.log"
-    print(f"starting python -m service on {HOST}:{port} with {artifact}", flush=True)
-    proc = start_server(artifact, port, env, log_file=log_file)
+    print(f"starting python -m service on {harness.HOST}:{port} with {artifact}", flush=True)
+    proc = harness.start_server(artifact, port, env, log_file=log_file)
     control_answered = 0  # the script's own requests (readiness polls are not counted: see below)
     try:
-        wait_ready(port, proc)
+        harness.wait_ready(port, proc)
         # wait_ready's polls reached the server too; count the server's answers so far from /metrics
-        status, _, metrics = asyncio.run(request(port, "GET", "/metrics"))
+        status, _, metrics = asyncio.run(harness.request(port, "GET", "/metrics"))
         assert status == 200
         before = _requests_so_far(metrics.decode()) + 1  # + this /metrics request, answered after rendering
         control_answered = before
@@ -219,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/sigterm_test.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name,
         "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(artifact),
-        "loopback": f"{HOST}:{port}",
+        "loopback": f"{harness.HOST}:{port}",
         "concurrency": args.concurrency,
         "load_seconds": args.load_seconds,
         "after_seconds": args.after_seconds,
@@ -231,20 +209,17 @@ def main(argv: list[str] | None = None) -> int:
         "exit_status": exit_status,
         "checks": checks,
         "passed": all(checks.values()),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": harness.machine(),
         "server_log_tail": log.splitlines()[-12:],
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = args.out or ROOT / "benchmarks" / "results" / f"sigterm_{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = harness.write_result(result, args.out, f"sigterm_{name}.json")
     print(f"sent {acc['sent']}: {acc['by_outcome']}; in flight at SIGTERM: {in_flight}; sent after SIGTERM, "
           f"before the listener closed ({acc['listener_closed_after_sigterm_ms']} ms later): "
           f"{acc['sent_after_sigterm_before_listener_closed']}; after: {acc['sent_after_listener_closed']}; "
           f"server received {received}, answered {answered} (client saw {client_answered}); lost {lost}; "
           f"exit status {exit_status}")  # fmt: skip
-    for k, v in checks.items():
-        print(f"  {'PASS' if v else 'FAIL'} {k}")
+    harness.print_checks(checks)
     print(f"wrote {out}")
     tmp.cleanup()
     return 0 if result["passed"] else 1

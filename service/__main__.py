@@ -25,6 +25,8 @@ from types import FrameType
 
 from pydantic import ValidationError
 
+from .settings import Settings
+
 __all__ = ["main", "EXIT_OK", "EXIT_FORCED", "EXIT_SETTINGS", "EXIT_REFUSED", "EXIT_LOAD_FAILED"]
 
 EXIT_OK, EXIT_FORCED, EXIT_SETTINGS, EXIT_REFUSED, EXIT_LOAD_FAILED = 0, 1, 2, 3, 4
@@ -71,14 +73,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from .settings import Settings
-
     try:
         settings = Settings()
     except ValidationError as e:
         print(f"invalid HYDRA_* settings:\n{e}", file=sys.stderr)
         return EXIT_SETTINGS
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # imported once the settings are known to be valid: service.main builds its module-level `app` (for uvicorn
+    # service.main:app) from the environment at import, and loads torch
     from .main import create_app
 
     app = create_app(settings)

@@ -10,9 +10,12 @@ the model's first output as a float32 CPU tensor, member logits ``(B, M, C)``.
   native bf16 (``avx512_bf16`` / ``amx_bf16``) *and* the build recorded that bf16
   predictions agree with fp32 (manifest ``precision.bf16.ok``); else fp32.
 * backend ``auto``: CUDA -> torch; CPU -> ONNX Runtime when the artifact has an
-  ONNX export and precision is fp32 (2-3x faster than fp32 eager, PERF.md), else
+  ONNX export and precision is fp32 (2-3x faster than fp32 eager on CPU), else
   torch eager (bf16 autocast).
 * TorchScript and ONNX exports run fp32 only.
+* ``eager_only`` (a model served by torch eager alone: the zero-shot runtime): the
+  device as above; precision ``auto`` is bf16 autocast on CUDA and fp32 on CPU (its
+  build checks bf16 on the fixed labels only); ``HYDRA_BACKEND`` does not apply.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from .fused import load_model
 
 __all__ = [
     "Backend",
@@ -100,13 +105,15 @@ def resolve_plan(
     device: str = "auto",
     backend: str = "auto",
     precision: str = "auto",
+    eager_only: bool = False,
     cuda_available: bool | None = None,
     cpu_bf16: bool | None = None,
     onnx_available: bool | None = None,
 ) -> Plan:
     """Pick backend, device and precision for ``manifest`` from the settings and the hardware.
 
-    Hardware facts default to the real machine; pass them to test the policy.
+    ``eager_only``: the model is served by torch eager alone (no exports: the zero-shot runtime); see the module
+    docstring for what changes. Hardware facts default to the real machine; pass them to test the policy.
     """
     cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
     name = manifest.get("name", "?")
@@ -116,6 +123,8 @@ def resolve_plan(
         raise BackendConfigError(f"{name}: HYDRA_DEVICE=cuda but no CUDA device is visible; use auto or cpu")
     elif device not in ("cpu", "cuda"):
         raise BackendConfigError(f"{name}: HYDRA_DEVICE={device!r} is not auto, cpu or cuda")
+    if eager_only:
+        return _eager_plan(manifest, device, backend, precision)
 
     bf16_ok = bool(((manifest.get("precision") or {}).get("bf16") or {}).get("ok", False))
     reasons = []
@@ -161,6 +170,21 @@ def resolve_plan(
             f"{name}: the {backend} export runs fp32 only; set HYDRA_PRECISION=fp32 (or auto), or HYDRA_BACKEND=torch"
         )
     return Plan(backend=backend, device=device, precision=precision, reason="; ".join(reasons) or "as configured")
+
+
+def _eager_plan(manifest: dict[str, Any], device: str, backend: str, precision: str) -> Plan:
+    """The plan of a model served by torch eager alone, on ``device`` (already resolved)."""
+    name = manifest.get("name", "?")
+    if precision == "auto":
+        # bf16 autocast on CUDA; on CPU fp32 even with native bf16 (unless asked for): a zero-shot build checks
+        # bf16 against fp32 on its fixed labels only, and /zero-shot embeds labels that check never saw
+        precision = "bf16" if device == "cuda" else "fp32"
+    elif precision not in ("fp32", "bf16"):
+        raise BackendConfigError(f"{name}: HYDRA_PRECISION={precision!r} is not auto, fp32 or bf16")
+    reason = f"{manifest.get('task', 'the model')} runs torch eager; precision {precision}"
+    if backend not in ("auto", "torch"):  # the exported backends are the classifiers'
+        reason += f" (HYDRA_BACKEND={backend} applies to classifiers only)"
+    return Plan(backend="torch", device=device, precision=precision, reason=reason)
 
 
 class Backend:
@@ -283,7 +307,5 @@ def load_backend(
         return OnnxBackend(root / _export_file(manifest, "onnx"), inputs, plan.device, threads)
     if plan.backend == "torchscript":
         return TorchScriptBackend(root / _export_file(manifest, "torchscript"), inputs, plan.device, plan.precision)
-    from .fused import load_model
-
     model = load_model(root / spec["weights"], spec["config"], device=plan.device)
     return TorchBackend(model, inputs, plan.device, plan.precision)

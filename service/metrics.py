@@ -1,4 +1,4 @@
-"""Prometheus metrics of CONTRACT.md §2, in a registry of their own per app (tests build many apps)."""
+"""Prometheus metrics of the server (docs/api.md), in a registry of their own per app (tests build many apps)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ class Metrics:
             ["model"], registry=r,
         )  # fmt: skip
         self.in_flight = Gauge("hydra_requests_in_flight", "HTTP requests received and not yet answered.", registry=r)
+        # registered by the first zero-shot model (service.runtimes.zeroshot.text_cache_counter): a server without
+        # one does not list it
+        self.zero_shot_text_cache: Counter | None = None
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,13 @@
-"""Request and response bodies of the HTTP API (CONTRACT.md §2), as pydantic models for validation and OpenAPI.
+"""Request and response bodies of the HTTP API (docs/api.md), as pydantic models for validation and OpenAPI.
 
 Requests forbid unknown fields (the answer names the field). Limits that depend
 on settings (``HYDRA_MAX_ITEMS``, ``HYDRA_MAX_TEXT_CHARS``, ``HYDRA_MAX_LABELS``)
 are checked by :func:`check_limits` right after parsing. ``top_k`` must be >= 1;
 above the number of labels it is clamped to it (so the default 5 works for any model).
+
+Responses: the runtimes build each answer as :class:`PredictResponse` and its parts
+(:func:`service.runtimes.base.build_predictions`), validated when built, so the body a
+client gets and the schema the OpenAPI document shows cannot drift apart.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The PrometheusRule: every expression parses as PromQL and uses only metrics and labels the server exports.
 
 Metric names and labels come from the server's registry (`service.metrics.Metrics`) when it is importable,
-else from CONTRACT.md §2. Annotation templates may only name labels the expression keeps.
+else from docs/api.md (metrics). Annotation templates may only name labels the expression keeps.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from tests.deploy.helpers import DEPLOY, kustomize, one
 
-# CONTRACT.md §2: metric -> (type, labels). The server may export more; never fewer.
+# docs/api.md (metrics): metric -> (type, labels). The server may export more; never fewer.
 CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "hydra_request_duration_seconds": ("histogram", frozenset({"endpoint", "status"})),
     "hydra_inference_duration_seconds": ("histogram", frozenset({"model"})),

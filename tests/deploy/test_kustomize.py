@@ -129,102 +129,101 @@ _METADATA = {
         "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
     },
 }
-CRD_SCHEMAS: dict[str, dict[str, Any]] = {
-    "ServiceMonitor": {
+
+
+def _crd_schema(kind: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Schema of a ``monitoring.coreos.com/v1`` resource of ``kind`` whose ``spec`` follows ``spec``."""
+    return {
         "type": "object",
         "required": ["apiVersion", "kind", "metadata", "spec"],
         "additionalProperties": False,
         "properties": {
             "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "kind": {"const": "ServiceMonitor"},
+            "kind": {"const": kind},
             "metadata": _METADATA,
-            "spec": {
+            "spec": spec,
+        },
+    }
+
+
+_SERVICE_MONITOR_SPEC = {
+    "type": "object",
+    "required": ["selector", "endpoints"],
+    "additionalProperties": False,
+    "properties": {
+        "selector": _LABEL_SELECTOR,
+        "namespaceSelector": {"type": "object"},
+        "jobLabel": {"type": "string"},
+        "targetLabels": {"type": "array", "items": {"type": "string"}},
+        "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+        "endpoints": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
                 "type": "object",
-                "required": ["selector", "endpoints"],
                 "additionalProperties": False,
                 "properties": {
-                    "selector": _LABEL_SELECTOR,
-                    "namespaceSelector": {"type": "object"},
-                    "jobLabel": {"type": "string"},
-                    "targetLabels": {"type": "array", "items": {"type": "string"}},
-                    "podTargetLabels": {"type": "array", "items": {"type": "string"}},
-                    "endpoints": {
+                    "port": {"type": "string"},
+                    "targetPort": {"type": ["string", "integer"]},
+                    "path": {"type": "string", "pattern": "^/"},
+                    "scheme": {"enum": ["http", "https"]},
+                    "interval": _DURATION,
+                    "scrapeTimeout": _DURATION,
+                    "honorLabels": {"type": "boolean"},
+                    "relabelings": {"type": "array"},
+                    "metricRelabelings": {"type": "array"},
+                    "authorization": {"type": "object"},
+                    "tlsConfig": {"type": "object"},
+                    "params": {"type": "object"},
+                },
+            },
+        },
+    },
+}
+_PROMETHEUS_RULE_SPEC = {
+    "type": "object",
+    "required": ["groups"],
+    "additionalProperties": False,
+    "properties": {
+        "groups": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "rules"],
+                "additionalProperties": False,
+                "properties": {
+                    "name": {"type": "string", "minLength": 1},
+                    "interval": _DURATION,
+                    "rules": {
                         "type": "array",
                         "minItems": 1,
                         "items": {
                             "type": "object",
+                            "required": ["expr"],
                             "additionalProperties": False,
+                            "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
                             "properties": {
-                                "port": {"type": "string"},
-                                "targetPort": {"type": ["string", "integer"]},
-                                "path": {"type": "string", "pattern": "^/"},
-                                "scheme": {"enum": ["http", "https"]},
-                                "interval": _DURATION,
-                                "scrapeTimeout": _DURATION,
-                                "honorLabels": {"type": "boolean"},
-                                "relabelings": {"type": "array"},
-                                "metricRelabelings": {"type": "array"},
-                                "authorization": {"type": "object"},
-                                "tlsConfig": {"type": "object"},
-                                "params": {"type": "object"},
+                                "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
+                                "record": {"type": "string", "pattern": "^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
+                                "expr": {"type": ["string", "integer"]},
+                                "for": _DURATION,
+                                "keep_firing_for": _DURATION,
+                                "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                "annotations": {
+                                    "type": "object",
+                                    "additionalProperties": {"type": "string"},
+                                },
                             },
                         },
                     },
                 },
             },
-        },
+        }
     },
-    "PrometheusRule": {
-        "type": "object",
-        "required": ["apiVersion", "kind", "metadata", "spec"],
-        "additionalProperties": False,
-        "properties": {
-            "apiVersion": {"const": "monitoring.coreos.com/v1"},
-            "kind": {"const": "PrometheusRule"},
-            "metadata": _METADATA,
-            "spec": {
-                "type": "object",
-                "required": ["groups"],
-                "additionalProperties": False,
-                "properties": {
-                    "groups": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["name", "rules"],
-                            "additionalProperties": False,
-                            "properties": {
-                                "name": {"type": "string", "minLength": 1},
-                                "interval": _DURATION,
-                                "rules": {
-                                    "type": "array",
-                                    "minItems": 1,
-                                    "items": {
-                                        "type": "object",
-                                        "required": ["expr"],
-                                        "additionalProperties": False,
-                                        "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
-                                        "properties": {
-                                            "alert": {"type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$"},
-                                            "record": {"type": "string", "pattern": "^[a-zA-Z_:][a-zA-Z0-9_:]*$"},
-                                            "expr": {"type": ["string", "integer"]},
-                                            "for": _DURATION,
-                                            "keep_firing_for": _DURATION,
-                                            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
-                                            "annotations": {
-                                                "type": "object",
-                                                "additionalProperties": {"type": "string"},
-                                            },
-                                        },
-                                    },
-                                },
-                            },
-                        },
-                    }
-                },
-            },
-        },
-    },
+}
+CRD_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ServiceMonitor": _crd_schema("ServiceMonitor", _SERVICE_MONITOR_SPEC),
+    "PrometheusRule": _crd_schema("PrometheusRule", _PROMETHEUS_RULE_SPEC),
 }
 
 

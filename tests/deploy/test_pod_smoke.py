@@ -14,7 +14,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,15 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import free_port
 from tests.deploy.helpers import DEPLOY, ROOT, container, kustomize, one, parse_dockerfile
+from tests.fixtures.tiny_artifact import make_tiny_artifact
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, headers: dict[str, str] | None = None, body: bytes | None = None) -> tuple[int, bytes]:
@@ -48,7 +43,6 @@ def _get(url: str, headers: dict[str, str] | None = None, body: bytes | None = N
 
 @pytest.mark.parametrize("overlay", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_pod_process_with_the_overlay_environment(tmp_path: Path, overlay: str) -> None:
-    tiny = pytest.importorskip("service.tiny_artifact")
     if overlay == "gpu":
         import torch
 
@@ -74,9 +68,9 @@ def test_pod_process_with_the_overlay_environment(tmp_path: Path, overlay: str) 
     for path in env["HYDRA_ARTIFACTS"].split(","):
         local = tmp_path / Path(path).relative_to(mount)
         family = "bert" if local.name == "text" else "vit"
-        tiny.make_tiny_artifact(local, family, name=f"smoke-{local.name}", exports=("onnx",))
+        make_tiny_artifact(local, family, name=f"smoke-{local.name}", exports=("onnx",))
         paths.append(str(local))
-    port = _free_port()
+    port = free_port()
     env.update(HYDRA_ARTIFACTS=",".join(paths), HYDRA_HOST="127.0.0.1", HYDRA_PORT=str(port))
     env["PYTHONPATH"] = str(ROOT)
 

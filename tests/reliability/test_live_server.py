@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.load_test import free_port, request, rss_mb, start_server, wait_ready
+from benchmarks.harness import free_port, request, rss_mb, start_server, wait_ready
 from tests.service.helpers import b64, png
 
 KEY = "rel-7Hq2-secret-token-9x"

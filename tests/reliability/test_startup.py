@@ -5,17 +5,18 @@ status (``python -m service`` exits 4)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
+from benchmarks.harness import free_port
 from service import __main__ as entry
-from service.main import StartupError, create_app
-from service.runtime import ClassifierRuntime
-from tests.service.helpers import b64, png, settings_for
+from service.lifecycle import StartupError
+from service.main import create_app
+from service.runtimes import ClassifierRuntime
+from tests.service.helpers import b64, hold_warmup, png, settings_for
 
 
 def background(*dirs: Path, **kw) -> object:
@@ -31,17 +32,7 @@ def wait_for(cond, timeout: float = 60.0) -> None:
 
 
 def test_ready_only_after_warm_up_in_the_background(artifacts, monkeypatch):
-    started, release = threading.Event(), threading.Event()
-    original = ClassifierRuntime.warmup
-
-    async def gated_warmup(self):
-        import anyio
-
-        started.set()
-        await anyio.to_thread.run_sync(release.wait, 30)
-        await original(self)
-
-    monkeypatch.setattr(ClassifierRuntime, "warmup", gated_warmup)
+    started, release = hold_warmup(monkeypatch, ClassifierRuntime)
     app = create_app(background(artifacts["vit"]))
     try:
         with TestClient(app) as c:  # the lifespan returns after verification: the port would be bound here
@@ -111,7 +102,7 @@ def test_python_m_service_exit_statuses(artifacts, artifact_copy, monkeypatch, c
     art = artifact_copy("vit")
     (art / "model.safetensors").write_bytes(b"not the weights")
     monkeypatch.setenv("HYDRA_ARTIFACTS", str(art))
-    monkeypatch.setenv("HYDRA_PORT", str(_free_port()))
+    monkeypatch.setenv("HYDRA_PORT", str(free_port()))
     monkeypatch.setenv("HYDRA_LOG_LEVEL", "warning")
     assert entry.main([]) == entry.EXIT_REFUSED
     assert "refusing to start" in caplog.text and f"{art}/model.safetensors: size" in caplog.text
@@ -128,9 +119,3 @@ def test_python_m_service_exit_statuses(artifacts, artifact_copy, monkeypatch, c
     monkeypatch.setenv("HYDRA_MAX_BATCH", "0")
     assert entry.main([]) == entry.EXIT_SETTINGS
     assert "HYDRA_* settings" in capsys.readouterr().err
-
-
-def _free_port() -> int:
-    from benchmarks.load_test import free_port
-
-    return free_port()

@@ -1,12 +1,16 @@
-"""Helpers shared by the server tests: settings, encoded images."""
+"""Helpers shared by the server tests: settings, encoded images, the error body, a held warm-up."""
 
 from __future__ import annotations
 
 import base64
 import io
+import threading
 from pathlib import Path
+from typing import Any
 
+import anyio
 import numpy as np
+import pytest
 from PIL import Image
 
 from service.settings import Settings
@@ -40,3 +44,31 @@ def b64(data: bytes) -> str:
 def noise_images(n: int, seed: int = 0, size: int = 16) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, (size, size), dtype=np.uint8) for _ in range(n)]
+
+
+def assert_error(r: Any, status: int, code: str, *fragments: str) -> dict[str, Any]:
+    """The contract's error body (docs/api.md), exactly, with the message naming what is wrong; no stack trace."""
+    assert r.status_code == status, r.text[:500]
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert body["error"]["code"] == code, body
+    msg = body["error"]["message"]
+    for f in fragments:
+        assert f in msg, (f, msg)
+    assert "Traceback" not in r.text and 'File "' not in r.text
+    return body
+
+
+def hold_warmup(monkeypatch: pytest.MonkeyPatch, runtime: type) -> tuple[threading.Event, threading.Event]:
+    """Hold ``runtime.warmup`` (a runtime class) until ``release`` is set (at most 30 s); ``started`` is set when a
+    warm-up begins. Returns ``(started, release)``."""
+    started, release = threading.Event(), threading.Event()
+    original = runtime.warmup
+
+    async def gated_warmup(self: Any) -> None:
+        started.set()
+        await anyio.to_thread.run_sync(release.wait, 30)
+        await original(self)
+
+    monkeypatch.setattr(runtime, "warmup", gated_warmup)
+    return started, release

@@ -17,25 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.artifact import load_manifest
 from service.fused import load_model
 from service.main import create_app
-from service.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from service.uncertainty import ood_flag, ood_score, summarize
-from tests.service.helpers import b64, noise_images, png, settings_for
+from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
+from tests.service.helpers import assert_error, b64, noise_images, png, settings_for
 from tests.service.test_preprocess import huge_png_header
 
 TEXTS = ["I love this phone", "terrible service, never again", "the match ended in a draw", "stocks fell sharply today"]
-
-
-def assert_error(r, status: int, code: str, *fragments: str) -> dict:
-    """The contract's error body, exactly, with the message naming what is wrong; no stack trace."""
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
-    assert body["error"]["code"] == code, body
-    msg = body["error"]["message"]
-    for f in fragments:
-        assert f in msg, (f, msg)
-    assert "Traceback" not in r.text and 'File "' not in r.text
-    return body
 
 
 def direct(artifact: Path, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -238,7 +225,7 @@ def test_unexpected_exception_in_a_handler_is_a_contract_500(artifacts, monkeypa
         raise ValueError("internal detail /etc/shadow")
 
     with TestClient(app, raise_server_exceptions=False) as c:
-        monkeypatch.setattr("service.main.check_limits", broken)
+        monkeypatch.setattr("service.requests.check_limits", broken)
         r = c.post("/predict", json={"image": b64(png(3))})
     assert_error(r, 500, "internal")
     assert "shadow" not in r.text

@@ -15,7 +15,7 @@ from service.backends import (
     resolve_plan,
 )
 from service.fused import load_model
-from service.tiny_artifact import example_inputs
+from tests.fixtures.tiny_artifact import example_inputs
 
 
 def manifest(onnx: bool = True, ts: bool = True, bf16_ok: bool | None = True) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -15,6 +16,24 @@ from service.metrics import Metrics
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def held() -> tuple[threading.Event, Callable[[list], list]]:
+    """``(gate, fn)``: a batch function that holds every batch until ``gate`` is set (at most 5 s), then echoes it."""
+    gate = threading.Event()
+
+    def fn(items: list) -> list:
+        gate.wait(5)
+        return list(items)
+
+    return gate, fn
+
+
+def started(fn: Callable[[list], list], **limits: float) -> Batcher:
+    """A running batcher of model ``m`` around ``fn`` with ``limits`` (max_batch, max_wait_s, max_queue)."""
+    b = Batcher("m", fn, **limits)
+    b.start()
+    return b
 
 
 def test_requests_are_batched_up_to_max_batch():
@@ -72,15 +91,10 @@ def test_big_request_runs_in_chunks_of_max_batch():
 
 
 def test_full_queue_answers_overloaded_with_retry_after():
-    gate = threading.Event()
-
-    def blocked(items):
-        gate.wait(5)
-        return list(items)
+    gate, blocked = held()
 
     async def main():
-        b = Batcher("m", blocked, max_batch=2, max_wait_s=0.0, max_queue=3)
-        b.start()
+        b = started(blocked, max_batch=2, max_wait_s=0.0, max_queue=3)
         first = asyncio.ensure_future(b.submit([1, 2]))  # taken into a batch, blocks the worker
         await asyncio.sleep(0.05)
         queued = asyncio.ensure_future(b.submit([3, 4, 5]))  # fills the queue (3 inputs)
@@ -127,15 +141,10 @@ def test_a_failing_input_fails_only_its_own_request():
 
 
 def test_close_finishes_queued_requests_then_refuses():
-    gate = threading.Event()
-
-    def slow(items):
-        gate.wait(5)
-        return list(items)
+    gate, slow = held()
 
     async def main():
-        b = Batcher("m", slow, max_batch=1, max_wait_s=0.0, max_queue=10)
-        b.start()
+        b = started(slow, max_batch=1, max_wait_s=0.0, max_queue=10)
         pending = [asyncio.ensure_future(b.submit([i])) for i in range(3)]
         await asyncio.sleep(0.05)
         closing = asyncio.ensure_future(b.close())

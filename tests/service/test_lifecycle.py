@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,10 +18,12 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from service.main import StartupError, create_app
-from service.runtime import ClassifierRuntime
+from benchmarks.harness import free_port
+from service.lifecycle import StartupError
+from service.main import create_app
+from service.runtimes import ClassifierRuntime
 from service.settings import Settings
-from tests.service.helpers import b64, png, settings_for
+from tests.service.helpers import b64, hold_warmup, png, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,17 +89,7 @@ def test_settings_are_validated(monkeypatch):
 
 
 def test_readyz_is_503_until_warm_up_finished(artifacts, monkeypatch):
-    started, release = threading.Event(), threading.Event()
-    original = ClassifierRuntime.warmup
-
-    async def gated_warmup(self):
-        import anyio
-
-        started.set()
-        await anyio.to_thread.run_sync(release.wait, 30)
-        await original(self)
-
-    monkeypatch.setattr(ClassifierRuntime, "warmup", gated_warmup)
+    started, release = hold_warmup(monkeypatch, ClassifierRuntime)
     app = create_app(settings_for(artifacts["vit"]))
     serving = TestClient(app)
     starter = threading.Thread(target=serving.__enter__)
@@ -162,15 +153,9 @@ def test_import_loads_nothing_and_server_does_not_import_the_builder():
     assert out.stdout.strip() == "[]"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_python_m_service_serves_and_stops_on_sigterm(artifacts, artifact_copy):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HYDRA_ARTIFACTS": str(artifacts["vit"]),
            "HYDRA_PORT": str(port), "HYDRA_LOG_LEVEL": "info"}  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.PIPE,

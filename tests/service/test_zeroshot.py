@@ -1,4 +1,4 @@
-"""The zero-shot runtime (service/zeroshot.py) behind /zero-shot and /predict, on a tiny random fused CLIP."""
+"""The zero-shot runtime (service/runtimes/zeroshot.py) behind /zero-shot and /predict, on a tiny random fused CLIP."""
 
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ from service.fused import build_model
 from service.fused_clip import FusedCLIP, zero_shot_logits
 from service.main import create_app
 from service.preprocess import ImagePreprocessor, TextPreprocessor
-from service.runtime import RUNTIMES
+from service.runtimes import RUNTIMES, CLIPZeroShotRuntime, TextCache
 from service.uncertainty import summarize
-from service.zeroshot import CLIPZeroShotRuntime, TextCache
-from tests.service.helpers import b64, settings_for
-from tests.service.test_api import assert_error
+from tests.service.helpers import assert_error, b64, settings_for
 
 LABELS = ["cat", "dog", "ship"]
 TEMPERATURE = 1.3

@@ -7,10 +7,11 @@ The artifact (``offline/pipeline_clip.py``) holds a fused :class:`service.fused_
   with ``zero_shot.template`` are embedded at load (they serve ``/predict``);
 * image side: images go through the batcher like ``/predict``: one ``(M, D)`` embedding per image;
 * per request: member logits ``(B, M, L) = logit_scale * einsum("bmd,lmd->bml") (+ logit_bias)``, then
-  :func:`service.runtime.summarize_rows` (manifest temperature, OOD metric and threshold) and
-  :func:`service.runtime.format_predictions` with the request's labels, in the request's order.
+  :func:`~service.runtimes.base.summarize_rows` (manifest temperature, OOD metric and threshold) and the
+  answer over the request's labels, in the request's order.
 
-Backend: torch eager only (fp32 on CPU; bf16 autocast on CUDA or with ``HYDRA_PRECISION=bf16``).
+Backend: torch eager only (:func:`service.backends.resolve_plan` with ``eager_only``: fp32 on CPU, bf16
+autocast on CUDA or with ``HYDRA_PRECISION=bf16``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +28,16 @@ import anyio
 import torch
 from prometheus_client import Counter
 
-from .artifact import ArtifactError
-from .backends import BackendConfigError, Plan
-from .errors import InvalidInput
-from .fused import load_model
-from .fused_clip import FusedCLIP, zero_shot_logits
-from .metrics import Metrics
-from .preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
-from .runtime import RUNTIMES, ItemResult, ZeroShotRuntime, format_predictions, summarize_rows
-from .settings import Settings
+from ..artifact import ArtifactError
+from ..backends import resolve_plan
+from ..errors import InvalidInput
+from ..fused import load_model
+from ..fused_clip import FusedCLIP, zero_shot_logits
+from ..metrics import Metrics
+from ..preprocess import ImagePreprocessor, TextPreprocessor
+from ..schemas import DEFAULT_TEMPLATE, PredictResponse
+from ..settings import Settings
+from .base import ItemResult, Query, Runtime, preprocess_images, summarize_rows
 
 __all__ = ["CLIPZeroShotRuntime", "TextCache", "TEXT_CACHE_SIZE", "text_cache_counter"]
 
@@ -46,14 +49,12 @@ TEXT_CHUNK = 64  # prompts per text-encoder pass
 
 def text_cache_counter(metrics: Metrics) -> Counter:
     """``hydra_zero_shot_text_cache_total{model, result="hit"|"miss"}``, registered once per :class:`Metrics`."""
-    counter = getattr(metrics, "zero_shot_text_cache", None)
-    if counter is None:
-        counter = Counter(
+    if metrics.zero_shot_text_cache is None:
+        metrics.zero_shot_text_cache = Counter(
             "hydra_zero_shot_text_cache", "Zero-shot text-embedding cache lookups, by result (hit or miss).",
             ["model", "result"], registry=metrics.registry,
         )  # fmt: skip
-        metrics.zero_shot_text_cache = counter  # type: ignore[attr-defined]
-    return counter
+    return metrics.zero_shot_text_cache
 
 
 class TextCache:
@@ -82,8 +83,10 @@ class TextCache:
         return len(self._data)
 
 
-class CLIPZeroShotRuntime(ZeroShotRuntime):
+class CLIPZeroShotRuntime(Runtime):
     """A fused CLIP artifact: ``/zero-shot`` with any labels, ``/predict`` (images) with the manifest's labels."""
+
+    task = "zero-shot"
 
     def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
         super().__init__(root, manifest, settings, metrics)
@@ -99,25 +102,26 @@ class CLIPZeroShotRuntime(ZeroShotRuntime):
             self.text_pre = TextPreprocessor({**prep["text"], "type": "text"}, root)
         except (ValueError, KeyError, TypeError, OSError) as e:
             raise ArtifactError(f"{root}: bad preprocessing in the manifest: {e}") from e
-        self.template: str = str(zs.get("template", "A photo of a {label}."))
+        self.template: str = str(zs.get("template", DEFAULT_TEMPLATE))
         self.model: FusedCLIP | None = None
         self.cache = TextCache(TEXT_CACHE_SIZE)
         self._fixed: torch.Tensor | None = None  # (C, M, D) text embeddings of the manifest's labels
         self._counter = text_cache_counter(metrics) if metrics is not None else None
 
+    @property
+    def modality(self) -> str:
+        return "image"
+
+    def answers(self, task: str) -> bool:
+        """``/zero-shot``, and ``/predict`` too: images against the manifest's fixed labels."""
+        return task in ("zero-shot", "classification")
+
     # -- set-up
     def resolve(self) -> None:
         """Torch eager on ``HYDRA_DEVICE``; fp32 on CPU, bf16 autocast on CUDA (unless ``HYDRA_PRECISION``)."""
         s = self.settings
-        cuda = torch.cuda.is_available()
-        device = s.device if s.device != "auto" else ("cuda" if cuda else "cpu")
-        if device == "cuda" and not cuda:
-            raise BackendConfigError(f"{self.name}: HYDRA_DEVICE=cuda but no CUDA device is visible; use auto or cpu")
-        precision = s.precision if s.precision != "auto" else ("bf16" if device == "cuda" else "fp32")
-        reason = f"zero-shot runs torch eager; precision {precision}"
-        if s.backend not in ("auto", "torch"):
-            reason += f" (HYDRA_BACKEND={s.backend} applies to classifiers only)"
-        self.plan = Plan("torch", device, precision, reason)
+        self.plan = resolve_plan(self.manifest, device=s.device, backend=s.backend, precision=s.precision,
+                                 eager_only=True)  # fmt: skip
 
     def load(self) -> None:
         """Read the fused weights and embed the manifest's labels with its template (blocking)."""
@@ -167,15 +171,9 @@ class CLIPZeroShotRuntime(ZeroShotRuntime):
         return emb
 
     # -- request side
-    def prepare(self, raw: list[str] | list[bytes], field: str, *, base64_encoded: bool) -> list[torch.Tensor]:
+    def prepare(self, raw: Sequence[str] | Sequence[bytes], field: str, *, base64_encoded: bool) -> list[Any]:
         """Decode and preprocess the images of one request -> ``(C, H, W)`` tensors (raises naming the input)."""
-        out = []
-        many = len(raw) > 1 or field.endswith("s")
-        for i, x in enumerate(raw):
-            where = f"{field}[{i}]" if many else field
-            data = decode_base64(x, where) if base64_encoded else x
-            out.append(self.pre(data, where))
-        return out
+        return preprocess_images(self.pre, raw, field, base64_encoded=base64_encoded)
 
     # -- worker thread: images -> embeddings
     def _run(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -197,50 +195,26 @@ class CLIPZeroShotRuntime(ZeroShotRuntime):
             logits = zero_shot_logits(image, text, scale, bias)  # (B, M, L)
         return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold)
 
-    async def _answer(
-        self, prepared: list[torch.Tensor], labels: list[str], text: torch.Tensor, *, top_k: int,
-        return_members: bool, t0: float,
-    ) -> dict[str, Any]:  # fmt: skip
-        res = await self.batcher.submit(prepared)
-        results = self._results(torch.stack(res.results), text)
-        self._count(results)
-        preds = format_predictions(
-            results, labels, top_k=top_k, return_members=return_members, metric=self.ood_metric,
-            threshold=self.ood_threshold,
-        )  # fmt: skip
-        return {"model": self.name, "predictions": preds, "timing": self._timing(res, t0)}
-
-    async def zero_shot(
-        self, images: list[str] | list[bytes], labels: list[str], template: str, *, base64_encoded: bool,
-        top_k: int, return_members: bool, t0: float,
-    ) -> dict[str, Any]:  # fmt: skip
-        """Images against ``labels`` (prompts ``template.format(label=...)``) -> the ``/zero-shot`` answer body."""
-        field = "file" if not base64_encoded else ("images" if len(images) > 1 else "image")
-        raw_bytes = sum(len(x) for x in images)
-        if raw_bytes > 32 * 1024:
-            prepared = await anyio.to_thread.run_sync(
-                lambda: self.prepare(images, field, base64_encoded=base64_encoded)
-            )
+    async def answer(self, prepared: list[Any], query: Query, *, t0: float) -> PredictResponse:
+        """Prepared images against the request's labels (``/zero-shot``: prompts ``template.format(label=...)``),
+        or against the manifest's fixed labels when the query has none (``/predict``)."""
+        if query.labels is None:
+            if self._fixed is None:
+                raise InvalidInput(f"model: {self.name!r} has no fixed labels; send the images to /zero-shot")
+            labels, text = self.labels, self._fixed
         else:
-            prepared = self.prepare(images, field, base64_encoded=base64_encoded)
-        text = await self.text_embeddings(labels, template)
-        return await self._answer(prepared, list(labels), text, top_k=top_k, return_members=return_members, t0=t0)
-
-    async def predict(
-        self, prepared: list[torch.Tensor], *, top_k: int, return_members: bool, t0: float
-    ) -> dict[str, Any]:
-        """Prepared images of one request against the manifest's fixed ``labels`` -> the ``/predict`` body."""
-        if self._fixed is None:
-            raise InvalidInput(f"model: {self.name!r} has no fixed labels; send the images to /zero-shot")
-        return await self._answer(prepared, self.labels, self._fixed, top_k=top_k, return_members=return_members,
-                                  t0=t0)  # fmt: skip
+            labels, text = list(query.labels), await self.text_embeddings(query.labels, query.template)
+        res = await self.batcher.submit(prepared)
+        results = self._results(torch.stack(res.results), text)  # stacked: (B, M, D)
+        return self.respond(results, labels, query, res, t0)
 
     async def warmup(self) -> None:
         """One image through preprocess, batcher, image encoder and uncertainty (fixed labels embedded at load)."""
         prepared = self.prepare([self.pre.example()], "warmup", base64_encoded=False)
-        text = self._fixed if self._fixed is not None else await self.text_embeddings(["a", "b"], self.template)
-        labels = self.labels if self._fixed is not None else ["a", "b"]
-        await self._answer(prepared, labels, text, top_k=1, return_members=True, t0=time.perf_counter())
+        # without fixed labels: two placeholder labels, which also warms the text encoder
+        labels = None if self._fixed is not None else ["a", "b"]
+        query = Query(top_k=1, return_members=True, labels=labels, template=self.template)
+        await self.answer(prepared, query, t0=time.perf_counter())
         self.ready = True
 
     async def probe(self) -> None:
@@ -253,6 +227,3 @@ class CLIPZeroShotRuntime(ZeroShotRuntime):
         d["zero_shot"] = {"template": self.template, "embed_dim": zs.get("embed_dim"),
                           "text_cache_size": self.cache.size}  # fmt: skip
         return d
-
-
-RUNTIMES["zero-shot"] = CLIPZeroShotRuntime

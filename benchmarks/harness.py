@@ -1,0 +1,270 @@
+"""What the server benchmarks share: a ``python -m service`` process on loopback, an HTTP client, request bodies.
+
+Used by ``benchmarks/bench_server.py``, ``benchmarks/load_test.py``, ``benchmarks/sigterm_test.py`` and the tests
+that run a real server (``tests/reliability``). Only 127.0.0.1 is ever used: nothing leaves the machine.
+
+* the server process: :func:`free_port`, :func:`server_env`, :func:`start_server`, :func:`wait_ready`,
+  :func:`stop_server`, :func:`rss_mb`;
+* the client: :class:`Connection` (keep-alive HTTP/1.1 on asyncio streams), :func:`request` (one request on a
+  fresh connection), :func:`error_code` (the error code of an answer, docs/api.md);
+* the bodies: :func:`payload` (one ``/predict`` body of an artifact's modality);
+* the scripts' common frame: :func:`add_artifact_arguments` and :func:`open_artifact` (``--artifact DIR`` or
+  ``--tiny FAMILY``, a tiny random artifact built by the test fixtures), :func:`machine`, :func:`write_result`,
+  :func:`print_checks`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"  # loopback only, always
+
+TEXT = "The new phone arrived two days late, but the screen is gorgeous and the battery easily lasts a whole day."
+
+__all__ = [
+    "HOST",
+    "ROOT",
+    "TEXT",
+    "Connection",
+    "add_artifact_arguments",
+    "error_code",
+    "free_port",
+    "machine",
+    "open_artifact",
+    "payload",
+    "print_checks",
+    "request",
+    "rss_mb",
+    "server_env",
+    "start_server",
+    "stop_server",
+    "tiny_artifact",
+    "wait_ready",
+    "write_result",
+]
+
+
+# ----------------------------------------------------------------------------- the server process
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def server_env(artifact: Path, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a loopback server: offline Hugging Face, the artifact, host and port. ``HYDRA_*``
+    variables of the caller's environment are left out: the server runs with exactly the settings given."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HYDRA_ARTIFACTS": str(artifact),
+                "HYDRA_HOST": HOST, "HYDRA_PORT": str(port), "HYDRA_LOG_LEVEL": "info"})  # fmt: skip
+    env.update(extra or {})
+    return env
+
+
+def start_server(
+    artifact: Path, port: int, extra_env: dict[str, str] | None = None, *, log_file: Path | None = None,
+    module: str = "service", inherit_output: bool = False,
+) -> subprocess.Popen:  # fmt: skip
+    """``python -m <module>`` on 127.0.0.1:``port`` (:func:`server_env` plus ``extra_env``).
+
+    Its stdout and stderr go to ``log_file``; without one, to this process's own (``inherit_output``) or nowhere.
+    """
+    cmd, env = [sys.executable, "-m", module], server_env(artifact, port, extra_env)
+    if log_file is not None:
+        with open(log_file, "wb") as log:  # the child holds its own descriptor
+            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    out = None if inherit_output else subprocess.DEVNULL
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 180.0) -> float:
+    """Poll ``/readyz`` until 200; seconds it took. Raises ``RuntimeError`` if the server exits or times out."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            status, _, _ = asyncio.run(request(port, "GET", "/readyz", timeout=2.0))
+            if status == 200:
+                return time.monotonic() - t0
+        except (OSError, asyncio.TimeoutError, ValueError):  # noqa: UP041 (3.10: not the builtin)
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the server was not ready after {timeout} s")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """SIGTERM, wait; kill if it does not stop. The exit status (negative: killed by that signal)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
+def rss_mb(pid: int) -> dict[str, float]:
+    """Resident memory of a process from ``/proc/<pid>/status``: ``rss`` (VmRSS) and ``peak`` (VmHWM), MiB."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out["rss" if key == "VmRSS" else "peak"] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- a minimal HTTP/1.1 client
+class Connection:
+    """Keep-alive HTTP/1.1 on asyncio streams: microseconds of CPU per request (httpx takes ~1 ms), so that the
+    clients, on the same cores as the server, take little from it. Reconnects after an error."""
+
+    def __init__(self, port: int, host: str = HOST) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def request(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None, close: bool = False
+    ) -> tuple[int, dict[str, str], bytes]:
+        """(status, lower-cased headers, body). Raises ``OSError`` / ``ValueError`` (``IncompleteReadError``)."""
+        try:
+            if self.writer is None:
+                self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+            assert self.reader is not None
+            head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Length: {len(body)}\r\n"
+            if body:
+                head += "Content-Type: application/json\r\n"
+            for k, v in (headers or {}).items():
+                head += f"{k}: {v}\r\n"
+            if close:
+                head += "Connection: close\r\n"
+            self.writer.write((head + "\r\n").encode() + body)
+            await self.writer.drain()
+            status_line = await self.reader.readline()
+            if not status_line:
+                raise ConnectionResetError("connection closed before any response byte")
+            status = int(status_line.split()[1])
+            hdrs: dict[str, str] = {}
+            while (line := await self.reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                hdrs[name.strip().lower()] = value.strip()
+            data = await self.reader.readexactly(int(hdrs.get("content-length", "0")))
+        except BaseException:
+            await self.close()
+            raise
+        if close or hdrs.get("connection", "").lower() == "close":
+            await self.close()
+        return status, hdrs, data
+
+    async def close(self) -> None:
+        """Close the connection (the next request opens a new one)."""
+        writer, self.writer, self.reader = self.writer, None, None
+        if writer is not None:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except OSError:
+                pass
+
+
+async def request(
+    port: int, method: str, path: str, body: bytes = b"", *, timeout: float = 10.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+    """One request on a fresh connection (closed after)."""
+    conn = Connection(port)
+    try:
+        return await asyncio.wait_for(conn.request(method, path, body, headers, close=True), timeout)
+    finally:
+        await conn.close()
+
+
+def error_code(status: int, body: bytes) -> str:
+    """The error code of an answer (docs/api.md; ``ok`` for 2xx; ``http_<status>`` when the body is not an error
+    body of the API)."""
+    if 200 <= status < 300:
+        return "ok"
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return f"http_{status}"
+
+
+# ----------------------------------------------------------------------------- what to send
+def payload(manifest: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """One ``/predict`` body of the artifact's modality: a noise image of the model's size, or a sentence."""
+    prep = manifest["preprocessing"]
+    if prep["type"] == "text":
+        return {"text": TEXT}
+    from PIL import Image  # only image artifacts need Pillow
+
+    h, w = prep["size"]
+    shape = (h, w) if int(prep.get("channels", 3)) == 1 else (h, w, 3)
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)).save(buf, format="PNG")
+    return {"image": base64.b64encode(buf.getvalue()).decode()}
+
+
+def tiny_artifact(out: Path, family: str) -> Path:
+    """A tiny random ``family`` (``vit`` / ``bert``) artifact named ``tiny-<family>`` in ``out/<family>``, to check
+    a script without a built model."""
+    # torch and the builder's export code are loaded only when a tiny artifact is asked for: the load scripts'
+    # clients otherwise stay light
+    from tests.fixtures.tiny_artifact import make_tiny_artifact
+
+    return make_tiny_artifact(Path(out) / family, family, name=f"tiny-{family}")
+
+
+# ----------------------------------------------------------------------------- the scripts' common frame
+def add_artifact_arguments(p: argparse.ArgumentParser) -> None:
+    """``--artifact DIR`` or ``--tiny {vit,bert}``, one of them required: what the script serves."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--artifact", type=Path, help="artifact directory to serve")
+    src.add_argument("--tiny", choices=["vit", "bert"], help="build a tiny random artifact of this family instead")
+
+
+def open_artifact(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Any]]:
+    """The artifact to serve and its manifest: ``args.artifact``, or a tiny one built under ``tmp`` for
+    ``args.tiny``. Hugging Face stays offline (the default) in this process and in the server."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    artifact = tiny_artifact(tmp, args.tiny) if args.tiny else args.artifact.resolve()
+    return artifact, json.loads((artifact / "manifest.json").read_text())
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers were taken: platform, CPU count, Python version."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def write_result(result: dict[str, Any], out: Path | None, default_name: str) -> Path:
+    """Write ``result`` as JSON to ``out``, else to ``benchmarks/results/<default_name>``; the path written."""
+    path = out or ROOT / "benchmarks" / "results" / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def print_checks(checks: dict[str, bool]) -> None:
+    """One ``PASS`` / ``FAIL`` line per check."""
+    for k, v in checks.items():
+        print(f"  {'PASS' if v else 'FAIL'} {k}")

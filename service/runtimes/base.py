@@ -1,0 +1,313 @@
+"""What every runtime shares: the :class:`Runtime` base, per-input uncertainty and the answer's building.
+
+A runtime is one loaded artifact behind one batcher: the request side decodes and
+preprocesses the inputs (:meth:`Runtime.prepare`), the worker thread runs the model
+on a batch (``_run``), and :meth:`Runtime.answer` turns the member logits ``(B, M, C)``
+of one request into the ``/predict`` or ``/zero-shot`` answer. The answer is built as
+the response models of :mod:`service.schemas` (:class:`PredictResponse` and its parts),
+so the body the client gets and the schema the API documents (docs/api.md) are one thing.
+
+Health lives here too: after ``HYDRA_UNREADY_AFTER_FAILURES`` failed batches in a row a
+runtime is not ``healthy`` (``/readyz`` 503) and runs a probe batch every
+``HYDRA_PROBE_INTERVAL_S`` seconds until one succeeds.
+
+This module knows no concrete runtime; :mod:`service.runtimes` holds the registry.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..artifact import ArtifactError
+from ..backends import Plan
+from ..batching import Batcher, BatchResult
+from ..metrics import Metrics
+from ..preprocess import ImagePreprocessor, decode_base64
+from ..schemas import (
+    DEFAULT_TEMPLATE,
+    OOD,
+    MemberPrediction,
+    Prediction,
+    PredictResponse,
+    Timing,
+    TopK,
+    Uncertainty,
+)
+from ..settings import Settings
+from ..uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
+
+__all__ = ["ItemResult", "Query", "Runtime", "build_predictions", "preprocess_images", "summarize_rows"]
+
+log = logging.getLogger("hydra.runtime")
+
+
+@dataclass
+class ItemResult:
+    """Uncertainty of one input, from its member logits ``(M, C)``."""
+
+    probs: np.ndarray  # (C,) ensemble probabilities
+    member_probs: np.ndarray  # (M, C)
+    prediction: int
+    msp: float
+    entropy: float
+    expected_entropy: float
+    mutual_information: float
+    disagreement: float
+    ood_score: float
+    ood_flag: bool
+
+
+@dataclass(frozen=True)
+class Query:
+    """What a request asks of a runtime besides its inputs."""
+
+    top_k: int = 5
+    return_members: bool = False
+    # zero-shot: the request's candidate labels and prompt template; None: the model's own labels (/predict)
+    labels: list[str] | None = None
+    template: str = DEFAULT_TEMPLATE
+
+
+def summarize_rows(logits: torch.Tensor, temperature: float, metric: str, threshold: float) -> list[ItemResult]:
+    """Member logits ``(B, M, C)`` -> one :class:`ItemResult` per input, via :mod:`service.uncertainty`."""
+    s = summarize(logits, temperature)
+    score = ood_score(s, metric)
+    flag = ood_flag(score, metric, threshold)
+    probs = s["probs"].numpy()  # (B, C)
+    mp = s["member_probs"].numpy()  # (B, M, C)
+    # one Python list per column (B,), in ItemResult's order: a float per input, not a tensor element each
+    names = ("prediction", "msp", "entropy", "expected_entropy", "mutual_information", "disagreement")
+    cols = [s[k].tolist() for k in names]
+    rows = zip(probs, mp, *cols, score.tolist(), flag.tolist(), strict=True)
+    return [
+        ItemResult(p, m, int(pred), msp, ent, exp_ent, mi, dis, float(sc), bool(fl))
+        for p, m, pred, msp, ent, exp_ent, mi, dis, sc, fl in rows
+    ]
+
+
+def build_predictions(
+    results: list[ItemResult],
+    labels: list[str],
+    *,
+    top_k: int,
+    return_members: bool,
+    metric: str,
+    threshold: float,
+) -> list[Prediction]:
+    """The ``predictions`` of an answer (docs/api.md), one per input; ``top_k`` is clamped to ``len(labels)``.
+
+    ``members`` is set only when asked for; the answer is serialised without the unset (None) fields.
+    """
+    k = max(1, min(int(top_k), len(labels)))
+    out = []
+    for r in results:
+        order = np.argsort(-r.probs, kind="stable")[:k]
+        members = None
+        if return_members:
+            idx = r.member_probs.argmax(-1)  # (M,) each member's own prediction
+            members = [MemberPrediction(label=labels[int(j)], confidence=float(r.member_probs[m, j]))
+                       for m, j in enumerate(idx)]  # fmt: skip
+        out.append(Prediction(
+            label=labels[r.prediction],
+            label_index=r.prediction,
+            confidence=float(r.probs[r.prediction]),
+            top_k=[TopK(label=labels[j], prob=float(r.probs[j])) for j in order],
+            uncertainty=Uncertainty(msp=r.msp, entropy=r.entropy, expected_entropy=r.expected_entropy,
+                                    mutual_information=r.mutual_information, disagreement=r.disagreement),
+            ood=OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=threshold),
+            members=members,
+        ))  # fmt: skip
+    return out
+
+
+def preprocess_images(
+    pre: ImagePreprocessor, raw: Sequence[str] | Sequence[bytes], field: str, *, base64_encoded: bool
+) -> list[torch.Tensor]:
+    """Decode (base64 when sent in JSON) and preprocess the images of one request -> ``(C, H, W)`` tensors.
+
+    Errors name the input: ``field`` for one image sent as a single value, ``field[i]`` otherwise.
+    """
+    out = []
+    many = len(raw) > 1 or field.endswith("s")
+    for i, x in enumerate(raw):
+        where = f"{field}[{i}]" if many else field
+        data = decode_base64(x, where) if base64_encoded else x
+        out.append(pre(data, where))
+    return out
+
+
+class Runtime(abc.ABC):
+    """One loaded artifact behind one batcher. Subclasses set ``task`` and implement the abstract methods."""
+
+    task: ClassVar[str]
+
+    def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.settings = settings
+        self.metrics = metrics
+        self.name: str = manifest["name"]
+        self.family: str = manifest["family"]
+        self.members: int = int(manifest["members"])
+        unc = manifest["uncertainty"]
+        self.temperature = float(unc["temperature"])
+        self.ood_metric = str(unc["ood_score"])
+        self.ood_threshold = float(unc["ood_threshold"])
+        if self.ood_metric not in OOD_METRICS:
+            raise ArtifactError(f"{root}: uncertainty.ood_score {self.ood_metric!r} is not in {sorted(OOD_METRICS)}")
+        if not self.temperature > 0:
+            raise ArtifactError(f"{root}: uncertainty.temperature must be > 0, got {self.temperature}")
+        self.plan: Plan | None = None
+        self.batcher = Batcher(
+            self.name, self._run, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000,
+            max_queue=settings.max_queue, metrics=metrics, unhealthy_after=settings.unready_after_failures,
+            on_health=self._health_changed,
+        )  # fmt: skip
+        self.ready = False
+        self._prober: asyncio.Task | None = None
+
+    @property
+    @abc.abstractmethod
+    def modality(self) -> str:
+        """``image`` or ``text``: the inputs this runtime takes."""
+
+    @property
+    def labels(self) -> list[str]:
+        """The artifact's own labels (the classes of ``/predict``)."""
+        return list(self.manifest.get("labels") or [])
+
+    def answers(self, task: str) -> bool:
+        """Whether this runtime answers the endpoint of ``task`` (``classification``: ``/predict``,
+        ``zero-shot``: ``/zero-shot``). Default: its own task only."""
+        return task == self.task
+
+    def resolve(self) -> None:
+        """Check the settings against the artifact before loading (cheap; e.g. set ``self.plan``).
+
+        Raises :class:`~service.backends.BackendConfigError` for a backend / device / precision that cannot
+        serve it, so that a bad configuration refuses start-up before the port is bound. Default: nothing.
+        """
+        return None
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Build the backend(s) and set ``self.plan`` (blocking: reads weights / exports)."""
+
+    @abc.abstractmethod
+    def prepare(self, raw: Sequence[str] | Sequence[bytes], field: str, *, base64_encoded: bool) -> list[Any]:
+        """Decode and preprocess the inputs of one request (raises :class:`~service.errors.InvalidInput` & co.
+        naming the input). Runs on the event loop or in a request thread: one bad input fails only its request."""
+
+    @abc.abstractmethod
+    def _run(self, items: list[Any]) -> list[Any]:
+        """Worker thread: prepared inputs (at most ``max_batch``) -> one result per input."""
+
+    @abc.abstractmethod
+    async def answer(self, prepared: list[Any], query: Query, *, t0: float) -> PredictResponse:
+        """Prepared inputs of one request -> its answer; ``t0`` is when the request arrived (``total_ms``)."""
+
+    @abc.abstractmethod
+    async def warmup(self) -> None:
+        """One batch through the full path (preprocess, batcher, backend, uncertainty)."""
+
+    @property
+    def healthy(self) -> bool:
+        """False after ``HYDRA_UNREADY_AFTER_FAILURES`` failed batches in a row, until a batch runs again."""
+        return self.batcher.healthy
+
+    async def probe(self) -> None:
+        """One batch through the model while it is unhealthy (default: :meth:`warmup`)."""
+        await self.warmup()
+
+    def start(self) -> None:
+        """Start the batcher's worker (after :meth:`load`)."""
+        self.batcher.start()
+        if self.metrics is not None:
+            self.metrics.model_healthy.labels(self.name).set(1)
+
+    async def close(self) -> None:
+        """Stop probing, answer what is queued, stop the worker."""
+        self.ready = False
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+        await self.batcher.close()
+
+    def _health_changed(self, healthy: bool) -> None:
+        """Batcher callback (event loop): start probing when the model fails, stop when it runs again."""
+        if self.metrics is not None:
+            self.metrics.model_healthy.labels(self.name).set(1 if healthy else 0)
+        if not healthy and (self._prober is None or self._prober.done()):
+            loop = asyncio.get_running_loop()
+            self._prober = loop.create_task(self._probe_until_healthy(), name=f"probe-{self.name}")
+
+    async def _probe_until_healthy(self) -> None:
+        interval = self.settings.probe_interval_s
+        log.error("%s: not ready; a probe batch runs every %.3g s until one succeeds", self.name, interval)
+        while not self.batcher.healthy and self.batcher.running:
+            await asyncio.sleep(interval)
+            if self.batcher.healthy or not self.batcher.running:
+                break
+            try:
+                await self.probe()
+            except Exception as e:  # the batcher logged the cause; keep probing
+                log.warning("%s: probe batch failed (%s); next in %.3g s", self.name, type(e).__name__, interval)
+        if self.batcher.healthy:
+            log.warning("%s: ready again", self.name)
+
+    def describe(self) -> dict[str, Any]:
+        """The ``/v1/models`` entry."""
+        plan = self.plan
+        return {
+            "name": self.name,
+            "family": self.family,
+            "task": self.task,
+            "modality": self.modality,
+            "members": self.members,
+            "labels": self.labels,
+            "backend": plan.backend if plan else "none",
+            "device": plan.device if plan else "none",
+            "precision": plan.precision if plan else "none",
+            "max_batch": self.settings.max_batch,
+            "uncertainty": {"temperature": self.temperature, "ood_score": self.ood_metric,
+                            "ood_threshold": self.ood_threshold, "tpr": self.manifest["uncertainty"].get("tpr")},
+        }  # fmt: skip
+
+    def respond(
+        self, results: list[ItemResult], labels: list[str], query: Query, batch: BatchResult, t0: float
+    ) -> PredictResponse:
+        """The answer to one request: its results over ``labels``, counted in the metrics, with its timings."""
+        self._count(results)
+        predictions = build_predictions(
+            results, labels, top_k=query.top_k, return_members=query.return_members, metric=self.ood_metric,
+            threshold=self.ood_threshold,
+        )  # fmt: skip
+        # total_ms last: it covers building the answer too
+        return PredictResponse(model=self.name, predictions=predictions, timing=self._timing(batch, t0))
+
+    def _timing(self, res: BatchResult, t0: float) -> Timing:
+        return Timing(
+            queue_ms=round(res.queue_s * 1000, 3),
+            inference_ms=round(res.inference_s * 1000, 3),
+            total_ms=round((time.perf_counter() - t0) * 1000, 3),
+        )
+
+    def _count(self, results: list[ItemResult]) -> None:
+        if self.metrics is not None:
+            n_ood = sum(r.ood_flag for r in results)
+            if n_ood:
+                self.metrics.predictions.labels(self.name, "true").inc(n_ood)
+            if len(results) - n_ood:
+                self.metrics.predictions.labels(self.name, "false").inc(len(results) - n_ood)
