@@ -151,7 +151,7 @@ class BaseModelInfo(_OpenRecord):
 
 
 class ModelSpec(_OpenRecord):
-    """The fused model: its config (``service.fused.build_model``), weights file and input/output names."""
+    """The fused model: its config (``service.models.build_model``), weights file and input/output names."""
 
     config: dict[str, Any]  # the fused architecture; ``arch`` picks the class
     weights: str = "model.safetensors"  # safetensors file inside the artifact

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .fused import load_model
+from .models import load_model
 
 __all__ = [
     "Backend",

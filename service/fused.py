@@ -2,7 +2,7 @@
 
 This is the runtime half of the project: the offline builder (``offline/fusion.py``)
 writes a config dict plus a safetensors state dict, and the server rebuilds the
-model from them with :func:`load_model`. Only torch is imported here.
+model from them with :func:`service.models.load_model`. Only torch is imported here.
 
 Layout (see ``benchmarks/bench_fusion.py`` and its results): the residual
 streams of the M members are one tensor ``(M, B*T, d)`` (members, batch ×
@@ -32,8 +32,7 @@ Parameter layout (what ``offline.families.base.fused_block_state`` writes):
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,17 +41,19 @@ from torch import nn
 __all__ = [
     "GroupedLinear",
     "MemberLayerNorm",
+    "Sequences",
     "FusedAttention",
     "FusedMLP",
     "FusedBlock",
     "FusedEncoder",
+    "FusedClassifier",
     "FusedViT",
     "FusedBert",
     "QuickGELU",
-    "build_model",
-    "load_model",
+    "stack_members",
     "tiny_config",
-    "ARCHS",
+    "count_params",
+    "CPU_MAX_ROWS",
 ]
 
 
@@ -159,6 +160,18 @@ def _first_tokens(x: torch.Tensor, seq_len: int) -> torch.Tensor:
     return x.reshape(M, N // seq_len, seq_len, d)[:, :, 0]
 
 
+class Sequences(NamedTuple):
+    """How the rows of member streams ``(M, B*T, d)`` form sequences, and which tokens each token attends to.
+
+    ``seq_len``: T. ``attn_mask``: None or bool broadcastable to ``(M*B, H, T, T)``, True = attend.
+    ``is_causal``: each token attends to itself and the tokens before it only.
+    """
+
+    seq_len: int
+    attn_mask: torch.Tensor | None = None
+    is_causal: bool = False
+
+
 class FusedAttention(nn.Module):
     """Multi-head self-attention of M members at once.
 
@@ -183,21 +196,15 @@ class FusedAttention(nn.Module):
             self.proj_bias = nn.Parameter(torch.zeros(members, 1, dim))
 
     def forward(
-        self,
-        x: torch.Tensor,
-        seq_len: int,
-        attn_mask: torch.Tensor | None,
-        is_causal: bool,
-        residual: torch.Tensor | None = None,
-        first_token_only: bool = False,
+        self, x: torch.Tensor, seqs: Sequences, residual: torch.Tensor | None = None, first_token_only: bool = False
     ) -> torch.Tensor:
-        """``x (M, B*T, d) -> (M, B*T, d)``, plus ``residual`` when given.
+        """``x (M, B*T, d) -> (M, B*T, d)``, plus ``residual`` when given; ``seqs``: its sequences and mask.
 
-        ``attn_mask``: None or bool broadcastable to ``(M*B, H, T, T)``, True = attend. With
-        ``first_token_only`` only each sequence's first token is queried (keys and values
+        With ``first_token_only`` only each sequence's first token is queried (keys and values
         still cover every token): the output and ``residual`` are ``(M, B, d)``.
         """
         M, N, d = x.shape
+        seq_len, attn_mask, is_causal = seqs
         if self.qkv is None:
             out = self.proj_bias.expand(M, N // seq_len if first_token_only else N, d)
             return out if residual is None else residual + self.proj_bias
@@ -275,27 +282,20 @@ class FusedBlock(nn.Module):
         self.ls1 = nn.Parameter(torch.ones(members, 1, dim)) if layer_scale else None
         self.ls2 = nn.Parameter(torch.ones(members, 1, dim)) if layer_scale else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        seq_len: int,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = False,
-        first_token_only: bool = False,
-    ) -> torch.Tensor:
-        """``x (M, B*T, d) -> (M, B*T, d)``; ``attn_mask`` as in :meth:`FusedAttention.forward`.
+    def forward(self, x: torch.Tensor, seqs: Sequences, first_token_only: bool = False) -> torch.Tensor:
+        """``x (M, B*T, d) -> (M, B*T, d)``, the rows forming the sequences ``seqs`` (see :class:`Sequences`).
 
         With ``first_token_only`` the layer computes only each sequence's first token: ``-> (M, B, d)``.
         """
-        res = _first_tokens(x, seq_len) if first_token_only else x  # the rows this layer outputs
+        res = _first_tokens(x, seqs.seq_len) if first_token_only else x  # the rows this layer outputs
         if not self.norm_first:  # post-norm (BERT): norm1(x + attn(x)), then norm2(x + mlp(x))
-            x = self.norm1(self.attn(x, seq_len, attn_mask, is_causal, residual=res, first_token_only=first_token_only))
+            x = self.norm1(self.attn(x, seqs, residual=res, first_token_only=first_token_only))
             return self.norm2(self.mlp(x, residual=x))
         h = self.norm1(x)
         if self.ls1 is None:  # x + attn(norm1(x)), the residual added by the output projection's GEMM
-            x = self.attn(h, seq_len, attn_mask, is_causal, residual=res, first_token_only=first_token_only)
+            x = self.attn(h, seqs, residual=res, first_token_only=first_token_only)
         else:
-            a = self.attn(h, seq_len, attn_mask, is_causal, first_token_only=first_token_only)
+            a = self.attn(h, seqs, first_token_only=first_token_only)
             x = torch.addcmul(res, a, self.ls1)
         if self.ls2 is None:
             return self.mlp(self.norm2(x), residual=x)
@@ -333,14 +333,15 @@ class FusedEncoder(nn.Module):
         is_causal: bool = False,
         first_token_only: bool = False,
     ) -> torch.Tensor:
-        """``x (M, B*T, d) -> (M, B*T, d)``; ``attn_mask`` as in :meth:`FusedAttention.forward`.
+        """``x (M, B*T, d) -> (M, B*T, d)``: sequences of ``seq_len`` tokens, masked as in :class:`Sequences`.
 
         ``first_token_only``: the last layer computes only each sequence's first token (all that a
         class-token readout reads; exact, and it skips most of that layer's work): ``-> (M, B, d)``.
         """
+        seqs = Sequences(seq_len, attn_mask, is_causal)
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
-            x = blk(x, seq_len, attn_mask, is_causal, first_token_only=first_token_only and i == last)
+            x = blk(x, seqs, first_token_only=first_token_only and i == last)
         return x
 
 
@@ -378,13 +379,41 @@ def _in_sub_batches(
     return torch.cat([run(*(t[i : i + step] for t in inputs)) for i in range(0, B, step)])
 
 
-def _stack_members(x: torch.Tensor, members: int) -> torch.Tensor:
+def stack_members(x: torch.Tensor, members: int) -> torch.Tensor:
     """(B, T, d) shared embedding -> (M, B*T, d) member streams (a broadcast view, no copy)."""
     B, T, d = x.shape
     return x.reshape(1, B * T, d).expand(members, B * T, d)
 
 
-class FusedViT(nn.Module):
+class FusedClassifier(nn.Module):
+    """What the fused classifiers share (:class:`FusedViT`, :class:`FusedBert`; member logits ``(B, M, C)``).
+
+    The config, member count and width, the CPU sub-batch size and the first-token readout:
+    when ``first_token_readout`` is true the last layer computes only each sequence's first token
+    (exact when the readout reads only that token; about one layer less work). False computes every
+    token, as the members do. Subclasses set ``self.encoder``.
+    """
+
+    encoder: FusedEncoder
+
+    def __init__(self, cfg: dict[str, Any], first_token_readout: bool) -> None:
+        super().__init__()
+        self.cfg = dict(cfg)
+        self.members: int = cfg["members"]
+        self.dim: int = cfg["dim"]
+        self.first_token_readout = first_token_readout
+        self.cpu_max_rows = CPU_MAX_ROWS  # eager CPU passes split larger batches (see CPU_MAX_ROWS)
+
+    def _first_token_states(
+        self, x: torch.Tensor, seq_len: int, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The encoder's last-layer states of each sequence's first token: ``x (M, B*T, d) -> (M, B, d)``."""
+        if self.first_token_readout:
+            return self.encoder(x, seq_len, attn_mask, first_token_only=True)
+        return _first_tokens(self.encoder(x, seq_len, attn_mask), seq_len)
+
+
+class FusedViT(FusedClassifier):
     """Fused timm ``VisionTransformer``: ``pixel_values (B, C, H, W) -> logits (B, M, C)``.
 
     Config keys: members, img_size, patch_size, in_chans, dim, head_dim, num_heads
@@ -394,11 +423,9 @@ class FusedViT(nn.Module):
     """
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        super().__init__()
-        self.cfg = dict(cfg)
-        M, d = cfg["members"], cfg["dim"]
-        self.members = M
-        self.dim = d
+        # token pooling reads only the first token: the last layer computes only that token
+        super().__init__(cfg, first_token_readout=cfg.get("global_pool", "token") == "token")
+        M, d = self.members, self.dim
         p = cfg["patch_size"]
         self.patch_embed = nn.Conv2d(cfg["in_chans"], d, kernel_size=p, stride=p, bias=cfg.get("patch_bias", True))
         gh, gw = cfg["img_size"][0] // p, cfg["img_size"][1] // p
@@ -412,10 +439,6 @@ class FusedViT(nn.Module):
         self.fc_norm = MemberLayerNorm(M, d, eps) if cfg.get("fc_norm", False) else None
         self.global_pool = cfg.get("global_pool", "token")
         self.head = GroupedLinear(M, d, cfg["num_classes"])
-        # The readout of token pooling reads only the first token, so the last layer computes only that
-        # token (exact; about one layer less work). False computes every token, as the members do.
-        self.first_token_readout = self.global_pool == "token"
-        self.cpu_max_rows = CPU_MAX_ROWS  # eager CPU passes split larger batches (see CPU_MAX_ROWS)
         self.num_tokens = gh * gw + self.num_prefix
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -429,7 +452,7 @@ class FusedViT(nn.Module):
             x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)  # (B, T, d)
         x = x + self.pos_embed
         T = x.shape[1]
-        x = _stack_members(x, self.members)  # (M, B*T, d)
+        x = stack_members(x, self.members)  # (M, B*T, d)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         if self.global_pool == "avg":
@@ -438,10 +461,7 @@ class FusedViT(nn.Module):
                 x = self.norm(x)
             x = x.view(self.members, B, T, self.dim)[:, :, self.num_prefix :].mean(dim=2)  # (M, B, d)
         else:
-            if self.first_token_readout:
-                x = self.encoder(x, T, first_token_only=True)  # (M, B, d)
-            else:
-                x = self.encoder(x, T).view(self.members, B, T, self.dim)[:, :, 0]  # (M, B, d)
+            x = self._first_token_states(x, T)  # (M, B, d)
             if self.norm is not None:  # LayerNorm is per token: normalising the first token alone is exact
                 x = self.norm(x)
         if self.fc_norm is not None:
@@ -449,7 +469,7 @@ class FusedViT(nn.Module):
         return self.head(x).transpose(0, 1)  # (B, M, C)
 
 
-class FusedBert(nn.Module):
+class FusedBert(FusedClassifier):
     """Fused BERT-family sequence classifier: ``(input_ids, attention_mask) (B, T) -> logits (B, M, C)``.
 
     Embeddings are shared by all members (word, position, token type); the
@@ -460,11 +480,8 @@ class FusedBert(nn.Module):
     """
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        super().__init__()
-        self.cfg = dict(cfg)
-        M, d = cfg["members"], cfg["dim"]
-        self.members = M
-        self.dim = d
+        super().__init__(cfg, first_token_readout=True)  # the readout reads only the [CLS] token
+        M, d = self.members, self.dim
         self.word_embeddings = nn.Embedding(cfg["vocab_size"], d)
         self.position_embeddings = nn.Embedding(cfg["max_position"], d)
         self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), d)
@@ -473,10 +490,6 @@ class FusedBert(nn.Module):
         self.encoder = FusedEncoder({**cfg, "eps": eps}, norm_first=False)
         self.pooler = GroupedLinear(M, d, d) if cfg.get("pooler", True) else None
         self.classifier = GroupedLinear(M, d, cfg["num_classes"])
-        # The readout reads only the first token, so the last layer computes only that token (exact;
-        # about one layer less work). False computes every token, as the members do.
-        self.first_token_readout = True
-        self.cpu_max_rows = CPU_MAX_ROWS  # eager CPU passes split larger batches (see CPU_MAX_ROWS)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``input_ids, attention_mask (B, T) -> logits (B, M, C)``."""
@@ -486,83 +499,40 @@ class FusedBert(nn.Module):
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
-        x = self.emb_norm(_stack_members(x, self.members))  # (M, B*T, d)
+        x = self.emb_norm(stack_members(x, self.members))  # (M, B*T, d)
         # key padding mask, True = attend: (B, T) -> (M*B, 1, 1, T)
         mask = attention_mask.to(torch.bool).view(1, B, 1, 1, T).expand(self.members, B, 1, 1, T)
         mask = mask.reshape(self.members * B, 1, 1, T)
-        if self.first_token_readout:
-            x = self.encoder(x, T, mask, first_token_only=True)  # (M, B, d) first token
-        else:
-            x = self.encoder(x, T, mask).view(self.members, B, T, self.dim)[:, :, 0]  # (M, B, d) first token
+        x = self._first_token_states(x, T, mask)  # (M, B, d) the [CLS] token
         if self.pooler is not None:
             x = torch.tanh(self.pooler(x))
         return self.classifier(x).transpose(0, 1)  # (B, M, C)
 
 
-ARCHS: dict[str, type[nn.Module]] = {"vit": FusedViT, "bert": FusedBert}
-
-
-def build_model(config: dict[str, Any]) -> nn.Module:
-    """Instantiate a fused model (random init) from its config; ``config["arch"]`` picks the class."""
-    arch = config.get("arch")
-    if arch == "clip" and arch not in ARCHS:  # the dual encoder lives in its own module
-        from service.fused_clip import FusedCLIP
-
-        ARCHS["clip"] = FusedCLIP
-    if arch not in ARCHS:
-        raise ValueError(f"unknown fused architecture {arch!r}; known: {sorted(ARCHS)}")
-    return ARCHS[arch](config)
-
-
-def load_model(weights: str | Path, config: dict[str, Any], device: str | torch.device = "cpu") -> nn.Module:
-    """Build the fused model from ``config`` and load its safetensors weights (strict); eval mode."""
-    from safetensors.torch import load_file
-
-    model = build_model(config)
-    state = load_file(str(weights), device=str(device))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(
-            f"weights {weights} do not match the fused config: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-    return model.to(device).eval()
-
-
 def tiny_config(family: str, num_classes: int = 4, members: int = 3) -> dict[str, Any]:
     """A tiny runnable config for tests and fixtures (random weights)."""
     if family == "vit":
-        return {
-            "arch": "vit",
-            "members": members,
-            "img_size": [16, 16],
-            "patch_size": 4,
-            "in_chans": 1,
-            "dim": 32,
-            "head_dim": 8,
-            "num_heads": [3, 2],
-            "mlp_hidden": 64,
-            "num_classes": num_classes,
-            "act": "gelu",
-            "eps": 1e-6,
-        }
-    if family == "bert":
-        return {
-            "arch": "bert",
-            "members": members,
-            "vocab_size": 30522,
-            "max_position": 64,
-            "type_vocab_size": 2,
-            "dim": 32,
-            "head_dim": 8,
-            "num_heads": [3, 2],
-            "mlp_hidden": 64,
-            "num_classes": num_classes,
-            "act": "gelu",
-            "eps": 1e-12,
-        }
-    raise ValueError(f"unknown family {family!r}")
+        inputs: dict[str, Any] = {"img_size": [16, 16], "patch_size": 4, "in_chans": 1}
+        eps = 1e-6
+    elif family == "bert":
+        inputs = {"vocab_size": 30522, "max_position": 64, "type_vocab_size": 2}
+        eps = 1e-12
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    return {
+        "arch": family,
+        "members": members,
+        **inputs,
+        "dim": 32,
+        "head_dim": 8,
+        "num_heads": [3, 2],
+        "mlp_hidden": 64,
+        "num_classes": num_classes,
+        "act": "gelu",
+        "eps": eps,
+    }
 
 
 def count_params(model: nn.Module) -> int:
+    """Number of parameters of ``model``."""
     return sum(p.numel() for p in model.parameters())

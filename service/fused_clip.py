@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.fused import FusedEncoder, GroupedLinear, MemberLayerNorm, _stack_members
+from service.fused import FusedEncoder, GroupedLinear, MemberLayerNorm, stack_members
 
 __all__ = ["FusedCLIP", "FusedCLIPVision", "FusedCLIPText", "FusedHFText", "zero_shot_logits"]
 
@@ -85,7 +85,7 @@ class FusedCLIPVision(nn.Module):
         cls = self.class_embedding.view(1, 1, -1).expand(B, 1, self.dim)
         x = torch.cat([cls, x], dim=1) + self.pos_embed  # (B, T, d)
         T = x.shape[1]
-        x = _stack_members(x, self.members)  # (M, B*T, d)
+        x = stack_members(x, self.members)  # (M, B*T, d)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         x = self.encoder(x, T)
@@ -135,7 +135,7 @@ class FusedCLIPText(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         L, T = input_ids.shape
         x = self.token_embedding(input_ids) + self.pos_embed[:T]  # (L, T, d)
-        x = self.encoder(_stack_members(x, self.members), T, None, is_causal=self.causal)  # (M, L*T, d)
+        x = self.encoder(stack_members(x, self.members), T, None, is_causal=self.causal)  # (M, L*T, d)
         x = x.view(self.members, L, T, self.dim)
         idx = self._pool_index(input_ids).view(1, L, 1, 1).expand(self.members, L, 1, self.dim)
         x = self.norm(x.gather(2, idx).squeeze(2))  # (M, L, d): LayerNorm is per token, pool first
@@ -176,7 +176,7 @@ class FusedHFText(nn.Module):
         L, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
-        x = self.emb_norm(_stack_members(x, self.members))  # (M, L*T, d)
+        x = self.emb_norm(stack_members(x, self.members))  # (M, L*T, d)
         keep = attention_mask.to(torch.bool)
         # key padding mask, True = attend: (L, T) -> (M*L, 1, 1, T)
         mask = keep.view(1, L, 1, 1, T).expand(self.members, L, 1, 1, T).reshape(self.members * L, 1, 1, T)

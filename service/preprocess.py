@@ -1,4 +1,4 @@
-"""Inputs to model tensors, from the manifest's ``preprocessing`` only (CONTRACT.md §1).
+"""Inputs to model tensors, from the manifest's ``preprocessing`` only (docs/artifact.md, "Preprocessing").
 
 * Images: bytes (JPEG, PNG, WebP) -> ``(C, H, W)`` float32, ``(uint8 / 255 - mean) / std``
   after converting to ``channels`` (L or RGB) and resizing to ``size``. The pixel

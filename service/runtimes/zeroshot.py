@@ -31,9 +31,9 @@ from prometheus_client import Counter
 from ..artifact import ArtifactError
 from ..backends import resolve_plan
 from ..errors import InvalidInput
-from ..fused import load_model
 from ..fused_clip import FusedCLIP, zero_shot_logits
 from ..metrics import Metrics
+from ..models import load_model
 from ..preprocess import ImagePreprocessor, TextPreprocessor
 from ..schemas import DEFAULT_TEMPLATE, PredictResponse
 from ..settings import Settings

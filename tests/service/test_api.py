@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.artifact import load_manifest
-from service.fused import load_model
 from service.main import create_app
+from service.models import load_model
 from service.uncertainty import ood_flag, ood_score, summarize
 from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for

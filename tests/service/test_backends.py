@@ -14,7 +14,7 @@ from service.backends import (
     cpu_has_native_bf16,
     resolve_plan,
 )
-from service.fused import load_model
+from service.models import load_model
 from tests.fixtures.tiny_artifact import example_inputs
 
 

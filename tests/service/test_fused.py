@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.fused import GroupedLinear, MemberLayerNorm, build_model, tiny_config
+from service.fused import GroupedLinear, MemberLayerNorm, tiny_config
+from service.models import build_model
 
 ACTS = {
     "gelu": F.gelu,
@@ -252,14 +253,25 @@ def test_gradients_match_naive_members(family):
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-4, rtol=1e-4, msg=n)
 
 
-@pytest.mark.parametrize("family", ["vit", "bert"])
-def test_bf16_autocast_close_to_fp32(family):
+def _fp32_reference(family: str) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
+    """A random model of ``family`` (per-member LayerNorms), a batch and its fp32 logits on the CPU."""
     model = _model(family, False)
     batch = _batch(family)
+    with torch.no_grad():
+        return model, batch, model(**batch)
+
+
+def _bf16_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor], device: str) -> torch.Tensor:
+    """The model's logits under bf16 autocast on ``device`` (the batch moved there), as float32 on the CPU."""
+    with torch.autocast(device, dtype=torch.bfloat16):
+        return model(**{k: v.to(device) for k, v in batch.items()}).float().cpu()
+
+
+@pytest.mark.parametrize("family", ["vit", "bert"])
+def test_bf16_autocast_close_to_fp32(family):
+    model, batch, ref = _fp32_reference(family)
     with torch.inference_mode():
-        ref = model(**batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(**batch)
+        out = _bf16_logits(model, batch, "cpu")
     assert out.shape == ref.shape and torch.isfinite(out).all()
     # bf16 keeps ~3 significant digits; the logits here are O(1-10)
     assert float((out.float() - ref).abs().max()) < 0.05 * float(ref.abs().max())
@@ -297,13 +309,10 @@ def test_torchscript_and_onnx_exports_with_dynamic_axes(family, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family", ["vit", "bert"])
 def test_cuda_matches_cpu(family):
-    model = _model(family, False)
-    batch = _batch(family)
+    model, batch, ref = _fp32_reference(family)
     with torch.no_grad():
-        ref = model(**batch)
         model.cuda()
         out = model(**{k: v.cuda() for k, v in batch.items()}).cpu()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out_bf16 = model(**{k: v.cuda() for k, v in batch.items()}).float().cpu()
+        out_bf16 = _bf16_logits(model, batch, "cuda")
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     assert float((out_bf16 - ref).abs().max()) < 0.05 * float(ref.abs().max())

@@ -15,9 +15,9 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from service.artifact import write_manifest
-from service.fused import build_model
 from service.fused_clip import FusedCLIP, zero_shot_logits
 from service.main import create_app
+from service.models import build_model
 from service.preprocess import ImagePreprocessor, TextPreprocessor
 from service.runtimes import RUNTIMES, CLIPZeroShotRuntime, TextCache
 from service.uncertainty import summarize
