@@ -52,19 +52,22 @@ from offline.families import FamilyAdapter, get_adapter
 from offline.fusion import fuse
 from offline.members import Budget, pool_size, sample_members
 from offline.metrics import evaluate_predictions
-from offline.pipeline import (
+from offline.pipeline import base_checkpoint_dir
+from offline.scoring import circuit_ranking
+from offline.stages import (
     FASHION_MEAN,
     FASHION_STD,
+    ScoringBatches,
     Timer,
-    _concat,
-    _take,
     batches_of,
     build_members,
     circuit_batches,
     collect_logits,
+    concat,
     load_data,
+    sample_indices,
+    take,
 )
-from offline.scoring import circuit_ranking
 
 log = logging.getLogger("hydra.bench.quality")
 
@@ -185,7 +188,7 @@ def build_config(spec: Spec, strategy: str = "taylor", seeds: Sequence[int] | No
 
 
 def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) -> Context:
-    """Load the data of ``spec`` and make the scoring and evaluation batches (as ``offline.pipeline.build`` does)."""
+    """Load the data of ``spec`` and make the scoring and evaluation batches with the builder's stages."""
     cfg = build_config(spec)
     data = load_data(cfg)
     adapter = get_adapter(spec.family)
@@ -198,19 +201,17 @@ def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) 
 
         prep = {"type": "text", "max_length": spec.max_length, "tokenizer": "tokenizer"}
         tok = AutoTokenizer.from_pretrained(train_mod.minilm_path())
-    rng = np.random.default_rng(spec.data_seed)
-    n_cal = min(spec.calib_samples, len(data.train.labels))
-    cal_idx = np.sort(rng.choice(len(data.train.labels), size=n_cal, replace=False))
-    calib = batches_of(cfg, _take(data.train.inputs, cal_idx), data.train.labels[cal_idx], prep, tok, 64)
+    cal_idx = sample_indices(len(data.train.labels), spec.calib_samples, spec.data_seed)
+    calib = batches_of(take(data.train.inputs, cal_idx), data.train.labels[cal_idx], prep, tok, 64)
     n_val = min(spec.n_circuit, len(data.val.labels))
-    val_circ = circuit_batches(cfg, _take(data.val.inputs, np.arange(n_val)), data.val.labels[:n_val], prep, tok)
-    ood_val_inputs = _concat(list(data.ood_val.values()))
+    val_circ = circuit_batches(take(data.val.inputs, np.arange(n_val)), data.val.labels[:n_val], prep, tok)
+    # the first n_val OOD validation inputs in set order (the builder takes equal shares per set; the committed
+    # benchmark figures were made with this sample)
+    ood_val_inputs = concat(list(data.ood_val.values()))
     n_ood = min(n_val, len(ood_val_inputs))
-    ood_circ = circuit_batches(cfg, _take(ood_val_inputs, np.arange(n_ood)), np.zeros(n_ood, dtype=np.int64), prep,
-                               tok)
-    test = batches_of(cfg, data.test.inputs, data.test.labels, prep, tok)
-    ood_test = {n: batches_of(cfg, x, np.zeros(len(x), dtype=np.int64), prep, tok)
-                for n, (x, _) in data.ood_test.items()}
+    ood_circ = circuit_batches(take(ood_val_inputs, np.arange(n_ood)), np.zeros(n_ood, dtype=np.int64), prep, tok)
+    test = batches_of(data.test.inputs, data.test.labels, prep, tok)
+    ood_test = {n: batches_of(x, np.zeros(len(x), dtype=np.int64), prep, tok) for n, (x, _) in data.ood_test.items()}
     kinds = {n: k for n, (_, k) in data.ood_test.items()}
     cache = Path(cache_dir) / f"{spec.setting}-{spec.preset}-{_hash(spec.key())}"
     cache.mkdir(parents=True, exist_ok=True)
@@ -247,8 +248,6 @@ def builder_base_dir(spec: Spec, seed: int, cache_dir: Path = BUILDER_BASES) -> 
     resumes from the build's base instead of training it again (the benchmark never creates that folder).
     ``fit``'s checkpoint fingerprint (training config, data size, architecture) still has to match.
     """
-    from offline.pipeline import base_checkpoint_dir
-
     if seed != train_mod.TrainConfig.seed:
         return None
     cfg = build_config(spec)
@@ -327,7 +326,7 @@ def pruned_members(
 ) -> list[nn.Module]:
     """Fine-tuned members of ``base``: one per pruning seed (``taylor`` | ``circ``), each fine-tuned with its ft seed.
 
-    ``taylor`` goes through ``offline.pipeline.build_members`` (one member: deterministic top-r pruning);
+    ``taylor`` goes through ``offline.stages.build_members`` (one member: deterministic top-r pruning);
     ``circ`` samples from the cached CircAvg ranking with ``sample_members`` as ``build_members`` does.
     ``circ-top`` keeps exactly the best heads (the CircAvg-pruned single).
     """
@@ -337,7 +336,8 @@ def pruned_members(
     heads = ctx.adapter.heads(base)
     if strategy == "taylor":
         cfg = build_config(ctx.spec, "taylor", pruning_seeds, len(pruning_seeds), r)
-        members, _ = build_members(cfg, ctx.adapter, base, ctx.calib, ctx.val_id, ctx.val_y, ctx.val_ood, Timer())
+        scoring = ScoringBatches(ctx.calib, ctx.val_id, ctx.val_y, ctx.val_ood)
+        members, _ = build_members(cfg, ctx.adapter, base, scoring, Timer())
     elif strategy in ("circ", "circ-top"):
         ranking = circuit_order(ctx, base, base_seed, r)
         if strategy == "circ-top":

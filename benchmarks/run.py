@@ -6,8 +6,9 @@
     .venv/bin/python benchmarks/run.py --only quality --settings image
 
 Writes ``results/quality.json``, ``cost.json``, ``ablations.json`` (one row per measurement),
-``summary.json`` (all of them, the shape CONTRACT-style consumers read), ``tables.md`` and
-``plots/*.png``, and replaces the block between the result markers of ``benchmarks/README.md``.
+``summary.json`` (all of them in one file: machine, quality, cost, cost ratios, ablations, runs; its
+shape is in ``benchmarks/README.md``), ``tables.md`` and ``plots/*.png``, and replaces the block
+between the result markers of ``benchmarks/README.md``.
 A part run for some settings / layouts only replaces those rows and keeps the others, so the
 files always hold the latest measurement of everything.
 """
@@ -23,7 +24,7 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,13 +125,22 @@ def _group(rows: Sequence[dict]) -> list[tuple[str, list[dict]]]:
     return sorted(groups.items(), key=lambda kv: (order.get(kv[1][0]["method"], 99), kv[1][0].get("samples", 0)))
 
 
+def _sections(
+    rows: Sequence[dict], field: str, values: Iterable[str], runs: dict
+) -> Iterator[tuple[str, list[dict], dict]]:
+    """``(value, its rows, its run metadata)`` for each of ``values``, in that order, that some row has as ``field``.
+
+    Values without rows get no table (a part may not have been run for every setting / layout yet).
+    """
+    for value in values:
+        rs = [r for r in rows if r[field] == value]
+        if rs:
+            yield value, rs, runs.get(value, {})
+
+
 def quality_tables(rows: Sequence[dict], runs: dict) -> list[str]:
     out = []
-    for setting in q.SETTINGS:
-        rs = [r for r in rows if r["setting"] == setting]
-        if not rs:
-            continue
-        meta = runs.get(setting, {})
+    for setting, rs, meta in _sections(rows, "setting", q.SETTINGS, runs):
         sets = {n: v["kind"] for n, v in rs[0]["ood"].items()}
         out += [f"#### Quality, {setting} setting ({meta.get('mode', '?')} mode)", "",
                 f"Sizes: {json.dumps(meta.get('sizes', {}))}; OOD sets: "
@@ -197,11 +207,7 @@ def cost_tables(rows: Sequence[dict], runs: dict) -> list[str]:
              for r in cost_mod.ratios(rows, "single")}
     to_de = {(r["layout"], r["device"], r["precision"], r["batch"], r["method"]): r
              for r in cost_mod.ratios(rows, "deep_ensemble")}
-    for layout in cost_mod.LAYOUTS:
-        rs = [r for r in rows if r["layout"] == layout]
-        if not rs:
-            continue
-        meta = runs.get(layout, {})
+    for layout, rs, meta in _sections(rows, "layout", cost_mod.LAYOUTS, runs):
         first = {r["method"]: r for r in rs}
         out += [f"#### Cost, {layout} ({rs[0]['members']} members, {rs[0]['keep']} heads kept per layer; "
                 f"{rs[0].get('device_name', '')}; {rs[0]['repeats']} interleaved repeats; "
@@ -232,11 +238,7 @@ def cost_tables(rows: Sequence[dict], runs: dict) -> list[str]:
 
 def ablation_tables(rows: Sequence[dict], runs: dict) -> list[str]:
     out = []
-    for setting in q.SETTINGS:
-        rs = [r for r in rows if r["setting"] == setting]
-        if not rs:
-            continue
-        meta = runs.get(setting, {})
+    for setting, rs, meta in _sections(rows, "setting", q.SETTINGS, runs):
         out += [f"#### Ablations, {setting} setting ({rs[0]['method']}, Hydra seed 0, {meta.get('mode', '?')} mode)",
                 "", "| ablation | value | Acc | ECE | near AUROC | far AUROC | near FPR95 | far FPR95 | MI ID | MI OOD "
                 "| DI ID | DI OOD | params (M) |", "|" + "---|" * 13]
@@ -252,6 +254,19 @@ def ablation_tables(rows: Sequence[dict], runs: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- plots
+def _save_figure(fig: Any, out: Path, name: str) -> str:
+    """Lay out, write ``out/plots/<name>`` and close a pyplot figure; returns its path relative to ``out``.
+
+    Closing matters: pyplot keeps every figure alive until it is closed.
+    """
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / "plots" / name, dpi=110)
+    plt.close(fig)
+    return f"plots/{name}"
+
+
 def plots(out: Path, summary: dict) -> list[str]:
     """PNG plots of the summary; returns their paths relative to ``out``."""
     import matplotlib
@@ -280,10 +295,7 @@ def plots(out: Path, summary: dict) -> list[str]:
                 ax.set_title(f"{s}: {title} (%)")
                 lo = min(100 * m for m, _ in ms if math.isfinite(m)) if title != "ECE" else 0
                 ax.set_xlim(max(0, lo - 5) if title != "ECE" else 0, None)
-        fig.tight_layout()
-        fig.savefig(out / "plots" / "quality.png", dpi=110)
-        plt.close(fig)
-        made.append("plots/quality.png")
+        made.append(_save_figure(fig, out, "quality.png"))
     cost = summary.get("cost", [])
     layouts = [lay for lay in cost_mod.LAYOUTS if any(r["layout"] == lay for r in cost)]
     if layouts:
@@ -300,10 +312,7 @@ def plots(out: Path, summary: dict) -> list[str]:
             ax.set_xticks(x, [f"{d} {p}\nb{b}" for d, p, b in keys], fontsize=8)
             ax.set_title(f"{lay}: latency / Single (min)")
         axes[0][0].legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "plots" / "cost.png", dpi=110)
-        plt.close(fig)
-        made.append("plots/cost.png")
+        made.append(_save_figure(fig, out, "cost.png"))
     abl = summary.get("ablations", [])
     a_settings = [s for s in q.SETTINGS if any(r["setting"] == s for r in abl)]
     if a_settings:
@@ -320,10 +329,7 @@ def plots(out: Path, summary: dict) -> list[str]:
                 ax.set_xticks(x, [str(r["value"]) for r in rs])
                 ax.set_title(f"{s}: {name}")
             axes[i][0].legend(fontsize=8, loc="lower right")
-        fig.tight_layout()
-        fig.savefig(out / "plots" / "ablations.png", dpi=110)
-        plt.close(fig)
-        made.append("plots/ablations.png")
+        made.append(_save_figure(fig, out, "ablations.png"))
     return made
 
 

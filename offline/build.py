@@ -1,20 +1,44 @@
 """Build a Hydra artifact: ``python offline/build.py --config FILE --out DIR [--section.key VALUE ...]``.
 
-Thin entry point: configuration parsing and validation live in ``offline.config``,
-the work in ``offline.pipeline``. Every config value can be overridden by a flag;
+Thin entry point: configuration parsing and validation live in ``offline.config``;
+:func:`build` dispatches by family to the classifier pipeline (``offline.pipeline``:
+``vit``, ``bert``) or the zero-shot one (``offline.pipeline_clip``: ``clip``), both
+compositions of ``offline.stages``. Every config value can be overridden by a flag;
 ``--help`` lists them all.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offline.config import ConfigError, add_arguments, load_config, overrides_from_args  # noqa: E402
+import torch  # noqa: E402
+
+from offline import pipeline, pipeline_clip  # noqa: E402
+from offline.config import BuildConfig, ConfigError, add_arguments, load_config, overrides_from_args  # noqa: E402
+
+# family -> the pipeline that builds it
+PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {
+    "vit": pipeline.build,
+    "bert": pipeline.build,
+    "clip": pipeline_clip.build_zero_shot,
+}
+
+
+def build(cfg: BuildConfig, out: str | Path) -> Path:
+    """Build the artifact of ``cfg`` into ``out`` with its family's pipeline and return it."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if cfg.family not in PIPELINES:
+        raise ConfigError(f"family {cfg.family!r} has no pipeline; known: {sorted(PIPELINES)}")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    return PIPELINES[cfg.family](cfg, Path(out))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -37,8 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         if out.exists() and any(out.iterdir()) and not args.force:
             raise ConfigError(f"--out {out} is not empty; pass --force to overwrite")
-        from offline.pipeline import build
-
         build(cfg, out)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

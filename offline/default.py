@@ -14,6 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+from offline.build import build
+from offline.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULTS = {"text": "text-fast.yaml", "image": "image-fast.yaml", "zeroshot": "zeroshot-fast.yaml"}
 SERVED = ("text", "image", "zeroshot")  # built by default
@@ -40,8 +43,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="artifacts/default", help="folder holding one artifact per modality")
     ap.add_argument("--only", nargs="*", choices=sorted(DEFAULTS), help="build only these modalities")
     args = ap.parse_args(argv)
-    from offline.config import load_config
-    from offline.pipeline import build
 
     for modality, name in DEFAULTS.items():
         if (args.only and modality not in args.only) or (not args.only and modality not in SERVED):

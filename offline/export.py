@@ -1,7 +1,9 @@
 """Exports of the fused model (TorchScript, ONNX), each checked against eager on real inputs.
 
 A build fails when an export differs from eager by more than the tolerance
-(:class:`ExportMismatch`). Inputs are passed by name as a dict; the order of
+(:class:`ExportMismatch`). Exports are checked on the backend that will serve them: the
+server's own ONNX Runtime session (:func:`service.backends.onnx_session`, same options) and
+TorchScript backend (:class:`service.backends.TorchScriptBackend`). Inputs are passed by name as a dict; the order of
 the traced/ONNX inputs is the order of the model's ``forward`` signature
 (``FusedViT(pixel_values)``, ``FusedBert(input_ids, attention_mask)``).
 """
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from service.backends import TorchScriptBackend, onnx_session
 from service.uncertainty import summarize
 
 __all__ = [
@@ -30,7 +33,7 @@ __all__ = [
     "input_order",
     "export_torchscript",
     "export_onnx",
-    "load_onnx_session",
+    "export_checked",
     "run_export",
     "check_parity",
     "eager_outputs",
@@ -40,7 +43,7 @@ __all__ = [
 log = logging.getLogger("hydra.export")
 
 ONNX_OPSET = 17
-# IR version written for opset 17 graphs: onnx 1.23 may write IR 14, which onnxruntime releases reject (PERF.md)
+# IR version written for opset 17 graphs: onnx 1.23 may write IR 14, which onnxruntime 1.31-1.32 rejects (max 13)
 ONNX_IR_VERSION = 8
 SEQUENCE_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # inputs whose dim 1 is the sequence length
 # bf16 autocast vs fp32: largest accepted difference of each uncertainty field, and the argmax agreement needed
@@ -148,23 +151,14 @@ def export_onnx(model: nn.Module, example_inputs: dict[str, torch.Tensor], path:
         proto.ir_version = ONNX_IR_VERSION
         onnx.save(proto, str(path))
     onnx.checker.check_model(str(path))
-    load_onnx_session(path)  # fails here, at build time, if onnxruntime cannot run the file
-
-
-def load_onnx_session(path: str | Path, threads: int | None = None) -> Any:
-    """An ``onnxruntime.InferenceSession`` of ``path`` on the CPU provider (``threads``: intra-op threads)."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads if threads is not None else torch.get_num_threads()
-    return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+    onnx_session(path)  # fails here, at build time, if onnxruntime cannot run the file
 
 
 def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: list[str]) -> torch.Tensor:
-    """Output of a loaded export: a TorchScript module or an onnxruntime session, on named ``inputs``."""
+    """Output of a loaded export, on named ``inputs``: a TorchScript backend, or an onnxruntime session fed the
+    graph's own inputs (an ONNX graph may drop an input its outputs do not depend on)."""
     if kind == "torchscript":
-        with torch.inference_mode():
-            return runner(*(inputs[k] for k in order)).float()
+        return runner(inputs)
     if kind == "onnx":
         wanted = [i.name for i in runner.get_inputs()]
         feed = {k: inputs[k].detach().cpu().numpy() for k in wanted}
@@ -214,15 +208,14 @@ def check_parity(
     """
     if not batches:
         raise ValueError("check_parity needs at least one batch")
-    if kind == "torchscript":
-        with _quiet_jit():
-            runner = torch.jit.load(str(path), map_location="cpu").eval()
-    elif kind == "onnx":
-        runner = load_onnx_session(path)
-    else:
-        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
     model = model.eval()
     order = input_order(model, batches[0])
+    if kind == "torchscript":
+        runner = TorchScriptBackend(path, order, "cpu", "fp32")
+    elif kind == "onnx":
+        runner = onnx_session(path)
+    else:
+        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
     worst = 0.0
     for i, (batch, ref) in enumerate(zip(batches, _reference(model, batches, reference), strict=True)):
         got = run_export(runner, kind, batch, order)
@@ -241,6 +234,29 @@ def check_parity(
         worst = max(worst, diff)
     log.info("%s parity over %d batches: max abs diff %.3g (tolerance %.3g)", kind, len(batches), worst, tol)
     return worst
+
+
+def export_checked(
+    model: nn.Module,
+    kind: str,
+    path: Path,
+    batches: list[dict[str, torch.Tensor]],
+    tol: float,
+    output_names: list[str],
+    reference: list[torch.Tensor] | None = None,
+    example: dict[str, torch.Tensor] | None = None,
+) -> float:
+    """Export ``model`` as ``kind`` (``torchscript`` or ``onnx``) to ``path``, traced on ``example`` (default
+    ``batches[0]``), and return its largest difference to eager over ``batches`` (:func:`check_parity`; raises
+    :class:`ExportMismatch`). ``reference``: the eager outputs on ``batches`` when already computed."""
+    example = batches[0] if example is None else example
+    if kind == "torchscript":
+        export_torchscript(model, example, path)
+    elif kind == "onnx":
+        export_onnx(model, example, path, output_names=output_names)
+    else:
+        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
+    return check_parity(model, path, kind, batches, tol, reference=reference)
 
 
 @torch.inference_mode()

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from service.fused import build_model
+from service.models import build_model
 
 from .families import FamilyAdapter
 

@@ -1,5 +1,6 @@
 """The zero-shot build (family ``clip``): data → base CLIP → joint head scores → members → fuse → calibrate →
-export both encoders → report. ``offline.pipeline.build`` calls :func:`build_zero_shot` for ``family: clip``.
+export both encoders → report, composed of :mod:`offline.stages`. ``offline.build`` calls :func:`build_zero_shot`
+for ``family: clip``.
 
 Base model (``base.source``):
 
@@ -17,7 +18,7 @@ Heads are scored jointly over both towers (flat layer index: vision layers, then
 ``offline/families/clip.py``): circuits by zero-shot accuracy / MSP-AUROC / their average; Taylor on
 the vision tower only (the towers' Taylor scales differ, as the paper notes).
 
-Artifact (CONTRACT.md §1) — files: ``manifest.json``, ``model.safetensors`` (the fused
+Artifact (``docs/artifact.md``) — files: ``manifest.json``, ``model.safetensors`` (the fused
 ``service.fused_clip.FusedCLIP``), ``image_encoder.ts``, ``text_encoder.ts``, ``image_encoder.onnx``,
 ``text_encoder.onnx``, ``tokenizer/`` (Hugging Face tokenizer, ``AutoTokenizer.from_pretrained``), and
 ``report.md``, ``report.json``, ``plots/*.png``. The manifest::
@@ -57,44 +58,61 @@ images, ``(B, M, D)``; member logits ``(B, M, L) = logit_scale · einsum("bmd,lm
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import hashlib
 import json
 import logging
 import os
-import platform
-import shutil
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
+import open_clip
 import torch
+from open_clip.model import get_model_preprocess_cfg
+from open_clip.tokenizer import bytes_to_unicode, default_bpe
+from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import AutoTokenizer, CLIPTokenizer
 
-from service.uncertainty import ood_score as ood_score_of
-from service.uncertainty import summarize
+from service.artifact import Manifest, build_manifest, file_sha256
+from service.fused_clip import zero_shot_logits
+from service.preprocess import ImagePreprocessor
 
 from . import lit
+from .calibration import fit_temperature
 from .config import BuildConfig, ConfigError, check_budget
 from .data import ROOT
+from .export import ONNX_OPSET, bf16_agreement, export_checked
 from .families.clip import CLIPAdapter, split_heads
 from .fusion import fuse
-from .members import Budget, pool_size
-from .pipeline import (
+from .stages import (
     EVAL_BATCH,
+    EVAL_MAX_PIXELS,
     FASHION_MEAN,
     FASHION_STD,
+    Batch,
+    Method,
+    ScoringBatches,
     Timer,
-    _flag,
-    _n_params,
+    budget_of,
     build_members,
+    calibrate,
     collect_logits,
-    file_sha256,
+    concat,
+    eval_batches,
+    evaluate,
     load_data,
+    prepare_out,
+    provenance,
+    sample_indices,
+    standard_methods,
+    taylor_members,
+    write_artifact,
 )
-from .scoring import taylor_prune
 from .train import TrainConfig
 
 log = logging.getLogger("hydra.build")
@@ -134,8 +152,6 @@ def load_openclip(name: str, path: str | None) -> nn.Module:
 
     ``name`` is a built-in architecture (``ViT-B-32``) or a model config ``.json`` (registered first).
     """
-    import open_clip
-
     if name.endswith(".json"):
         cfg_path = Path(name)
         if not cfg_path.is_file():
@@ -155,9 +171,6 @@ def openclip_tokenizer(context_length: int = 77) -> Any:
     Built from the BPE merges file open_clip ships, so no hub is reached; ``save_pretrained`` makes the
     artifact's ``tokenizer/`` folder loadable with ``AutoTokenizer``.
     """
-    from open_clip.tokenizer import bytes_to_unicode, default_bpe
-    from transformers import CLIPTokenizer
-
     merges = gzip.open(default_bpe()).read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]
     vocab = list(bytes_to_unicode().values())
     vocab = vocab + [v + "</w>" for v in vocab] + ["".join(m.split()) for m in merges]
@@ -170,7 +183,7 @@ def openclip_tokenizer(context_length: int = 77) -> Any:
     )
 
 
-def load_base_clip(cfg: BuildConfig, data, timer: Timer) -> tuple[nn.Module, Any, dict, dict]:
+def load_base_clip(cfg: BuildConfig, data: Any) -> tuple[nn.Module, Any, dict, dict]:
     """Base CLIP (eval), its tokenizer, the artifact preprocessing and a description for the manifest."""
     src = cfg.base.source
     if src == "lit":
@@ -178,16 +191,11 @@ def load_base_clip(cfg: BuildConfig, data, timer: Timer) -> tuple[nn.Module, Any
     if src.startswith(OPENCLIP_PREFIX):
         name = src[len(OPENCLIP_PREFIX):]
         model = load_openclip(name, cfg.base.path)
-        from open_clip.model import get_model_preprocess_cfg
-
         pp = get_model_preprocess_cfg(model)  # what open_clip's own transforms would do
         size = pp.get("size", model.visual.image_size)
         size = [size, size] if isinstance(size, int) else list(size)
         prep = image_prep(size, pp["mean"], pp["std"], pp.get("interpolation", "bicubic"))
         if hasattr(model, "text") and hasattr(model.text, "config"):  # HF text tower
-            import open_clip
-            from transformers import AutoTokenizer
-
             tok_name = open_clip.get_model_config(Path(name).stem)["text_cfg"].get("hf_tokenizer_name")
             tok = AutoTokenizer.from_pretrained(tok_name or model.text.config.name_or_path)
             max_length = cfg.base.max_length
@@ -222,8 +230,6 @@ def _lit_base(cfg: BuildConfig, data) -> tuple[nn.Module, Any, dict, dict]:
     model = lit.make_lit_model(model_cfg, pretrained_text=True, seed=tcfg.seed)
     weights = cache / f"{name}.safetensors"
     if weights.is_file() and (cache / "lit_log.json").is_file():
-        from safetensors.torch import load_file
-
         model.load_state_dict(load_file(str(weights)), strict=True)
         info = json.loads((cache / "lit_log.json").read_text())
         log.info("LiT base model loaded from the cache %s", cache)
@@ -283,255 +289,174 @@ def ood_sample(ood_sets: dict[str, np.ndarray], n: int, seed: int) -> np.ndarray
 
 # ----------------------------------------------------------------------------- members
 def build_clip_members(
-    cfg: BuildConfig,
-    adapter: CLIPAdapter,
-    base: nn.Module,
-    calib: list,
-    val_id: list,
-    val_y: torch.Tensor,
-    val_ood: list,
-    timer: Timer,
+    cfg: BuildConfig, adapter: CLIPAdapter, base: nn.Module, scoring: ScoringBatches, timer: Timer
 ) -> tuple[list[nn.Module], dict[str, Any]]:
-    """Members by joint circuits / random ranking (``offline.pipeline.build_members``) or vision-only Taylor."""
-    h = cfg.hydra
-    if h.strategy != "taylor":
-        return build_members(cfg, adapter, base, calib, val_id, val_y, val_ood, timer)
+    """Members by joint circuits / random ranking (:func:`offline.stages.build_members`) or vision-only Taylor."""
+    if cfg.hydra.strategy != "taylor":
+        return build_members(cfg, adapter, base, scoring, timer)
     heads = adapter.heads(base)
     lv = adapter.num_vision_layers(base)
-    budget = Budget(per_layer=h.prune_per_layer) if h.prune_per_layer is not None else Budget(total=h.prune_total)
-    vision_counts = budget.per_layer_counts(heads[:lv])
-    counts = vision_counts + [0] * (len(heads) - lv)  # Taylor prunes the vision tower only
-    pools = [pool_size(r, n, h.pool) for r, n in zip(counts, heads, strict=True)]
-    seeds = list(h.seeds) if h.seeds is not None else list(range(h.members))
+    counts = budget_of(cfg).per_layer_counts(heads[:lv]) + [0] * (len(heads) - lv)  # the vision tower only
     base.requires_grad_(False)
     base.visual.requires_grad_(True)  # gradients only where heads are scored
-    members = []
-    for s in seeds:
-        res = taylor_prune(adapter, base, calib, counts, pool_per_layer=pools, seed=s if h.members > 1 else None,
-                           progress=True)
-        members.append(res.model)
+    members, info = taylor_members(cfg, adapter, base, scoring.calib, counts)
     base.requires_grad_(False)
     timer.lap("taylor scoring and pruning (vision tower)")
-    info = {"name": "taylor", "seeds": seeds, "budget": vars(budget), "pool": h.pool, "pool_per_layer": pools,
-            "towers": "vision only"}
-    return members, info
+    return members, {**info, "towers": "vision only"}
+
+
+def scoring_batches(cfg: BuildConfig, data: Any, prep: dict, prompts_: Batch) -> ScoringBatches:
+    """Taylor's gradient batches and circuit extraction's ID / OOD validation batches, each with the prompts."""
+    n = min(cfg.hydra.calib_samples, len(data.train.labels))
+    cal_idx = sample_indices(len(data.train.labels), n, cfg.data.seed)
+    calib = zero_shot_batches(data.train.inputs[cal_idx], data.train.labels[cal_idx], prep, prompts_, 64)
+    n_val = min(cfg.hydra.calib_samples, len(data.val.labels))
+    val = zero_shot_batches(data.val.inputs[:n_val], data.val.labels[:n_val], prep, prompts_, 256)
+    ood_x = ood_sample(data.ood_val, n_val, cfg.data.seed)
+    return ScoringBatches.of(calib, val, zero_shot_batches(ood_x, np.zeros(len(ood_x), dtype=np.int64), prep,
+                                                           prompts_, 256))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- build
 def build_zero_shot(cfg: BuildConfig, out: Path) -> Path:
     """Build the zero-shot artifact of ``cfg`` into ``out`` (see the module docstring) and return it."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.data.seed)
     out = Path(out)
     timer = Timer()
     data = load_data(cfg)
     if data.modality != "image":
         raise ConfigError(f"family clip needs image data, got {data.modality} data")
-    if cfg.data.labels is not None and list(cfg.data.labels) != list(data.class_names):
-        raise ConfigError(f"data.labels {cfg.data.labels} do not match the data's classes {data.class_names}")
     timer.lap("data")
     adapter = CLIPAdapter()
-    base, tok, prep, base_desc = load_base_clip(cfg, data, timer)
+    base, tok, prep, base_desc = load_base_clip(cfg, data)
     heads = adapter.heads(base)
-    lv = adapter.num_vision_layers(base)
-    check_budget(cfg, heads[:lv] if cfg.hydra.strategy == "taylor" else heads)
+    check_budget(cfg, heads[: adapter.num_vision_layers(base)] if cfg.hydra.strategy == "taylor" else heads)
     timer.lap("base model")
-
-    template = lit.TEMPLATE
-    prompts_ = prompt_batch(tok, data.class_names, template, prep["text"])
-    n = min(cfg.hydra.calib_samples, len(data.train.labels))
-    rng = np.random.default_rng(cfg.data.seed)
-    cal_idx = np.sort(rng.choice(len(data.train.labels), size=n, replace=False))
-    calib = zero_shot_batches(data.train.inputs[cal_idx], data.train.labels[cal_idx], prep, prompts_, 64)
-    n_val = min(cfg.hydra.calib_samples, len(data.val.labels))
-    val_circ = zero_shot_batches(data.val.inputs[:n_val], data.val.labels[:n_val], prep, prompts_, 256)
-    ood_circ_x = ood_sample(data.ood_val, n_val, cfg.data.seed)
-    ood_circ = zero_shot_batches(ood_circ_x, np.zeros(len(ood_circ_x), dtype=np.int64), prep, prompts_, 256)
-    members, strategy = build_clip_members(
-        cfg, adapter, base, calib, [b for b, _ in val_circ], torch.as_tensor(data.val.labels[:n_val]),
-        [b for b, _ in ood_circ], timer,
-    )
+    prompts_ = prompt_batch(tok, data.class_names, lit.TEMPLATE, prep["text"])
+    members, strategy = build_clip_members(cfg, adapter, base, scoring_batches(cfg, data, prep, prompts_), timer)
     if cfg.hydra.finetune_steps > 0:
         log.warning("hydra.finetune_steps is ignored for zero-shot builds: members are used without training")
     fused, fcfg = fuse(adapter, members, mlp=cfg.hydra.mlp)
     timer.lap("fusion")
-    return finish_zero_shot(cfg, out, adapter, base, members, fused, fcfg, data, prep, tok, prompts_, template,
-                            strategy, base_desc, timer)
+    return finish_zero_shot(cfg, out, adapter, base, members, (fused, fcfg), data, (prep, tok, prompts_), strategy,
+                            base_desc, timer)  # fmt: skip
+
+
+def zero_shot_fns(
+    adapter: CLIPAdapter, base: nn.Module, members: list[nn.Module], fused: nn.Module, prompts_: Batch
+) -> tuple[Callable[[Batch], torch.Tensor], Callable[[Batch], torch.Tensor], list[Callable[[Batch], torch.Tensor]]]:
+    """``(fused, base, members)``: batch -> zero-shot logits, the label prompts embedded once as the server does."""
+    with torch.inference_mode():
+        text_emb = fused.encode_text(prompts_["input_ids"], prompts_["attention_mask"])  # (L, M, D)
+        text_feats = {id(m): adapter.encode_text(m, prompts_) for m in [base, *members]}  # (L, D) each
+
+    def fused_fn(b: Batch) -> torch.Tensor:
+        return zero_shot_logits(fused.encode_image(b["pixel_values"]), text_emb, fused.logit_scale.exp(),
+                                fused.logit_bias)  # fmt: skip
+
+    def member_fn(m: nn.Module) -> Callable[[Batch], torch.Tensor]:
+        return lambda b: adapter.logits(m, adapter.encode_image(m, b), text_feats[id(m)])
+
+    return fused_fn, member_fn(base), [member_fn(m) for m in members]
+
+
+def zero_shot_exports(
+    cfg: BuildConfig, fused: nn.Module, val: list, tok: Any, class_names: list[str], prep: dict, prompts_: Batch,
+    out: Path,
+) -> dict[str, Any]:  # fmt: skip
+    """Both encoders exported and checked against eager: images at batch 2, 5 and 16; prompts of the build's labels,
+    of two labels with another template, and of more labels than the build saw."""
+    image_batches = [{"pixel_values": b["pixel_values"][:k]} for (b, _), k in zip(val[:3], (2, 5, 16), strict=False)]
+    text_batches = [
+        dict(prompts_),
+        prompt_batch(tok, class_names[:2], "a photo of the {label}, a type of clothing.", prep["text"]),
+        prompt_batch(tok, list(class_names) + ["dog", "bicycle"], "{label}", prep["text"]),
+    ]
+    encoders = {"image": (fused.image_encoder, image_batches, ["image_embeds"]),
+                "text": (fused.text_encoder, text_batches, ["text_embeds"])}  # fmt: skip
+    tol = cfg.export.tolerance
+    exports: dict[str, Any] = {}
+    for kind, on in (("torchscript", cfg.export.torchscript), ("onnx", cfg.export.onnx)):
+        if not on:
+            continue
+        ext = "ts" if kind == "torchscript" else "onnx"
+        rec: dict[str, Any] = {"max_abs_diff": {}, "tolerance": tol}
+        if ext == "onnx":
+            rec.update(opset=ONNX_OPSET, inputs={})
+        for side, (mod, batches, names) in encoders.items():
+            path = out / f"{side}_encoder.{ext}"
+            rec["max_abs_diff"][side] = export_checked(mod, kind, path, batches, tol, names)
+            rec[side] = path.name
+            if ext == "onnx":  # the graph inputs actually present
+                rec["inputs"][side] = [i.name for i in onnx.load(str(path)).graph.input]
+        exports[kind] = rec
+    return exports
 
 
 def finish_zero_shot(
-    cfg: BuildConfig, out: Path, adapter: CLIPAdapter, base: nn.Module, members: list[nn.Module], fused: nn.Module,
-    fcfg: dict, data, prep: dict, tok: Any, prompts_: dict[str, torch.Tensor], template: str, strategy: dict,
+    cfg: BuildConfig, out: Path, adapter: CLIPAdapter, base: nn.Module, members: list[nn.Module],
+    fused_and_config: tuple[nn.Module, dict], data: Any, prep_tok_prompts: tuple[dict, Any, Batch], strategy: dict,
     base_desc: dict, timer: Timer,
-) -> Path:
-    """Calibrate, evaluate, export and write the artifact (mirrors ``offline.pipeline.finish_artifact``)."""
-    from safetensors.torch import save_file
-
-    from service.artifact import write_manifest
-
-    from .calibration import calibrate_threshold, fit_temperature
-    from .export import bf16_agreement, check_parity, export_onnx, export_torchscript
-    from .metrics import evaluate_predictions
-    from .report import measure_latency, write_report
-
-    out.mkdir(parents=True, exist_ok=True)
-    for p in out.iterdir():
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    val = zero_shot_batches(data.val.inputs, data.val.labels, prep, prompts_)
-    test = zero_shot_batches(data.test.inputs, data.test.labels, prep, prompts_)
-    ood_test = {name: zero_shot_batches(x, np.zeros(len(x), dtype=np.int64), prep, prompts_)
-                for name, (x, _) in data.ood_test.items()}
-    ood_kinds = {name: kind for name, (_, kind) in data.ood_test.items()}
-    ood_val_x = np.concatenate(list(data.ood_val.values()))
-    ood_val = zero_shot_batches(ood_val_x, np.zeros(len(ood_val_x), dtype=np.int64), prep, prompts_)
-
-    with torch.inference_mode():  # the label prompts are embedded once, as the server does
-        text_emb = fused.encode_text(prompts_["input_ids"], prompts_["attention_mask"])  # (L, M, D)
-
-    def fused_fn(b: dict[str, torch.Tensor]) -> torch.Tensor:
-        from service.fused_clip import zero_shot_logits
-
-        return zero_shot_logits(fused.encode_image(b["pixel_values"]), text_emb, fused.logit_scale.exp(),
-                                fused.logit_bias)
-
-    with torch.inference_mode():
-        text_feats = {id(m): adapter.encode_text(m, prompts_) for m in [base, *members]}  # (L, D) each
-
-    def member_fn(m: nn.Module):
-        return lambda b: adapter.logits(m, adapter.encode_image(m, b), text_feats[id(m)])
-
-    single_fn = member_fn(base)
-
-    val_y = torch.as_tensor(data.val.labels)
-    val_logits = collect_logits(fused_fn, val)
-    T = fit_temperature(val_logits, val_y) if cfg.calibration.temperature else 1.0
-    T_single = fit_temperature(collect_logits(single_fn, val), val_y) if cfg.calibration.temperature else 1.0
-    metric = cfg.calibration.ood_score
-    id_scores = ood_score_of(summarize(val_logits, T), metric).numpy()
-    threshold = calibrate_threshold(id_scores, metric, tpr=cfg.calibration.tpr)
-    ood_val_scores = ood_score_of(summarize(collect_logits(fused_fn, ood_val), T), metric).numpy()
+) -> Path:  # fmt: skip
+    """Calibrate, evaluate, export and write the artifact; evaluation images go through the server's preprocessing
+    (:func:`offline.stages.eval_batches`)."""
+    (fused, fcfg), (prep, tok, prompts_) = fused_and_config, prep_tok_prompts
+    prepare_out(out)
+    pre = ImagePreprocessor(prep, EVAL_MAX_PIXELS)
+    val = eval_batches(pre, data.val.inputs, data.val.labels, extra=prompts_)[0]
+    test = eval_batches(pre, data.test.inputs, data.test.labels, extra=prompts_)[0]
+    ood_test = {n: eval_batches(pre, x, [0] * len(x), extra=prompts_)[0] for n, (x, _) in data.ood_test.items()}
+    ood_val_x = concat(list(data.ood_val.values()))
+    ood_val = eval_batches(pre, ood_val_x, [0] * len(ood_val_x), extra=prompts_)[0]
+    fused_fn, single, member_fns = zero_shot_fns(adapter, base, members, fused, prompts_)
+    cal = calibrate(cfg, fused_fn, val, ood_val)
+    val_y = torch.cat([y for _, y in val])
+    T_single = fit_temperature(collect_logits(single, val), val_y) if cfg.calibration.temperature else 1.0
     timer.lap("calibration")
 
-    y_test = data.test.labels
-    outputs: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
-    outputs["single"] = (collect_logits(single_fn, test),
-                         {n: collect_logits(single_fn, b) for n, b in ood_test.items()})
-    member_out = []
-    for m in members:
-        fn = member_fn(m)
-        member_out.append((collect_logits(fn, test), {n: collect_logits(fn, b) for n, b in ood_test.items()}))
-    for i, mo in enumerate(member_out):
-        outputs[f"member_{i}"] = mo
-    outputs["hydra"] = (collect_logits(fused_fn, test), {n: collect_logits(fused_fn, b) for n, b in ood_test.items()})
-    outputs["ensemble_unfused"] = (
-        torch.cat([mo[0] for mo in member_out], dim=1),
-        {n: torch.cat([mo[1][n] for mo in member_out], dim=1) for n in ood_test},
-    )
-    temps = {"hydra": T, "single_ts": T_single}
-    outputs["single_ts"] = outputs["single"]  # the single model with its own fitted temperature (a baseline)
+    methods = standard_methods(single, base, member_fns, members, fused_fn, fused, cal.temperature, test, ood_test)
+    # the base model at its own fitted temperature: a baseline for the ensemble's calibration
+    methods["single_ts"] = Method(single, methods["single"].params, T_single, outputs=methods["single"].outputs)
     example = test[0][0]
-    one = {**example, "pixel_values": example["pixel_values"][:1]}
-    eight = {**example, "pixel_values": example["pixel_values"][:8]}
-    member_fns = [member_fn(m) for m in members]
-    fns = {"single": single_fn, "single_ts": single_fn, "hydra": fused_fn,
-           "ensemble_unfused": lambda b: [f(b) for f in member_fns]}
-    for i, f in enumerate(member_fns):
-        fns[f"member_{i}"] = f
-    params = {"single": _n_params(base), "single_ts": _n_params(base), "hydra": _n_params(fused),
-              "ensemble_unfused": sum(_n_params(m) for m in members),
-              **{f"member_{i}": _n_params(m) for i, m in enumerate(members)}}
-    rows = []
-    plots: dict[str, Any] = {"labels": y_test, "ood_kinds": ood_kinds}
-    for name, (logits, ood_logits) in outputs.items():
-        temp = temps.get(name, 1.0)
-        probs = torch.softmax(logits / temp, -1).numpy()
-        ood_probs = {n: torch.softmax(v / temp, -1).numpy() for n, v in ood_logits.items()}
-        row = {"method": name, **evaluate_predictions(probs, y_test, ood_probs, ood_score=metric)}
-        row["temperature"] = temp
-        row["params"] = params[name]
-        row["latency_ms"] = {  # image side per call: the label prompts' embeddings are computed once
-            "batch1": measure_latency(lambda f=fns[name]: f(one)),
-            "batch8": measure_latency(lambda f=fns[name]: f(eight)),
-        }
-        rows.append(row)
-        plots[name] = {"member_probs_id": probs, "member_probs_ood": ood_probs}
+    latency = tuple({**example, "pixel_values": example["pixel_values"][:k]} for k in (1, 8))
+    ood_kinds = {name: kind for name, (_, kind) in data.ood_test.items()}
+    rows, plots = evaluate(methods, data.test.labels, ood_kinds, cal.metric, latency)  # image side per call
     timer.lap("evaluation")
 
-    # artifact files: weights, both encoders exported and checked against eager, tokenizer
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
-    image_batches = [{"pixel_values": b["pixel_values"][:k]} for (b, _), k in zip(val[:3], (2, 5, 16), strict=False)]
-    text_batches = [
-        {k: v for k, v in prompts_.items()},
-        prompt_batch(tok, data.class_names[:2], "a photo of the {label}, a type of clothing.", prep["text"]),
-        prompt_batch(tok, list(data.class_names) + ["dog", "bicycle"], "{label}", prep["text"]),
-    ]
-    tol = cfg.export.tolerance
-    encoders = {"image": (fused.image_encoder, image_batches, ["image_embeds"]),
-                "text": (fused.text_encoder, text_batches, ["text_embeds"])}
-    exports: dict[str, Any] = {}
-    if cfg.export.torchscript:
-        exports["torchscript"] = {"max_abs_diff": {}, "tolerance": tol}
-        for side, (mod, batches, _) in encoders.items():
-            path = out / f"{side}_encoder.ts"
-            export_torchscript(mod, batches[0], path)
-            exports["torchscript"][side] = path.name
-            exports["torchscript"]["max_abs_diff"][side] = check_parity(mod, path, "torchscript", batches, tol)
-    if cfg.export.onnx:
-        import onnx
-
-        exports["onnx"] = {"max_abs_diff": {}, "tolerance": tol, "opset": 17, "inputs": {}}
-        for side, (mod, batches, names) in encoders.items():
-            path = out / f"{side}_encoder.onnx"
-            export_onnx(mod, batches[0], path, output_names=names)
-            exports["onnx"][side] = path.name
-            exports["onnx"]["inputs"][side] = [i.name for i in onnx.load(str(path)).graph.input]
-            exports["onnx"]["max_abs_diff"][side] = check_parity(mod, path, "onnx", batches, tol)
-    precision = {}
-    if cfg.export.bf16_check:
-        precision["bf16"] = bf16_agreement(fused, [b for b, _ in val[:4]], temperature=T)
+    exports = zero_shot_exports(cfg, fused, val, tok, list(data.class_names), prep, prompts_, out)
+    precision = {"bf16": bf16_agreement(fused, [b for b, _ in val[:4]], temperature=cal.temperature)} \
+        if cfg.export.bf16_check else {}  # fmt: skip
     tok.save_pretrained(str(out / "tokenizer"))
     timer.lap("export")
 
+    def manifest(metrics: dict[str, Any]) -> Manifest:
+        return build_manifest(
+            name=cfg.name, family="clip", task="zero-shot", base_model=base_desc,
+            heads=[split_heads(base, adapter.kept_heads(m)) for m in members], head_index=HEAD_INDEX,
+            strategy=strategy, labels=list(data.class_names),
+            zero_shot={"template": lit.TEMPLATE, "logit_scale": fcfg["logit_scale"], "logit_bias": fcfg["logit_bias"],
+                       "embed_dim": fcfg["embed_dim"]},
+            preprocessing=prep, uncertainty=cal.uncertainty(), model=model_spec(fcfg), exports=exports,
+            precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
+        )  # fmt: skip
+
+    extra = {"template": lit.TEMPLATE, "labels": list(data.class_names), "temperature": cal.temperature,
+             "temperature_single_ts": T_single, "ood_threshold": cal.threshold, "ood_score": cal.metric,
+             "timings_s": timer.times, "ood_val_flagged": cal.ood_val_flagged,
+             "base_zero_shot_val_acc": base_desc.get("lit", {}).get("val_zero_shot_accuracy")}  # fmt: skip
     title = f"{cfg.name}: zero-shot Hydra ({strategy['name']}, M={len(members)})"
-    metrics_summary = write_report(
-        out, rows, ood_kinds, plots, title,
-        extra={"template": template, "labels": list(data.class_names), "temperature": T,
-               "temperature_single_ts": T_single, "ood_threshold": threshold, "ood_score": metric,
-               "timings_s": timer.times, "ood_val_flagged": float(np.mean(_flag(ood_val_scores, metric, threshold))),
-               "base_zero_shot_val_acc": base_desc.get("lit", {}).get("val_zero_shot_accuracy")},
-    )
-    manifest = {
-        "format_version": 1,
-        "name": cfg.name,
-        "family": "clip",
-        "task": "zero-shot",
-        "base_model": base_desc,
-        "members": len(members),
-        "heads": [split_heads(base, adapter.kept_heads(m)) for m in members],
-        "head_index": HEAD_INDEX,
-        "strategy": strategy,
-        "labels": list(data.class_names),
-        "zero_shot": {"template": template, "logit_scale": fcfg["logit_scale"], "logit_bias": fcfg["logit_bias"],
-                      "embed_dim": fcfg["embed_dim"]},
-        "preprocessing": prep,
-        "uncertainty": {"temperature": T, "ood_score": metric, "ood_threshold": threshold, "tpr": cfg.calibration.tpr},
-        "model": {
-            "config": fcfg, "weights": "model.safetensors", "inputs": ["pixel_values", "input_ids", "attention_mask"],
-            "output": "logits", "shape": "(B, M, L)",
-            "image_encoder": {"inputs": ["pixel_values"], "output": "image_embeds", "shape": "(B, M, D)"},
-            "text_encoder": {"inputs": ["input_ids", "attention_mask"], "output": "text_embeds", "shape": "(L, M, D)"},
-        },
-        "exports": exports,
-        "precision": precision,
-        "metrics": metrics_summary,
-        "data": data.splits,
-        "build": {"config": cfg.to_dict(), "timings_s": timer.times, "torch": torch.__version__,
-                  "machine": platform.platform(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-    }
-    write_manifest(out, manifest)
-    log.info("artifact written to %s", out)
-    return out
+    return write_artifact(out, manifest, rows, ood_kinds, plots, title, extra)
+
+
+def model_spec(fcfg: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's ``model`` block of a fused dual encoder."""
+    return {
+        "config": fcfg, "weights": "model.safetensors", "inputs": ["pixel_values", "input_ids", "attention_mask"],
+        "output": "logits", "shape": "(B, M, L)",
+        "image_encoder": {"inputs": ["pixel_values"], "output": "image_embeds", "shape": "(B, M, D)"},
+        "text_encoder": {"inputs": ["input_ids", "attention_mask"], "output": "text_embeds", "shape": "(L, M, D)"},
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- the numbers, printed
@@ -563,8 +488,6 @@ def metrics_table(artifact: str | Path, methods: Sequence[str] = TABLE_METHODS) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m offline.pipeline_clip ARTIFACT``: print the zero-shot metrics table of a built artifact."""
-    import argparse
-
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("artifact", help="artifact directory holding report.json")
     args = ap.parse_args(argv)

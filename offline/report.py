@@ -13,7 +13,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -105,105 +105,83 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(row) + " |" for row in body]
 
 
-def _markdown(rows: list[dict], ood_kinds: dict[str, str], title: str, extra: dict, plots: list[str]) -> str:
-    score = next((r.get("ood_score") for r in rows if r.get("ood_score")), extra.get("ood_score", "msp"))
-    sets = list(dict.fromkeys(n for r in rows for n in r.get("ood", {})))
-    md = [f"# {title}", ""]
-    md += ["## In-distribution (test set)", ""]
+_Cell = Callable[[Mapping[str, Any]], str]  # one table cell from a row (or from one OOD set's entry of a row)
+
+
+def _cell(fmt: Callable[[Any], str], key: str, required: bool = False) -> _Cell:
+    """``fmt`` of ``key``: a missing key shows as "–", or raises KeyError when ``required``."""
+    return (lambda r: fmt(r[key])) if required else (lambda r: fmt(r.get(key)))
+
+
+def _method_table(columns: Sequence[tuple[str, _Cell]], entries: Iterable[tuple[str, Mapping[str, Any]]]) -> list[str]:
+    """A table with a "Method" column, then one column per ``(header, cell)``, one line per ``(method, entry)``."""
+    return _table(["Method", *(h for h, _ in columns)], [[m, *(cell(e) for _, cell in columns)] for m, e in entries])
+
+
+_ID_COLUMNS: tuple[tuple[str, _Cell], ...] = (
+    ("Params", _cell(_params, "params")),
+    ("Acc %", _cell(_pct, "acc")),
+    ("NLL", _cell(_num, "nll")),
+    ("Brier", _cell(_num, "brier")),
+    ("ECE %", _cell(_pct, "ece")),
+    ("aECE %", _cell(_pct, "aece")),
+    ("MSP", _cell(_num, "msp_id")),
+    ("Entropy", _cell(_num, "entropy_id")),
+    ("MI", _cell(_num, "mi_id")),
+    ("Disagr. %", _cell(_pct, "disagreement_id")),
+    ("Lat. b1 ms", lambda r: _lat(r, "batch1")),
+    ("Lat. b8 ms", lambda r: _lat(r, "batch8")),
+)
+_OOD_HEADERS = ("AUROC %", "FPR95 %", "AUPR-In %", "AUPR-Out %")  # the headers of OOD_KEYS, in the same order
+# one OOD set: the detection metrics are always there (a missing one is a bug), MI / disagreement may not be
+_OOD_SET_COLUMNS: tuple[tuple[str, _Cell], ...] = (
+    *((h, _cell(_pct, k, required=True)) for h, k in zip(_OOD_HEADERS, OOD_KEYS, strict=True)),
+    ("MI", _cell(_num, "mi")),
+    ("Disagr. %", _cell(_pct, "disagreement")),
+)
+_OOD_AVG_COLUMNS: tuple[tuple[str, _Cell], ...] = (
+    *((h, lambda r, k=k: _pct(r.get("ood_avg", {}).get(k))) for h, k in zip(_OOD_HEADERS, OOD_KEYS, strict=True)),
+    ("MI ID", _cell(_num, "mi_id")),
+    ("MI OOD", _cell(_num, "mi_ood")),
+    ("Disagr. ID %", _cell(_pct, "disagreement_id")),
+    ("Disagr. OOD %", _cell(_pct, "disagreement_ood")),
+)
+
+
+def _id_section(rows: list[dict]) -> list[str]:
+    """The in-distribution table: one line per method."""
+    md = ["## In-distribution (test set)", ""]
     md += [
         "Percentages for Acc, ECE, aECE and disagreement; NLL and entropies in nats; Brier of the mean "
         "prediction (0–2). Latency: median (min) ms per call, eager fp32.",
         "",
     ]
-    md += _table(
-        [
-            "Method",
-            "Params",
-            "Acc %",
-            "NLL",
-            "Brier",
-            "ECE %",
-            "aECE %",
-            "MSP",
-            "Entropy",
-            "MI",
-            "Disagr. %",
-            "Lat. b1 ms",
-            "Lat. b8 ms",
-        ],
-        [
-            [
-                r["method"],
-                _params(r.get("params")),
-                _pct(r.get("acc")),
-                _num(r.get("nll")),
-                _num(r.get("brier")),
-                _pct(r.get("ece")),
-                _pct(r.get("aece")),
-                _num(r.get("msp_id")),
-                _num(r.get("entropy_id")),
-                _num(r.get("mi_id")),
-                _pct(r.get("disagreement_id")),
-                _lat(r, "batch1"),
-                _lat(r, "batch8"),
-            ]
-            for r in rows
-        ],
-    )
-    md += ["", f"## OOD detection (score: `{score}`)", ""]
+    return md + _method_table(_ID_COLUMNS, ((r["method"], r) for r in rows))
+
+
+def _ood_section(rows: list[dict], ood_kinds: dict[str, str], score: str) -> list[str]:
+    """One OOD table per set (methods that were evaluated on it), then the average over sets."""
+    sets = list(dict.fromkeys(n for r in rows for n in r.get("ood", {})))
+    md = ["", f"## OOD detection (score: `{score}`)", ""]
     md += [
         "OOD is the positive class. FPR95: fraction of ID inputs flagged when 95% of the OOD inputs are "
         "(OpenOOD v1.5). AUPR-In: ID positive; AUPR-Out: OOD positive. MI (nats) and disagreement are "
         "means over the set's inputs.",
         "",
     ]
-    ood_header = ["Method", "AUROC %", "FPR95 %", "AUPR-In %", "AUPR-Out %", "MI", "Disagr. %"]
     for name in sets:
         md += [f"### {name} ({ood_kinds.get(name, 'ood')})", ""]
-        body = []
-        for r in rows:
-            o = r.get("ood", {}).get(name)
-            if o:
-                body.append(
-                    [
-                        r["method"],
-                        _pct(o["auroc"]),
-                        _pct(o["fpr95"]),
-                        _pct(o["aupr_in"]),
-                        _pct(o["aupr_out"]),
-                        _num(o.get("mi")),
-                        _pct(o.get("disagreement")),
-                    ]
-                )
-        md += _table(ood_header, body) + [""]
+        entries = ((r["method"], o) for r in rows if (o := r.get("ood", {}).get(name)))
+        md += _method_table(_OOD_SET_COLUMNS, entries) + [""]
     if sets:
         md += ["### Average over OOD sets", ""]
-        md += _table(
-            [
-                "Method",
-                "AUROC %",
-                "FPR95 %",
-                "AUPR-In %",
-                "AUPR-Out %",
-                "MI ID",
-                "MI OOD",
-                "Disagr. ID %",
-                "Disagr. OOD %",
-            ],
-            [
-                [
-                    r["method"],
-                    *(_pct(r.get("ood_avg", {}).get(k)) for k in OOD_KEYS),
-                    _num(r.get("mi_id")),
-                    _num(r.get("mi_ood")),
-                    _pct(r.get("disagreement_id")),
-                    _pct(r.get("disagreement_ood")),
-                ]
-                for r in rows
-            ],
-        )
-        md += [""]
-    md += ["## Build", ""]
+        md += _method_table(_OOD_AVG_COLUMNS, ((r["method"], r) for r in rows)) + [""]
+    return md
+
+
+def _build_section(extra: dict, plots: list[str]) -> list[str]:
+    """Build facts as a (nested) list, then the plots, if any."""
+    md = ["## Build", ""]
     for k, v in extra.items():
         if isinstance(v, Mapping):
             md += [f"- **{k}**:"] + [f"  - {kk}: {_fmt(vv)}" for kk, vv in v.items()]
@@ -211,6 +189,13 @@ def _markdown(rows: list[dict], ood_kinds: dict[str, str], title: str, extra: di
             md += [f"- **{k}**: {_fmt(v)}"]
     if plots:
         md += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+    return md
+
+
+def _markdown(rows: list[dict], ood_kinds: dict[str, str], title: str, extra: dict, plots: list[str]) -> str:
+    """The text of ``report.md``: title, ID table, OOD tables, build facts and plots."""
+    score = next((r.get("ood_score") for r in rows if r.get("ood_score")), extra.get("ood_score", "msp"))
+    md = [f"# {title}", ""] + _id_section(rows) + _ood_section(rows, ood_kinds, score) + _build_section(extra, plots)
     return "\n".join(md) + "\n"
 
 

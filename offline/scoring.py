@@ -161,7 +161,7 @@ class CircuitResult:
     base_score: float  # S of the unablated model
 
 
-class _Cache:
+class HiddenStateCache:
     """Hidden states at every layer input of a fixed set of batches, for the current permanent ablations."""
 
     def __init__(self, adapter: FamilyAdapter, model: nn.Module, batches: Sequence[Batch]) -> None:
@@ -220,8 +220,8 @@ def circuit_ranking(
     if budget > len(candidates):
         raise ValueError(f"circuit budget {budget} exceeds the {len(candidates)} heads of the model")
     model.eval()
-    id_cache = _Cache(adapter, model, id_batches)
-    ood_cache = _Cache(adapter, model, ood_batches) if score != "acc" else None
+    id_cache = HiddenStateCache(adapter, model, id_batches)
+    ood_cache = HiddenStateCache(adapter, model, ood_batches) if score != "acc" else None
     empty = torch.empty(0)
 
     def evaluate(start: int) -> float:

@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from tqdm.auto import tqdm
 
 from .data import Data
+from .families.vit import check_supported
 
 log = logging.getLogger("hydra.train")
 
@@ -38,26 +40,25 @@ GRAY_MEAN, GRAY_STD = (0.2860,), (0.3530,)
 PARTS = ("attention", "mlp", "norm", "head", "embed")
 TRAIN_LOG_ATTR = "_hydra_train_log"  # dict of training results (val accuracy, loss, seconds) set on trained models
 
+
+def _vit_preset(embed_dim: int, depth: int, train: tuple[int, float], finetune: tuple[int, float]) -> dict[str, Any]:
+    """A small ViT trained here on 28x28 grayscale: the presets differ only in width, depth and ``(steps, lr)``."""
+    return {
+        # 6 heads so that pruning 2 per layer keeps 4 (2/3)
+        "arch": {"img_size": 28, "patch_size": 4, "in_chans": 1, "embed_dim": embed_dim, "depth": depth,
+                 "num_heads": 6, "mlp_ratio": 2.0, "class_token": True, "global_pool": "token"},
+        "train": {"steps": train[0], "batch_size": 128, "lr": train[1], "weight_decay": 0.05, "warmup_frac": 0.05,
+                  "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True},
+        "finetune": {"steps": finetune[0], "batch_size": 128, "lr": finetune[1], "weight_decay": 0.05,
+                     "warmup_frac": 0.1, "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True,
+                     "unfreeze": "attention+mlp+norm+head"},
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # small ViT trained here on 28x28 grayscale; 6 heads so that pruning 2 per layer keeps 4 (2/3)
-    "vit_fast": {
-        "arch": {"img_size": 28, "patch_size": 4, "in_chans": 1, "embed_dim": 96, "depth": 4, "num_heads": 6,
-                 "mlp_ratio": 2.0, "class_token": True, "global_pool": "token"},
-        "train": {"steps": 500, "batch_size": 128, "lr": 2e-3, "weight_decay": 0.05, "warmup_frac": 0.05,
-                  "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True},
-        "finetune": {"steps": 100, "batch_size": 128, "lr": 3e-4, "weight_decay": 0.05, "warmup_frac": 0.1,
-                     "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True,
-                     "unfreeze": "attention+mlp+norm+head"},
-    },
-    "vit_full": {
-        "arch": {"img_size": 28, "patch_size": 4, "in_chans": 1, "embed_dim": 144, "depth": 6, "num_heads": 6,
-                 "mlp_ratio": 2.0, "class_token": True, "global_pool": "token"},
-        "train": {"steps": 2400, "batch_size": 128, "lr": 1.5e-3, "weight_decay": 0.05, "warmup_frac": 0.05,
-                  "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True},
-        "finetune": {"steps": 500, "batch_size": 128, "lr": 2e-4, "weight_decay": 0.05, "warmup_frac": 0.1,
-                     "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True,
-                     "unfreeze": "attention+mlp+norm+head"},
-    },
+    # small ViTs trained here: (steps, peak lr) of training from scratch and of member fine-tuning
+    "vit_fast": _vit_preset(embed_dim=96, depth=4, train=(500, 2e-3), finetune=(100, 3e-4)),
+    "vit_full": _vit_preset(embed_dim=144, depth=6, train=(2400, 1.5e-3), finetune=(500, 2e-4)),
     # MiniLM (all-MiniLM-L6-v2) fine-tuned for tweet sentiment; the word embeddings stay frozen: on CPU their
     # dense gradient and AdamW update (11.7M parameters) cost about a third of each step
     "bert_fast": {
@@ -478,14 +479,10 @@ def train_base_vit(
     Inputs are normalised with ``mean`` / ``std`` and resized / channel-replicated to ``arch``'s
     ``img_size`` / ``in_chans``; the model must be one Hydra can fuse (class token, plain blocks).
     """
-    from timm.models.vision_transformer import VisionTransformer
-
-    from .families.vit import _check_supported
-
     t0 = time.perf_counter()
     torch.manual_seed(tcfg.seed)
     model = VisionTransformer(**arch)
-    _check_supported(model)
+    check_supported(model)
     img = arch.get("img_size", 224)
     prep = {"type": "image", "mean": list(mean), "std": list(std), "size": [img, img] if isinstance(img, int) else img,
             "channels": arch.get("in_chans", 3)}

@@ -1,25 +1,21 @@
-"""Model family adapters: timm ViT, Hugging Face BERT, OpenCLIP."""
+"""Model family adapters: timm ViT, Hugging Face BERT, OpenCLIP; the registry is filled at import."""
 
 from __future__ import annotations
 
 from .base import FamilyAdapter
+from .bert import BertAdapter
+from .clip import CLIPAdapter
+from .vit import ViTAdapter
+
+# family name -> adapter class
+ADAPTERS: dict[str, type[FamilyAdapter]] = {"vit": ViTAdapter, "bert": BertAdapter, "clip": CLIPAdapter}
 
 
 def get_adapter(family: str) -> FamilyAdapter:
     """The adapter of ``family`` (``vit``, ``bert``, ``clip``)."""
-    if family == "vit":
-        from .vit import ViTAdapter
-
-        return ViTAdapter()
-    if family == "bert":
-        from .bert import BertAdapter
-
-        return BertAdapter()
-    if family == "clip":
-        from .clip import CLIPAdapter
-
-        return CLIPAdapter()
-    raise ValueError(f"unknown model family {family!r}; expected 'vit', 'bert' or 'clip'")
+    if family not in ADAPTERS:
+        raise ValueError(f"unknown model family {family!r}; expected 'vit', 'bert' or 'clip'")
+    return ADAPTERS[family]()
 
 
-__all__ = ["FamilyAdapter", "get_adapter"]
+__all__ = ["ADAPTERS", "FamilyAdapter", "get_adapter"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,10 @@ class FamilyAdapter:
 
     def head_dim(self, model: nn.Module) -> int:
         raise NotImplementedError
+
+    def layer_head_dim(self, model: nn.Module, layer: int) -> int:
+        """Width of the heads of ``layer``: :meth:`head_dim` unless a family's layers differ."""
+        return self.head_dim(model)
 
     def heads(self, model: nn.Module) -> list[int]:
         """Current number of heads per layer."""
@@ -78,9 +82,32 @@ class FamilyAdapter:
         raise NotImplementedError
 
     # -- fusion --------------------------------------------------------------------------
-    def to_fused(self, members: Sequence[nn.Module], mlp: str = "shared") -> tuple[dict, dict[str, torch.Tensor]]:
-        """Fused config and state dict (for ``service.fused``) of structurally pruned members."""
+    def check(self, model: nn.Module) -> None:
+        """Raise TypeError / ValueError naming what of ``model`` the fused model does not implement."""
         raise NotImplementedError
+
+    def fused_config(
+        self, members: Sequence[nn.Module], mlp: str, report: dict[str, float], sd: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """The fused config of checked ``members``, their fused state dict written into ``sd``.
+
+        Shared parameters the members disagree on are averaged and recorded in ``report`` (name -> largest
+        difference).
+        """
+        raise NotImplementedError
+
+    def to_fused(self, members: Sequence[nn.Module], mlp: str = "shared") -> tuple[dict, dict[str, torch.Tensor]]:
+        """Fused config and state dict (for ``service.models.build_model``) of structurally pruned members.
+
+        Every member is checked first. The config's ``averaged_shared_params`` names the shared parameters
+        the members disagree on (averaged by the fusion) with their largest difference.
+        """
+        for m in members:
+            self.check(m)
+        report: dict[str, float] = {}
+        sd: dict[str, torch.Tensor] = {}
+        cfg = self.fused_config(members, mlp, report, sd)
+        return {**cfg, "averaged_shared_params": report}, sd
 
     # -- shared machinery -----------------------------------------------------------------
     def kept_heads(self, model: nn.Module) -> list[list[int]]:
@@ -122,11 +149,14 @@ class FamilyAdapter:
 
     @contextlib.contextmanager
     def ablate(self, model: nn.Module, heads: dict[int, Sequence[int]]) -> Iterator[None]:
-        """Temporarily turn heads off by zeroing their output-projection columns (the paper's AblateTemp)."""
-        hd = self.head_dim(model)
+        """Temporarily turn heads off by zeroing their output-projection columns (the paper's AblateTemp).
+
+        ``heads``: {layer: [head]}; a head's columns are as wide as :meth:`layer_head_dim` of its layer.
+        """
         saved = []
         with torch.no_grad():
             for layer, hs in heads.items():
+                hd = self.layer_head_dim(model, layer)
                 w = self.out_proj(model, layer).weight
                 for h in hs:
                     cols = slice(h * hd, (h + 1) * hd)
@@ -199,6 +229,62 @@ def grouped_linear(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor] | None
 def member_norm(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
     """LayerNorm affine of M members -> MemberLayerNorm ``(M, 1, d)``."""
     return {"weight": stack(ws).unsqueeze(1), "bias": stack(bs).unsqueeze(1)}
+
+
+def layer_weights(
+    qkv: Sequence[torch.Tensor],
+    qkv_bias: Sequence[torch.Tensor] | None,
+    proj: nn.Linear,
+    norm1: nn.Module,
+    norm2: nn.Module,
+    fc1: nn.Linear,
+    fc2: nn.Linear,
+    layer_scale: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """One member layer's canonical weights, what :func:`fused_block_state` reads.
+
+    ``qkv``: (Wq, Wk, Wv) ``(h*hd, d)`` each; ``qkv_bias``: their biases or None; ``proj``: the attention
+    output projection; ``norm1`` / ``norm2``: the LayerNorms around attention and MLP; ``fc1`` / ``fc2``:
+    the MLP; ``layer_scale``: the two LayerScale gammas ``(d,)``, or None.
+    """
+    ls1, ls2 = layer_scale if layer_scale is not None else (None, None)
+    return {
+        "qkv": qkv,
+        "qkv_bias": qkv_bias,
+        "proj_w": proj.weight,
+        "proj_b": proj.bias,
+        "ln1_w": norm1.weight,
+        "ln1_b": norm1.bias,
+        "ln2_w": norm2.weight,
+        "ln2_b": norm2.bias,
+        "fc1_w": fc1.weight,
+        "fc1_b": fc1.bias,
+        "fc2_w": fc2.weight,
+        "fc2_b": fc2.bias,
+        "ls1": ls1,
+        "ls2": ls2,
+    }
+
+
+def fuse_blocks(
+    prefix: str,
+    member_blocks: Sequence[Sequence[nn.Module]],
+    weights_of: Callable[[nn.Module], dict[str, Any]],
+    head_dim: int,
+    mlp: str,
+    report: dict[str, float],
+    sd: dict[str, torch.Tensor],
+) -> list[int]:
+    """The fused blocks ``{prefix}.{i}`` of M members' layer stacks, into ``sd``; the padded head count per layer.
+
+    ``member_blocks[m][i]`` is member m's layer i and ``weights_of`` its canonical weights (:func:`layer_weights`).
+    """
+    num_heads = []
+    for i in range(len(member_blocks[0])):
+        hp, bsd = fused_block_state(f"{prefix}.{i}", [weights_of(b[i]) for b in member_blocks], head_dim, mlp, report)
+        num_heads.append(hp)
+        sd.update(bsd)
+    return num_heads
 
 
 def fused_block_state(

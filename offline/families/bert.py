@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import FamilyAdapter, fused_block_state, grouped_linear, member_norm, shared_or_mean
+from .base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
 
-_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# Hugging Face ``hidden_act`` -> the fused model's activation name
+BERT_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 
 
 class ZeroSelfAttention(nn.Module):
@@ -24,20 +25,53 @@ class ZeroSelfAttention(nn.Module):
         return hidden_states.new_zeros(*hidden_states.shape[:-1], 0), None
 
 
-def _check_supported(model: nn.Module) -> None:
+def check_supported(model: nn.Module) -> None:
+    """Raise TypeError / ValueError naming the BERT feature the fused model does not implement."""
     from transformers import BertForSequenceClassification
 
     if not isinstance(model, BertForSequenceClassification):
         raise TypeError(f"the bert family expects a BertForSequenceClassification, got {type(model).__name__}")
     cfg = model.config
-    if cfg.hidden_act not in _ACTS:
-        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: {sorted(_ACTS)}")
+    if cfg.hidden_act not in BERT_ACTS:
+        raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; supported: {sorted(BERT_ACTS)}")
     if cfg.is_decoder:
         raise ValueError("decoder BERT models are not supported")
 
 
+def bert_layer_weights(lay: nn.Module) -> dict[str, Any]:
+    """Canonical weights (:func:`.base.layer_weights`) of a Hugging Face ``BertLayer``, all its heads pruned or not."""
+    s, o = lay.attention.self, lay.attention.output
+    if isinstance(s, ZeroSelfAttention):
+        empty = torch.zeros(0, o.dense.out_features)
+        qkv, qkv_b = (empty, empty, empty), (torch.zeros(0),) * 3
+    else:
+        qkv, qkv_b = (s.query.weight, s.key.weight, s.value.weight), (s.query.bias, s.key.bias, s.value.bias)
+    out = lay.output
+    return layer_weights(qkv, qkv_b, o.dense, o.LayerNorm, out.LayerNorm, lay.intermediate.dense, out.dense)
+
+
+def fuse_bert_encoder(
+    berts: Sequence[nn.Module], prefix: str, mlp: str, report: dict[str, float], sd: dict[str, torch.Tensor]
+) -> list[int]:
+    """Fuse M Hugging Face ``BertModel`` encoders into ``sd``; returns the padded head count of every layer.
+
+    Keys: ``{prefix}word_embeddings.weight`` (and the position and token-type ones; shared, or averaged),
+    ``{prefix}emb_norm.*`` (per member) and the blocks ``{prefix}encoder.blocks.{i}.*``.
+    """
+    embs = [b.embeddings for b in berts]
+    for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
+        sd[f"{prefix}{name}.weight"] = shared_or_mean([getattr(e, name).weight for e in embs], prefix + name, report)
+    for k, v in member_norm([e.LayerNorm.weight for e in embs], [e.LayerNorm.bias for e in embs]).items():
+        sd[f"{prefix}emb_norm.{k}"] = v
+    c = berts[0].config
+    hd = c.hidden_size // c.num_attention_heads
+    layers = [b.encoder.layer for b in berts]
+    return fuse_blocks(f"{prefix}encoder.blocks", layers, bert_layer_weights, hd, mlp, report, sd)
+
+
 class BertAdapter(FamilyAdapter):
     name = "bert"
+    check = staticmethod(check_supported)
 
     @staticmethod
     def _layers(model: nn.Module) -> nn.ModuleList:
@@ -116,55 +150,12 @@ class BertAdapter(FamilyAdapter):
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
-    def to_fused(self, members: Sequence[nn.Module], mlp: str = "shared") -> tuple[dict, dict[str, torch.Tensor]]:
-        for m in members:
-            _check_supported(m)
+    def fused_config(
+        self, members: Sequence[nn.Module], mlp: str, report: dict[str, float], sd: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
         ref = members[0]
         cfg_hf = ref.config
-        report: dict[str, float] = {}
-        sd: dict[str, torch.Tensor] = {}
-        embs = [m.bert.embeddings for m in members]
-        for name, key in (
-            ("word_embeddings", "word_embeddings.weight"),
-            ("position_embeddings", "position_embeddings.weight"),
-            ("token_type_embeddings", "token_type_embeddings.weight"),
-        ):
-            sd[key] = shared_or_mean([getattr(e, name).weight for e in embs], name, report)
-        for k, v in member_norm([e.LayerNorm.weight for e in embs], [e.LayerNorm.bias for e in embs]).items():
-            sd[f"emb_norm.{k}"] = v
-        hd = self.head_dim(ref)
-        num_heads = []
-        for i in range(self.num_layers(ref)):
-            layers = []
-            for m in members:
-                lay = self._layers(m)[i]
-                s, o = lay.attention.self, lay.attention.output
-                if isinstance(s, ZeroSelfAttention):
-                    d = o.dense.out_features
-                    empty = torch.zeros(0, d)
-                    qkv, qkv_b = (empty, empty, empty), (torch.zeros(0),) * 3
-                else:
-                    qkv = (s.query.weight, s.key.weight, s.value.weight)
-                    qkv_b = (s.query.bias, s.key.bias, s.value.bias)
-                layers.append(
-                    {
-                        "qkv": qkv,
-                        "qkv_bias": qkv_b,
-                        "proj_w": o.dense.weight,
-                        "proj_b": o.dense.bias,
-                        "ln1_w": o.LayerNorm.weight,
-                        "ln1_b": o.LayerNorm.bias,
-                        "ln2_w": lay.output.LayerNorm.weight,
-                        "ln2_b": lay.output.LayerNorm.bias,
-                        "fc1_w": lay.intermediate.dense.weight,
-                        "fc1_b": lay.intermediate.dense.bias,
-                        "fc2_w": lay.output.dense.weight,
-                        "fc2_b": lay.output.dense.bias,
-                    }
-                )
-            hp, bsd = fused_block_state(f"encoder.blocks.{i}", layers, hd, mlp, report)
-            num_heads.append(hp)
-            sd.update(bsd)
+        num_heads = fuse_bert_encoder([m.bert for m in members], "", mlp, report, sd)
         has_pooler = ref.bert.pooler is not None
         if has_pooler:
             pools = [m.bert.pooler.dense for m in members]
@@ -173,22 +164,20 @@ class BertAdapter(FamilyAdapter):
         heads = [m.classifier for m in members]
         for k, v in grouped_linear([c.weight for c in heads], [c.bias for c in heads]).items():
             sd[f"classifier.{k}"] = v
-        cfg = {
+        return {
             "arch": "bert",
             "members": len(members),
             "vocab_size": cfg_hf.vocab_size,
             "max_position": cfg_hf.max_position_embeddings,
             "type_vocab_size": cfg_hf.type_vocab_size,
             "dim": cfg_hf.hidden_size,
-            "head_dim": hd,
+            "head_dim": self.head_dim(ref),
             "num_heads": num_heads,
             "mlp_hidden": cfg_hf.intermediate_size,
             "num_classes": cfg_hf.num_labels,
-            "act": _ACTS[cfg_hf.hidden_act],
+            "act": BERT_ACTS[cfg_hf.hidden_act],
             "eps": cfg_hf.layer_norm_eps,
             "qkv_bias": True,
             "mlp": mlp,
             "pooler": has_pooler,
-            "averaged_shared_params": report,
         }
-        return cfg, sd

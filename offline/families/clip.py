@@ -33,8 +33,7 @@ signature and parameter names; BERT text layers are sliced as in the ``bert`` fa
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,9 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import FamilyAdapter, fused_block_state, grouped_linear, member_norm, shared_or_mean
-from .bert import _ACTS as BERT_ACTS
-from .bert import BertAdapter, ZeroSelfAttention
+from .base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
+from .bert import BERT_ACTS, BertAdapter, fuse_bert_encoder
 
 TEXT_POOLS = ("argmax", "eos", "first", "last")
 HF_POOLERS = ("mean_pooler", "cls_pooler", "cls_last_hidden_state_pooler")
@@ -312,6 +310,7 @@ class CLIPAdapter(FamilyAdapter):
     """Joint vision + text head access for OpenCLIP models; see the module docstring for the layer index."""
 
     name = "clip"
+    check = staticmethod(check_supported)
 
     def num_vision_layers(self, model: nn.Module) -> int:
         return len(_vision_blocks(model))
@@ -382,25 +381,6 @@ class CLIPAdapter(FamilyAdapter):
             return
         blk = (_vision_blocks(model) if tower == "vision" else _text_blocks(model))[i]
         blk.attn = SlicedMultiheadAttention.from_attention(blk.attn, keep)
-
-    @contextlib.contextmanager
-    def ablate(self, model: nn.Module, heads: dict[int, Sequence[int]]) -> Iterator[None]:
-        """Temporarily zero the output-projection columns of ``heads`` ({joint layer: [head]}), per-tower widths."""
-        saved = []
-        with torch.no_grad():
-            for layer, hs in heads.items():
-                hd = self.layer_head_dim(model, layer)
-                w = self.out_proj(model, layer).weight
-                for h in hs:
-                    cols = slice(h * hd, (h + 1) * hd)
-                    saved.append((w, cols, w[:, cols].clone()))
-                    w[:, cols] = 0
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for w, cols, val in reversed(saved):
-                    w[:, cols] = val
 
     # -- running -----------------------------------------------------------------------
     def logits(self, model: nn.Module, image_features: torch.Tensor, text_features: torch.Tensor) -> torch.Tensor:
@@ -480,13 +460,11 @@ class CLIPAdapter(FamilyAdapter):
         return self.logits(model, img, F.normalize(txt, dim=-1))
 
     # -- fusion ----------------------------------------------------------------------------
-    def to_fused(self, members: Sequence[nn.Module], mlp: str = "shared") -> tuple[dict, dict[str, torch.Tensor]]:
-        """Fused config and state dict of ``service.fused_clip.FusedCLIP`` for structurally pruned members."""
-        for m in members:
-            check_supported(m)
+    def fused_config(
+        self, members: Sequence[nn.Module], mlp: str, report: dict[str, float], sd: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
+        """The config of ``service.fused_clip.FusedCLIP`` (see :meth:`FamilyAdapter.to_fused`)."""
         ref = members[0]
-        report: dict[str, float] = {}
-        sd: dict[str, torch.Tensor] = {}
         vcfg = _fuse_vision(members, mlp, report, sd)
         fuse_text = _fuse_hf_text if _is_hf_text(ref) else _fuse_clip_text
         tcfg = fuse_text(members, mlp, report, sd)
@@ -495,7 +473,7 @@ class CLIPAdapter(FamilyAdapter):
         if ref.logit_bias is not None:
             sd["logit_bias"] = shared_or_mean([m.logit_bias.reshape(()) for m in members], "logit_bias", report)
             bias = float(sd["logit_bias"])
-        cfg = {
+        return {
             "arch": "clip",
             "members": len(members),
             "embed_dim": int(ref.visual.proj.shape[1]),
@@ -504,31 +482,15 @@ class CLIPAdapter(FamilyAdapter):
             "mlp": mlp,
             "vision": vcfg,
             "text": tcfg,
-            "averaged_shared_params": report,
         }
-        return cfg, sd
 
 
 def _mha_layer(blk: nn.Module) -> dict[str, Any]:
-    """Canonical weights (see ``fused_block_state``) of an open_clip ``ResidualAttentionBlock``."""
-    a = blk.attn
-    ls = hasattr(blk.ls_1, "gamma")
-    return {
-        "qkv": a.in_proj_weight.chunk(3),
-        "qkv_bias": a.in_proj_bias.chunk(3) if a.in_proj_bias is not None else None,
-        "proj_w": a.out_proj.weight,
-        "proj_b": a.out_proj.bias,
-        "ln1_w": blk.ln_1.weight,
-        "ln1_b": blk.ln_1.bias,
-        "ln2_w": blk.ln_2.weight,
-        "ln2_b": blk.ln_2.bias,
-        "fc1_w": blk.mlp.c_fc.weight,
-        "fc1_b": blk.mlp.c_fc.bias,
-        "fc2_w": blk.mlp.c_proj.weight,
-        "fc2_b": blk.mlp.c_proj.bias,
-        "ls1": blk.ls_1.gamma if ls else None,
-        "ls2": blk.ls_2.gamma if ls else None,
-    }
+    """Canonical weights (:func:`.base.layer_weights`) of an open_clip ``ResidualAttentionBlock``."""
+    a, mlp = blk.attn, blk.mlp
+    ls = (blk.ls_1.gamma, blk.ls_2.gamma) if hasattr(blk.ls_1, "gamma") else None
+    qkv_bias = a.in_proj_bias.chunk(3) if a.in_proj_bias is not None else None
+    return layer_weights(a.in_proj_weight.chunk(3), qkv_bias, a.out_proj, blk.ln_1, blk.ln_2, mlp.c_fc, mlp.c_proj, ls)
 
 
 def _mha_blocks_cfg(blocks: nn.ModuleList) -> dict[str, Any]:
@@ -544,17 +506,6 @@ def _mha_blocks_cfg(blocks: nn.ModuleList) -> dict[str, Any]:
     }
 
 
-def _fuse_blocks(
-    prefix: str, member_blocks: Sequence[nn.ModuleList], head_dim: int, mlp: str, report: dict, sd: dict
-) -> list[int]:
-    num_heads = []
-    for i in range(len(member_blocks[0])):
-        hp, bsd = fused_block_state(f"{prefix}.{i}", [_mha_layer(b[i]) for b in member_blocks], head_dim, mlp, report)
-        num_heads.append(hp)
-        sd.update(bsd)
-    return num_heads
-
-
 def _fuse_vision(members: Sequence[nn.Module], mlp: str, report: dict, sd: dict) -> dict[str, Any]:
     vs = [m.visual for m in members]
     v = vs[0]
@@ -567,7 +518,7 @@ def _fuse_vision(members: Sequence[nn.Module], mlp: str, report: dict, sd: dict)
             sd[f"visual.norm_pre.{k}"] = t
     blocks = [x.transformer.resblocks for x in vs]
     cfg = _mha_blocks_cfg(blocks[0])
-    cfg["num_heads"] = _fuse_blocks("visual.encoder.blocks", blocks, cfg["head_dim"], mlp, report, sd)
+    cfg["num_heads"] = fuse_blocks("visual.encoder.blocks", blocks, _mha_layer, cfg["head_dim"], mlp, report, sd)
     for k, t in member_norm([x.ln_post.weight for x in vs], [x.ln_post.bias for x in vs]).items():
         sd[f"visual.norm.{k}"] = t
     sd["visual.proj.weight"] = torch.stack([x.proj.detach().float() for x in vs]).contiguous()  # (M, width, D)
@@ -589,7 +540,7 @@ def _fuse_clip_text(members: Sequence[nn.Module], mlp: str, report: dict, sd: di
     sd["text.pos_embed"] = shared_or_mean([x.positional_embedding for x in ts], "text.positional_embedding", report)
     blocks = [x.transformer.resblocks for x in ts]
     cfg = _mha_blocks_cfg(blocks[0])
-    cfg["num_heads"] = _fuse_blocks("text.encoder.blocks", blocks, cfg["head_dim"], mlp, report, sd)
+    cfg["num_heads"] = fuse_blocks("text.encoder.blocks", blocks, _mha_layer, cfg["head_dim"], mlp, report, sd)
     for k, v in member_norm([x.ln_final.weight for x in ts], [x.ln_final.bias for x in ts]).items():
         sd[f"text.norm.{k}"] = v
     proj = t.text_projection
@@ -618,46 +569,11 @@ def _fuse_clip_text(members: Sequence[nn.Module], mlp: str, report: dict, sd: di
     }
 
 
-def _bert_layer(lay: nn.Module) -> dict[str, Any]:
-    s, o = lay.attention.self, lay.attention.output
-    if isinstance(s, ZeroSelfAttention):
-        d = o.dense.out_features
-        empty = torch.zeros(0, d)
-        qkv, qkv_b = (empty, empty, empty), (torch.zeros(0),) * 3
-    else:
-        qkv, qkv_b = (s.query.weight, s.key.weight, s.value.weight), (s.query.bias, s.key.bias, s.value.bias)
-    return {
-        "qkv": qkv,
-        "qkv_bias": qkv_b,
-        "proj_w": o.dense.weight,
-        "proj_b": o.dense.bias,
-        "ln1_w": o.LayerNorm.weight,
-        "ln1_b": o.LayerNorm.bias,
-        "ln2_w": lay.output.LayerNorm.weight,
-        "ln2_b": lay.output.LayerNorm.bias,
-        "fc1_w": lay.intermediate.dense.weight,
-        "fc1_b": lay.intermediate.dense.bias,
-        "fc2_w": lay.output.dense.weight,
-        "fc2_b": lay.output.dense.bias,
-    }
-
-
 def _fuse_hf_text(members: Sequence[nn.Module], mlp: str, report: dict, sd: dict) -> dict[str, Any]:
     hfs = [m.text for m in members]
     berts = [h.transformer for h in hfs]
     c = berts[0].config
-    embs = [b.embeddings for b in berts]
-    for name in ("word_embeddings", "position_embeddings", "token_type_embeddings"):
-        sd[f"text.{name}.weight"] = shared_or_mean([getattr(e, name).weight for e in embs], f"text.{name}", report)
-    for k, v in member_norm([e.LayerNorm.weight for e in embs], [e.LayerNorm.bias for e in embs]).items():
-        sd[f"text.emb_norm.{k}"] = v
-    hd = c.hidden_size // c.num_attention_heads
-    num_heads = []
-    for i in range(c.num_hidden_layers):
-        layers = [_bert_layer(b.encoder.layer[i]) for b in berts]
-        hp, bsd = fused_block_state(f"text.encoder.blocks.{i}", layers, hd, mlp, report)
-        num_heads.append(hp)
-        sd.update(bsd)
+    num_heads = fuse_bert_encoder(berts, "text.", mlp, report, sd)
     pooler = _hf_pooler_name(hfs[0])
     if pooler == "cls_pooler":
         dense = [b.pooler.dense for b in berts]
@@ -679,7 +595,7 @@ def _fuse_hf_text(members: Sequence[nn.Module], mlp: str, report: dict, sd: dict
         "type_vocab_size": c.type_vocab_size,
         "pad_token_id": c.pad_token_id,
         "dim": c.hidden_size,
-        "head_dim": hd,
+        "head_dim": c.hidden_size // c.num_attention_heads,
         "num_heads": num_heads,
         "mlp_hidden": c.intermediate_size,
         "act": BERT_ACTS[c.hidden_act],

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import FamilyAdapter, fused_block_state, grouped_linear, member_norm, shared_or_mean, stack
+from .base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean, stack
 
 
-def _check_supported(model: nn.Module) -> None:
+def check_supported(model: nn.Module) -> None:
+    """Raise TypeError / ValueError naming every timm ViT feature the fused model does not implement."""
     from timm.models.vision_transformer import VisionTransformer
 
     if not isinstance(model, VisionTransformer):
@@ -40,6 +41,7 @@ def _check_supported(model: nn.Module) -> None:
 
 class ViTAdapter(FamilyAdapter):
     name = "vit"
+    check = staticmethod(check_supported)
 
     def num_layers(self, model: nn.Module) -> int:
         return len(model.blocks)
@@ -93,12 +95,10 @@ class ViTAdapter(FamilyAdapter):
     def readout(self, model: nn.Module, h: torch.Tensor, ctx: Any) -> torch.Tensor:
         return model.forward_head(model.norm(h))
 
-    def to_fused(self, members: Sequence[nn.Module], mlp: str = "shared") -> tuple[dict, dict[str, torch.Tensor]]:
-        for m in members:
-            _check_supported(m)
+    def fused_config(
+        self, members: Sequence[nn.Module], mlp: str, report: dict[str, float], sd: dict[str, torch.Tensor]
+    ) -> dict[str, Any]:
         ref = members[0]
-        report: dict[str, float] = {}
-        sd: dict[str, torch.Tensor] = {}
         sd["patch_embed.weight"] = shared_or_mean([m.patch_embed.proj.weight for m in members], "patch_embed", report)
         if ref.patch_embed.proj.bias is not None:
             sd["patch_embed.bias"] = shared_or_mean([m.patch_embed.proj.bias for m in members], "patch_embed", report)
@@ -106,35 +106,7 @@ class ViTAdapter(FamilyAdapter):
             sd["cls_token"] = shared_or_mean([m.cls_token for m in members], "cls_token", report)
         sd["pos_embed"] = shared_or_mean([m.pos_embed for m in members], "pos_embed", report)
         hd = self.head_dim(ref)
-        num_heads = []
-        for i in range(len(ref.blocks)):
-            layers = []
-            for m in members:
-                blk = m.blocks[i]
-                a = blk.attn
-                qkv_b = a.qkv.bias.chunk(3) if a.qkv.bias is not None else None
-                ls = hasattr(blk.ls1, "gamma")
-                layers.append(
-                    {
-                        "qkv": a.qkv.weight.chunk(3),
-                        "qkv_bias": qkv_b,
-                        "proj_w": a.proj.weight,
-                        "proj_b": a.proj.bias,
-                        "ln1_w": blk.norm1.weight,
-                        "ln1_b": blk.norm1.bias,
-                        "ln2_w": blk.norm2.weight,
-                        "ln2_b": blk.norm2.bias,
-                        "fc1_w": blk.mlp.fc1.weight,
-                        "fc1_b": blk.mlp.fc1.bias,
-                        "fc2_w": blk.mlp.fc2.weight,
-                        "fc2_b": blk.mlp.fc2.bias,
-                        "ls1": blk.ls1.gamma if ls else None,
-                        "ls2": blk.ls2.gamma if ls else None,
-                    }
-                )
-            hp, bsd = fused_block_state(f"encoder.blocks.{i}", layers, hd, mlp, report)
-            num_heads.append(hp)
-            sd.update(bsd)
+        num_heads = fuse_blocks("encoder.blocks", [m.blocks for m in members], _block_weights, hd, mlp, report, sd)
         for name in ("norm_pre", "norm", "fc_norm"):
             if not isinstance(getattr(ref, name), nn.Identity):
                 mods = [getattr(m, name) for m in members]
@@ -147,7 +119,7 @@ class ViTAdapter(FamilyAdapter):
         act_name = "gelu_tanh" if getattr(act, "approximate", "none") == "tanh" else "gelu"
         if not isinstance(act, nn.GELU):
             raise ValueError(f"unsupported MLP activation {type(act).__name__}")
-        cfg = {
+        return {
             "arch": "vit",
             "members": len(members),
             "img_size": list(ref.patch_embed.img_size),
@@ -169,9 +141,15 @@ class ViTAdapter(FamilyAdapter):
             "final_norm": not isinstance(ref.norm, nn.Identity),
             "fc_norm": not isinstance(ref.fc_norm, nn.Identity),
             "patch_bias": ref.patch_embed.proj.bias is not None,
-            "averaged_shared_params": report,
         }
-        return cfg, sd
 
 
-__all__ = ["ViTAdapter", "stack"]
+def _block_weights(blk: nn.Module) -> dict[str, Any]:
+    """Canonical weights (:func:`.base.layer_weights`) of a timm ``Block``."""
+    a, mlp = blk.attn, blk.mlp
+    ls = (blk.ls1.gamma, blk.ls2.gamma) if hasattr(blk.ls1, "gamma") else None
+    qkv_bias = a.qkv.bias.chunk(3) if a.qkv.bias is not None else None
+    return layer_weights(a.qkv.weight.chunk(3), qkv_bias, a.proj, blk.norm1, blk.norm2, mlp.fc1, mlp.fc2, ls)
+
+
+__all__ = ["ViTAdapter", "check_supported", "stack"]

@@ -13,7 +13,8 @@ import torch
 from offline.families import get_adapter
 from offline.families.clip import SlicedMultiheadAttention, split_heads
 from offline.fusion import fuse
-from service.fused import load_model
+from offline.scoring import HiddenStateCache
+from service.models import load_model
 
 EOT = 99  # the largest id of the tiny vocabulary, as <end_of_text> is in open_clip's
 # joint layers: 2 vision layers (4 heads), then 2 text layers (3 heads in CLIP, 4 in the HF tower);
@@ -169,12 +170,10 @@ def test_cached_layer_path_equals_forward(kind, tmp_path):
 @pytest.mark.parametrize("kind", ["clip", "hf0"])
 def test_cached_reruns_after_ablations_equal_fresh_forwards(kind, tmp_path):
     """Circuit scoring's cache (re-run from the ablated layer on, image / prompt states reused) is never stale."""
-    from offline.scoring import _Cache
-
     base, _, batch = _model(kind, tmp_path)
     adapter = get_adapter("clip")
     with torch.no_grad():
-        cache = _Cache(adapter, base, [batch])
+        cache = HiddenStateCache(adapter, base, [batch])
         clean = adapter.forward(base, batch)
         for layer in [0, 2, 1, 3, 2, 0]:  # vision and text layers, interleaved
             with adapter.ablate(base, {layer: [0]}):
@@ -281,7 +280,7 @@ def test_roundtrip_through_safetensors_and_build_model(kind, tmp_path):
     adapter = get_adapter("clip")
     fused, cfg = fuse(adapter, [adapter.prune_to(base, k) for k in keeps])
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, tmp_path / "model.safetensors")
-    loaded = load_model(tmp_path / "model.safetensors", cfg)  # service.fused.build_model -> FusedCLIP
+    loaded = load_model(tmp_path / "model.safetensors", cfg)  # service.models.build_model -> FusedCLIP
     assert type(loaded).__name__ == "FusedCLIP"
     with torch.no_grad():
         torch.testing.assert_close(loaded(**batch), fused(**batch), atol=0, rtol=0)

@@ -10,6 +10,8 @@ import torch
 
 from offline.data import Data, Split
 from offline.families import get_adapter
+from service.artifact import file_sha256
+from service.models import load_model
 
 CLASSES = ["square", "bar", "cross"]
 
@@ -73,10 +75,9 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
     from transformers import AutoTokenizer
 
     from offline import pipeline_clip
+    from offline.build import build
     from offline.config import load_config
-    from offline.pipeline import build
     from service.artifact import load_manifest, verify_files
-    from service.fused import load_model
 
     cfg_path, weights = tiny_checkpoint
     monkeypatch.setattr(pipeline_clip, "load_data", lambda cfg: synthetic_data())
@@ -92,7 +93,7 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
     assert (manifest["family"], manifest["task"], manifest["members"]) == ("clip", "zero-shot", 3)
     assert manifest["labels"] == CLASSES
     assert manifest["zero_shot"]["template"] == "A photo of a {label}."
-    assert manifest["base_model"]["sha256"] == pipeline_clip.file_sha256(weights)
+    assert manifest["base_model"]["sha256"] == file_sha256(weights)
     heads = manifest["heads"]
     assert [sorted(h) for h in heads] == [["text", "vision"]] * 3
     n_pruned = [sum(4 - len(k) for k in h["vision"]) + sum(3 - len(k) for k in h["text"]) for h in heads]

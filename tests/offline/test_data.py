@@ -230,31 +230,23 @@ def test_user_text_file_csv_and_jsonl(tmp_path):
     assert sorted(b.ood_val["ood-val"]) == sorted(f"unrelated line {i}" for i in range(10))
 
 
-def test_user_text_file_errors(tmp_path):
+# (file name, contents, what the error says): each file is bad in one way
+BAD_TEXT_FILES = [
+    ("bad.csv", b"sentence,label\nhello,a\nbye,b\n", r"bad\.csv: row 1 has no 'text' column"),
+    ("one.csv", b"text,label\nhello,a\nbye,a\nyo,a\n", r"one\.csv: found 1 class label"),
+    ("broken.jsonl", b'{"text": "x", "label": "a"}\n{not json\n', r"broken\.jsonl: line 2 is not valid JSON"),
+    ("latin.csv", "text,label\ncaf\xe9,a\n".encode("latin-1"), r"latin\.csv: cannot read it as UTF-8"),
+    ("empty.csv", b"text,label\nhello,a\nbye,\n", r"empty\.csv: row 2 has an empty label"),
+    ("x.xlsx", b"", "unsupported file type"),
+]
+
+
+@pytest.mark.parametrize(("name", "content", "error"), BAD_TEXT_FILES, ids=[f[0] for f in BAD_TEXT_FILES])
+def test_user_text_file_errors(tmp_path, name, content, error):
     kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     ood = tmp_path / "ood.txt"
     ood.write_text("a\nb\nc\n")
-    oods = {"far": str(ood)}
-    bad_cols = tmp_path / "bad.csv"
-    bad_cols.write_text("sentence,label\nhello,a\nbye,b\n")
-    with pytest.raises(ValueError, match=r"bad\.csv: row 1 has no 'text' column"):
-        D.user_setting("text-file", bad_cols, oods, None, **kw)
-    one = tmp_path / "one.csv"
-    one.write_text("text,label\nhello,a\nbye,a\nyo,a\n")
-    with pytest.raises(ValueError, match=r"one\.csv: found 1 class label"):
-        D.user_setting("text-file", one, oods, None, **kw)
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"text": "x", "label": "a"}\n{not json\n')
-    with pytest.raises(ValueError, match=r"broken\.jsonl: line 2 is not valid JSON"):
-        D.user_setting("text-file", broken, oods, None, **kw)
-    latin = tmp_path / "latin.csv"
-    latin.write_bytes("text,label\ncaf\xe9,a\n".encode("latin-1"))
-    with pytest.raises(ValueError, match=r"latin\.csv: cannot read it as UTF-8"):
-        D.user_setting("text-file", latin, oods, None, **kw)
-    empty_label = tmp_path / "empty.csv"
-    empty_label.write_text("text,label\nhello,a\nbye,\n")
-    with pytest.raises(ValueError, match=r"empty\.csv: row 2 has an empty label"):
-        D.user_setting("text-file", empty_label, oods, None, **kw)
-    with pytest.raises(ValueError, match="unsupported file type"):
-        (tmp_path / "x.xlsx").write_text("")
-        D.user_setting("text-file", tmp_path / "x.xlsx", oods, None, **kw)
+    data = tmp_path / name
+    data.write_bytes(content)
+    with pytest.raises(ValueError, match=error):
+        D.user_setting("text-file", data, {"far": str(ood)}, None, **kw)

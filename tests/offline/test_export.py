@@ -15,9 +15,10 @@ from offline.export import (
     export_onnx,
     export_torchscript,
     input_order,
-    load_onnx_session,
 )
-from service.fused import build_model, tiny_config
+from service.backends import onnx_session
+from service.fused import tiny_config
+from service.models import build_model
 
 TOL = 1e-4
 
@@ -80,7 +81,7 @@ def test_torchscript_parity(case):
 def test_onnx_parity_dynamic_axes(case):
     family, model, example, batches, d = case
     export_onnx(model, example, d / "model.onnx", output_names=["logits"])
-    sess = load_onnx_session(d / "model.onnx")
+    sess = onnx_session(d / "model.onnx")
     names = [i.name for i in sess.get_inputs()]
     assert names == input_order(model, example) == list(example)
     assert sess.get_outputs()[0].name == "logits"

@@ -11,6 +11,7 @@ from sklearn.metrics import average_precision_score, roc_auc_score
 
 from offline import metrics as M
 from service.uncertainty import summarize
+from tests.offline.metric_keys import EVAL_OOD_SET_KEYS, EVAL_SCALAR_KEYS
 
 
 def _two_class(conf: list[float], correct: list[bool]) -> tuple[np.ndarray, np.ndarray]:
@@ -154,26 +155,14 @@ def test_evaluate_predictions_keys_ranges_and_known_detection():
     probs[np.arange(n), :, labels] = 0.98  # confident and right: every ID MSP is 0.98
     ood = {"far": np.full((50, m, c), 1 / c), "near": _dirichlet(rng, 60, m, c, 1.0) * 0.5 + 0.5 / c}
     r = M.evaluate_predictions(probs, labels, ood, ood_score="msp")
-    for k in (
-        "acc",
-        "nll",
-        "brier",
-        "ece",
-        "aece",
-        "mi_id",
-        "disagreement_id",
-        "entropy_id",
-        "msp_id",
-        "mi_ood",
-        "disagreement_ood",
-    ):
+    for k in EVAL_SCALAR_KEYS:
         assert isinstance(r[k], float), k
     assert r["acc"] == 1.0
     assert r["ece"] == pytest.approx(0.02)
     assert r["msp_id"] == pytest.approx(0.98)
     assert set(r["ood"]) == {"far", "near"}
     for o in r["ood"].values():
-        assert set(o) == {"auroc", "fpr95", "aupr_in", "aupr_out", "mi", "disagreement"}
+        assert set(o) == EVAL_OOD_SET_KEYS
         assert all(0.0 <= v <= 1.0 for k, v in o.items() if k != "mi")
     # uniform OOD is separated perfectly by MSP
     assert r["ood"]["far"] == pytest.approx(

@@ -11,22 +11,9 @@ import torch
 
 from offline.metrics import evaluate_predictions
 from offline.report import HEADLINE, PLOT_FILES, measure_latency, write_report
+from tests.offline.metric_keys import EVAL_OOD_SET_KEYS, EVAL_SCALAR_KEYS
 
-METRIC_KEYS = {
-    "acc",
-    "nll",
-    "brier",
-    "ece",
-    "aece",
-    "mi_id",
-    "disagreement_id",
-    "entropy_id",
-    "msp_id",
-    "ood",
-    "mi_ood",
-    "disagreement_ood",
-}
-OOD_KEYS = {"auroc", "fpr95", "aupr_in", "aupr_out", "mi", "disagreement"}
+METRIC_KEYS = {*EVAL_SCALAR_KEYS, "ood"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -112,7 +99,7 @@ def test_write_report_files_json_markdown(tmp_path, report_inputs):
         assert METRIC_KEYS <= set(r), r["method"]
         assert set(r["ood"]) == set(ood_kinds)
         for o in r["ood"].values():
-            assert OOD_KEYS <= set(o)
+            assert EVAL_OOD_SET_KEYS <= set(o)
         assert r["params"] > 0 and r["latency_ms"]["batch8"]["median_ms"] == 1.2
     hydra = next(r for r in doc["rows"] if r["method"] == "hydra")
     assert hydra["acc"] == pytest.approx(rows[-2]["acc"])

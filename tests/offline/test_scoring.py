@@ -164,8 +164,7 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
     """Circuit extraction's text batches pad only to their own longest text; labels stay with their texts."""
     from transformers import AutoTokenizer
 
-    from offline.config import BuildConfig
-    from offline.pipeline import circuit_batches
+    from offline.stages import circuit_batches
     from offline.train import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
@@ -173,7 +172,7 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
     texts = [" ".join(["word"] * int(n)) for n in rng.integers(1, 40, size=70)]
     labels = np.arange(70) % 2
     prep = {"type": "text", "max_length": 32}
-    batches = circuit_batches(BuildConfig(), texts, labels, prep, tok)
+    batches = circuit_batches(texts, labels, prep, tok)
     assert [len(y) for _, y in batches] == [32, 32, 6]
     got = [(tok.decode(ids[m.bool()], skip_special_tokens=True), int(label))
            for b, y in batches for ids, m, label in zip(b["input_ids"], b["attention_mask"], y, strict=True)]
@@ -186,14 +185,13 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
 def test_length_sorted_batches_order_maps_back_to_the_inputs():
     from transformers import AutoTokenizer
 
-    from offline.config import BuildConfig
-    from offline.pipeline import length_sorted_batches
+    from offline.stages import length_sorted_batches
     from offline.train import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
     texts = [" ".join([f"w{i}"] * (1 + (7 * i) % 13)) for i in range(20)]
     labels = np.arange(20)
-    batches, order = length_sorted_batches(BuildConfig(), texts, labels, {"type": "text", "max_length": 16}, tok, 8)
+    batches, order = length_sorted_batches(texts, labels, {"type": "text", "max_length": 16}, tok, 8)
     np.testing.assert_array_equal(torch.cat([y for _, y in batches]).numpy(), labels[order])
     assert sorted(order.tolist()) == list(range(20))
     first = tok.decode(batches[0][0]["input_ids"][0], skip_special_tokens=True).replace(" ", "")

@@ -267,8 +267,8 @@ def test_presets_are_valid_configs():
         if name.startswith("vit"):
             from timm.models.vision_transformer import VisionTransformer
 
-            from offline.families.vit import _check_supported
+            from offline.families.vit import check_supported
 
             with torch.device("meta"):
-                _check_supported(VisionTransformer(**p["arch"], num_classes=6))
+                check_supported(VisionTransformer(**p["arch"], num_classes=6))
             assert p["arch"]["num_heads"] == 6  # the image configs prune 2 heads per layer: 4 of 6 kept
