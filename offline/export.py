@@ -36,6 +36,7 @@ __all__ = [
     "export_checked",
     "run_export",
     "check_parity",
+    "as_outputs",
     "eager_outputs",
     "bf16_agreement",
 ]
@@ -154,29 +155,34 @@ def export_onnx(model: nn.Module, example_inputs: dict[str, torch.Tensor], path:
     onnx_session(path)  # fails here, at build time, if onnxruntime cannot run the file
 
 
-def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: list[str]) -> torch.Tensor:
-    """Output of a loaded export, on named ``inputs``: a TorchScript backend, or an onnxruntime session fed the
-    graph's own inputs (an ONNX graph may drop an input its outputs do not depend on)."""
+def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: list[str]) -> tuple[torch.Tensor, ...]:
+    """Every output of a loaded export, on named ``inputs``: a TorchScript backend, or an onnxruntime session fed
+    the graph's own inputs (an ONNX graph may drop an input its outputs do not depend on)."""
     if kind == "torchscript":
-        return runner(inputs)
+        return runner.outputs(inputs)
     if kind == "onnx":
         wanted = [i.name for i in runner.get_inputs()]
         feed = {k: inputs[k].detach().cpu().numpy() for k in wanted}
-        return torch.from_numpy(np.asarray(runner.run(None, feed)[0])).float()
+        return tuple(torch.from_numpy(np.asarray(o)).float() for o in runner.run(None, feed))
     raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
 
 
-def eager_outputs(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+def as_outputs(out: Any) -> tuple[torch.Tensor, ...]:
+    """A model's or export's output as a tuple of float tensors (logits first; then features, when it has them)."""
+    return tuple(o.float() for o in out) if isinstance(out, (tuple, list)) else (out.float(),)
+
+
+def eager_outputs(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
     """fp32 eager outputs of ``model`` on ``batches`` (the reference shared by the export and bf16 checks)."""
     model = model.eval()
     order = input_order(model, batches[0])
     with torch.inference_mode():
-        return [model(*(b[k] for k in order)).float() for b in batches]
+        return [as_outputs(model(*(b[k] for k in order))) for b in batches]
 
 
 def _reference(
-    model: nn.Module, batches: list[dict[str, torch.Tensor]], reference: list[torch.Tensor] | None
-) -> list[torch.Tensor]:
+    model: nn.Module, batches: list[dict[str, torch.Tensor]], reference: list[tuple[torch.Tensor, ...]] | None
+) -> list[tuple[torch.Tensor, ...]]:
     """``reference`` checked against ``batches``, or the eager outputs computed now."""
     if reference is None:
         return eager_outputs(model, batches)
@@ -191,7 +197,7 @@ def check_parity(
     kind: str,
     batches: list[dict[str, torch.Tensor]],
     tol: float,
-    reference: list[torch.Tensor] | None = None,
+    reference: list[tuple[torch.Tensor, ...]] | None = None,
 ) -> float:
     """Largest absolute output difference between ``model`` (eager) and its export over ``batches``.
 
@@ -217,21 +223,24 @@ def check_parity(
     else:
         raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
     worst = 0.0
-    for i, (batch, ref) in enumerate(zip(batches, _reference(model, batches, reference), strict=True)):
-        got = run_export(runner, kind, batch, order)
+    for i, (batch, refs) in enumerate(zip(batches, _reference(model, batches, reference), strict=True)):
+        gots = run_export(runner, kind, batch, order)
         shapes = {k: tuple(v.shape) for k, v in batch.items()}
-        if got.shape != ref.shape:
-            raise ExportMismatch(
-                f"{kind} export {path}: batch {i} (inputs {shapes}) gives shape {tuple(got.shape)}, "
-                f"eager gives {tuple(ref.shape)}"
-            )
-        diff = float((got - ref).abs().max()) if ref.numel() else 0.0
-        if math.isnan(diff) or diff > tol:
-            raise ExportMismatch(
-                f"{kind} export {path} differs from eager on batch {i} (inputs {shapes}): "
-                f"max abs diff {diff:.3g} > tolerance {tol:.3g}"
-            )
-        worst = max(worst, diff)
+        if len(gots) != len(refs):
+            raise ExportMismatch(f"{kind} export {path}: {len(gots)} outputs, eager gives {len(refs)}")
+        for j, (got, ref) in enumerate(zip(gots, refs, strict=True)):  # every output: logits, then features
+            if got.shape != ref.shape:
+                raise ExportMismatch(
+                    f"{kind} export {path}: batch {i} (inputs {shapes}) output {j} has shape {tuple(got.shape)}, "
+                    f"eager gives {tuple(ref.shape)}"
+                )
+            diff = float((got - ref).abs().max()) if ref.numel() else 0.0
+            if math.isnan(diff) or diff > tol:
+                raise ExportMismatch(
+                    f"{kind} export {path} differs from eager on batch {i} (inputs {shapes}), output {j}: "
+                    f"max abs diff {diff:.3g} > tolerance {tol:.3g}"
+                )
+            worst = max(worst, diff)
     log.info("%s parity over %d batches: max abs diff %.3g (tolerance %.3g)", kind, len(batches), worst, tol)
     return worst
 
@@ -243,7 +252,7 @@ def export_checked(
     batches: list[dict[str, torch.Tensor]],
     tol: float,
     output_names: list[str],
-    reference: list[torch.Tensor] | None = None,
+    reference: list[tuple[torch.Tensor, ...]] | None = None,
     example: dict[str, torch.Tensor] | None = None,
 ) -> float:
     """Export ``model`` as ``kind`` (``torchscript`` or ``onnx``) to ``path``, traced on ``example`` (default
@@ -264,7 +273,7 @@ def bf16_agreement(
     model: nn.Module,
     batches: list[dict[str, torch.Tensor]],
     temperature: float,
-    reference: list[torch.Tensor] | None = None,
+    reference: list[tuple[torch.Tensor, ...]] | None = None,
 ) -> dict:
     """CPU bf16 autocast vs fp32 on validation batches: does serving in bf16 give the same answers?
 
@@ -277,7 +286,7 @@ def bf16_agreement(
     """
     if not batches:
         raise ValueError("bf16_agreement needs at least one batch")
-    refs = _reference(model, batches, reference)
+    refs = [r[0] for r in _reference(model, batches, reference)]  # the logits
     model = model.eval()
     order = input_order(model, batches[0])
     fields = tuple(BF16_TOLERANCE)
@@ -286,7 +295,7 @@ def bf16_agreement(
     for batch, ref in zip(batches, refs, strict=True):
         args = [batch[k] for k in order]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            low = model(*args).float()
+            low = as_outputs(model(*args))[0]
         s_ref, s_low = summarize(ref, temperature), summarize(low, temperature)
         same += int((s_ref["prediction"] == s_low["prediction"]).sum())
         n += ref.shape[0]

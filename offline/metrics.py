@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
-from service.uncertainty import OOD_METRICS, summarize
+from service.uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
 
 __all__ = [
     "N_BINS",
@@ -176,8 +176,8 @@ def uncertainty(probs: np.ndarray) -> dict[str, np.ndarray]:
 
 def _metric_name(score: str) -> str:
     name = _ALIASES.get(score, score)
-    if name not in OOD_METRICS:
-        raise ValueError(f"unknown OOD score {score!r}; expected one of {sorted(OOD_METRICS)} (or 'mi')")
+    if name not in SUMMARY_SCORES:  # the probability scores; service.ood computes the others
+        raise ValueError(f"unknown OOD score {score!r} for probabilities; expected one of {SUMMARY_SCORES} (or 'mi')")
     return name
 
 

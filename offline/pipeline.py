@@ -24,7 +24,9 @@ from timm.models import load_checkpoint
 from torch import nn
 
 from service.artifact import Manifest, build_manifest, file_sha256
+from service.ood import ood_tensors
 from service.preprocess import make_preprocessor
+from service.uncertainty import SUMMARY_SCORES
 
 from . import train as train_mod
 from .config import BuildConfig, ConfigError, check_budget
@@ -36,13 +38,16 @@ from .stages import (
     FASHION_MEAN,
     FASHION_STD,
     Batch,
+    Batches,
     Calibration,
+    EvalSets,
     ScoringBatches,
     Timer,
     batches_of,
     build_members,
-    calibrate,
+    calibrate_ood,
     circuit_batches,
+    collect,
     concat,
     eval_batches,
     evaluate,
@@ -51,10 +56,14 @@ from .stages import (
     prepare_out,
     provenance,
     sample_indices,
+    served_flag,
     standard_methods,
     take,
+    with_features,
     write_artifact,
 )
+
+OOD_FILE = "ood.safetensors"  # the OOD statistics (service.ood.ood_tensors)
 
 __all__ = ["base_checkpoint_dir", "build", "heads_of_base", "load_base", "scoring_batches"]
 
@@ -85,7 +94,8 @@ def base_checkpoint_dir(cfg: BuildConfig, out: Path | None) -> Path | None:
     else ``out/.checkpoints/base``."""
     if cfg.base.cache_dir:
         base = {k: v for k, v in dataclasses.asdict(cfg.base).items() if k != "cache_dir"}
-        key = {"family": cfg.family, "base": base, "data": dataclasses.asdict(cfg.data)}
+        data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "max_fit"}  # not used in training
+        key = {"family": cfg.family, "base": base, "data": data}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return Path(cfg.base.cache_dir) / f"{cfg.family}-{digest}"
     return None if out is None else out / ".checkpoints" / "base"
@@ -193,7 +203,7 @@ def export_fused(cfg: BuildConfig, fused: nn.Module, batches: list[Batch], out: 
     wanted = {"torchscript": cfg.export.torchscript, "onnx": cfg.export.onnx}
     for kind, file in (("torchscript", "model.ts"), ("onnx", "model.onnx")):
         if wanted[kind]:
-            diff = export_checked(fused, kind, out / file, batches, tol, ["logits"], reference, example)
+            diff = export_checked(fused, kind, out / file, batches, tol, ["logits", "features"], reference, example)
             exports[kind] = {"file": file, "max_abs_diff": diff, "tolerance": tol}
             if kind == "onnx":
                 exports[kind]["opset"] = ONNX_OPSET
@@ -225,56 +235,86 @@ def build(cfg: BuildConfig, out: Path) -> Path:
     return finish(cfg, out, adapter, base, members, (fused, fcfg), data, (prep, tok), strategy, base_desc, timer)
 
 
+def eval_sets(pre: Any, data: Any) -> tuple[EvalSets, np.ndarray, dict[str, Batches]]:
+    """Every evaluation set through the server's preprocessing: ``(sets, test order, OOD validation sets)``.
+
+    Validation keeps its input order (its first batches are the export checks' inputs); the others are sorted by
+    length (texts), their labels travel along."""
+    test, order = eval_batches(pre, data.test.inputs, data.test.labels)
+    sets = EvalSets(
+        test=test,
+        ood_test={name: eval_batches(pre, x, [0] * len(x))[0] for name, (x, _) in data.ood_test.items()},
+        val=eval_batches(pre, data.val.inputs, data.val.labels, sort=False)[0],
+        fit=eval_batches(pre, data.fit.inputs, data.fit.labels)[0],
+    )  # fmt: skip
+    return sets, order, {name: eval_batches(pre, x, [0] * len(x))[0] for name, x in data.ood_val.items()}
+
+
 def finish(
     cfg: BuildConfig, out: Path, adapter: FamilyAdapter, base: nn.Module, members: list[nn.Module],
     fused_and_config: tuple[nn.Module, dict[str, Any]], data: Any, prep_and_tok: tuple[dict[str, Any], Any],
     strategy: dict[str, Any], base_desc: dict[str, Any], timer: Timer,
 ) -> Path:  # fmt: skip
     """Calibrate, evaluate, export and write the artifact: every evaluation input goes through the server's
-    preprocessing of the artifact (:func:`offline.stages.eval_batches`)."""
+    preprocessing of the artifact (:func:`offline.stages.eval_batches`); the fused model returns its members'
+    features too, for the OOD statistics (:func:`offline.stages.calibrate_ood`)."""
     (fused, fcfg), (prep, tok) = fused_and_config, prep_and_tok
     prepare_out(out)
     if tok is not None:  # saved first: the server's text preprocessing reads the artifact's tokenizer
         tok.save_pretrained(str(out / "tokenizer"))
     pre = make_preprocessor(prep, out, EVAL_MAX_PIXELS)
-    val = eval_batches(pre, data.val.inputs, data.val.labels, sort=False)[0]
-    ood_val = concat(list(data.ood_val.values()))
-    cal = calibrate(cfg, lambda b: fused(**b), val, eval_batches(pre, ood_val, [0] * len(ood_val))[0])
+    sets, order, ood_val = eval_sets(pre, data)
+    fused.with_features = True  # (logits, features): the served model and its exports carry both
+    methods = standard_methods(
+        with_features(lambda b: adapter.forward(base, b), base), base,
+        [with_features(lambda b, m=m: adapter.forward(m, b), m) for m in members], members,
+        lambda b: fused(**b), fused, 1.0, sets,
+    )  # fmt: skip
+    hydra = methods["hydra"]
+    cal = calibrate_ood(cfg, hydra.runs["val"], hydra.runs["fit"], sets.labels("fit"), sets.labels("val"),
+                        {name: collect(hydra.fn, b) for name, b in ood_val.items()}, len(data.class_names))  # fmt: skip
     timer.lap("calibration")
 
-    test, order = eval_batches(pre, data.test.inputs, data.test.labels)
-    ood_test = {name: eval_batches(pre, x, [0] * len(x))[0] for name, (x, _) in data.ood_test.items()}
-    methods = standard_methods(
-        lambda b: adapter.forward(base, b), base, [lambda b, m=m: adapter.forward(m, b) for m in members], members,
-        lambda b: fused(**b), fused, cal.temperature, test, ood_test,
-    )  # fmt: skip
-    n_lat = min(8, len(order))  # latency on the first test inputs in their own order (not the shortest texts)
-    first = take(data.test.inputs, np.arange(n_lat))
-    latency = eval_batches(pre, first, data.test.labels[:n_lat], 8, sort=False)[0][0][0]
     ood_kinds = {name: kind for name, (_, kind) in data.ood_test.items()}
-    one = {k: v[:1] for k, v in latency.items()}
-    rows, plots = evaluate(methods, data.test.labels[order], ood_kinds, cal.metric, (one, latency))
+    latency = eval_batches(pre, take(data.test.inputs, np.arange(min(8, len(order)))), data.test.labels[:8], 8,
+                           sort=False)[0][0][0]  # the first test inputs in their own order (not the shortest texts)
+    metric = cal.metric if cal.metric in SUMMARY_SCORES else "msp"  # the main rows' score: a probability score
+    rows, plots = evaluate(methods, sets, data.test.labels[order], ood_kinds, metric,
+                           ({k: v[:1] for k, v in latency.items()}, latency), len(data.class_names))  # fmt: skip
+    served, plots["served"] = served_flag(hydra, cal)
     timer.lap("evaluation")
 
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
-    exports, precision = export_fused(cfg, fused, parity_batches(val), out, cal.temperature)
+    if cal.stats is not None:
+        save_file(ood_tensors(cal.stats), str(out / OOD_FILE))
+    exports, precision = export_fused(cfg, fused, parity_batches(sets.val), out, cal.temperature)
     timer.lap("export")
 
     def manifest(metrics: dict[str, Any]) -> Manifest:
         return build_manifest(
             name=cfg.name, family=cfg.family, task="classification", base_model=base_desc,
             heads=[adapter.kept_heads(m) for m in members], strategy=strategy, labels=list(data.class_names),
-            preprocessing=prep, uncertainty=cal.uncertainty(),
+            preprocessing=prep, uncertainty=cal.uncertainty(), ood=ood_spec(cal, data),
             model={"config": fcfg, "weights": "model.safetensors", "inputs": list(latency), "output": "logits",
-                   "shape": "(B, M, C)"},
+                   "shape": "(B, M, C)", "outputs": ["logits", "features"]},
             exports=exports, precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
         )  # fmt: skip
 
     title = f"{cfg.name}: Hydra ({strategy['name']}, M={cfg.hydra.members})"
-    return write_artifact(out, manifest, rows, ood_kinds, plots, title, report_extra(cal, timer))
+    return write_artifact(out, manifest, rows, ood_kinds, plots, title, report_extra(cal, served, data, timer))
 
 
-def report_extra(cal: Calibration, timer: Timer) -> dict[str, Any]:
+def ood_spec(cal: Calibration, data: Any) -> dict[str, Any] | None:
+    """The manifest's ``ood`` block: the statistics file, the scores the server computes and how one was chosen."""
+    if cal.stats is None:
+        return None
+    return {"file": OOD_FILE, "scores": list(cal.candidates), "selected": cal.metric, "forced": cal.forced,
+            "candidates": cal.candidates, "fit": data.splits.get("id", {}).get("fit")}  # fmt: skip
+
+
+def report_extra(cal: Calibration, served: dict[str, Any], data: Any, timer: Timer) -> dict[str, Any]:
     """The build facts the report shows next to its tables."""
     return {"temperature": cal.temperature, "ood_threshold": cal.threshold, "ood_score": cal.metric,
-            "timings_s": timer.times, "ood_val_flagged": cal.ood_val_flagged}  # fmt: skip
+            "timings_s": timer.times, "ood_val_flagged": cal.ood_val_flagged, "ood_candidates": cal.candidates,
+            "ood_selected": cal.metric, "ood_forced": cal.forced, "served_flag": served,
+            "no_ood_data": not data.ood_val and not data.ood_test}  # fmt: skip

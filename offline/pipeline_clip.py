@@ -95,6 +95,7 @@ from .stages import (
     FASHION_MEAN,
     FASHION_STD,
     Batch,
+    EvalSets,
     Method,
     ScoringBatches,
     Timer,
@@ -414,13 +415,14 @@ def finish_zero_shot(
     T_single = fit_temperature(collect_logits(single, val), val_y) if cfg.calibration.temperature else 1.0
     timer.lap("calibration")
 
-    methods = standard_methods(single, base, member_fns, members, fused_fn, fused, cal.temperature, test, ood_test)
+    sets = EvalSets(test, ood_test)
+    methods = standard_methods(single, base, member_fns, members, fused_fn, fused, cal.temperature, sets)
     # the base model at its own fitted temperature: a baseline for the ensemble's calibration
-    methods["single_ts"] = Method(single, methods["single"].params, T_single, outputs=methods["single"].outputs)
+    methods["single_ts"] = Method(single, methods["single"].params, T_single, runs=methods["single"].runs)
     example = test[0][0]
     latency = tuple({**example, "pixel_values": example["pixel_values"][:k]} for k in (1, 8))
     ood_kinds = {name: kind for name, (_, kind) in data.ood_test.items()}
-    rows, plots = evaluate(methods, data.test.labels, ood_kinds, cal.metric, latency)  # image side per call
+    rows, plots = evaluate(methods, sets, data.test.labels, ood_kinds, cal.metric, latency)  # image side per call
     timer.lap("evaluation")
 
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))

@@ -1,10 +1,20 @@
 """The build report: latency measurement, ``report.json``, a readable ``report.md`` and PNG plots.
 
 ``write_report`` takes one row per method (``single``, ``member_0``.., ``hydra``,
-``ensemble_unfused``), each the output of ``offline.metrics.evaluate_predictions``
-plus ``method``, ``params`` and ``latency_ms``, and the member probabilities
-behind them for the plots. Plots use matplotlib's ``Figure`` directly (Agg
-canvas), so no global backend is touched.
+``ensemble_unfused``, zero-shot builds also ``single_ts``), each the output of
+``offline.metrics.evaluate_predictions`` plus ``method``, ``params`` and
+``latency_ms``, and the member probabilities behind them for the plots.
+
+Like is compared with like: the main ID table says the temperature its rows are
+at (all at ``T = 1``, or a ``T`` column), and a second table shows every method at
+its *own* temperature fitted on ID validation data (``row["calibrated"]``). For
+OOD detection, ``row["ood_scores"]`` gives each method's AUROC / FPR95 with every
+OOD score, so ``single`` + a score (what the features give) sits next to
+``hydra`` + the same score (what the ensemble adds); ``extra`` says how the served
+score was chosen on the OOD validation sets and how its flag does on test data.
+All of these inputs are optional: a report without them renders as before.
+
+Plots use matplotlib's ``Figure`` directly (Agg canvas), so no global backend is touched.
 """
 
 from __future__ import annotations
@@ -28,6 +38,13 @@ __all__ = ["measure_latency", "write_report", "summary_of", "HEADLINE"]
 HEADLINE = ("acc", "nll", "brier", "ece", "aece", "mi_id", "mi_ood", "disagreement_id", "disagreement_ood")
 OOD_KEYS = ("auroc", "fpr95", "aupr_in", "aupr_out")
 PLOT_FILES = ("reliability.png", "ood_hist_msp.png", "ood_hist_mi.png", "member_accuracy.png")
+SERVED_PLOT = "ood_hist_served.png"  # only when ``plots["served"]`` is given
+# ``extra`` keys with a section of their own (not repeated in the build facts)
+SECTION_KEYS = ("ood_candidates", "ood_selected", "ood_forced", "served_flag", "no_ood_data")
+# the order of OOD score columns; scores not listed follow in the order they appear
+SCORE_ORDER = ("msp", "max_logit", "energy", "entropy", "mutual_information", "mahalanobis",
+               "relative_mahalanobis", "mahalanobis_mi")  # fmt: skip
+MI_FLOOR = 1e-6  # mutual information below it is drawn at it on the log axis
 
 
 def measure_latency(fn: Callable[[], Any], warmup: int = 2, reps: int = 5) -> dict:
@@ -69,7 +86,9 @@ def _jsonable(x: Any) -> Any:
 
 
 def summary_of(rows: list[dict]) -> dict[str, dict]:
-    """Headline numbers per method (for the manifest): ID metrics, OOD averages over sets, params, median latency."""
+    """Headline numbers per method (for the manifest): ID metrics, OOD averages over sets, params, median latency,
+    and, where the row has ``calibrated``, ECE / NLL at the method's own fitted temperature (``ece_ts``, ``nll_ts``,
+    ``temperature_ts``)."""
     out: dict[str, dict] = {}
     for r in rows:
         s = {k: r[k] for k in HEADLINE if k in r}
@@ -78,6 +97,7 @@ def summary_of(rows: list[dict]) -> dict[str, dict]:
             s["params"] = int(r["params"])
         lat = r.get("latency_ms", {})
         s["latency_ms"] = {b: v["median_ms"] for b, v in lat.items() if isinstance(v, Mapping) and "median_ms" in v}
+        s.update({f"{k}_ts": v for k, v in (r.get("calibrated") or {}).items() if k in ("ece", "nll", "temperature")})
         out[r["method"]] = _jsonable(s)
     return out
 
@@ -148,15 +168,55 @@ _OOD_AVG_COLUMNS: tuple[tuple[str, _Cell], ...] = (
 )
 
 
+def _temp(x: Any) -> str:
+    """A temperature: up to 4 significant digits ("1", "1.237")."""
+    return "–" if x is None or not math.isfinite(x) else f"{x:.4g}"
+
+
+def _thr(x: Any) -> str:
+    """An OOD threshold, in its score's own units."""
+    return "–" if x is None or not math.isfinite(x) else f"{x:.4g}"
+
+
 def _id_section(rows: list[dict]) -> list[str]:
-    """The in-distribution table: one line per method."""
-    md = ["## In-distribution (test set)", ""]
+    """The in-distribution table: one line per method, at the temperature the heading (or a ``T`` column) gives."""
+    temps = {r.get("temperature") for r in rows}
+    columns, at = _ID_COLUMNS, ""
+    if len(temps) == 1 and None not in temps:
+        at = f", at T = {_temp(temps.pop())}"
+    elif temps != {None}:  # rows at different temperatures: say which, per row
+        columns, at = (("T", _cell(_temp, "temperature")), *_ID_COLUMNS), ", each method at the temperature T"
+    md = [f"## In-distribution (test set{at})", ""]
     md += [
         "Percentages for Acc, ECE, aECE and disagreement; NLL and entropies in nats; Brier of the mean "
         "prediction (0–2). Latency: median (min) ms per call, eager fp32.",
         "",
     ]
-    return md + _method_table(_ID_COLUMNS, ((r["method"], r) for r in rows))
+    return md + _method_table(columns, ((r["method"], r) for r in rows))
+
+
+_TS_COLUMNS: tuple[tuple[str, _Cell], ...] = (
+    ("T", _cell(_temp, "temperature")),
+    ("Acc %", _cell(_pct, "acc")),
+    ("NLL", _cell(_num, "nll")),
+    ("Brier", _cell(_num, "brier")),
+    ("ECE %", _cell(_pct, "ece")),
+    ("aECE %", _cell(_pct, "aece")),
+)
+
+
+def _calibrated_section(rows: list[dict]) -> list[str]:
+    """Every method that has ``calibrated``: its test metrics at its own temperature fitted on ID validation data."""
+    entries = [(r["method"], r["calibrated"]) for r in rows if r.get("calibrated")]
+    if not entries:
+        return []
+    md = ["", "## In-distribution (test set), each method at its own fitted temperature", ""]
+    md += [
+        "T: the method's temperature, fitted (NLL) on the ID validation set and applied to its logits before the "
+        "softmax; calibration compared like with like, each method at its best temperature.",
+        "",
+    ]
+    return md + _method_table(_TS_COLUMNS, entries)
 
 
 def _ood_section(rows: list[dict], ood_kinds: dict[str, str], score: str) -> list[str]:
@@ -179,10 +239,119 @@ def _ood_section(rows: list[dict], ood_kinds: dict[str, str], score: str) -> lis
     return md
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and math.isfinite(x)
+
+
+def _score_names(rows: list[dict]) -> list[str]:
+    """The OOD scores any row has, in :data:`SCORE_ORDER` (others after, as they appear)."""
+    names = list(dict.fromkeys(n for r in rows for n in r.get("ood_scores") or {}))
+    return sorted(names, key=lambda n: SCORE_ORDER.index(n) if n in SCORE_ORDER else len(SCORE_ORDER))
+
+
+def _score_table(rows: list[dict], names: list[str], key: str, served: str | None, best: Callable) -> list[str]:
+    """One line per method with ``ood_scores``: the mean ``key`` over OOD sets per score, the method's best bold."""
+    body = []
+    for r in rows:
+        if not (scores := r.get("ood_scores")):
+            continue
+        vals = [scores[n].get("avg", {}).get(key) if n in scores else None for n in names]
+        top = best([v for v in vals if _finite(v)], default=None)
+        body.append([r["method"], *(f"**{_pct(v)}**" if top is not None and v == top else _pct(v) for v in vals)])
+    return _table(["Method", *(f"{n} (served)" if n == served else n for n in names)], body)
+
+
+def _served_sets_table(rows: list[dict], ood_kinds: dict[str, str], served: str | None) -> list[str]:
+    """AUROC and FPR95 of every method on every OOD test set with the served score."""
+    entries = [(r["method"], sc[served]) for r in rows if served in (sc := r.get("ood_scores") or {})]
+    if not entries:
+        return []
+    sets = list(dict.fromkeys(n for _, e in entries for n in e.get("ood", {})))
+    metrics = (("AUROC %", "auroc"), ("FPR95 %", "fpr95"))
+    columns: list[tuple[str, _Cell]] = [
+        (f"{n} ({ood_kinds.get(n, 'ood')}) {h}", lambda e, n=n, k=k: _pct(e.get("ood", {}).get(n, {}).get(k)))
+        for n in sets
+        for h, k in metrics
+    ]
+    columns += [(f"Mean {h}", lambda e, k=k: _pct(e.get("avg", {}).get(k))) for h, k in metrics]
+    return [f"### Served score `{served}` per OOD test set", ""] + _method_table(columns, entries) + [""]
+
+
+def _scores_section(rows: list[dict], ood_kinds: dict[str, str], served: str | None) -> list[str]:
+    """Mean AUROC and FPR95 over the OOD test sets per method and score, then the served score per set."""
+    names = _score_names(rows)
+    if not names:
+        return []
+    md = ["## OOD AUROC by score", ""]
+    md += [
+        "Mean AUROC (%) over the OOD test sets, per method (rows) and OOD score (columns); each method's best in "
+        "bold, – where a method lacks the score. `single` with a score shows what the features give, `hydra` with "
+        "the same score what the ensemble adds.",
+        "",
+    ]
+    md += _score_table(rows, names, "auroc", served, max) + ["", "### Mean FPR95 by score (lower is better)", ""]
+    return md + _score_table(rows, names, "fpr95", served, min) + [""] + _served_sets_table(rows, ood_kinds, served)
+
+
+def _selection_sentence(cands: Mapping[str, Any], selected: str | None, forced: bool) -> str:
+    """How the served score was chosen."""
+    if selected is None:
+        return "The build named no served score."
+    if forced:
+        return (
+            f"`{selected}` is served because the build config forces it; any other candidates are shown for comparison."
+        )
+    flagged = _pct(cands.get(selected, {}).get("id_val_flag_rate"))
+    return (
+        f"Each candidate's threshold keeps the configured share of ID validation inputs unflagged (it flags "
+        f"{flagged}% of them); recall: the share of an OOD validation set's inputs it flags. `{selected}` is served: "
+        "the best mean recall over the OOD validation sets."
+    )
+
+
+def _selection_section(extra: Mapping[str, Any]) -> list[str]:
+    """One line per candidate OOD score: threshold, ID validation flag rate, recall per OOD validation set."""
+    if not (cands := extra.get("ood_candidates")):
+        return []
+    selected = extra.get("ood_selected")
+    sets = list(dict.fromkeys(n for c in cands.values() for n in c.get("val_recall") or {}))
+    header = ["Score", "Served", "Threshold", "ID val flagged %", *(f"{n} recall %" for n in sets), "Mean recall %"]
+    body = [
+        [f"**{name}**" if name == selected else name, "yes" if name == selected else "", _thr(c.get("threshold")),
+         _pct(c.get("id_val_flag_rate")), *(_pct((c.get("val_recall") or {}).get(n)) for n in sets),
+         _pct(c.get("val_mean_recall"))]
+        for name, c in cands.items()
+    ]  # fmt: skip
+    md = ["## OOD score selection (validation sets)", ""]
+    return md + [_selection_sentence(cands, selected, bool(extra.get("ood_forced"))), ""] + _table(header, body) + [""]
+
+
+def _served_flag_section(extra: Mapping[str, Any], ood_kinds: dict[str, str]) -> list[str]:
+    """The served score at its threshold on the ID test set (false alarms) and each OOD test set (recall)."""
+    if not (flag := extra.get("served_flag")):
+        return []
+    recall = flag.get("recall") or {}
+    body = [["ID test", "id", _pct(flag.get("id_test_flag_rate"))]]
+    body += [[n, ood_kinds.get(n, "ood"), _pct(v)] for n, v in recall.items()]
+    if len(recall) > 1:
+        vals = [v for v in recall.values() if _finite(v)]
+        body.append(["mean over OOD sets", "", _pct(sum(vals) / len(vals) if vals else None)])
+    md = ["## The served flag on test data", ""]
+    md += [
+        f"Score `{flag.get('score')}` at threshold {_thr(flag.get('threshold'))}, both fixed on validation data. "
+        "Flagged: the share of a test set's inputs the flag marks OOD (on ID test: false alarms; on an OOD set: "
+        "recall).",
+        "",
+    ]
+    return md + _table(["Test set", "Kind", "Flagged %"], body) + [""]
+
+
 def _build_section(extra: dict, plots: list[str]) -> list[str]:
-    """Build facts as a (nested) list, then the plots, if any."""
+    """Build facts as a (nested) list (less what has a section of its own), then the plots, if any."""
     md = ["## Build", ""]
     for k, v in extra.items():
+        if k in SECTION_KEYS:
+            continue
         if isinstance(v, Mapping):
             md += [f"- **{k}**:"] + [f"  - {kk}: {_fmt(vv)}" for kk, vv in v.items()]
         else:
@@ -193,9 +362,15 @@ def _build_section(extra: dict, plots: list[str]) -> list[str]:
 
 
 def _markdown(rows: list[dict], ood_kinds: dict[str, str], title: str, extra: dict, plots: list[str]) -> str:
-    """The text of ``report.md``: title, ID table, OOD tables, build facts and plots."""
+    """The text of ``report.md``: title, ID tables, OOD tables, score selection, served flag, build facts, plots."""
     score = next((r.get("ood_score") for r in rows if r.get("ood_score")), extra.get("ood_score", "msp"))
-    md = [f"# {title}", ""] + _id_section(rows) + _ood_section(rows, ood_kinds, score) + _build_section(extra, plots)
+    served = extra.get("ood_selected") or (extra.get("served_flag") or {}).get("score")
+    md = [f"# {title}", ""] + _id_section(rows) + _calibrated_section(rows)
+    if extra.get("no_ood_data"):
+        md += ["", "## OOD detection", "", "This build had no OOD data: no OOD detection results.", ""]
+    else:
+        md += _ood_section(rows, ood_kinds, score) + _scores_section(rows, ood_kinds, served)
+    md += _selection_section(extra) + _served_flag_section(extra, ood_kinds) + _build_section(extra, plots)
     return "\n".join(md) + "\n"
 
 
@@ -212,49 +387,68 @@ def _figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
 
 
+def _reliability_panel(ax: Any, b: dict[str, np.ndarray], title: str) -> None:
+    """Accuracy per confidence bin, the gap to the bin's mean confidence hatched, against the diagonal."""
+    edges = np.linspace(0, 1, len(b["count"]) + 1)
+    centers, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
+    filled = b["count"] > 0
+    ax.bar(centers[filled], b["accuracy"][filled], width=width, color="tab:blue", edgecolor="black", linewidth=0.5,
+           label="accuracy")  # fmt: skip
+    gap_lo = np.minimum(b["accuracy"], b["confidence"])[filled]
+    gap = np.abs(b["accuracy"] - b["confidence"])[filled]
+    # the gap between accuracy and mean confidence, hatched so it stays visible over the accuracy bar
+    ax.bar(centers[filled], gap, bottom=gap_lo, width=width, facecolor="none", edgecolor="tab:red", hatch="///",
+           linewidth=0.8, label="gap to mean confidence")  # fmt: skip
+    ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence (MSP of the mean prediction)",
+           ylabel="accuracy (fraction correct)", title=title)  # fmt: skip
+    ax.legend(loc="upper left", fontsize=8)
+
+
+def _bin_count_panel(ax: Any, b: dict[str, np.ndarray]) -> None:
+    """The number of inputs per confidence bin (log scale: the top bins hold most inputs), annotated."""
+    edges = np.linspace(0, 1, len(b["count"]) + 1)
+    centers, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
+    filled = b["count"] > 0
+    bars = ax.bar(centers[filled], b["count"][filled], width=width, color="tab:gray", edgecolor="black",
+                  linewidth=0.5)  # fmt: skip
+    ax.bar_label(bars, labels=[str(int(c)) for c in b["count"][filled]], fontsize=6, padding=1)
+    ax.set_yscale("log")
+    top = max(int(b["count"].max()), 1)
+    ax.set(xlim=(0, 1), ylim=(0.7, top * 3), xlabel="confidence (MSP of the mean prediction)",
+           ylabel="inputs per bin (log)", title=f"inputs per confidence bin (n = {int(b['count'].sum())})")  # fmt: skip
+
+
 def _plot_reliability(path: Path, labels: np.ndarray, methods: dict[str, np.ndarray]) -> None:
-    """One panel per method: accuracy per 15 equal-width confidence bins against the diagonal."""
-    fig = _figure(4.2 * len(methods), 4.2)
-    axes = fig.subplots(1, len(methods), squeeze=False)[0]
-    for ax, (name, probs) in zip(axes, methods.items(), strict=True):
+    """One column per method: accuracy per 15 equal-width confidence bins against the diagonal, the bin counts
+    under it."""
+    fig = _figure(4.4 * len(methods), 6.4)
+    axes = fig.subplots(2, len(methods), squeeze=False, gridspec_kw={"height_ratios": [3, 1.3]})
+    for i, (name, probs) in enumerate(methods.items()):
         b = calibration_bins(probs, labels)
-        edges = np.linspace(0, 1, len(b["count"]) + 1)
-        centers, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
-        filled = b["count"] > 0
-        ax.bar(
-            centers[filled],
-            b["accuracy"][filled],
-            width=width,
-            color="tab:blue",
-            edgecolor="black",
-            linewidth=0.5,
-            label="accuracy",
-        )
-        gap_lo = np.minimum(b["accuracy"], b["confidence"])[filled]
-        gap = np.abs(b["accuracy"] - b["confidence"])[filled]
-        # the gap between accuracy and mean confidence, hatched so it stays visible over the accuracy bar
-        ax.bar(
-            centers[filled],
-            gap,
-            bottom=gap_lo,
-            width=width,
-            facecolor="none",
-            edgecolor="tab:red",
-            hatch="///",
-            linewidth=0.8,
-            label="gap to confidence",
-        )
-        ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
-        ax.set(
-            xlim=(0, 1),
-            ylim=(0, 1),
-            xlabel="confidence (MSP)",
-            ylabel="accuracy",
-            title=f"{name}: ECE {100 * ece(probs, labels):.2f}%",
-        )
-        ax.legend(loc="upper left", fontsize=8)
-    fig.suptitle("Reliability diagram (ID test set)")
+        _reliability_panel(axes[0, i], b, f"{name}: ECE {100 * ece(probs, labels):.2f}%")
+        _bin_count_panel(axes[1, i], b)
+    fig.suptitle("Reliability diagram (ID test set, 15 equal-width bins)")
     fig.savefig(path)
+
+
+def _share_hist(ax: Any, values: dict[str, np.ndarray], bins: np.ndarray) -> None:
+    """One histogram per entry of ``values`` (label -> scores), each summing to 1 (share of its inputs)."""
+    for i, (name, v) in enumerate(values.items()):
+        ax.hist(v, bins=bins, weights=np.full(len(v), 1 / max(len(v), 1)), histtype="stepfilled" if i == 0 else "step",
+                alpha=0.35 if i == 0 else 1.0, linewidth=1.5, label=name)  # fmt: skip
+
+
+def _hist_values(field: str, values: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray, str]:
+    """The values to draw, the bins and the x label of one uncertainty field: MSP on [0, 1]; mutual information
+    on log-spaced bins, clipped below at :data:`MI_FLOOR` (MI spans decades, and is 0 for a single model)."""
+    if field == "msp":
+        return values, np.linspace(0.0, 1.0, 41), "maximum softmax probability"
+    clipped = {k: np.maximum(v, MI_FLOOR) for k, v in values.items()}
+    lo = min(float(v.min()) for v in clipped.values())
+    hi = max(float(max(v.max() for v in clipped.values())), 10 * lo)
+    label = f"mutual information (nats, log scale; values < {MI_FLOOR:g} drawn at {MI_FLOOR:g})"
+    return clipped, np.geomspace(lo * 0.98, hi * 1.02, 41), label
 
 
 def _plot_ood_hist(
@@ -266,56 +460,91 @@ def _plot_ood_hist(
     ood_kinds: dict[str, str],
     threshold: float | None,
 ) -> None:
-    """Histograms (density) of one uncertainty field on the ID test set and each OOD set."""
-    values = {"ID": uncertainty(probs_id)[field]}
+    """Histograms (share of each set's inputs per bin) of one uncertainty field on the ID test set and each OOD set."""
+    raw = {"ID": uncertainty(probs_id)[field]}
     for name, p in probs_ood.items():
-        values[f"{name} ({ood_kinds.get(name, 'ood')})"] = uncertainty(p)[field]
-    hi = 1.0 if field == "msp" else max(float(max(v.max() for v in values.values())), 1e-6)
-    lo = 0.0
-    bins = np.linspace(lo, hi * (1 if field == "msp" else 1.02), 41)
+        raw[f"{name} ({ood_kinds.get(name, 'ood')})"] = uncertainty(p)[field]
+    values, bins, label = _hist_values(field, {k: np.asarray(v, dtype=np.float64).reshape(-1) for k, v in raw.items()})
     fig = _figure(6.4, 4.0)
     ax = fig.subplots()
-    for i, (name, v) in enumerate(values.items()):
-        ax.hist(
-            v,
-            bins=bins,
-            density=True,
-            histtype="stepfilled" if i == 0 else "step",
-            alpha=0.35 if i == 0 else 1.0,
-            linewidth=1.5,
-            label=f"{name}, n={len(v)}",
-        )
+    _share_hist(ax, {f"{k}, n={len(v)}": v for k, v in values.items()}, bins)
+    if field != "msp":
+        ax.set_xscale("log")
     if threshold is not None:
         ax.axvline(threshold, color="black", linestyle="--", linewidth=1, label=f"threshold {threshold:.3g}")
-    label = {"msp": "maximum softmax probability", "mutual_information": "mutual information (nats)"}[field]
-    ax.set(xlabel=label, ylabel="density", title=f"{method}: {label}, ID vs OOD")
+    name = {"msp": "maximum softmax probability", "mutual_information": "mutual information"}[field]
+    ax.set(xlabel=label, ylabel="share of inputs", title=f"{method}: {name}, ID vs OOD (test sets)")
     ax.legend(fontsize=8)
     fig.savefig(path)
 
 
+def _served_labels(served: Mapping[str, Any], ood_kinds: dict[str, str], flag: Mapping[str, Any]) -> dict[str, str]:
+    """Legend labels of the served-score histogram: set, kind, size and, from ``served_flag``, the share flagged."""
+
+    def flagged(x: Any) -> str:
+        return f", {_pct(x)}% flagged" if _finite(x) else ""
+
+    labels = {"ID": f"ID test, n={len(served['id'])}{flagged(flag.get('id_test_flag_rate'))}"}
+    for n, v in served.get("ood", {}).items():
+        labels[n] = f"{n} ({ood_kinds.get(n, 'ood')}), n={len(v)}{flagged((flag.get('recall') or {}).get(n))}"
+    return labels
+
+
+def _plot_served_hist(
+    path: Path, served: Mapping[str, Any], ood_kinds: dict[str, str], flag: Mapping[str, Any]
+) -> None:
+    """Histograms of the served OOD score on the ID test set and each OOD test set, its threshold as a line.
+
+    The x range is the 0.5–99.5th percentile of all the values (and the threshold); values past it are drawn in the
+    edge bins, so a long tail (Mahalanobis distances on far OOD) does not squash the rest.
+    """
+    raw = {"ID": served["id"], **served.get("ood", {})}
+    raw = {k: (a := np.asarray(v, dtype=np.float64).reshape(-1))[np.isfinite(a)] for k, v in raw.items()}
+    thr = float(served["threshold"])
+    pooled = np.concatenate([*raw.values(), [thr]])
+    lo, hi = np.percentile(pooled, [0.5, 99.5])
+    lo, hi = min(float(lo), thr), max(float(hi), thr)
+    hi = hi if hi > lo else lo + 1.0
+    labels = _served_labels(served, ood_kinds, flag)
+    fig = _figure(6.8, 4.2)
+    ax = fig.subplots()
+    _share_hist(ax, {labels[k]: np.clip(v, lo, hi) for k, v in raw.items()}, np.linspace(lo, hi, 41))
+    ax.axvline(thr, color="black", linestyle="--", linewidth=1.2, label=f"threshold {thr:.4g}")
+    ax.set(xlabel=f"{served['score']} (OOD score; 0.5% tails drawn in the edge bins)", ylabel="share of inputs",
+           title=f"Served OOD score {served['score']}: ID test vs OOD test sets")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.savefig(path)
+
+
+def _method_color(name: str) -> tuple[str, str]:
+    """The bar colour of a method and the legend entry it stands for."""
+    if name.startswith("member_"):
+        return "tab:gray", "member"
+    return {"hydra": ("tab:green", "hydra (fused)"), "single": ("tab:orange", "single")}.get(name, ("tab:blue", name))
+
+
 def _plot_member_accuracy(path: Path, rows: list[dict]) -> None:
     """Test accuracy of every method: members, the fused ensemble, the unfused ensemble and the single model."""
+    from matplotlib.patches import Patch
+
     names = [r["method"] for r in rows]
     acc = [100 * r["acc"] for r in rows]
-    colors = [
-        "tab:gray"
-        if n.startswith("member_")
-        else "tab:green"
-        if n == "hydra"
-        else "tab:orange"
-        if n == "single"
-        else "tab:blue"
-        for n in names
-    ]
-    fig = _figure(max(5.0, 1.0 * len(names) + 1.5), 4.0)
+    colors = [_method_color(n) for n in names]
+    fig = _figure(max(5.0, 1.0 * len(names) + 1.5) + 2.0, 4.2)
     ax = fig.subplots()
-    bars = ax.bar(names, acc, color=colors, edgecolor="black", linewidth=0.5)
+    bars = ax.bar(names, acc, color=[c for c, _ in colors], edgecolor="black", linewidth=0.5)
     ax.bar_label(bars, labels=[f"{a:.1f}" for a in acc], fontsize=8)
+    legend: dict[str, list[str]] = {}  # colour -> what it stands for (the other methods share one colour)
+    for c, lab in dict.fromkeys(colors):  # distinct (colour, label) pairs, in order
+        legend.setdefault(c, []).append(lab)
+    handles: list[Any] = [Patch(facecolor=c, edgecolor="black", label=", ".join(labs)) for c, labs in legend.items()]
     if "single" in names:
-        ax.axhline(acc[names.index("single")], color="tab:orange", linestyle="--", linewidth=1, label="single")
-        ax.legend(fontsize=8, loc="lower right")
+        handles.append(ax.axhline(acc[names.index("single")], color="tab:orange", linestyle="--", linewidth=1,
+                                  label="single (reference line)"))  # fmt: skip
     lo = max(0.0, min(acc) - 10)
-    ax.set(ylim=(lo, min(100.0, max(acc) + 5)), ylabel="accuracy (%)", title="Members vs ensembles: test accuracy")
+    ax.set(ylim=(lo, min(100.0, max(acc) + 5)), xlabel="method", ylabel="accuracy (%)",
+           title="Members vs ensembles: ID test accuracy")  # fmt: skip
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
     ax.tick_params(axis="x", labelrotation=20)
     fig.savefig(path)
 
@@ -342,6 +571,11 @@ def _write_plots(out: Path, rows: list[dict], ood_kinds: dict[str, str], plots: 
     if rows and all("acc" in r for r in rows):
         _plot_member_accuracy(pdir / "member_accuracy.png", rows)
         written.append("plots/member_accuracy.png")
+    if served := plots.get("served"):
+        flag = extra.get("served_flag") or {}
+        flag = flag if flag.get("score") == served["score"] else {}
+        _plot_served_hist(pdir / SERVED_PLOT, served, plots.get("ood_kinds", ood_kinds), flag)
+        written.append(f"plots/{SERVED_PLOT}")
     return written
 
 
@@ -352,12 +586,32 @@ def write_report(out: Path, rows: list[dict], ood_kinds: dict[str, str], plots: 
     Args:
         out: artifact directory.
         rows: per method, ``evaluate_predictions(...)`` plus ``method``, ``params`` and
-            ``latency_ms: {"batch1": measure_latency(...), "batch8": ...}``.
+            ``latency_ms: {"batch1": measure_latency(...), "batch8": ...}``. Optional per row:
+
+            - ``temperature``: the temperature its metrics were computed at (the ID table's heading says it
+              when all rows share one, else a ``T`` column does);
+            - ``calibrated: {"temperature", "acc", "nll", "brier", "ece", "aece"}``: the method at its own
+              temperature fitted on ID validation data (a second ID table);
+            - ``ood_scores: {score: {"ood": {set: {"auroc", "fpr95"}}, "avg": {"auroc", "fpr95"}}}``: its OOD
+              detection with each score it has (tables of mean AUROC / FPR95 by score, and the served score
+              per set).
         ood_kinds: OOD set name -> kind (``near``, ``far``, ...).
         plots: ``{"labels": (N,), "ood_kinds": {...}, <method>: {"member_probs_id": (N, M, C),
-            "member_probs_ood": {name: (N', M, C)}}}``.
+            "member_probs_ood": {name: (N', M, C)}}}``; optionally ``"served": {"score", "threshold",
+            "id": (N,), "ood": {name: (N',)}}``, the served OOD score on the ID and OOD test sets
+            (``plots/ood_hist_served.png``).
         title: report heading.
-        extra: build facts shown in the report (temperature, threshold, timings, ...).
+        extra: build facts shown in the report (temperature, threshold, timings, ...). Optional keys with a
+            section of their own (:data:`SECTION_KEYS`, not repeated in the build facts):
+
+            - ``ood_candidates: {score: {"threshold", "id_val_flag_rate", "val_recall": {ood_val_set: float},
+              "val_mean_recall"}}``, ``ood_selected`` (the served score's name) and ``ood_forced`` (true when
+              the config forced the score rather than selecting it): the score selection on validation sets;
+            - ``served_flag: {"score", "threshold", "id_test_flag_rate", "recall": {ood_test_set: float}}``:
+              the served flag on test data;
+            - ``no_ood_data``: true when the build had no OOD data (one line instead of the OOD tables).
+
+            Rates and recalls are fractions (shown in %).
 
     Returns per method the headline numbers (:func:`summary_of`).
     """

@@ -36,9 +36,10 @@ from PIL import Image
 from torch import nn
 
 from service.artifact import Manifest, write_manifest
+from service.ood import OODStats
 from service.preprocess import ImagePreprocessor, TextPreprocessor
+from service.uncertainty import SUMMARY_SCORES, summarize
 from service.uncertainty import ood_score as ood_score_of
-from service.uncertainty import summarize
 
 from . import data as data_mod
 from . import train as train_mod
@@ -47,6 +48,7 @@ from .config import BuildConfig, ConfigError
 from .families import FamilyAdapter
 from .members import Budget, pool_size, sample_members
 from .metrics import evaluate_predictions
+from .ood_fit import detection, fit_ood_stats, flag_rate, scores_np, select_score
 from .report import measure_latency, write_report
 from .scoring import circuit_ranking, random_ranking, taylor_prune
 
@@ -57,8 +59,10 @@ __all__ = [
     "FASHION_STD",
     "Batch",
     "Calibration",
+    "EvalSets",
     "Method",
     "Outputs",
+    "Run",
     "ScoringBatches",
     "Timer",
     "Batches",
@@ -66,8 +70,13 @@ __all__ = [
     "budget_of",
     "build_members",
     "calibrate",
+    "calibrate_ood",
+    "forced_score",
+    "served_flag",
     "circuit_batches",
+    "collect",
     "collect_logits",
+    "head_module",
     "concat",
     "eval_batches",
     "evaluate",
@@ -76,7 +85,6 @@ __all__ = [
     "length_sorted_batches",
     "load_data",
     "n_params",
-    "outputs_of",
     "prepare_out",
     "provenance",
     "sample_indices",
@@ -84,6 +92,7 @@ __all__ = [
     "standard_methods",
     "take",
     "taylor_members",
+    "with_features",
     "write_artifact",
 ]
 
@@ -115,7 +124,8 @@ class Timer:
 def load_data(cfg: BuildConfig) -> Any:
     """The ID splits and OOD sets of ``cfg.data`` (:class:`offline.data.Data`); ``data.labels`` checked."""
     d = cfg.data
-    common = dict(max_train=d.max_train, max_val=d.max_val, max_test=d.max_test, max_ood=d.max_ood, seed=d.seed)
+    common = dict(max_train=d.max_train, max_val=d.max_val, max_test=d.max_test, max_ood=d.max_ood, seed=d.seed,
+                  max_fit=d.max_fit)
     if d.setting == "fashion-mnist":
         data = data_mod.fashion_mnist_setting(**common)
     elif d.setting == "tweets":
@@ -226,14 +236,51 @@ def eval_batches(
     ], order
 
 
+Run = tuple[torch.Tensor, torch.Tensor | None]  # one method on one set: logits (N, M, C), features (N, M, D) or None
+
+
 @torch.inference_mode()
-def collect_logits(fn: Callable[[Batch], torch.Tensor], batches: Batches) -> torch.Tensor:
-    """Concatenated outputs of ``fn`` over batches; ``(N, C)`` single models become ``(N, 1, C)``."""
-    out = []
+def collect(fn: Callable[[Batch], Any], batches: Batches) -> Run:
+    """Concatenated outputs of ``fn`` over batches: logits, and features when ``fn`` returns ``(logits, features)``;
+    ``(N, C)`` / ``(N, D)`` single-model outputs become ``(N, 1, C)`` / ``(N, 1, D)``."""
+    logits, feats = [], []
     for batch, _ in batches:
-        y = fn(batch).float()
-        out.append(y.unsqueeze(1) if y.dim() == 2 else y)
-    return torch.cat(out)
+        y = fn(batch)
+        y, f = (y[0], y[1]) if isinstance(y, tuple) else (y, None)
+        logits.append(y.float().unsqueeze(1) if y.dim() == 2 else y.float())
+        if f is not None:
+            feats.append(f.float().unsqueeze(1) if f.dim() == 2 else f.float())
+    return torch.cat(logits), (torch.cat(feats) if feats else None)
+
+
+def collect_logits(fn: Callable[[Batch], Any], batches: Batches) -> torch.Tensor:
+    """The logits of :func:`collect`."""
+    return collect(fn, batches)[0]
+
+
+def head_module(model: nn.Module) -> nn.Module:
+    """The classifier head of a timm ViT (``head``) or a Hugging Face sequence classifier (``classifier``)."""
+    for name in ("head", "classifier"):
+        m = getattr(model, name, None)
+        if isinstance(m, nn.Linear):
+            return m
+    raise ValueError(f"{type(model).__name__} has no linear head named 'head' or 'classifier'")
+
+
+def with_features(fn: Callable[[Batch], torch.Tensor], model: nn.Module) -> Callable[[Batch], tuple]:
+    """``fn`` that also returns ``model``'s penultimate feature: the input of its classifier head ``(B, D)``."""
+    head = head_module(model)
+
+    def run(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        seen: list[torch.Tensor] = []
+        hook = head.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+        try:
+            logits = fn(batch)
+        finally:
+            hook.remove()
+        return logits, seen[-1]
+
+    return run
 
 
 # ----------------------------------------------------------------------------- members
@@ -322,13 +369,16 @@ def flag(scores: np.ndarray, metric: str, threshold: float) -> np.ndarray:
 
 @dataclass
 class Calibration:
-    """The served ensemble's temperature and OOD threshold, fitted on ID validation data only."""
+    """The served ensemble's temperature and OOD score and threshold, fitted on validation data only."""
 
     temperature: float
-    metric: str  # the OOD score the threshold applies to
+    metric: str  # the served OOD score
     threshold: float
     tpr: float  # share of ID validation inputs the threshold lets through
-    ood_val_flagged: float  # share of the OOD validation inputs it flags
+    ood_val_flagged: float  # mean share of the OOD validation sets it flags
+    stats: OODStats | None = None  # the statistics of the logit and feature scores (classifiers)
+    candidates: dict[str, dict[str, Any]] = field(default_factory=dict)  # every score's validation figures
+    forced: bool = False  # the config named the score
 
     def uncertainty(self) -> dict[str, Any]:
         """The manifest's ``uncertainty`` block."""
@@ -336,18 +386,58 @@ class Calibration:
                 "tpr": self.tpr}  # fmt: skip
 
 
+def forced_score(cfg: BuildConfig) -> str | None:
+    """``calibration.ood_score`` when it names a score; None for ``auto`` (selected on the OOD validation sets)."""
+    return None if cfg.calibration.ood_score == "auto" else cfg.calibration.ood_score
+
+
 def calibrate(
     cfg: BuildConfig, fused_fn: Callable[[Batch], torch.Tensor], val: Batches, ood_val: Batches
 ) -> Calibration:
-    """Temperature of the fused ensemble on ID validation data, then the OOD threshold at ``calibration.tpr``."""
+    """Probability scores only (zero-shot): temperature of the fused ensemble on ID validation data, then the OOD
+    threshold at ``calibration.tpr`` (``auto``: MSP)."""
     val_logits = collect_logits(fused_fn, val)
     val_y = torch.cat([y for _, y in val])
     T = fit_temperature(val_logits, val_y) if cfg.calibration.temperature else 1.0
-    metric = cfg.calibration.ood_score
+    metric = forced_score(cfg) or "msp"
+    if metric not in SUMMARY_SCORES:
+        raise ConfigError(f"calibration.ood_score {metric!r} needs member features; zero-shot builds serve "
+                          f"{', '.join(SUMMARY_SCORES)} or auto")  # fmt: skip
     id_scores = ood_score_of(summarize(val_logits, T), metric).numpy()
     threshold = calibrate_threshold(id_scores, metric, tpr=cfg.calibration.tpr)
     ood_scores = ood_score_of(summarize(collect_logits(fused_fn, ood_val), T), metric).numpy()
-    return Calibration(T, metric, threshold, cfg.calibration.tpr, float(np.mean(flag(ood_scores, metric, threshold))))
+    return Calibration(T, metric, threshold, cfg.calibration.tpr, float(np.mean(flag(ood_scores, metric, threshold))),
+                       forced=forced_score(cfg) is not None)  # fmt: skip
+
+
+def calibrate_ood(
+    cfg: BuildConfig, hydra: Run, fit: Run, y_fit: torch.Tensor, y_val: torch.Tensor, ood_val: dict[str, Run],
+    classes: int,
+) -> Calibration:  # fmt: skip
+    """The served score of a classifier: temperature on ID validation, the OOD statistics (Gaussians on the fit
+    split's features, norms on validation), every score's threshold at ``calibration.tpr`` and recall on each OOD
+    validation set; the best mean recall is served unless the config names a score (``hydra``: the fused model's
+    validation outputs; ``fit``: on the fit split)."""
+    val_l, val_f = hydra
+    T = fit_temperature(val_l, y_val) if cfg.calibration.temperature else 1.0
+    stats = fit_ood_stats(fit[1], y_fit, classes, val_l, val_f, T) if fit[1] is not None else None
+    ood = {name: scores_np(*run, stats, T) for name, run in ood_val.items()}
+    selected, candidates = select_score(scores_np(val_l, val_f, stats, T), ood, cfg.calibration.tpr, forced_score(cfg))
+    c = candidates[selected]
+    return Calibration(T, selected, c["threshold"], cfg.calibration.tpr, c["val_mean_recall"] or 0.0, stats,
+                       candidates, forced_score(cfg) is not None)  # fmt: skip
+
+
+def served_flag(hydra: Method, cal: Calibration) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The served flag on test data, as fixed on validation: ``(report record, plot data)`` with the ID test flag
+    rate (false alarms) and the recall on each OOD test set."""
+    score = {name: scores_np(*run, cal.stats, cal.temperature)[cal.metric] for name, run in hydra.runs.items()
+             if name == "test" or name.startswith("ood:")}  # fmt: skip
+    ood = {k[4:]: v for k, v in score.items() if k.startswith("ood:")}
+    record = {"score": cal.metric, "threshold": cal.threshold,
+              "id_test_flag_rate": flag_rate(score["test"], cal.metric, cal.threshold),
+              "recall": {k: flag_rate(v, cal.metric, cal.threshold) for k, v in ood.items()}}  # fmt: skip
+    return record, {"score": cal.metric, "threshold": cal.threshold, "id": score["test"], "ood": ood}
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -356,56 +446,101 @@ def n_params(m: nn.Module) -> int:
 
 
 @dataclass
-class Method:
-    """One row of the report: how to run it on a batch, its size and the temperature it is scored at."""
+class EvalSets:
+    """The evaluation batches every method runs on: ID test and each OOD test set; for the classifiers also ID
+    validation (each method's own temperature, the OOD statistics' norms) and the fit split (their Gaussians)."""
 
-    fn: Callable[[Batch], Any]  # batch -> logits (B, C) or (B, M, C); a list of those for an unfused ensemble
+    test: Batches
+    ood_test: dict[str, Batches]
+    val: Batches | None = None
+    fit: Batches | None = None
+
+    def named(self) -> dict[str, Batches]:
+        out = {"test": self.test, **{f"ood:{k}": v for k, v in self.ood_test.items()}}
+        return out | ({"val": self.val} if self.val is not None else {}) | ({"fit": self.fit} if self.fit else {})
+
+    def labels(self, name: str) -> torch.Tensor:
+        return torch.cat([y for _, y in self.named()[name]])
+
+
+@dataclass
+class Method:
+    """One row of the report: how to run it on a batch, its size, the temperature its main row is scored at, and its
+    outputs on every evaluation set (``runs``: set name -> logits and, when it has them, features)."""
+
+    fn: Callable[[Batch], Any]  # batch -> logits (B, C) or (B, M, C), or (logits, features); a list for an ensemble
     params: int
     temperature: float = 1.0
-    outputs: Outputs | None = field(default=None, repr=False)  # filled by :func:`outputs_of`
+    runs: dict[str, Run] = field(default_factory=dict, repr=False)
 
-
-def outputs_of(fn: Callable[[Batch], torch.Tensor], test: Batches, ood_test: dict[str, Batches]) -> Outputs:
-    """Member logits of ``fn`` on the ID test batches and on every OOD test set."""
-    return collect_logits(fn, test), {n: collect_logits(fn, b) for n, b in ood_test.items()}
+    @property
+    def outputs(self) -> Outputs:
+        """Logits on ID test and on each OOD test set."""
+        ood = {k[4:]: v[0] for k, v in self.runs.items() if k.startswith("ood:")}
+        return self.runs["test"][0], ood
 
 
 def standard_methods(
-    single: Callable[[Batch], torch.Tensor], base: nn.Module, member_fns: list[Callable], members: list[nn.Module],
-    fused_fn: Callable[[Batch], torch.Tensor], fused: nn.Module, temperature: float, test: Batches,
-    ood_test: dict[str, Batches],
+    single: Callable[[Batch], Any], base: nn.Module, member_fns: list[Callable], members: list[nn.Module],
+    fused_fn: Callable[[Batch], Any], fused: nn.Module, temperature: float, sets: EvalSets,
 ) -> dict[str, Method]:  # fmt: skip
-    """The rows every build reports: the base model, each member, fused Hydra (at its fitted temperature) and the
-    unfused ensemble of the same members (their outputs concatenated), with outputs computed."""
+    """The rows every build reports, with their runs on every set of ``sets``: the base model, each member, fused
+    Hydra (at ``temperature``) and the unfused ensemble of the same members (their outputs concatenated)."""
     methods = {"single": Method(single, n_params(base))}
     for i, (f, m) in enumerate(zip(member_fns, members, strict=True)):
         methods[f"member_{i}"] = Method(f, n_params(m))
     methods["hydra"] = Method(fused_fn, n_params(fused), temperature)
     for m in methods.values():
-        m.outputs = outputs_of(m.fn, test, ood_test)
-    outs = [methods[f"member_{i}"].outputs for i in range(len(members))]
-    joined = (torch.cat([o[0] for o in outs], dim=1), {n: torch.cat([o[1][n] for o in outs], dim=1) for n in ood_test})
+        m.runs = {name: collect(m.fn, batches) for name, batches in sets.named().items()}
+    outs = [methods[f"member_{i}"].runs for i in range(len(members))]
+    joined = {name: (torch.cat([o[name][0] for o in outs], dim=1),
+                     torch.cat([o[name][1] for o in outs], dim=1) if outs[0][name][1] is not None else None)
+              for name in outs[0]}  # fmt: skip
     methods["ensemble_unfused"] = Method(lambda b: [f(b) for f in member_fns], sum(n_params(m) for m in members),
-                                         outputs=joined)  # fmt: skip
+                                         runs=joined)  # fmt: skip
     return methods
 
 
+def calibrated_metrics(m: Method, y_val: torch.Tensor, y_test: np.ndarray) -> dict[str, float]:
+    """The method at its own temperature fitted on ID validation: ``temperature`` and the ID metrics there."""
+    T = fit_temperature(m.runs["val"][0], y_val)
+    probs = torch.softmax(m.runs["test"][0] / T, -1).numpy()
+    return {"temperature": T, **{k: v for k, v in evaluate_predictions(probs, y_test, {}).items()
+                                 if k in ("acc", "nll", "brier", "ece", "aece")}}  # fmt: skip
+
+
+def ood_detection(m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int) -> dict[str, Any]:
+    """Every OOD score of the method (its own Gaussians on the fit split, norms and temperature on validation) and
+    its detection quality per OOD test set: Single and the members with the same scores as Hydra."""
+    (val_l, val_f), fit_f = m.runs["val"], m.runs["fit"][1]
+    T = fit_temperature(val_l, y_val)
+    stats = fit_ood_stats(fit_f, y_fit, classes, val_l, val_f, T) if fit_f is not None else None
+    id_scores = scores_np(*m.runs["test"], stats, T)
+    ood = {k[4:]: scores_np(*v, stats, T) for k, v in m.runs.items() if k.startswith("ood:")}
+    return detection(id_scores, ood)
+
+
 def evaluate(
-    methods: dict[str, Method], y_test: np.ndarray, ood_kinds: dict[str, str], metric: str,
-    latency: tuple[Batch, Batch],
+    methods: dict[str, Method], sets: EvalSets, y_test: np.ndarray, ood_kinds: dict[str, str], metric: str,
+    latency: tuple[Batch, Batch], classes: int | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
-    """Report rows (metrics at each method's temperature, size, latency on the ``latency`` batches of 1 and 8
-    inputs) and the plots' data."""
+    """Report rows and the plots' data. Each row: the metrics at the method's temperature (scored with the probability
+    score ``metric``), size, latency on the ``latency`` batches of 1 and 8 inputs; with validation outputs also the
+    method at its own fitted temperature (``calibrated``), and with fit outputs every OOD score's detection
+    (``ood_scores``)."""
     one, eight = latency
     rows = []
     plots: dict[str, Any] = {"labels": y_test, "ood_kinds": ood_kinds}
     for name, m in methods.items():
-        assert m.outputs is not None, f"method {name} has no outputs"
         logits, ood_logits = m.outputs
         probs = torch.softmax(logits / m.temperature, -1).numpy()
         ood_probs = {n: torch.softmax(v / m.temperature, -1).numpy() for n, v in ood_logits.items()}
         row = {"method": name, **evaluate_predictions(probs, y_test, ood_probs, ood_score=metric)}
         row["temperature"] = m.temperature
+        if sets.val is not None:
+            row["calibrated"] = calibrated_metrics(m, sets.labels("val"), y_test)
+        if sets.fit is not None and sets.val is not None and classes is not None:
+            row["ood_scores"] = ood_detection(m, sets.labels("fit"), sets.labels("val"), classes)
         row["params"] = m.params
         row["latency_ms"] = {"batch1": measure_latency(lambda f=m.fn: f(one)),
                              "batch8": measure_latency(lambda f=m.fn: f(eight))}  # fmt: skip

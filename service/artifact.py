@@ -39,6 +39,8 @@ __all__ = [
     "ImagePreprocessing",
     "Manifest",
     "ModelSpec",
+    "OODCandidate",
+    "OODSpec",
     "Preprocessing",
     "Strategy",
     "TextPreprocessing",
@@ -55,8 +57,12 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-# the OOD scores a threshold can be calibrated on (service.uncertainty computes them)
-OOD_SCORES = ("msp", "entropy", "mutual_information")
+# the OOD scores a threshold can be calibrated on (service.uncertainty.OOD_METRICS, service.ood compute them; a test
+# holds the two lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
+OOD_SCORES = ("msp", "entropy", "mutual_information", "energy", "max_logit", "mahalanobis", "relative_mahalanobis",
+              "mahalanobis_mi")  # fmt: skip
+LOGIT_SCORES = ("energy", "max_logit")  # need the artifact's OOD statistics (ood block)
+FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi")  # need them and the features output
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 
 
@@ -130,7 +136,7 @@ class Uncertainty(_Record):
     """How answers are calibrated: the ensemble's temperature and the OOD flag's score and threshold."""
 
     temperature: float = Field(gt=0)  # member logits are divided by it before the softmax
-    ood_score: Literal["msp", "entropy", "mutual_information"]  # the score the flag thresholds
+    ood_score: Literal[OOD_SCORES]  # the score the flag thresholds  # type: ignore[valid-type]
     ood_threshold: float  # inputs past it are flagged (below it for msp, above it otherwise)
     tpr: float = Field(0.95, gt=0, le=1)  # share of ID validation inputs the threshold lets through
 
@@ -158,6 +164,16 @@ class ModelSpec(_OpenRecord):
     inputs: list[str] = Field(min_length=1)  # forward's inputs, in order
     output: str = "logits"
     shape: str = "(B, M, C)"  # the output's shape, in words
+    # the graph's outputs in order: member logits, then (artifacts with feature scores) the members' penultimate
+    # features (B, M, D); the TorchScript and ONNX exports carry the same outputs
+    outputs: list[Literal["logits", "features"]] = Field(default_factory=lambda: ["logits"])
+
+    @field_validator("outputs")
+    @classmethod
+    def _logits_first(cls, value: list[str]) -> list[str]:
+        if not value or value[0] != "logits" or len(set(value)) != len(value):
+            raise ValueError(f"outputs must start with 'logits' and list each output once, got {value}")
+        return value
 
     @field_validator("config")
     @classmethod
@@ -185,6 +201,25 @@ class DualExport(_OpenRecord):
     tolerance: float = Field(gt=0)
     opset: int | None = None  # ONNX only
     inputs: dict[Literal["image", "text"], list[str]] | None = None  # ONNX graph inputs actually present
+
+
+class OODCandidate(_OpenRecord):
+    """One OOD score the build considered, with its figures on the validation sets."""
+
+    threshold: float  # at the configured share of ID validation inputs let through
+    val_recall: dict[str, float] = Field(default_factory=dict)  # per OOD validation set, the share it flags
+    val_mean_recall: float | None = None  # their mean: what the selection maximises
+
+
+class OODSpec(_OpenRecord):
+    """The OOD statistics the server scores with (``file``: safetensors) and how the served score was chosen."""
+
+    file: str = "ood.safetensors"  # Gaussian statistics and per-member score norms (service.ood.ood_tensors)
+    scores: list[Literal[OOD_SCORES]]  # every score the server computes for this artifact  # type: ignore[valid-type]
+    selected: Literal[OOD_SCORES]  # the served one (also uncertainty.ood_score)  # type: ignore[valid-type]
+    forced: bool = False  # true: set by the config (calibration.ood_score), not selected on validation data
+    candidates: dict[str, OODCandidate] = Field(default_factory=dict)  # every candidate's validation figures
+    fit: dict[str, Any] | None = None  # which ID inputs the statistics were fitted on (provenance)
 
 
 class Bf16Check(_OpenRecord):
@@ -231,6 +266,7 @@ class Manifest(_Record):
     model: ModelSpec
     exports: dict[Literal["torchscript", "onnx"], Export | DualExport] = Field(default_factory=dict)
     precision: dict[Literal["bf16"], Bf16Check] = Field(default_factory=dict)
+    ood: OODSpec | None = None  # OOD statistics for logit and feature scores (absent: probability scores only)
     metrics: dict[str, Any] = Field(default_factory=dict)  # the build's evaluation headline numbers per method
     data: dict[str, Any] | None = None  # which data the build used (provenance)
     build: dict[str, Any] | None = None  # the resolved build config, timings, versions (provenance)
@@ -244,9 +280,20 @@ class Manifest(_Record):
             self._check_classifier()
         else:
             self._check_zero_shot()
+        self._check_ood()
         if self.files is not None:
             self._check_listed()
         return self
+
+    def _check_ood(self) -> None:
+        served = self.uncertainty.ood_score
+        if served in LOGIT_SCORES + FEATURE_SCORES and (self.ood is None or served not in self.ood.scores):
+            raise ValueError(f"uncertainty.ood_score {served!r} needs an ood block listing it (OOD statistics)")
+        if self.ood is not None and self.ood.selected != served:
+            raise ValueError(f"ood.selected {self.ood.selected!r} differs from uncertainty.ood_score {served!r}")
+        needs_features = self.ood is not None and any(s in FEATURE_SCORES for s in self.ood.scores)
+        if needs_features and "features" not in self.model.outputs:
+            raise ValueError("ood.scores lists feature scores but model.outputs has no 'features'")
 
     def _check_classifier(self) -> None:
         if not self.labels:
@@ -271,7 +318,7 @@ class Manifest(_Record):
 
     def referenced_files(self) -> list[str]:
         """Files the manifest points to: weights, exports; for a tokenizer folder, the folder with a slash."""
-        refs = [self.model.weights]
+        refs = [self.model.weights] + ([self.ood.file] if self.ood is not None else [])
         for e in self.exports.values():
             refs += [e.file] if isinstance(e, Export) else [e.image, e.text]
         prep = self.preprocessing
@@ -312,6 +359,7 @@ def build_manifest(
     build: dict[str, Any] | None = None,
     zero_shot: dict[str, Any] | None = None,
     head_index: str | None = None,
+    ood: dict[str, Any] | None = None,
 ) -> Manifest:
     """The one constructor of a manifest (``members`` is ``len(heads)``); raises :class:`ArtifactError` naming the
     first bad field. ``files`` is added by :func:`write_manifest`."""
@@ -320,7 +368,7 @@ def build_manifest(
         "heads": heads, "head_index": head_index, "strategy": strategy, "labels": labels, "zero_shot": zero_shot,
         "preprocessing": preprocessing.to_dict() if isinstance(preprocessing, BaseModel) else preprocessing,
         "uncertainty": uncertainty, "model": model, "exports": exports or {}, "precision": precision or {},
-        "metrics": metrics or {}, "data": data, "build": build,
+        "metrics": metrics or {}, "data": data, "build": build, "ood": ood,
     }  # fmt: skip
     return parse_manifest(_jsonable(fields), "manifest")
 

@@ -188,7 +188,9 @@ def _eager_plan(manifest: dict[str, Any], device: str, backend: str, precision: 
 
 
 class Backend:
-    """Base: ``backend(inputs) -> (B, M, C)`` float32 on CPU."""
+    """Base: ``backend.outputs(inputs)`` -> every model output, float32 on CPU: member logits ``(B, M, C)``, then
+    (artifacts whose ``model.outputs`` lists ``features``) the members' penultimate features ``(B, M, D)``;
+    ``backend(inputs)`` -> the logits alone."""
 
     name = "base"
 
@@ -197,8 +199,11 @@ class Backend:
         self.device = device
         self.precision = precision
 
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def outputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.outputs(inputs)[0]
 
     def _check(self, inputs: dict[str, torch.Tensor]) -> None:
         missing = [k for k in self.input_names if k not in inputs]
@@ -209,15 +214,14 @@ class Backend:
 class _TorchLike(Backend):
     """Shared by eager and TorchScript: device transfer, inference mode and bf16 autocast."""
 
-    def _run(self, fn: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _run(self, fn: Any, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         self._check(inputs)
         dev = torch.device(self.device)
         args = [inputs[k].to(dev, non_blocking=True) for k in self.input_names]
         with torch.inference_mode(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.precision == "bf16"):
             out = fn(*args)
-        if isinstance(out, (tuple, list)):
-            out = out[0]
-        return out.float().cpu()
+        outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        return tuple(o.float().cpu() for o in outs)
 
 
 class TorchBackend(_TorchLike):
@@ -229,7 +233,7 @@ class TorchBackend(_TorchLike):
         super().__init__(input_names, device, precision)
         self.model = model.to(device).eval()
 
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def outputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return self._run(self.model, inputs)
 
 
@@ -244,7 +248,7 @@ class TorchScriptBackend(_TorchLike):
             warnings.simplefilter("ignore", FutureWarning)
             self.module = torch.jit.load(str(path), map_location=device).eval()
 
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def outputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return self._run(self.module, inputs)
 
 
@@ -289,11 +293,10 @@ class OnnxBackend(Backend):
             raise BackendConfigError(f"{path}: ONNX graph lacks inputs {missing}; it has {sorted(graph_inputs)}")
         self._dtypes = {k: ("int64" if "int64" in graph_inputs[k].type else "float32") for k in input_names}
 
-    def __call__(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def outputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         self._check(inputs)
         feed = {k: inputs[k].numpy().astype(self._dtypes[k], copy=False) for k in self.input_names}
-        out = self.session.run(None, feed)[0]
-        return torch.from_numpy(out).float()
+        return tuple(torch.from_numpy(o).float() for o in self.session.run(None, feed))
 
 
 def load_backend(
@@ -308,4 +311,5 @@ def load_backend(
     if plan.backend == "torchscript":
         return TorchScriptBackend(root / _export_file(manifest, "torchscript"), inputs, plan.device, plan.precision)
     model = load_model(root / spec["weights"], spec["config"], device=plan.device)
+    model.with_features = "features" in spec.get("outputs", ["logits"])  # as the exports were traced
     return TorchBackend(model, inputs, plan.device, plan.precision)

@@ -368,15 +368,20 @@ def _sub_batch(model: nn.Module, batch: int, tokens: int, device: torch.device) 
     return max(1, min(batch, max_rows // (model.members * tokens)))
 
 
-def _in_sub_batches(
-    model: nn.Module, run: Callable[..., torch.Tensor], tokens: int, *inputs: torch.Tensor
-) -> torch.Tensor:
-    """``run(*inputs)`` (each input batch-first), as sub-batches of :func:`_sub_batch`'s size, concatenated."""
+Outputs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # logits (B, M, C), or (logits, features (B, M, D))
+
+
+def _in_sub_batches(model: nn.Module, run: Callable[..., Outputs], tokens: int, *inputs: torch.Tensor) -> Outputs:
+    """``run(*inputs)`` (each input batch-first), as sub-batches of :func:`_sub_batch`'s size, concatenated
+    (each output separately when ``run`` returns several)."""
     B = inputs[0].shape[0]
     step = _sub_batch(model, B, tokens, inputs[0].device)
     if step >= B:
         return run(*inputs)
-    return torch.cat([run(*(t[i : i + step] for t in inputs)) for i in range(0, B, step)])
+    parts = [run(*(t[i : i + step] for t in inputs)) for i in range(0, B, step)]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
+    return torch.cat(parts)
 
 
 def stack_members(x: torch.Tensor, members: int) -> torch.Tensor:
@@ -403,6 +408,16 @@ class FusedClassifier(nn.Module):
         self.dim: int = cfg["dim"]
         self.first_token_readout = first_token_readout
         self.cpu_max_rows = CPU_MAX_ROWS  # eager CPU passes split larger batches (see CPU_MAX_ROWS)
+        # True: forward returns (logits, features), the members' penultimate features (the input of each member's
+        # classifier head, ``(B, M, D)``) for the feature-space OOD scores (service.ood); set before tracing
+        self.with_features = False
+
+    def _readout(self, x: torch.Tensor, head: nn.Module) -> Outputs:
+        """``x (M, B, D)`` penultimate features -> logits ``(B, M, C)`` (and ``x`` as ``(B, M, D)``)."""
+        logits = head(x).transpose(0, 1)  # (B, M, C)
+        if self.with_features:
+            return logits, x.transpose(0, 1)  # (B, M, D)
+        return logits
 
     def _first_token_states(
         self, x: torch.Tensor, seq_len: int, attn_mask: torch.Tensor | None = None
@@ -441,11 +456,11 @@ class FusedViT(FusedClassifier):
         self.head = GroupedLinear(M, d, cfg["num_classes"])
         self.num_tokens = gh * gw + self.num_prefix
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``pixel_values (B, C, H, W) -> logits (B, M, C)``."""
+    def forward(self, pixel_values: torch.Tensor) -> Outputs:
+        """``pixel_values (B, C, H, W) -> logits (B, M, C)`` (and features ``(B, M, D)``: ``with_features``)."""
         return _in_sub_batches(self, self._forward, self.num_tokens, pixel_values)
 
-    def _forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def _forward(self, pixel_values: torch.Tensor) -> Outputs:
         B = pixel_values.shape[0]
         x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)  # (B, T0, d)
         if self.cls_token is not None:
@@ -466,7 +481,7 @@ class FusedViT(FusedClassifier):
                 x = self.norm(x)
         if self.fc_norm is not None:
             x = self.fc_norm(x)
-        return self.head(x).transpose(0, 1)  # (B, M, C)
+        return self._readout(x, self.head)  # (B, M, C)
 
 
 class FusedBert(FusedClassifier):
@@ -491,11 +506,11 @@ class FusedBert(FusedClassifier):
         self.pooler = GroupedLinear(M, d, d) if cfg.get("pooler", True) else None
         self.classifier = GroupedLinear(M, d, cfg["num_classes"])
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """``input_ids, attention_mask (B, T) -> logits (B, M, C)``."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Outputs:
+        """``input_ids, attention_mask (B, T) -> logits (B, M, C)`` (and features ``(B, M, D)``: ``with_features``)."""
         return _in_sub_batches(self, self._forward, input_ids.shape[1], input_ids, attention_mask)
 
-    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Outputs:
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
@@ -506,7 +521,7 @@ class FusedBert(FusedClassifier):
         x = self._first_token_states(x, T, mask)  # (M, B, d) the [CLS] token
         if self.pooler is not None:
             x = torch.tanh(self.pooler(x))
-        return self.classifier(x).transpose(0, 1)  # (B, M, C)
+        return self._readout(x, self.classifier)  # (B, M, C)
 
 
 def tiny_config(family: str, num_classes: int = 4, members: int = 3) -> dict[str, Any]:

@@ -30,10 +30,21 @@ from dataclasses import dataclass
 
 import torch
 
+from .uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
+
 __all__ = [
+    "FEATURE_SCORES",
+    "HIGHER_IS_ID",
+    "PER_MEMBER_SCORES",
     "GaussianStats",
+    "OODStats",
     "combine",
     "energy",
+    "ensemble_scores",
+    "fit_norms",
+    "member_scores",
+    "ood_from_tensors",
+    "ood_tensors",
     "mahalanobis",
     "max_logit",
     "relative_mahalanobis",
@@ -138,3 +149,95 @@ def stats_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "gaussian
     if missing:
         raise ValueError(f"OOD statistics lack {missing}")
     return GaussianStats(**{k: tensors[prefix + k].to(torch.float64) for k in STATS_KEYS})
+
+
+# ----------------------------------------------------------------------------- the served scores
+# Every score the server can serve and its direction: service.uncertainty.OOD_METRICS (True: higher = in
+# distribution, MSP only). The probability scores come from service.uncertainty.summarize, the next two from the
+# members' logits; the last three need the members' penultimate features and the artifact's Gaussian statistics.
+HIGHER_IS_ID = OOD_METRICS
+FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi")
+PER_MEMBER_SCORES = ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")
+
+
+@dataclass(frozen=True)
+class OODStats:
+    """What the scores need besides the model's outputs, fitted at build time and stored in the artifact.
+
+    ``gaussians``: the members' class-conditional Gaussians (None: no feature scores). ``norms``: per score, the
+    mean and standard deviation of its per-member values on ID validation inputs, ``(M,)`` each (``(1,)`` for
+    ``mutual_information``), which put members (and MI) on one scale before they are combined.
+    """
+
+    gaussians: GaussianStats | None
+    norms: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def member_scores(
+    logits: torch.Tensor, features: torch.Tensor | None, stats: GaussianStats | None, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Per-member outlier scores ``(B, M)`` from member logits ``(B, M, C)`` and features ``(B, M, D)``.
+
+    ``energy`` and ``max_logit`` use the logits divided by ``temperature``; the Mahalanobis scores need
+    ``features`` and ``stats`` and are left out without them.
+    """
+    out = {"energy": energy(logits, temperature), "max_logit": max_logit(logits.float() / temperature)}
+    if features is not None and stats is not None:
+        out["mahalanobis"] = mahalanobis(features, stats)
+        out["relative_mahalanobis"] = relative_mahalanobis(features, stats)
+    return out
+
+
+def ensemble_scores(
+    logits: torch.Tensor, features: torch.Tensor | None, stats: OODStats | None, temperature: float = 1.0,
+    summary: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Every score :data:`HIGHER_IS_ID` names that the inputs allow, one value per input ``(B,)``, float64.
+
+    ``msp``, ``entropy``, ``mutual_information`` are the ensemble's (``summary``: a
+    :func:`service.uncertainty.summarize` of the same logits, computed here when not given); the per-member scores
+    are combined by the mean of their standardised values (:func:`combine`, with ``stats.norms``);
+    ``mahalanobis_mi`` adds the standardised mutual information to the combined Mahalanobis score, so an input
+    the members disagree on counts as more foreign than its distance alone says. Without ``stats`` only the
+    probability scores are given.
+    """
+    s = summary if summary is not None else summarize(logits, temperature)
+    out = {k: s[k].to(torch.float64) for k in SUMMARY_SCORES}
+    if stats is None:
+        return out
+    per_member = member_scores(logits, features, stats.gaussians, temperature)
+    for name, values in per_member.items():
+        if name in stats.norms:
+            out[name] = combine(values, *stats.norms[name])
+    if "mahalanobis" in out and "mutual_information" in stats.norms:
+        mi = standardize(out["mutual_information"].unsqueeze(1), *stats.norms["mutual_information"]).squeeze(1)
+        out["mahalanobis_mi"] = out["mahalanobis"] + mi
+    return out
+
+
+def fit_norms(scores: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per score, the per-member mean and standard deviation ``(M,)`` of ID scores ``(N, M)`` (``(N,)``: one)."""
+    out = {}
+    for name, values in scores.items():
+        v = values.to(torch.float64)
+        v = v.unsqueeze(1) if v.dim() == 1 else v
+        out[name] = (v.mean(0), v.std(0).clamp_min(1e-12))
+    return out
+
+
+def ood_tensors(stats: OODStats) -> dict[str, torch.Tensor]:
+    """The tensors of ``stats`` by name, for the artifact's safetensors file."""
+    out = stats_tensors(stats.gaussians) if stats.gaussians is not None else {}
+    for name, (mean, std) in stats.norms.items():
+        out[f"norm.{name}.mean"] = mean.contiguous()
+        out[f"norm.{name}.std"] = std.contiguous()
+    return out
+
+
+def ood_from_tensors(tensors: dict[str, torch.Tensor]) -> OODStats:
+    """:class:`OODStats` back from :func:`ood_tensors`' names."""
+    gaussians = stats_from_tensors(tensors) if any(k.startswith("gaussian.") for k in tensors) else None
+    names = {k.split(".")[1] for k in tensors if k.startswith("norm.")}
+    norms = {n: (tensors[f"norm.{n}.mean"].to(torch.float64), tensors[f"norm.{n}.std"].to(torch.float64))
+             for n in sorted(names)}  # fmt: skip
+    return OODStats(gaussians, norms)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .artifact import OOD_SCORES
 from .errors import InvalidInput
 
 __all__ = [
@@ -81,6 +82,7 @@ class _Options(BaseModel):
     model: str | None = Field(None, min_length=1, description="artifact name; default: routed by input modality")
     top_k: int = Field(5, ge=1, strict=True, description="labels returned per input; clamped to the label count")
     return_members: bool = Field(False, strict=True, description="add each member's prediction")
+    return_scores: bool = Field(False, strict=True, description="add every OOD score the model computes (ood.scores)")
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -164,6 +166,7 @@ class FormOptions(BaseModel):
     model: str | None = Field(None, min_length=1)
     top_k: int = Field(5, ge=1)
     return_members: bool = False
+    return_scores: bool = False
     labels: list[str] | None = None
     template: str = Field(DEFAULT_TEMPLATE, min_length=1)
 
@@ -234,9 +237,10 @@ class Uncertainty(BaseModel):
 
 class OOD(BaseModel):
     flag: bool = Field(description="true when the score is past the calibrated threshold")
-    score: float
-    metric: Literal["msp", "entropy", "mutual_information"]
+    score: float = Field(description="the served score of this input")
+    metric: Literal[OOD_SCORES] = Field(description="the served score's name")  # type: ignore[valid-type]
     threshold: float
+    scores: dict[str, float] | None = Field(None, description="only with return_scores: every score computed")
 
 
 class MemberPrediction(BaseModel):

@@ -17,10 +17,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OOD_METRICS", "entropy", "summarize", "ood_score", "ood_flag", "member_probs"]
+__all__ = ["OOD_METRICS", "SUMMARY_SCORES", "entropy", "summarize", "ood_score", "ood_flag", "member_probs"]
 
-# OOD scores and whether a higher value means "more in-distribution".
-OOD_METRICS: dict[str, bool] = {"msp": True, "entropy": False, "mutual_information": False}
+# Every OOD score an artifact can serve, and whether a higher value means "more in-distribution" (MSP only; the
+# others are outlier scores). The first three are fields of :func:`summarize`; the others are computed from the
+# members' logits and penultimate features by :mod:`service.ood`.
+OOD_METRICS: dict[str, bool] = {
+    "msp": True,
+    "entropy": False,
+    "mutual_information": False,
+    "energy": False,
+    "max_logit": False,
+    "mahalanobis": False,
+    "relative_mahalanobis": False,
+    "mahalanobis_mi": False,
+}
+SUMMARY_SCORES = ("msp", "entropy", "mutual_information")  # the scores :func:`ood_score` reads from a summary
 
 
 def member_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -69,8 +81,8 @@ def summarize(logits: torch.Tensor, temperature: float = 1.0) -> dict[str, torch
 
 def ood_score(summary: dict[str, torch.Tensor], metric: str) -> torch.Tensor:
     """The OOD score ``(B,)`` named ``metric`` (``msp``, ``entropy`` or ``mutual_information``)."""
-    if metric not in OOD_METRICS:
-        raise ValueError(f"unknown OOD score {metric!r}; expected one of {sorted(OOD_METRICS)}")
+    if metric not in SUMMARY_SCORES:
+        raise ValueError(f"OOD score {metric!r} is not a summary field; expected one of {list(SUMMARY_SCORES)}")
     return summary[metric]
 
 

@@ -33,6 +33,7 @@ from ..artifact import ArtifactError
 from ..backends import Plan
 from ..batching import Batcher, BatchResult
 from ..metrics import Metrics
+from ..ood import OODStats, ensemble_scores
 from ..preprocess import ImagePreprocessor, decode_base64
 from ..schemas import (
     DEFAULT_TEMPLATE,
@@ -66,6 +67,7 @@ class ItemResult:
     disagreement: float
     ood_score: float
     ood_flag: bool
+    scores: dict[str, float] | None = None  # every OOD score computed for this input (return_scores)
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,21 @@ class Query:
     # zero-shot: the request's candidate labels and prompt template; None: the model's own labels (/predict)
     labels: list[str] | None = None
     template: str = DEFAULT_TEMPLATE
+    return_scores: bool = False  # add every OOD score computed to the answer
 
 
-def summarize_rows(logits: torch.Tensor, temperature: float, metric: str, threshold: float) -> list[ItemResult]:
-    """Member logits ``(B, M, C)`` -> one :class:`ItemResult` per input, via :mod:`service.uncertainty`."""
+def summarize_rows(
+    logits: torch.Tensor, temperature: float, metric: str, threshold: float, features: torch.Tensor | None = None,
+    stats: OODStats | None = None,
+) -> list[ItemResult]:  # fmt: skip
+    """Member logits ``(B, M, C)`` (and features ``(B, M, D)``) -> one :class:`ItemResult` per input.
+
+    The uncertainty comes from :mod:`service.uncertainty`; with the artifact's OOD statistics ``stats`` every
+    score of :func:`service.ood.ensemble_scores` is computed too, and ``metric`` may name any of them.
+    """
     s = summarize(logits, temperature)
-    score = ood_score(s, metric)
+    all_scores = ensemble_scores(logits, features, stats, temperature, summary=s) if stats is not None else None
+    score = (all_scores[metric] if all_scores is not None else ood_score(s, metric)).float()
     flag = ood_flag(score, metric, threshold)
     probs = s["probs"].numpy()  # (B, C)
     mp = s["member_probs"].numpy()  # (B, M, C)
@@ -90,10 +101,15 @@ def summarize_rows(logits: torch.Tensor, temperature: float, metric: str, thresh
     names = ("prediction", "msp", "entropy", "expected_entropy", "mutual_information", "disagreement")
     cols = [s[k].tolist() for k in names]
     rows = zip(probs, mp, *cols, score.tolist(), flag.tolist(), strict=True)
-    return [
+    out = [
         ItemResult(p, m, int(pred), msp, ent, exp_ent, mi, dis, float(sc), bool(fl))
         for p, m, pred, msp, ent, exp_ent, mi, dis, sc, fl in rows
     ]
+    if all_scores is not None:
+        per_input = {k: v.tolist() for k, v in all_scores.items()}
+        for i, r in enumerate(out):
+            r.scores = {k: float(v[i]) for k, v in per_input.items()}
+    return out
 
 
 def build_predictions(
@@ -104,6 +120,7 @@ def build_predictions(
     return_members: bool,
     metric: str,
     threshold: float,
+    return_scores: bool = False,
 ) -> list[Prediction]:
     """The ``predictions`` of an answer (docs/api.md), one per input; ``top_k`` is clamped to ``len(labels)``.
 
@@ -125,10 +142,17 @@ def build_predictions(
             top_k=[TopK(label=labels[j], prob=float(r.probs[j])) for j in order],
             uncertainty=Uncertainty(msp=r.msp, entropy=r.entropy, expected_entropy=r.expected_entropy,
                                     mutual_information=r.mutual_information, disagreement=r.disagreement),
-            ood=OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=threshold),
+            ood=OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=threshold,
+                    scores=_all_scores(r) if return_scores else None),
             members=members,
         ))  # fmt: skip
     return out
+
+
+def _all_scores(r: ItemResult) -> dict[str, float]:
+    """Every OOD score of one input: the probability scores always, the others when the artifact has statistics."""
+    base = {"msp": r.msp, "entropy": r.entropy, "mutual_information": r.mutual_information}
+    return {**base, **(r.scores or {})}
 
 
 def preprocess_images(
@@ -292,7 +316,7 @@ class Runtime(abc.ABC):
         self._count(results)
         predictions = build_predictions(
             results, labels, top_k=query.top_k, return_members=query.return_members, metric=self.ood_metric,
-            threshold=self.ood_threshold,
+            threshold=self.ood_threshold, return_scores=query.return_scores,
         )  # fmt: skip
         # total_ms last: it covers building the answer too
         return PredictResponse(model=self.name, predictions=predictions, timing=self._timing(batch, t0))

@@ -14,17 +14,39 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import load_file
+
 from ..artifact import ArtifactError
 from ..backends import Backend, BackendConfigError, Plan, load_backend, resolve_plan
 from ..metrics import Metrics
+from ..ood import PER_MEMBER_SCORES, OODStats, ood_from_tensors
 from ..preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
 from ..schemas import PredictResponse
 from ..settings import Settings
 from .base import ItemResult, Query, Runtime, preprocess_images, summarize_rows
 
-__all__ = ["ClassifierRuntime"]
+__all__ = ["ClassifierRuntime", "load_ood_stats"]
 
 log = logging.getLogger("hydra.runtime")
+
+
+def load_ood_stats(root: Path, manifest: dict[str, Any]) -> OODStats | None:
+    """The artifact's OOD statistics (manifest ``ood``; None without it), checked against the model's shape."""
+    spec = manifest.get("ood")
+    if spec is None:
+        return None
+    try:
+        stats = ood_from_tensors(load_file(str(root / spec["file"])))
+    except (OSError, ValueError, KeyError) as e:
+        raise ArtifactError(f"{root / spec['file']}: unreadable OOD statistics ({e})") from e
+    missing = [s for s in spec["scores"] if s in PER_MEMBER_SCORES and s not in stats.norms]
+    if missing:
+        raise ArtifactError(f"{root / spec['file']}: no norms for the scores {missing} the manifest lists")
+    g = stats.gaussians
+    if g is not None and (g.members != int(manifest["members"]) or g.means.shape[1] != len(manifest["labels"])):
+        raise ArtifactError(f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
+                            f"classes, the model has {manifest['members']} and {len(manifest['labels'])}")  # fmt: skip
+    return stats
 
 
 class ClassifierRuntime(Runtime):
@@ -47,6 +69,7 @@ class ClassifierRuntime(Runtime):
             )
         if int(cfg.get("num_classes", len(self.labels))) != len(self.labels):
             raise ArtifactError(f"{root}: {len(self.labels)} labels but the model has {cfg['num_classes']} classes")
+        self.ood_stats = load_ood_stats(root, manifest)
         self.backend: Backend | None = None
 
     @property
@@ -85,12 +108,14 @@ class ClassifierRuntime(Runtime):
     # -- worker thread
     def _run(self, items: list[Any]) -> list[ItemResult]:
         assert self.backend is not None
-        logits = self.backend(self.pre.collate(items))  # (B, M, C)
+        outs = self.backend.outputs(self.pre.collate(items))
+        logits = outs[0]  # (B, M, C)
         if logits.dim() != 3 or logits.shape[0] != len(items) or logits.shape[2] != len(self.labels):
             raise RuntimeError(
                 f"{self.name}: model output {tuple(logits.shape)}, expected (B={len(items)}, M, C={len(self.labels)})"
             )
-        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold)
+        features = outs[1] if len(outs) > 1 else None  # (B, M, D)
+        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats)
 
     async def answer(self, prepared: list[Any], query: Query, *, t0: float) -> PredictResponse:
         """Prepared inputs of one request -> the ``/predict`` answer over the artifact's labels."""

@@ -77,13 +77,21 @@ def test_threshold_adjacent_float32_scores():
 
 def test_threshold_rejects_bad_input():
     with pytest.raises(ValueError, match="unknown OOD score"):
-        calibrate_threshold(np.ones(10), "energy")
+        calibrate_threshold(np.ones(10), "nope")
     with pytest.raises(ValueError, match="NaN"):
         calibrate_threshold(np.array([0.5, np.nan]), "msp")
     with pytest.raises(ValueError, match="tpr"):
         calibrate_threshold(np.ones(10), "msp", tpr=0.0)
     with pytest.raises(ValueError, match="no ID scores"):
         calibrate_threshold(np.array([]), "msp")
+
+
+def test_threshold_of_an_outlier_score_flags_above_it():
+    """Energy, Mahalanobis & co. are outlier scores (higher = OOD): 95 % of the ID inputs stay at or below."""
+    scores = np.arange(100, dtype=np.float64)  # 0..99
+    t = calibrate_threshold(scores, "mahalanobis", tpr=0.95)
+    assert 94 < t < 95  # halfway between the 95th and 96th smallest
+    assert int((scores > t).sum()) == 5
 
 
 # ----------------------------------------------------------------------------- temperature

@@ -145,8 +145,27 @@ def test_shared_eager_reference_gives_the_same_checks(case):
         model, d / "shared.ts", "torchscript", batches, TOL)
     assert bf16_agreement(model, batches, 1.5, reference=ref) == bf16_agreement(model, batches, 1.5)
     # a reference that is not the model's own output is what gets compared against
-    shifted = [r + 0.01 for r in ref]
+    shifted = [tuple(o + 0.01 for o in r) for r in ref]
     with pytest.raises(ExportMismatch, match="max abs diff 0.01"):
         check_parity(model, d / "shared.ts", "torchscript", batches, TOL, reference=shifted)
     with pytest.raises(ValueError, match="reference outputs"):
         bf16_agreement(model, batches, 1.5, reference=ref[:1])
+
+
+@pytest.mark.parametrize("kind", ["torchscript", "onnx"])
+def test_exports_carry_the_features_and_the_check_covers_them(case, kind):
+    """With ``with_features`` the exports give (logits (B, M, C), features (B, M, D)); a features-only difference
+    fails the parity check, naming output 1."""
+    from offline.export import eager_outputs, export_checked
+
+    family, model, example, batches, d = case
+    model.with_features = True
+    path = d / ("feat.ts" if kind == "torchscript" else "feat.onnx")
+    diff = export_checked(model, kind, path, batches, TOL, ["logits", "features"])
+    assert 0.0 <= diff <= TOL
+    ref = eager_outputs(model, batches)
+    logits, feats = ref[0]
+    assert logits.shape[:2] == feats.shape[:2] and feats.shape[2] == model.dim
+    shifted = [(r[0], r[1] + 0.01) for r in ref]
+    with pytest.raises(ExportMismatch, match="output 1"):
+        check_parity(model, path, kind, batches, TOL, reference=shifted)

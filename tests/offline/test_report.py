@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offline.metrics import evaluate_predictions
-from offline.report import HEADLINE, PLOT_FILES, measure_latency, write_report
+from offline.report import HEADLINE, PLOT_FILES, SERVED_PLOT, measure_latency, write_report
 from tests.offline.metric_keys import EVAL_OOD_SET_KEYS, EVAL_SCALAR_KEYS
 
 METRIC_KEYS = {*EVAL_SCALAR_KEYS, "ood"}
@@ -130,3 +130,103 @@ def test_write_report_strict_json_with_nan(tmp_path, report_inputs):
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["rows"][0]["mi_ood"] is None and summary["single"]["mi_ood"] is None
     assert "| single |" in (tmp_path / "report.md").read_text()
+
+
+SCORES = ("msp", "energy", "mahalanobis")
+
+
+def _with_new_inputs(rows, ood_kinds, plots, extra):
+    """The fixture's inputs plus everything the builder now passes: main rows at T = 1, each method at its own
+    fitted temperature, OOD detection per score, the score selection, the served flag and its score's values."""
+    rng = np.random.default_rng(1)
+    rows = [dict(r) for r in rows]
+    for i, r in enumerate(rows):
+        r["temperature"] = 1.0
+        r["calibrated"] = {"temperature": 1.25 + i / 100, "acc": r["acc"], "nll": 0.5 + i / 100, "brier": 0.2,
+                           "ece": 0.01 + i / 1000, "aece": 0.02}  # fmt: skip
+        scores = SCORES if r["method"] != "ensemble_unfused" else SCORES[:2]  # no features: no Mahalanobis
+        r["ood_scores"] = {
+            s: {"ood": {n: {"auroc": 0.70 + j / 10 + i / 100, "fpr95": 0.5} for n in ood_kinds},
+                "avg": {"auroc": 0.75 + j / 10 + i / 100, "fpr95": 0.5 - j / 10}}
+            for j, s in enumerate(scores)
+        }  # fmt: skip
+    candidates = {
+        s: {"threshold": 0.5 + j, "id_val_flag_rate": 0.05, "val_recall": {"val-near": 0.4, "val-far": 0.6 + j / 10},
+            "val_mean_recall": 0.5 + j / 20}
+        for j, s in enumerate(SCORES)
+    }  # fmt: skip
+    candidates["mahalanobis"]["val_mean_recall"] = 0.87654
+    served_flag = {"score": "mahalanobis", "threshold": 41.5, "id_test_flag_rate": 0.0523,
+                   "recall": {"held-out-classes": 0.6123, "digits": 0.9345}}  # fmt: skip
+    extra = {**extra, "ood_candidates": candidates, "ood_selected": "mahalanobis", "ood_forced": False,
+             "served_flag": served_flag}  # fmt: skip
+    served = {"score": "mahalanobis", "threshold": 41.5, "id": rng.chisquare(30, 200),
+              "ood": {n: rng.chisquare(30, 100) * (2 + i) for i, n in enumerate(ood_kinds)}}  # fmt: skip
+    return rows, ood_kinds, {**plots, "served": served}, extra
+
+
+def test_write_report_new_sections(tmp_path, report_inputs):
+    rows, ood_kinds, plots, extra = _with_new_inputs(*report_inputs)
+    summary = write_report(tmp_path, rows, ood_kinds, plots, "new", extra)
+    md = (tmp_path / "report.md").read_text()
+
+    # like with like: the main ID table says its temperature, then each method at its own fitted one
+    assert "## In-distribution (test set, at T = 1)" in md
+    assert "## In-distribution (test set), each method at its own fitted temperature" in md
+    hydra = next(r for r in rows if r["method"] == "hydra")
+    assert f"| hydra | {hydra['calibrated']['temperature']:.4g} | {100 * hydra['acc']:.2f} | 0.5400 |" in md
+    # OOD by score: single + score (the features) next to hydra + the same score (the ensemble); served per set
+    assert "## OOD AUROC by score" in md and "| Method | msp | energy | mahalanobis (served) |" in md
+    assert "| hydra | 79.00 | 89.00 | **99.00** |" in md  # each method's best bold
+    assert "| ensemble_unfused | 80.00 | **90.00** | – |" in md  # a missing score shows as –
+    assert "### Served score `mahalanobis` per OOD test set" in md
+    assert "held-out-classes (near) AUROC %" in md and "digits (far) FPR95 %" in md
+    # the selection on validation sets: every candidate, the served one marked, how it was chosen
+    assert "## OOD score selection (validation sets)" in md
+    assert "| **mahalanobis** | yes | 2.5 | 5.00 | 40.00 | 80.00 | 87.65 |" in md
+    assert "| msp |  | 0.5 | 5.00 | 40.00 | 60.00 | 50.00 |" in md
+    assert "`mahalanobis` is served: the best mean recall" in md
+    # the served flag on test data: ID false alarms, recall per OOD set with its kind
+    assert "## The served flag on test data" in md and "threshold 41.5" in md
+    assert "| ID test | id | 5.23 |" in md and "| held-out-classes | near | 61.23 |" in md
+    assert "| digits | far | 93.45 |" in md and "| mean over OOD sets |  | 77.34 |" in md
+    assert "ood_candidates" not in md.split("## Build")[1]  # rendered once, not again as a build fact
+    # the old sections are still there
+    assert "## OOD detection (score: `msp`)" in md and "### Average over OOD sets" in md
+
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["extra"]["ood_selected"] == "mahalanobis" and doc["extra"]["ood_forced"] is False
+    assert doc["extra"]["ood_candidates"]["mahalanobis"]["val_mean_recall"] == 0.87654
+    assert doc["extra"]["served_flag"]["recall"]["digits"] == 0.9345
+    assert doc["rows"][0]["calibrated"]["temperature"] == 1.25 and "mahalanobis" in doc["rows"][0]["ood_scores"]
+    assert f"plots/{SERVED_PLOT}" in doc["plots"] and f"plots/{SERVED_PLOT}" in md
+    data = (tmp_path / "plots" / SERVED_PLOT).read_bytes()
+    assert data.startswith(PNG) and len(data) > 5000
+
+    old_keys = set(HEADLINE) | {"auroc", "fpr95", "aupr_in", "aupr_out", "params", "latency_ms"}
+    assert set(summary["hydra"]) == old_keys | {"ece_ts", "nll_ts", "temperature_ts"}
+    assert summary["hydra"]["nll_ts"] == hydra["calibrated"]["nll"]
+    assert summary["hydra"]["temperature_ts"] == hydra["calibrated"]["temperature"]
+
+
+def test_write_report_without_new_inputs_has_no_new_sections(tmp_path, report_inputs):
+    rows, ood_kinds, plots, extra = report_inputs
+    summary = write_report(tmp_path, rows, ood_kinds, plots, "old", extra)
+    md = (tmp_path / "report.md").read_text()
+    assert "## In-distribution (test set)\n" in md
+    for heading in ("fitted temperature", "OOD AUROC by score", "OOD score selection", "served flag", "no OOD data"):
+        assert heading not in md
+    assert not (tmp_path / "plots" / SERVED_PLOT).exists()
+    assert not any(k.endswith("_ts") for s in summary.values() for k in s)
+
+
+def test_write_report_mixed_temperatures_forced_score_no_ood_data(tmp_path, report_inputs):
+    rows, ood_kinds, plots, extra = _with_new_inputs(*report_inputs)
+    rows = [{**r, "temperature": 1.5} if r["method"] == "hydra" else r for r in rows]
+    extra = {**extra, "ood_forced": True, "no_ood_data": True}
+    write_report(tmp_path, rows, ood_kinds, plots, "forced", extra)
+    md = (tmp_path / "report.md").read_text()
+    assert "## In-distribution (test set, each method at the temperature T)" in md
+    assert "| Method | T | Params |" in md and "| hydra | 1.5 |" in md
+    assert "This build had no OOD data" in md and "## OOD detection (score:" not in md
+    assert "`mahalanobis` is served because the build config forces it" in md

@@ -25,12 +25,12 @@ class Switch:
         self.inner, self.broken, self.calls = inner, False, 0
         self.lock = threading.Lock()
 
-    def __call__(self, inputs):
+    def outputs(self, inputs):
         with self.lock:
             self.calls += 1
         if self.broken:
             raise RuntimeError("CUDA error: an illegal memory access at /opt/secret/kernels.cu:77")
-        return self.inner(inputs)
+        return self.inner.outputs(inputs)
 
 
 def metric(c: TestClient, line_start: str) -> float:

@@ -7,6 +7,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -187,12 +188,12 @@ class _Poisoned:
     def __init__(self, inner, always: bool = False) -> None:
         self.inner, self.always, self.calls = inner, always, 0
 
-    def __call__(self, inputs):
+    def outputs(self, inputs):
         self.calls += 1
         white = (inputs["pixel_values"] == 2.0).flatten(1).all(1)  # (255/255 - 0.5) / 0.25
         if self.always or white.any():
             raise RuntimeError("CUDA error at /secret/path/kernel.cu:42")
-        return self.inner(inputs)
+        return self.inner.outputs(inputs)
 
 
 def test_backend_exception_fails_only_its_requests_and_server_stays_ready(artifacts):
@@ -409,9 +410,9 @@ def test_overloaded_queue_answers_503_with_retry_after(artifacts):
         def blocked(inputs):
             running.set()
             gate.wait(10)
-            return inner(inputs)
+            return inner.outputs(inputs)
 
-        rt.backend = blocked
+        rt.backend = SimpleNamespace(outputs=blocked)
         two = {"images": [b64(png(1))] * 2}
         with ThreadPoolExecutor(max_workers=2) as pool:
             first = pool.submit(c.post, "/predict", json=two)  # taken into a batch: blocks the worker

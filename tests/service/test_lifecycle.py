@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -121,7 +122,7 @@ def test_shutdown_finishes_in_flight_requests(artifacts):
         await lifespan.__aenter__()
         rt = app.state.hydra.runtimes["tiny-vit"]
         inner = rt.backend
-        rt.backend = lambda inputs: (gate.wait(10), inner(inputs))[1]
+        rt.backend = SimpleNamespace(outputs=lambda inputs: (gate.wait(10), inner.outputs(inputs))[1])
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
             in_flight = [asyncio.create_task(c.post("/predict", json={"image": b64(png(i))})) for i in range(3)]

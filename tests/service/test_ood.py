@@ -96,3 +96,33 @@ def test_distances_keep_their_digits_in_float32_features():
     diff = f32.double().unsqueeze(2) - means.unsqueeze(0)
     ref = torch.einsum("bmkd,mde,bmke->bmk", diff, prec, diff)
     torch.testing.assert_close(squared_distances(f32, means, prec), ref, rtol=1e-9, atol=1e-9)
+
+
+def test_ensemble_scores_without_statistics_are_the_probability_scores():
+    from service.ood import ensemble_scores
+    from service.uncertainty import summarize
+
+    logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0]]])  # two members that disagree
+    s = ensemble_scores(logits, None, None)
+    assert set(s) == {"msp", "entropy", "mutual_information"}
+    assert float(s["msp"]) == pytest.approx(0.5)
+    assert float(s["mutual_information"]) == pytest.approx(float(summarize(logits)["mutual_information"]))
+
+
+def test_ood_statistics_round_trip_and_combination():
+    from service.ood import GaussianStats, OODStats, ensemble_scores, fit_norms, ood_from_tensors, ood_tensors
+
+    M, C, D = 2, 3, 4
+    g = GaussianStats(torch.zeros(M, C, D, dtype=torch.float64), torch.eye(D, dtype=torch.float64).repeat(M, 1, 1),
+                      torch.zeros(M, D, dtype=torch.float64), torch.eye(D, dtype=torch.float64).repeat(M, 1, 1))
+    id_scores = {"mahalanobis": torch.tensor([[1.0, 3.0], [3.0, 5.0]]), "mutual_information": torch.tensor([0.0, 2.0])}
+    norms = fit_norms(id_scores)
+    assert torch.equal(norms["mahalanobis"][0], torch.tensor([2.0, 4.0], dtype=torch.float64))
+    back = ood_from_tensors(ood_tensors(OODStats(g, norms)))
+    assert torch.equal(back.gaussians.means, g.means) and set(back.norms) == {"mahalanobis", "mutual_information"}
+    feats = torch.full((1, M, D), 1.0)  # squared distance 4 to every (zero) mean: Mahalanobis 2 per member
+    s = ensemble_scores(torch.zeros(1, M, C), feats, back)
+    z = ((2.0 - 2.0) / math.sqrt(2.0) + (2.0 - 4.0) / math.sqrt(2.0)) / 2  # member means 2, 4; std sqrt(2)
+    assert float(s["mahalanobis"]) == pytest.approx(z)
+    assert float(s["mahalanobis_mi"]) == pytest.approx(z + (0.0 - 1.0) / math.sqrt(2.0))  # MI 0, norm (1, sqrt 2)
+    assert "energy" not in s  # no norms fitted for it: not combined

@@ -72,8 +72,11 @@ def test_ood_flag_directions():
     assert ood_flag(scores, "mutual_information", 0.5).tolist() == [False, False, True]
     s = summarize(torch.zeros(1, 2, 3))
     assert ood_score(s, "entropy") is s["entropy"]
-    with pytest.raises(ValueError, match="unknown OOD score"):
+    assert ood_flag(scores, "mahalanobis", 0.5).tolist() == [False, False, True]  # an outlier score: high -> OOD
+    with pytest.raises(ValueError, match="not a summary field"):  # energy comes from service.ood, not a summary
         ood_score(s, "energy")
+    with pytest.raises(ValueError, match="unknown OOD score"):
+        ood_flag(scores, "nope", 0.5)
 
 
 def test_bad_shapes_and_temperature_are_refused():

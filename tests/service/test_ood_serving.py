@@ -1,0 +1,119 @@
+"""Serving the feature-space OOD scores: the server computes, from the fused pass's features and the artifact's
+statistics, exactly what the builder's code computes for the same input, in every backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import load_file
+
+from offline.ood_fit import scores_np
+from service.artifact import OOD_SCORES, ArtifactError, load_manifest, parse_manifest
+from service.main import create_app
+from service.models import load_model
+from service.ood import ood_from_tensors
+from service.preprocess import ImagePreprocessor
+from service.runtimes.classifier import load_ood_stats
+from service.uncertainty import OOD_METRICS
+from tests.fixtures.tiny_artifact import make_tiny_artifact
+from tests.service.helpers import assert_error, b64, noise_images, png, settings_for
+
+
+@pytest.fixture(scope="module")
+def ood_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny ViT whose served score is the members' Mahalanobis distance (threshold at 95 % of random inputs)."""
+    return make_tiny_artifact(tmp_path_factory.mktemp("ood") / "vit", "vit", name="tiny-ood", ood=True,
+                              ood_score="mahalanobis", ood_threshold=None)  # fmt: skip
+
+
+def builder_scores(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The builder's scores (offline.ood_fit.scores_np) of ``images`` through the eager model and the artifact."""
+    m = load_manifest(root)
+    model = load_model(root / "model.safetensors", m["model"]["config"])
+    model.with_features = True
+    pre = ImagePreprocessor(m["preprocessing"], 1 << 20)
+    x = torch.stack([pre(png(a)) for a in images])
+    with torch.inference_mode():
+        logits, feats = model(x)
+    stats = ood_from_tensors(load_file(str(root / "ood.safetensors")))
+    return scores_np(logits, feats, stats, m["uncertainty"]["temperature"])
+
+
+def test_the_artifact_lists_the_scores_and_the_features_output(ood_artifact):
+    m = load_manifest(ood_artifact)
+    assert m["model"]["outputs"] == ["logits", "features"]
+    assert m["ood"]["selected"] == m["uncertainty"]["ood_score"] == "mahalanobis"
+    assert sorted(m["ood"]["scores"]) == sorted(OOD_SCORES) == sorted(OOD_METRICS)
+    assert "ood.safetensors" in m["files"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "torchscript", "onnx"])
+def test_served_scores_equal_the_builders_in_every_backend(ood_artifact, backend):
+    images = noise_images(5, seed=3)
+    want = builder_scores(ood_artifact, images)
+    app = create_app(settings_for(ood_artifact, backend=backend))
+    with TestClient(app) as c:
+        r = c.post("/predict", json={"images": [b64(png(a)) for a in images], "return_scores": True})
+    assert r.status_code == 200, r.text
+    preds = r.json()["predictions"]
+    threshold = load_manifest(ood_artifact)["uncertainty"]["ood_threshold"]
+    for i, p in enumerate(preds):
+        assert p["ood"]["metric"] == "mahalanobis"
+        assert set(p["ood"]["scores"]) == set(OOD_SCORES)
+        for name, value in p["ood"]["scores"].items():
+            assert value == pytest.approx(float(want[name][i]), rel=1e-4, abs=1e-4), (name, i)
+        assert p["ood"]["score"] == pytest.approx(float(want["mahalanobis"][i]), rel=1e-4, abs=1e-4)
+        assert p["ood"]["flag"] == (float(want["mahalanobis"][i]) > threshold)
+
+
+def test_scores_only_when_asked_for_and_in_multipart_forms(ood_artifact):
+    app = create_app(settings_for(ood_artifact))
+    with TestClient(app) as c:
+        plain = c.post("/predict", json={"image": b64(png(7))}).json()["predictions"][0]
+        form = c.post("/predict", files=[("file", ("a.png", png(7), "image/png"))], data={"return_scores": "true"})
+        bad = c.post("/predict", json={"image": b64(png(7)), "return_scores": "yes"})
+    assert "scores" not in plain["ood"] and plain["ood"]["metric"] == "mahalanobis"
+    assert form.status_code == 200, form.text
+    scores = form.json()["predictions"][0]["ood"]["scores"]
+    assert scores["mahalanobis"] == pytest.approx(plain["ood"]["score"], rel=1e-6)
+    assert_error(bad, 422, "invalid_input", "return_scores")
+
+
+def test_an_artifact_without_statistics_answers_its_probability_scores(artifacts):
+    """Older artifacts (no ood block) keep serving: return_scores gives the three probability scores."""
+    app = create_app(settings_for(artifacts["vit"]))
+    with TestClient(app) as c:
+        p = c.post("/predict", json={"image": b64(png(9)), "return_scores": True}).json()["predictions"][0]
+    assert set(p["ood"]["scores"]) == {"msp", "entropy", "mutual_information"}
+    assert p["ood"]["scores"]["msp"] == pytest.approx(p["uncertainty"]["msp"])
+
+
+def test_manifest_refuses_a_feature_score_without_statistics_or_features(ood_artifact):
+    m = load_manifest(ood_artifact)
+    no_ood = {k: v for k, v in m.items() if k != "ood"}
+    with pytest.raises(ArtifactError, match="needs an ood block"):
+        parse_manifest(no_ood)
+    no_features = {**m, "model": {**m["model"], "outputs": ["logits"]}}
+    with pytest.raises(ArtifactError, match="no 'features'"):
+        parse_manifest(no_features)
+    other = {**m, "ood": {**m["ood"], "selected": "energy"}}
+    with pytest.raises(ArtifactError, match="differs from uncertainty.ood_score"):
+        parse_manifest(other)
+
+
+def test_statistics_for_another_model_refuse_to_load(ood_artifact, tmp_path):
+    """OOD statistics of a model with other classes: the server refuses the artifact at start-up, naming the file."""
+    other = make_tiny_artifact(tmp_path / "other", "vit", labels=["a", "b"], ood=True, ood_score="mahalanobis",
+                               ood_threshold=None)  # fmt: skip
+    (ood_artifact.parent / "mixed").mkdir(exist_ok=True)
+    mixed = ood_artifact.parent / "mixed"
+    for f in ood_artifact.iterdir():
+        if f.is_file():
+            (mixed / f.name).write_bytes(f.read_bytes())
+    (mixed / "ood.safetensors").write_bytes((other / "ood.safetensors").read_bytes())
+    with pytest.raises(ArtifactError, match="2 classes"):
+        load_ood_stats(mixed, load_manifest(mixed))
