@@ -21,6 +21,7 @@ from service.artifact import OOD_SCORES as SERVED_SCORES
 
 FAMILIES = ("vit", "bert", "clip")
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
+MEMBER_DATA = ("same", "order", "bootstrap")  # what each member fine-tunes on (hydra.member_data)
 OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD validation sets
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 
@@ -71,6 +72,11 @@ class HydraConfig:
     finetune_steps: int = 0  # fine-tuning steps per member after pruning (0 = none)
     finetune_preset: str | None = None  # offline.train PRESETS entry for member fine-tuning (default: the base one)
     unfreeze: str = "attention+mlp+norm+head"  # which parts the member fine-tuning trains
+    member_data: str = "same"  # member fine-tuning data: same (one batch order) | order (own order) | bootstrap
+    reinit_head: bool = False  # re-initialise each member's classifier head (seeded per member) before fine-tuning
+    label_smoothing: float | None = None  # member fine-tuning label smoothing (default: the preset's)
+    lr: float | None = None  # member fine-tuning peak learning rate (default: the preset's)
+    augment: bool | None = None  # images: random horizontal flips in member fine-tuning (default: the preset's)
 
 
 @dataclass
@@ -198,6 +204,12 @@ def validate(cfg: BuildConfig) -> None:
         raise ConfigError(f"hydra.seeds lists {len(h.seeds)} seeds for {h.members} members")
     if h.mlp not in ("shared", "per_member"):
         raise ConfigError(f"hydra.mlp must be 'shared' or 'per_member', got {h.mlp!r}")
+    if h.member_data not in MEMBER_DATA:
+        raise ConfigError(f"hydra.member_data must be one of {MEMBER_DATA}, got {h.member_data!r}")
+    if h.label_smoothing is not None and not 0 <= h.label_smoothing < 1:
+        raise ConfigError(f"hydra.label_smoothing must be in [0, 1), got {h.label_smoothing!r}")
+    if h.lr is not None and not h.lr > 0:
+        raise ConfigError(f"hydra.lr must be > 0, got {h.lr!r}")
     if cfg.calibration.ood_score not in OOD_SCORES:
         raise ConfigError(f"calibration.ood_score must be one of {OOD_SCORES}, got {cfg.calibration.ood_score!r}")
     if not 0 < cfg.calibration.tpr < 1:

@@ -21,6 +21,7 @@ Each stage logs what it did and how long it took (:class:`Timer`); those timings
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import shutil
@@ -342,20 +343,59 @@ def build_members(
     return [adapter.prune_to(base, k) for k in keeps], info
 
 
+MEMBER_SEED_STRIDE = 1009  # member i's fine-tuning seed: data.seed + stride * (i + 1) when members differ in data
+
+
+def member_train_config(cfg: BuildConfig, i: int) -> train_mod.TrainConfig:
+    """Member ``i``'s fine-tuning recipe: the preset's, with the ``hydra`` levers (steps, what trains, batch order,
+    label smoothing, learning rate, flips) applied."""
+    h = cfg.hydra
+    preset = train_mod.PRESETS[h.finetune_preset or cfg.base.preset]["finetune"]
+    own = h.member_data != "same"
+    over = {"steps": h.finetune_steps, "unfreeze": h.unfreeze,
+            "seed": cfg.data.seed + (MEMBER_SEED_STRIDE * (i + 1) if own else 0)}  # fmt: skip
+    for key, value in (("label_smoothing", h.label_smoothing), ("lr", h.lr), ("hflip", h.augment)):
+        if value is not None:
+            over[key] = value
+    return train_mod.TrainConfig(**{**preset, **over})
+
+
+def member_data(data: Any, cfg: BuildConfig, seed: int) -> Any:
+    """What a member fine-tunes on: the training split, or (``hydra.member_data: bootstrap``) a bootstrap resample
+    of it drawn with ``seed`` (same size, with replacement)."""
+    if cfg.hydra.member_data != "bootstrap":
+        return data
+    idx = np.sort(np.random.default_rng([seed, 11]).integers(0, len(data.train.labels), len(data.train.labels)))
+    return dataclasses.replace(data, train=data_mod.Split(take(data.train.inputs, idx), data.train.labels[idx]))
+
+
+def reinit_head(model: nn.Module, seed: int) -> None:
+    """Re-initialise the classifier head (truncated normal, std 0.02; zero bias), seeded: members start apart."""
+    head = head_module(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(head.weight.shape, generator=g).clamp_(-2, 2) * 0.02)
+        if head.bias is not None:
+            head.bias.zero_()
+
+
 def finetune_members(
     cfg: BuildConfig, adapter: FamilyAdapter, members: list[nn.Module], data: Any, prep: dict[str, Any], tok: Any,
     out: Path, timer: Timer,
 ) -> list[nn.Module]:  # fmt: skip
-    """Each member fine-tuned for ``hydra.finetune_steps`` (resumable under ``out/.checkpoints/member<i>``)."""
+    """Each member fine-tuned for ``hydra.finetune_steps`` (resumable under ``out/.checkpoints/member<i>``) with its
+    own recipe (:func:`member_train_config`, :func:`member_data`, :func:`reinit_head`)."""
     if cfg.hydra.finetune_steps <= 0:
         return members
-    preset = train_mod.PRESETS[cfg.hydra.finetune_preset or cfg.base.preset]
     tuned = []
     for i, m in enumerate(members):
-        tcfg = train_mod.TrainConfig(**{**preset["finetune"], "steps": cfg.hydra.finetune_steps,
-                                        "unfreeze": cfg.hydra.unfreeze, "seed": cfg.data.seed})  # fmt: skip
+        tcfg = member_train_config(cfg, i)
+        if cfg.hydra.reinit_head:
+            reinit_head(m, tcfg.seed + i)
+        key = {"member_data": cfg.hydra.member_data, "reinit_head": cfg.hydra.reinit_head}
         tuned.append(train_mod.finetune_member(
-            adapter, m, data, prep, tok, tcfg, checkpoint_dir=out / ".checkpoints" / f"member{i}", desc=f"member {i}",
+            adapter, m, member_data(data, cfg, tcfg.seed), prep, tok, tcfg,
+            checkpoint_dir=out / ".checkpoints" / f"member{i}", desc=f"member {i}", key_extra=key,
         ).eval())  # fmt: skip
     timer.lap("member fine-tuning")
     return tuned

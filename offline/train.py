@@ -581,8 +581,11 @@ def finetune_member(
     tcfg: TrainConfig,
     checkpoint_dir: Path,
     desc: str,
+    key_extra: dict[str, Any] | None = None,
 ) -> nn.Module:
     """Fine-tune one structurally pruned member in place (``tcfg.unfreeze`` picks what trains); resumable.
+
+    ``key_extra``: more of what determines the run (e.g. its data recipe), added to the checkpoint's key.
 
     Batches come from ``data.train`` preprocessed per ``prep``; logits from ``adapter.forward``. A
     checkpoint (weights as safetensors; optimizer, scheduler, step and RNG with ``torch.save``) is
@@ -594,7 +597,7 @@ def finetune_member(
     y = np.asarray(data.train.labels, dtype=np.int64)
     get = _data_batcher(data.train.inputs, y, prep, tok, tcfg)
     losses = fit(member, fwd, get, len(y), tcfg, desc=desc, checkpoint_dir=Path(checkpoint_dir),
-                 checkpoint_key={"family": adapter.name, "heads": adapter.kept_heads(member)})
+                 checkpoint_key={"family": adapter.name, "heads": adapter.kept_heads(member), **(key_extra or {})})
     val, n_val = _val_batches(data.val.inputs, data.val.labels, prep, tok, tcfg)
     _record(member, desc, losses, accuracy(member, fwd, val) if n_val else None, n_val, t0)
     return member.eval()

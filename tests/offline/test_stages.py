@@ -1,0 +1,99 @@
+"""The build's shared stages (offline/stages.py): evaluation batches through the server's preprocessing, the
+members' fine-tuning recipe levers, features from a model's classifier head."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+from offline.config import ConfigError, load_config
+from offline.data import Data, Split
+from offline.stages import (
+    MEMBER_SEED_STRIDE,
+    collect,
+    eval_batches,
+    head_module,
+    member_data,
+    member_train_config,
+    reinit_head,
+    with_features,
+)
+from service.preprocess import ImagePreprocessor
+
+
+def _cfg(**hydra):
+    over = {"family": "vit", "hydra.finetune_steps": 5, "hydra.prune_per_layer": 1}
+    return load_config(None, {**over, **{f"hydra.{k}": v for k, v in hydra.items()}})
+
+
+def test_member_recipe_defaults_keep_one_batch_order_and_levers_apply():
+    same = [member_train_config(_cfg(), i) for i in range(3)]
+    assert {t.seed for t in same} == {0}  # the default recipe: every member sees the same batches
+    own = [member_train_config(_cfg(member_data="order"), i) for i in range(3)]
+    assert [t.seed for t in own] == [MEMBER_SEED_STRIDE * (i + 1) for i in range(3)]
+    t = member_train_config(_cfg(label_smoothing=0.2, lr=1e-4, augment=True), 0)
+    assert (t.label_smoothing, t.lr, t.hflip, t.steps) == (0.2, 1e-4, True, 5)
+
+
+def test_member_recipe_values_are_checked():
+    for key, value in (("member_data", "shuffle"), ("label_smoothing", 1.5), ("lr", 0)):
+        with pytest.raises(ConfigError, match=f"hydra.{key}"):
+            _cfg(**{key: value})
+
+
+def _data(n: int = 50) -> Data:
+    x = np.arange(n * 4, dtype=np.uint8).reshape(n, 2, 2)
+    y = np.arange(n) % 2
+    split = Split(x, y)
+    return Data("image", ["a", "b"], split, split, split, {}, {}, {})
+
+
+def test_bootstrap_members_draw_their_own_resample_of_train():
+    data = _data()
+    cfg = _cfg(member_data="bootstrap")
+    a, b, a2 = member_data(data, cfg, 1), member_data(data, cfg, 2), member_data(data, cfg, 1)
+    assert len(a.train) == len(data.train) and np.array_equal(a.train.inputs, a2.train.inputs)
+    assert not np.array_equal(a.train.inputs, b.train.inputs)
+    assert len(np.unique(a.train.inputs[:, 0, 0])) < len(data.train)  # with replacement: repeats
+    assert member_data(data, _cfg(member_data="order"), 1) is data
+
+
+def test_reinit_head_is_seeded_and_changes_only_the_head():
+    model = nn.Sequential()
+    model.body = nn.Linear(4, 4)
+    model.head = nn.Linear(4, 3)
+    body = model.body.weight.clone()
+    reinit_head(model, 7)
+    w7 = model.head.weight.clone()
+    reinit_head(model, 7)
+    assert torch.equal(model.head.weight, w7) and torch.equal(model.body.weight, body)
+    assert float(model.head.bias.detach().abs().sum()) == 0.0 and float(w7.abs().max()) <= 0.04 + 1e-6
+    reinit_head(model, 8)
+    assert not torch.equal(model.head.weight, w7)
+
+
+def test_with_features_returns_the_heads_input():
+    model = nn.Sequential()
+    model.body = nn.Linear(4, 6)
+    model.head = nn.Linear(6, 3)
+    fn = with_features(lambda b: model.head(model.body(b["x"])), model)
+    x = torch.randn(5, 4)
+    logits, feats = fn({"x": x})
+    assert torch.allclose(feats, model.body(x)) and logits.shape == (5, 3)
+    run_logits, run_feats = collect(fn, [({"x": x}, torch.zeros(5))])
+    assert run_logits.shape == (5, 1, 3) and run_feats.shape == (5, 1, 6)  # single models: M = 1
+    with pytest.raises(ValueError, match="no linear head"):
+        head_module(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_image_eval_batches_are_the_servers_tensors():
+    spec = {"type": "image", "size": [6, 6], "mean": [0.3], "std": [0.2], "interpolation": "bicubic", "channels": 3}
+    pre = ImagePreprocessor(spec, 1 << 20)
+    images = np.random.default_rng(0).integers(0, 256, (3, 9, 7), dtype=np.uint8)  # resized and made RGB
+    (batch, y), = eval_batches(pre, images, [1, 0, 1])[0]
+    want = torch.stack([pre.to_tensor(Image.fromarray(a)) for a in images])
+    assert torch.equal(batch["pixel_values"], want) and batch["pixel_values"].shape == (3, 3, 6, 6)
+    assert y.tolist() == [1, 0, 1]
