@@ -21,6 +21,9 @@ Methods:
                       arithmetic as the members: the floor is its multiply-add ratio)
     hydra_unfused     the M pruned members run one after another
     deep_ensemble     M dense models run one after another
+    hydra_ood         hydra returning its members' features too, plus every OOD score the server computes
+                      (service.ood.ensemble_scores, Mahalanobis on statistics of the layout's shape): the
+                      served flag's cost, reported as hydra_ood / hydra
 
     python benchmarks/bench_fusion.py --layout vit_b16 --batches 1 4 16 32 --precisions fp32 bf16
     python benchmarks/bench_fusion.py --layout bert_base --batches 1 8 --precisions fp32 bf16
@@ -56,8 +59,10 @@ from offline.families import get_adapter  # noqa: E402
 from offline.fusion import fuse  # noqa: E402
 from service.backends import cpu_bf16_flags  # noqa: E402
 from service.fused import CPU_MAX_ROWS  # noqa: E402
+from service.ood import GaussianStats, OODStats, ensemble_scores  # noqa: E402
 
-METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble")
+METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble", "hydra_ood")
+DEFAULT_METHODS = METHODS[:-1]  # hydra_ood: asked for with --methods (the served scores' cost)
 LAYOUTS = {  # heads kept per member by default, batch sizes by default
     "vit_b16": {"keep": 8, "batches": [1, 4, 16, 32]},
     "bert_base": {"keep": 6, "batches": [1, 8]},
@@ -113,7 +118,19 @@ def build(layout: str, members: int, keep: int, seed: int = 0) -> dict[str, Any]
     fused, _ = fuse(adapter, pruned)
     # a deep ensemble: M dense models of the same layout (weights differ; cost is what matters)
     dense = [base] + [_dense(layout, seed + s) for s in range(1, members)]
-    return {"base": base, "pruned": pruned, "fused": fused, "dense": dense, "make_input": make_input, "run": run}
+    return {"base": base, "pruned": pruned, "fused": fused, "dense": dense, "make_input": make_input, "run": run,
+            "ood_stats": random_ood_stats(members, fused.cfg["num_classes"], fused.dim, seed)}  # fmt: skip
+
+
+def random_ood_stats(members: int, classes: int, dim: int, seed: int) -> OODStats:
+    """OOD statistics of the served scores' shapes (values are random: only their cost is measured)."""
+    g = torch.Generator().manual_seed(seed)
+    eye = torch.eye(dim, dtype=torch.float64).expand(members, dim, dim).clone()
+    gaussians = GaussianStats(torch.randn(members, classes, dim, generator=g, dtype=torch.float64), eye,
+                              torch.zeros(members, dim, dtype=torch.float64), eye)  # fmt: skip
+    ones = (torch.zeros(members, dtype=torch.float64), torch.ones(members, dtype=torch.float64))
+    norms = {k: ones for k in ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")}
+    return OODStats(gaussians, {**norms, "mutual_information": (torch.zeros(1), torch.ones(1))})
 
 
 def methods(models: dict[str, Any]) -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:
@@ -127,7 +144,16 @@ def methods(models: dict[str, Any]) -> dict[str, Callable[[dict[str, torch.Tenso
         finally:
             fused.first_token_readout = True
 
+    def hydra_ood(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        fused.with_features = True
+        try:
+            logits, features = fused(**x)
+        finally:
+            fused.with_features = False
+        return ensemble_scores(logits, features, models["ood_stats"])
+
     return {
+        "hydra_ood": hydra_ood,
         "single": lambda x: run(base, x),
         "member": lambda x: run(pruned[0], x),
         "hydra": hydra,
@@ -235,6 +261,12 @@ def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[d
                 + (f"  {load}" if first else "")
             )
             first = False
+        ood = cells.get((prec, b, "hydra_ood"))
+        if ood is not None:  # the served scores' cost: relative to hydra, not to the deep ensemble
+            wall = _ratios(ood["wall_ms"], cells[(prec, b, "hydra")]["wall_ms"])
+            cpu = _ratios(ood["cpu_ms"], cells[(prec, b, "hydra")]["cpu_ms"])
+            lines.append(" " * (17 + len(lat)) + f"   {'hydra_ood/hydra':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
+                         f"{cpu[0]:>8.3f}, {cpu[1]:.3f}")  # fmt: skip
     return lines
 
 
@@ -245,7 +277,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=0, help="heads kept per layer per member (0: layout default)")
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 4 16 32 (vit_b16), 1 8 (bert)")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     ap.add_argument("--repeats", type=int, default=5, help="timed repetitions per cell (each runs every method once)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
@@ -283,7 +315,7 @@ def main() -> None:
         "hydra_unfused": sum(sum(p.numel() for p in m.parameters()) for m in models["pruned"]),
         "deep_ensemble": sum(sum(p.numel() for p in m.parameters()) for m in models["dense"]),
     }
-    n_params["hydra_all_tokens"] = n_params["hydra"]
+    n_params["hydra_all_tokens"] = n_params["hydra_ood"] = n_params["hydra"]
     x1 = models["make_input"](1)
     macs = {k: {"params": n_params[k], "macs": count_macs(lambda f=f: f(x1))} for k, f in fns.items()}
     n_head = len(render(meta, macs, []))

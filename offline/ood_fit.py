@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from scipy.stats import spearmanr
 from sklearn.covariance import LedoitWolf
 
 from service.ood import GaussianStats, OODStats, ensemble_scores, fit_norms, member_scores
@@ -23,7 +24,16 @@ from service.uncertainty import OOD_METRICS, ood_flag, summarize
 from .calibration import calibrate_threshold
 from .metrics import ood_metrics
 
-__all__ = ["detection", "fit_gaussians", "fit_ood_stats", "flag_rate", "scores_np", "select_score", "shrunk_precision"]
+__all__ = [
+    "detection",
+    "fit_gaussians",
+    "fit_ood_stats",
+    "flag_rate",
+    "member_agreement",
+    "scores_np",
+    "select_score",
+    "shrunk_precision",
+]
 
 
 def shrunk_precision(centered: np.ndarray) -> np.ndarray:
@@ -114,4 +124,18 @@ def detection(id_scores: dict[str, np.ndarray], ood: dict[str, dict[str, np.ndar
         per = {k: {"auroc": m["auroc"], "fpr95": m["fpr95"]} for k, m in per.items()}
         avg = {m: float(np.mean([v[m] for v in per.values()])) for m in ("auroc", "fpr95")} if per else {}
         out[name] = {"ood": per, "avg": avg}
+    return out
+
+
+def member_agreement(logits: torch.Tensor, features: torch.Tensor | None, stats: OODStats | None, T: float) -> dict:
+    """How alike the members' OOD scores are on the given inputs: per per-member score, the mean pairwise Spearman
+    rank correlation across members (1: the members rank every input the same; an ensemble then adds nothing to
+    the ranking)."""
+    if stats is None or logits.shape[1] < 2:
+        return {}
+    out = {}
+    for name, s in member_scores(logits, features, stats.gaussians, T).items():
+        m = s.double().numpy()  # (N, M)
+        pairs = [spearmanr(m[:, i], m[:, j]).statistic for i in range(m.shape[1]) for j in range(i + 1, m.shape[1])]
+        out[name] = float(np.mean(pairs))
     return out

@@ -33,6 +33,7 @@ from .config import BuildConfig, ConfigError, check_budget
 from .export import ONNX_OPSET, bf16_agreement, eager_outputs, export_checked
 from .families import FamilyAdapter, get_adapter
 from .fusion import fuse
+from .ood_fit import member_agreement
 from .stages import (
     EVAL_MAX_PIXELS,
     FASHION_MEAN,
@@ -282,6 +283,9 @@ def finish(
     rows, plots = evaluate(methods, sets, data.test.labels[order], ood_kinds, metric,
                            ({k: v[:1] for k, v in latency.items()}, latency), len(data.class_names))  # fmt: skip
     served, plots["served"] = served_flag(hydra, cal)
+    ood_all = [hydra.runs[k] for k in hydra.runs if k.startswith("ood:")]
+    agreement = member_agreement(torch.cat([r[0] for r in ood_all]), torch.cat([r[1] for r in ood_all]), cal.stats,
+                                 cal.temperature) if ood_all else {}  # fmt: skip
     timer.lap("evaluation")
 
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
@@ -301,7 +305,8 @@ def finish(
         )  # fmt: skip
 
     title = f"{cfg.name}: Hydra ({strategy['name']}, M={cfg.hydra.members})"
-    return write_artifact(out, manifest, rows, ood_kinds, plots, title, report_extra(cal, served, data, timer))
+    extra = {**report_extra(cal, served, data, timer), "member_rank_correlation_ood": agreement}
+    return write_artifact(out, manifest, rows, ood_kinds, plots, title, extra)
 
 
 def ood_spec(cal: Calibration, data: Any) -> dict[str, Any] | None:

@@ -26,7 +26,7 @@ condition number, and float32 loses digits on the squared distances.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "mahalanobis",
     "max_logit",
     "relative_mahalanobis",
+    "quadratic_norms",
     "squared_distances",
     "standardize",
     "stats_from_tensors",
@@ -77,6 +78,8 @@ class GaussianStats:
     precision: torch.Tensor
     background_mean: torch.Tensor
     background_precision: torch.Tensor
+    mean_norms: torch.Tensor = field(init=False, repr=False)  # (M, C) μᵀPμ of the class means, derived
+    background_norms: torch.Tensor = field(init=False, repr=False)  # (M, 1) the same of the background mean
 
     def __post_init__(self) -> None:
         m, c, d = self.means.shape
@@ -85,6 +88,10 @@ class GaussianStats:
             got = tuple(getattr(self, name).shape)
             if got != shape:
                 raise ValueError(f"GaussianStats.{name} has shape {got}, expected {shape} (means are {(m, c, d)})")
+        # μᵀPμ of every centre, computed once (M·K·D² multiply-adds; per request it would dominate the scores)
+        object.__setattr__(self, "mean_norms", quadratic_norms(self.means, self.precision))  # (M, C)
+        bg = self.background_mean.unsqueeze(1)
+        object.__setattr__(self, "background_norms", quadratic_norms(bg, self.background_precision))  # (M, 1)
 
     @property
     def members(self) -> int:
@@ -95,31 +102,49 @@ class GaussianStats:
         return int(self.means.shape[2])
 
 
-def squared_distances(features: torch.Tensor, means: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+def squared_distances(
+    features: torch.Tensor, means: torch.Tensor, precision: torch.Tensor, mean_norms: torch.Tensor | None = None
+) -> torch.Tensor:
     """Squared Mahalanobis distances ``(B, M, K)`` of member features ``(B, M, D)`` to ``K`` means per member.
+
+    Computed as ``fᵀPf - 2 μₖᵀPf + μₖᵀPμₖ``: one ``(D, D)`` product per input and member, whatever ``K``
+    (the direct ``(f - μₖ)ᵀP(f - μₖ)`` costs ``K`` of them: for 1,000 classes of a 768-d feature, 1.8 G
+    multiply-adds per input against 2.3 M here). Float64 keeps the cancellation exact to ~1e-10 relative.
 
     Args:
         features: ``(B, M, D)``, each member's feature of each input.
         means: ``(M, K, D)``, per member ``K`` centres (class means, or one background mean with ``K = 1``).
-        precision: ``(M, D, D)``, per member the inverse covariance.
+        precision: ``(M, D, D)``, per member the inverse covariance (symmetric).
+        mean_norms: ``(M, K)``, the ``μₖᵀPμₖ`` when already computed (:class:`GaussianStats` caches them).
     """
     if features.dim() != 3 or features.shape[1:] != (means.shape[0], means.shape[2]):
         raise ValueError(f"features must be (B, M={means.shape[0]}, D={means.shape[2]}), got {tuple(features.shape)}")
     f = features.to(torch.float64)
-    diff = f.unsqueeze(2) - means.to(torch.float64).unsqueeze(0)  # (B, M, K, D)
-    proj = torch.einsum("bmkd,mde->bmke", diff, precision.to(torch.float64))  # (B, M, K, D)
-    return (proj * diff).sum(-1)  # (B, M, K)
+    mu, p = means.to(torch.float64), precision.to(torch.float64)
+    pf = torch.einsum("bmd,mde->bme", f, p)  # (B, M, D)
+    f_norm = (f * pf).sum(-1, keepdim=True)  # (B, M, 1)
+    cross = torch.einsum("mkd,bmd->bmk", mu, pf)  # (B, M, K)
+    if mean_norms is None:
+        mean_norms = quadratic_norms(mu, p)
+    return (f_norm - 2.0 * cross + mean_norms.unsqueeze(0)).clamp_min(0.0)  # (B, M, K)
+
+
+def quadratic_norms(means: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """``μₖᵀPμₖ`` ``(M, K)`` of means ``(M, K, D)`` under precisions ``(M, D, D)``, float64."""
+    mu = means.to(torch.float64)
+    return torch.einsum("mkd,mkd->mk", torch.einsum("mkd,mde->mke", mu, precision.to(torch.float64)), mu)
 
 
 def mahalanobis(features: torch.Tensor, stats: GaussianStats) -> torch.Tensor:
     """Per-member Mahalanobis score ``(B, M)``: half the squared distance to the closest class mean."""
-    return 0.5 * squared_distances(features, stats.means, stats.precision).min(dim=-1).values
+    return 0.5 * squared_distances(features, stats.means, stats.precision, stats.mean_norms).min(dim=-1).values
 
 
 def relative_mahalanobis(features: torch.Tensor, stats: GaussianStats) -> torch.Tensor:
     """Per-member relative Mahalanobis score ``(B, M)``: ``min_k d_k² - d_0²`` (d_0: background Gaussian)."""
-    d_k = squared_distances(features, stats.means, stats.precision)  # (B, M, C)
-    d_0 = squared_distances(features, stats.background_mean.unsqueeze(1), stats.background_precision)  # (B, M, 1)
+    d_k = squared_distances(features, stats.means, stats.precision, stats.mean_norms)  # (B, M, C)
+    bg = stats.background_mean.unsqueeze(1)  # (M, 1, D)
+    d_0 = squared_distances(features, bg, stats.background_precision, stats.background_norms)  # (B, M, 1)
     return (d_k - d_0).min(dim=-1).values
 
 

@@ -1,0 +1,166 @@
+"""The members' recipe ablated through real builds: which lever makes the members disagree where they should.
+
+    .venv/bin/python benchmarks/recipe.py --config offline/configs/text-fast.yaml --out benchmarks/results/recipe/text
+    .venv/bin/python benchmarks/recipe.py --config offline/configs/image-fast.yaml \\
+        --out benchmarks/results/recipe/image --variants baseline bootstrap
+
+Each variant is one ``offline/build.py`` build of the config with a few ``hydra.*`` overrides (the levers of
+``docs/artifact.md``/``offline/config.py``: member data order or bootstrap, head re-initialisation, per-member
+MLPs, more heads pruned, longer fine-tuning). Builds go to ``--work`` and are reused when their overrides match
+(a run resumes); the base model is shared through ``base.cache_dir``. From each build's ``report.json`` the
+script collects what the promise is about, all computed by the build itself on its test data:
+
+* diversity: Hydra's mean mutual information on OOD test inputs, and the members' agreement (mean pairwise
+  Spearman rank correlation of their per-member Mahalanobis scores on OOD test inputs);
+* detection: the served score (selected on OOD *validation* sets), its flag's recall on each OOD test set and
+  its ID test flag rate; mean AUROC of Hydra with the served score vs Single and the best member with the same
+  score (what the features give vs what the ensemble gives);
+* calibration: ECE of Hydra and Single at T = 1 and each at its own fitted temperature.
+
+Writes ``<out>/recipe.json`` (one row per variant, plus the machine) and ``<out>/recipe.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_fusion import cpu_name  # noqa: E402
+from offline.build import build  # noqa: E402
+from offline.config import load_config  # noqa: E402
+
+# variant name -> config overrides (dotted keys, as offline/build.py's flags)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "baseline": {},
+    "order": {"hydra.member_data": "order"},
+    "bootstrap": {"hydra.member_data": "bootstrap"},
+    "bootstrap+reinit": {"hydra.member_data": "bootstrap", "hydra.reinit_head": True},
+    "per-member-mlp": {"hydra.mlp": "per_member", "hydra.member_data": "bootstrap"},
+    "longer": {"hydra.member_data": "bootstrap", "hydra.finetune_steps": "x3"},
+    "more-pruned": {"hydra.member_data": "bootstrap", "hydra.prune_per_layer": "+1"},
+}
+
+
+def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
+    """Relative overrides made absolute against the config: ``x3`` multiplies, ``+1`` adds."""
+    out = {}
+    for key, value in overrides.items():
+        current = getattr(getattr(base, key.split(".")[0]), key.split(".")[1])
+        if isinstance(value, str) and value.startswith("x"):
+            value = int(current * float(value[1:]))
+        elif isinstance(value, str) and value.startswith("+"):
+            value = int(current + int(value[1:]))
+        out[key] = value
+    return out
+
+
+def run_variant(config: Path, name: str, work: Path, cache: Path) -> Path:
+    """Build one variant into ``work/name`` unless a build with the same overrides is there already."""
+    base_cfg = load_config(config)
+    over = {**resolve(VARIANTS[name], base_cfg), "base.cache_dir": str(cache), "name": f"{base_cfg.name}-{name}"}
+    out = work / name
+    stamp = work / f".{name}.json"
+    if (out / "manifest.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) == over:
+        print(f"[recipe] {name}: reusing {out}", flush=True)
+        return out
+    print(f"[recipe] {name}: building {over}", flush=True)
+    t0 = time.perf_counter()
+    build(load_config(config, over), out)
+    stamp.write_text(json.dumps(over))
+    (work / f".{name}.seconds").write_text(f"{time.perf_counter() - t0:.1f}")
+    return out
+
+
+def _served_auroc(row: dict[str, Any], score: str) -> float | None:
+    return row.get("ood_scores", {}).get(score, {}).get("avg", {}).get("auroc")
+
+
+def summarize(name: str, out: Path, overrides: dict[str, Any]) -> dict[str, Any]:
+    """One table row from a build's ``report.json`` and ``manifest.json``."""
+    doc = json.loads((out / "report.json").read_text())
+    rows = {r["method"]: r for r in doc["rows"]}
+    extra = doc["extra"]
+    served = extra.get("served_flag", {})
+    score = served.get("score", extra.get("ood_score"))
+    members = [r for k, r in rows.items() if k.startswith("member_")]
+    member_auroc = [a for a in (_served_auroc(r, score) for r in members) if a is not None]
+    hydra, single = rows["hydra"], rows["single"]
+    return {
+        "variant": name, "overrides": overrides, "acc": hydra["acc"], "acc_single": single["acc"],
+        "served_score": score, "id_test_flag_rate": served.get("id_test_flag_rate"),
+        "recall": served.get("recall", {}), "ood_kinds": doc.get("ood_kinds", {}),
+        "auroc_hydra": _served_auroc(hydra, score), "auroc_single": _served_auroc(single, score),
+        "auroc_best_member": max(member_auroc) if member_auroc else None,
+        "auroc_by_score": {s: v["avg"].get("auroc") for s, v in hydra.get("ood_scores", {}).items()},
+        "mi_ood": hydra.get("mi_ood"), "member_rank_corr": extra.get("member_rank_correlation_ood", {}),
+        "ece_hydra": hydra["ece"], "ece_single": single["ece"],
+        "ece_hydra_ts": hydra.get("calibrated", {}).get("ece"),
+        "ece_single_ts": single.get("calibrated", {}).get("ece"),
+        "build_s": float((out.parent / f".{name}.seconds").read_text()) if (out.parent / f".{name}.seconds").is_file()
+        else None,
+    }  # fmt: skip
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}"
+
+
+def markdown(rows: list[dict[str, Any]], config: str, machine: str) -> str:
+    """The results as two tables: detection and diversity, calibration."""
+    sets = list(rows[0]["recall"]) if rows else []
+    kinds = rows[0]["ood_kinds"] if rows else {}
+    head = ["variant", "served score", "ID test flagged %"] + [f"recall {s} ({kinds.get(s, '?')}) %" for s in sets]
+    head += ["AUROC Hydra", "Single", "best member", "MI OOD", "member rank corr. (Mahalanobis)"]
+    lines = [f"Config `{config}`; {machine}. Scores and thresholds fixed on validation data; figures on test data.",
+             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    for r in rows:
+        cells = [r["variant"], r["served_score"], _pct(r["id_test_flag_rate"])]
+        cells += [_pct(r["recall"].get(s)) for s in sets]
+        corr = r["member_rank_corr"].get("mahalanobis")
+        cells += [_pct(r["auroc_hydra"]), _pct(r["auroc_single"]), _pct(r["auroc_best_member"]),
+                  "–" if r["mi_ood"] is None else f"{r['mi_ood']:.4f}", "–" if corr is None else f"{corr:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| variant | acc % | ECE Hydra T=1 | ECE Single T=1 | ECE Hydra own T | ECE Single own T | build s |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        cells = [r["variant"], _pct(r["acc"]), _pct(r["ece_hydra"]), _pct(r["ece_single"]), _pct(r["ece_hydra_ts"]),
+                 _pct(r["ece_single_ts"]), "–" if r["build_s"] is None else f"{r['build_s']:.0f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, type=Path, help="a build config (offline/configs/*-fast.yaml)")
+    ap.add_argument("--out", required=True, type=Path, help="folder for recipe.json and recipe.md")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "recipe", help="where the builds go (reused)")
+    ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "bases", help="base.cache_dir for the builds")
+    args = ap.parse_args(argv)
+    work = args.work / args.config.stem
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.variants:
+        out = run_variant(args.config, name, work, args.cache)
+        rows.append(summarize(name, out, VARIANTS[name]))
+    machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    doc = {"config": str(args.config), "machine": machine, "rows": rows}
+    (args.out / "recipe.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (args.out / "recipe.md").write_text(markdown(rows, str(args.config), machine))
+    print(markdown(rows, str(args.config), machine))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
