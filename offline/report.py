@@ -43,7 +43,7 @@ SERVED_PLOT = "ood_hist_served.png"  # only when ``plots["served"]`` is given
 SECTION_KEYS = ("ood_candidates", "ood_selected", "ood_forced", "served_flag", "no_ood_data")
 # the order of OOD score columns; scores not listed follow in the order they appear
 SCORE_ORDER = ("msp", "max_logit", "energy", "entropy", "mutual_information", "mahalanobis",
-               "relative_mahalanobis", "mahalanobis_mi")  # fmt: skip
+               "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy")  # fmt: skip
 MI_FLOOR = 1e-6  # mutual information below it is drawn at it on the log axis
 
 

@@ -60,9 +60,10 @@ MANIFEST = "manifest.json"
 # the OOD scores a threshold can be calibrated on (service.uncertainty.OOD_METRICS, service.ood compute them; a test
 # holds the two lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
 OOD_SCORES = ("msp", "entropy", "mutual_information", "energy", "max_logit", "mahalanobis", "relative_mahalanobis",
-              "mahalanobis_mi")  # fmt: skip
+              "mahalanobis_mi", "mahalanobis_energy")  # fmt: skip
 LOGIT_SCORES = ("energy", "max_logit")  # need the artifact's OOD statistics (ood block)
-FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi")  # need them and the features output
+# need them and the features output
+FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy")
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 
 

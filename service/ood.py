@@ -181,7 +181,7 @@ def stats_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "gaussian
 # distribution, MSP only). The probability scores come from service.uncertainty.summarize, the next two from the
 # members' logits; the last three need the members' penultimate features and the artifact's Gaussian statistics.
 HIGHER_IS_ID = OOD_METRICS
-FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi")
+FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy")
 PER_MEMBER_SCORES = ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")
 
 
@@ -223,8 +223,10 @@ def ensemble_scores(
     :func:`service.uncertainty.summarize` of the same logits, computed here when not given); the per-member scores
     are combined by the mean of their standardised values (:func:`combine`, with ``stats.norms``);
     ``mahalanobis_mi`` adds the standardised mutual information to the combined Mahalanobis score, so an input
-    the members disagree on counts as more foreign than its distance alone says. Without ``stats`` only the
-    probability scores are given.
+    the members disagree on counts as more foreign than its distance alone says; ``mahalanobis_energy`` adds the
+    combined energy (a feature-space distance and a logit-space score, in the spirit of ViM, Wang et al. 2022:
+    inputs far from the classes' features but given confident logits, and the reverse). Without ``stats`` only
+    the probability scores are given.
     """
     s = summary if summary is not None else summarize(logits, temperature)
     out = {k: s[k].to(torch.float64) for k in SUMMARY_SCORES}
@@ -237,6 +239,8 @@ def ensemble_scores(
     if "mahalanobis" in out and "mutual_information" in stats.norms:
         mi = standardize(out["mutual_information"].unsqueeze(1), *stats.norms["mutual_information"]).squeeze(1)
         out["mahalanobis_mi"] = out["mahalanobis"] + mi
+    if "mahalanobis" in out and "energy" in out:  # feature space and logit space: each catches what the other misses
+        out["mahalanobis_energy"] = out["mahalanobis"] + out["energy"]
     return out
 
 

@@ -31,6 +31,7 @@ OOD_METRICS: dict[str, bool] = {
     "mahalanobis": False,
     "relative_mahalanobis": False,
     "mahalanobis_mi": False,
+    "mahalanobis_energy": False,
 }
 SUMMARY_SCORES = ("msp", "entropy", "mutual_information")  # the scores :func:`ood_score` reads from a summary
 

@@ -100,3 +100,4 @@ def test_fit_ood_stats_norms_standardise_the_validation_scores():
     mi = s["mutual_information"]
     mi_z = (mi - mi.mean()) / mi.std(ddof=1)
     np.testing.assert_allclose(s["mahalanobis_mi"], s["mahalanobis"] + mi_z, atol=1e-9)
+    np.testing.assert_allclose(s["mahalanobis_energy"], s["mahalanobis"] + s["energy"], atol=1e-12)
