@@ -23,6 +23,7 @@ FAMILIES = ("vit", "bert", "clip")
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 MEMBER_DATA = ("same", "order", "bootstrap")  # what each member fine-tunes on (hydra.member_data)
 OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD validation sets
+ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information")  # labels come per request: no class statistics
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 
 
@@ -212,6 +213,9 @@ def validate(cfg: BuildConfig) -> None:
         raise ConfigError(f"hydra.lr must be > 0, got {h.lr!r}")
     if cfg.calibration.ood_score not in OOD_SCORES:
         raise ConfigError(f"calibration.ood_score must be one of {OOD_SCORES}, got {cfg.calibration.ood_score!r}")
+    if cfg.family == "clip" and cfg.calibration.ood_score not in ZERO_SHOT_SCORES:
+        raise ConfigError(f"calibration.ood_score {cfg.calibration.ood_score!r} needs member features; zero-shot "
+                          f"builds serve one of {ZERO_SHOT_SCORES}")  # fmt: skip
     if not 0 < cfg.calibration.tpr < 1:
         raise ConfigError(f"calibration.tpr must be in (0, 1), got {cfg.calibration.tpr}")
     d = cfg.data

@@ -97,3 +97,8 @@ def test_image_eval_batches_are_the_servers_tensors():
     want = torch.stack([pre.to_tensor(Image.fromarray(a)) for a in images])
     assert torch.equal(batch["pixel_values"], want) and batch["pixel_values"].shape == (3, 3, 6, 6)
     assert y.tolist() == [1, 0, 1]
+
+
+def test_zero_shot_configs_refuse_feature_scores_before_any_work():
+    with pytest.raises(ConfigError, match="zero-shot builds serve"):
+        load_config(None, {"family": "clip", "hydra.prune_total": 2, "calibration.ood_score": "mahalanobis"})
