@@ -2,8 +2,8 @@
 
 Both numbers go into the manifest's ``uncertainty`` field. The threshold's
 pass/flag rule is exactly ``service.uncertainty.ood_flag``: with ``msp`` an
-input is flagged when its score is *below* the threshold; with ``entropy`` or
-``mutual_information`` when it is *above*.
+input is flagged when its score is *below* the threshold; with every other score
+(entropy, mutual information and the outlier scores of ``service.ood``) when it is *above*.
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def calibrate_threshold(id_scores: np.ndarray, metric: str, tpr: float = 0.95) -
     """OOD threshold such that a fraction ``tpr`` of the ID validation inputs pass (are not flagged).
 
     The rule is ``service.uncertainty.ood_flag``'s: ``msp`` flags ``score < threshold``;
-    ``entropy`` and ``mutual_information`` flag ``score > threshold``. With ``k =
+    every other score (entropy, mutual information, and the outlier scores of ``service.ood``)
+    flags ``score > threshold``. With ``k =
     ceil(tpr · N)`` the threshold lies halfway between the ``k``-th and ``(k+1)``-th
     most in-distribution scores, so exactly ``k`` ID inputs pass when those differ
     (a margin on both sides against round-off between build and serving backends).
@@ -93,7 +94,7 @@ def calibrate_threshold(id_scores: np.ndarray, metric: str, tpr: float = 0.95) -
 
     Args:
         id_scores: ``(N,)`` scores of the ID validation inputs under ``metric``.
-        metric: ``msp``, ``entropy`` or ``mutual_information``.
+        metric: a name of ``service.uncertainty.OOD_METRICS``.
         tpr: fraction of ID inputs that must pass, in ``(0, 1]``.
     """
     if metric not in OOD_METRICS:

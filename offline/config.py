@@ -91,7 +91,7 @@ class CalibrationConfig:
 class ExportConfig:
     torchscript: bool = True  # write model.ts and check it against eager
     onnx: bool = True  # write model.onnx and check it against eager
-    tolerance: float = 1e-4  # max abs logit difference export vs eager before the build fails
+    tolerance: float = 1e-4  # max abs difference export vs eager (logits and features) before the build fails
     bf16_check: bool = True  # record bf16-vs-fp32 agreement for the server's precision=auto
 
 

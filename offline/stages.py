@@ -39,7 +39,7 @@ from torch import nn
 from service.artifact import Manifest, write_manifest
 from service.ood import OODStats
 from service.preprocess import ImagePreprocessor, TextPreprocessor
-from service.uncertainty import SUMMARY_SCORES, summarize
+from service.uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
 from service.uncertainty import ood_score as ood_score_of
 
 from . import data as data_mod
@@ -403,8 +403,8 @@ def finetune_members(
 
 # ----------------------------------------------------------------------------- calibration
 def flag(scores: np.ndarray, metric: str, threshold: float) -> np.ndarray:
-    """The OOD flag of ``scores``: below the threshold for MSP, above it for entropy and MI."""
-    return scores < threshold if metric == "msp" else scores > threshold
+    """The OOD flag of ``scores``: below the threshold for MSP, above it for the outlier scores (all others)."""
+    return scores < threshold if OOD_METRICS[metric] else scores > threshold
 
 
 @dataclass

@@ -210,6 +210,7 @@ class OODCandidate(_OpenRecord):
     threshold: float  # at the configured share of ID validation inputs let through
     val_recall: dict[str, float] = Field(default_factory=dict)  # per OOD validation set, the share it flags
     val_mean_recall: float | None = None  # their mean: what the selection maximises
+    id_val_flag_rate: float | None = None  # share of the ID validation inputs it flags (about 1 - tpr)
 
 
 class OODSpec(_OpenRecord):

@@ -88,7 +88,7 @@ def ood_score(summary: dict[str, torch.Tensor], metric: str) -> torch.Tensor:
 
 
 def ood_flag(score: torch.Tensor, metric: str, threshold: float) -> torch.Tensor:
-    """True where an input is flagged OOD: MSP below the threshold, entropy / MI above it."""
+    """True where an input is flagged OOD: MSP below the threshold, every other score (outlier scores) above it."""
     if metric not in OOD_METRICS:
         raise ValueError(f"unknown OOD score {metric!r}; expected one of {sorted(OOD_METRICS)}")
     return score < threshold if OOD_METRICS[metric] else score > threshold

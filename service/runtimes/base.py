@@ -93,7 +93,7 @@ def summarize_rows(
     """
     s = summarize(logits, temperature)
     all_scores = ensemble_scores(logits, features, stats, temperature, summary=s) if stats is not None else None
-    score = (all_scores[metric] if all_scores is not None else ood_score(s, metric)).float()
+    score = all_scores[metric] if all_scores is not None else ood_score(s, metric)  # float64 with statistics
     flag = ood_flag(score, metric, threshold)
     probs = s["probs"].numpy()  # (B, C)
     mp = s["member_probs"].numpy()  # (B, M, C)

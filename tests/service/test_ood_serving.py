@@ -67,6 +67,7 @@ def test_served_scores_equal_the_builders_in_every_backend(ood_artifact, backend
         for name, value in p["ood"]["scores"].items():
             assert value == pytest.approx(float(want[name][i]), rel=1e-4, abs=1e-4), (name, i)
         assert p["ood"]["score"] == pytest.approx(float(want["mahalanobis"][i]), rel=1e-4, abs=1e-4)
+        assert p["ood"]["score"] == p["ood"]["scores"]["mahalanobis"]  # the served value is the listed one, exactly
         assert p["ood"]["flag"] == (float(want["mahalanobis"][i]) > threshold)
 
 
