@@ -48,6 +48,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "per-member-mlp": {"hydra.mlp": "per_member", "hydra.member_data": "bootstrap"},
     "longer": {"hydra.member_data": "bootstrap", "hydra.finetune_steps": "x3"},
     "more-pruned": {"hydra.member_data": "bootstrap", "hydra.prune_per_layer": "+1"},
+    # the paper's post-pruning recipe where 2 cores allow: own data, fresh heads, label smoothing 0.1, 3x the steps
+    "paper-recipe": {"hydra.member_data": "bootstrap", "hydra.reinit_head": True, "hydra.label_smoothing": 0.1,
+                     "hydra.finetune_steps": "x3"},
 }
 
 
