@@ -39,15 +39,17 @@ from benchmarks.bench_fusion import cpu_name  # noqa: E402
 from offline.build import build  # noqa: E402
 from offline.config import load_config  # noqa: E402
 
-# variant name -> config overrides (dotted keys, as offline/build.py's flags)
+# variant name -> config overrides (dotted keys, as offline/build.py's flags). Every variant names each lever it
+# relies on, so its meaning does not depend on the config's own defaults.
+_OWN = {"hydra.member_data": "bootstrap", "hydra.reinit_head": False}
 VARIANTS: dict[str, dict[str, Any]] = {
-    "baseline": {},
-    "order": {"hydra.member_data": "order"},
-    "bootstrap": {"hydra.member_data": "bootstrap"},
+    "baseline": {"hydra.member_data": "same", "hydra.reinit_head": False},
+    "order": {"hydra.member_data": "order", "hydra.reinit_head": False},
+    "bootstrap": dict(_OWN),
     "bootstrap+reinit": {"hydra.member_data": "bootstrap", "hydra.reinit_head": True},
-    "per-member-mlp": {"hydra.mlp": "per_member", "hydra.member_data": "bootstrap"},
-    "longer": {"hydra.member_data": "bootstrap", "hydra.finetune_steps": "x3"},
-    "more-pruned": {"hydra.member_data": "bootstrap", "hydra.prune_per_layer": "+1"},
+    "per-member-mlp": {**_OWN, "hydra.mlp": "per_member"},
+    "longer": {**_OWN, "hydra.finetune_steps": "x3"},
+    "more-pruned": {**_OWN, "hydra.prune_per_layer": "+1"},
     # the paper's post-pruning recipe where 2 cores allow: own data, fresh heads, label smoothing 0.1, 3x the steps
     "paper-recipe": {"hydra.member_data": "bootstrap", "hydra.reinit_head": True, "hydra.label_smoothing": 0.1,
                      "hydra.finetune_steps": "x3"},
