@@ -39,6 +39,7 @@ __all__ = [
     "as_outputs",
     "eager_outputs",
     "bf16_agreement",
+    "bf16_flag_agreement",
 ]
 
 log = logging.getLogger("hydra.export")
@@ -313,3 +314,26 @@ def bf16_agreement(
         "ok": bool(ok),
         "n": n,
     }
+
+
+@torch.inference_mode()
+def bf16_flag_agreement(
+    model: nn.Module,
+    batches: list[dict[str, torch.Tensor]],
+    reference: list[tuple[torch.Tensor, ...]],
+    flags_of: Any,
+) -> float:
+    """Share of inputs whose served OOD flag is the same under CPU bf16 autocast as in fp32 (``reference``).
+
+    ``flags_of(outputs) -> (B,) bool``: the server's flag from a model's outputs (logits, and features when the
+    model returns them); the feature scores run in float64 either way, so this measures what bf16 features do.
+    """
+    model = model.eval()
+    order = input_order(model, batches[0])
+    same = n = 0
+    for batch, ref in zip(batches, reference, strict=True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = as_outputs(model(*(batch[k] for k in order)))
+        same += int((flags_of(ref) == flags_of(low)).sum())
+        n += ref[0].shape[0]
+    return same / n

@@ -24,13 +24,13 @@ from timm.models import load_checkpoint
 from torch import nn
 
 from service.artifact import Manifest, build_manifest, file_sha256
-from service.ood import ood_tensors
+from service.ood import ensemble_scores, ood_tensors
 from service.preprocess import make_preprocessor
-from service.uncertainty import SUMMARY_SCORES
+from service.uncertainty import SUMMARY_SCORES, ood_flag
 
 from . import train as train_mod
 from .config import BuildConfig, ConfigError, check_budget
-from .export import ONNX_OPSET, bf16_agreement, eager_outputs, export_checked
+from .export import BF16_MIN_AGREEMENT, ONNX_OPSET, bf16_agreement, bf16_flag_agreement, eager_outputs, export_checked
 from .families import FamilyAdapter, get_adapter
 from .fusion import fuse
 from .ood_fit import member_agreement
@@ -194,9 +194,11 @@ def parity_batches(val: list[tuple[Batch, torch.Tensor]]) -> list[Batch]:
     return full + odd
 
 
-def export_fused(cfg: BuildConfig, fused: nn.Module, batches: list[Batch], out: Path, T: float) -> tuple[dict, dict]:
+def export_fused(
+    cfg: BuildConfig, fused: nn.Module, batches: list[Batch], out: Path, cal: Calibration
+) -> tuple[dict, dict]:
     """``(exports, precision)``: TorchScript and ONNX exports checked against one fp32 eager reference, and the bf16
-    agreement check, as the manifest records them."""
+    check (the uncertainty fields and the served OOD flag under bf16 autocast), as the manifest records them."""
     tol = cfg.export.tolerance
     reference = eager_outputs(fused, batches)
     example = {k: v[:2] for k, v in batches[0].items()}
@@ -210,7 +212,15 @@ def export_fused(cfg: BuildConfig, fused: nn.Module, batches: list[Batch], out: 
                 exports[kind]["opset"] = ONNX_OPSET
     precision = {}
     if cfg.export.bf16_check:  # CPUs without native bf16 emulate it 3-4x slower than fp32
-        precision["bf16"] = bf16_agreement(fused, batches, temperature=T, reference=reference)
+        check = bf16_agreement(fused, batches, temperature=cal.temperature, reference=reference)
+
+        def flags_of(outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            scores = ensemble_scores(outs[0], outs[1] if len(outs) > 1 else None, cal.stats, cal.temperature)
+            return ood_flag(scores[cal.metric], cal.metric, cal.threshold)
+
+        check["ood_flag_agreement"] = bf16_flag_agreement(fused, batches, reference, flags_of)
+        check["ok"] = bool(check["ok"] and check["ood_flag_agreement"] >= BF16_MIN_AGREEMENT)
+        precision["bf16"] = check
     return exports, precision
 
 
@@ -291,7 +301,7 @@ def finish(
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     if cal.stats is not None:
         save_file(ood_tensors(cal.stats), str(out / OOD_FILE))
-    exports, precision = export_fused(cfg, fused, parity_batches(sets.val), out, cal.temperature)
+    exports, precision = export_fused(cfg, fused, parity_batches(sets.val), out, cal)
     timer.lap("export")
 
     def manifest(metrics: dict[str, Any]) -> Manifest:

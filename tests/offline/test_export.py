@@ -169,3 +169,16 @@ def test_exports_carry_the_features_and_the_check_covers_them(case, kind):
     shifted = [(r[0], r[1] + 0.01) for r in ref]
     with pytest.raises(ExportMismatch, match="output 1"):
         check_parity(model, path, kind, batches, TOL, reference=shifted)
+
+
+def test_bf16_flag_agreement_compares_the_served_flags(case):
+    """The served flag under bf16 autocast vs fp32, on the model's own outputs (logits and features)."""
+    from offline.export import bf16_flag_agreement, eager_outputs
+
+    family, model, example, batches, d = case
+    model.with_features = True
+    ref = eager_outputs(model, batches)
+    assert bf16_flag_agreement(model, batches, ref, lambda outs: torch.ones(len(outs[0]), dtype=torch.bool)) == 1.0
+    median = float(torch.cat([r[1].norm(dim=-1).mean(1) for r in ref]).median())
+    share = bf16_flag_agreement(model, batches, ref, lambda outs: outs[1].norm(dim=-1).mean(1) > median)
+    assert 0.8 <= share <= 1.0  # features move a little in bf16: flags right at the threshold may flip
