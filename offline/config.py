@@ -221,6 +221,10 @@ def validate(cfg: BuildConfig) -> None:
     d = cfg.data
     if d.setting not in SETTINGS:
         raise ConfigError(f"data.setting must be one of {SETTINGS}, got {d.setting!r}")
+    no_ood = d.setting in ("image-folder", "text-file") and not d.ood_paths and d.ood_val_path is None
+    if no_ood and h.strategy in ("circuit-ood", "circuit-avg"):
+        raise ConfigError(f"hydra.strategy {h.strategy} scores heads on OOD validation inputs and the data has none "
+                          "(data.ood_paths, data.ood_val_path): use taylor or circuit-acc, or give OOD data")
     if d.setting in ("image-folder", "text-file"):
         if not d.path:
             raise ConfigError(f"data.path is required for data.setting={d.setting}")

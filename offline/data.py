@@ -619,9 +619,7 @@ def _check_user_paths(
     root = Path(path)
     if not root.exists():
         raise ValueError(f"data path {root} does not exist")
-    ood_paths = dict(ood_paths or {})
-    if not ood_paths and ood_val_path is None:
-        raise ValueError("user data needs OOD inputs: give data.ood_paths (OOD test sets) and/or data.ood_val_path")
+    ood_paths = dict(ood_paths or {})  # none at all is fine: the threshold then comes from ID validation alone
     for name, p in ood_paths.items():
         if not Path(p).exists():
             raise ValueError(f"OOD set {name!r}: {p} does not exist")
@@ -706,7 +704,8 @@ def _user_ood_sets(
         pick = rng.permutation(len(x))[:max_ood]
         ood_val["ood-val"] = _take(x, pick)
         rec_val["ood-val"] = {"from": str(ood_val_path), "available": len(x), **_rec(pick)}
-    if not ood_val or sum(len(v) for v in ood_val.values()) == 0:
+    given = bool(ood_paths) or ood_val_path is not None
+    if given and (not ood_val or sum(len(v) for v in ood_val.values()) == 0):
         raise ValueError("no OOD validation inputs: give data.ood_val_path, or OOD sets with at least 2 inputs each")
     return ood_val, ood_test, rec_val, rec_test
 

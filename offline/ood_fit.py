@@ -89,6 +89,11 @@ def flag_rate(scores: np.ndarray, metric: str, threshold: float) -> float:
     return float(ood_flag(torch.from_numpy(np.asarray(scores, dtype=np.float64)), metric, threshold).float().mean())
 
 
+# the served score when the build has no OOD validation data (the Mahalanobis distance was selected in both demo
+# settings with the shipped recipe: benchmarks/results/recipe); MSP for models without features
+NO_OOD_DATA_ORDER = ("mahalanobis", "msp")
+
+
 def select_score(
     id_val: dict[str, np.ndarray], ood_val: dict[str, dict[str, np.ndarray]], tpr: float, forced: str | None = None
 ) -> tuple[str, dict[str, dict[str, Any]]]:
@@ -97,7 +102,8 @@ def select_score(
     Each candidate's threshold lets ``tpr`` of the ID validation inputs through
     (:func:`offline.calibration.calibrate_threshold`); its recall on each OOD validation set is the share that set
     flags. The score with the best mean recall over the sets is served (ties: the earlier in ``OOD_METRICS``'s
-    order, probability scores first); ``forced`` (``calibration.ood_score``) overrides the choice.
+    order, probability scores first); ``forced`` (``calibration.ood_score``) overrides the choice. Without OOD
+    validation sets the first available of :data:`NO_OOD_DATA_ORDER` is served.
     """
     candidates: dict[str, dict[str, Any]] = {}
     for name in (n for n in OOD_METRICS if n in id_val):
@@ -111,6 +117,8 @@ def select_score(
             raise ValueError(f"calibration.ood_score {forced!r} cannot be computed for this model; "
                              f"available: {sorted(candidates)}")  # fmt: skip
         return forced, candidates
+    if not ood_val:  # nothing to rank by: the feature score that led on every demo setting, else MSP
+        return next(n for n in NO_OOD_DATA_ORDER if n in candidates), candidates
     best = max(candidates, key=lambda n: (candidates[n]["val_mean_recall"] or 0.0, -list(OOD_METRICS).index(n)))
     return best, candidates
 

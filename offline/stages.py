@@ -175,6 +175,8 @@ def length_sorted_batches(
 
     ``order`` maps batch position to input index (labels are reordered with it). Images: in order.
     """
+    if len(labels) == 0:  # e.g. no OOD validation data
+        return [], np.arange(0)
     if prep["type"] != "text":
         return batches_of(inputs, labels, prep, tok, batch_size), np.arange(len(labels))
     lengths = [len(ids) for ids in tok(list(inputs), truncation=True, max_length=prep.get("max_length"))["input_ids"]]
@@ -223,6 +225,8 @@ def eval_batches(
     travel along); ``order`` maps batch position to input index.
     """
     labels = np.asarray(labels)
+    if len(labels) == 0:
+        return [], np.arange(0)
     if isinstance(pre, TextPreprocessor):
         items: list[Any] = pre.encode(list(inputs))
         order = np.argsort([len(ids) for ids in items], kind="stable") if sort else np.arange(len(items))

@@ -298,8 +298,31 @@ def test_user_image_folder_errors(tmp_path):
     (tmp_path / "two" / "b" / "broken.png").write_bytes(b"not a png")
     with pytest.raises(ValueError, match=r"broken\.png: not a readable image"):
         D.user_setting("image-folder", tmp_path / "two", ood, None, **kw)
-    with pytest.raises(ValueError, match="needs OOD inputs"):
-        D.user_setting("image-folder", tmp_path / "one", {}, None, **kw)
+    single = tmp_path / "ood1"
+    _write_images(single, 1, 0)
+    _write_images(tmp_path / "ok" / "a", 5, 1)
+    _write_images(tmp_path / "ok" / "b", 5, 2)
+    with pytest.raises(ValueError, match="no OOD validation inputs"):  # OOD data given, but none to validate on
+        D.user_setting("image-folder", tmp_path / "ok", {"far": str(single)}, None, **kw)
+
+
+def test_user_data_without_ood_sets_builds_from_id_validation_alone(tmp_path):
+    """Most users have no OOD data: the setting has no OOD sets (the threshold then comes from ID validation)."""
+    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
+    _write_images(tmp_path / "data" / "a", 6, 1)
+    _write_images(tmp_path / "data" / "b", 6, 2)
+    data = D.user_setting("image-folder", tmp_path / "data", {}, None, **kw)
+    assert data.ood_val == {} and data.ood_test == {} and len(data.train) > 0
+
+
+def test_strategies_that_need_ood_data_say_so_before_any_work(tmp_path):
+    from offline.config import ConfigError, load_config
+
+    over = {"family": "vit", "hydra.prune_per_layer": 1, "data.setting": "image-folder", "data.path": str(tmp_path)}
+    for strategy in ("circuit-ood", "circuit-avg"):
+        with pytest.raises(ConfigError, match="use taylor or circuit-acc"):
+            load_config(None, {**over, "hydra.strategy": strategy})
+    assert load_config(None, {**over, "hydra.strategy": "taylor"}).hydra.strategy == "taylor"
 
 
 # ----------------------------------------------------------------------------- user data: texts

@@ -69,8 +69,9 @@ def test_select_score_serves_the_best_mean_recall_and_honours_a_forced_score():
     assert forced == "msp"
     with pytest.raises(ValueError, match="cannot be computed"):
         select_score(id_val, ood_val, tpr=0.95, forced="energy")
-    # no OOD validation data: nothing to rank by, the probability score is kept
-    assert select_score(id_val, {}, tpr=0.95)[0] == "msp"
+    # no OOD validation data: nothing to rank by; the Mahalanobis distance when the model has features, else MSP
+    assert select_score(id_val, {}, tpr=0.95)[0] == "mahalanobis"
+    assert select_score({"msp": id_val["msp"]}, {}, tpr=0.95)[0] == "msp"
 
 
 def test_detection_known_answers():
