@@ -20,7 +20,6 @@ import numpy as np
 import timm
 import torch
 from safetensors.torch import save_file
-from timm.models import load_checkpoint
 from torch import nn
 
 from service.artifact import Manifest, build_manifest, file_sha256
@@ -29,6 +28,7 @@ from service.preprocess import make_preprocessor
 from service.uncertainty import SUMMARY_SCORES, ood_flag
 
 from . import train as train_mod
+from .checkpoints import load_timm
 from .config import BuildConfig, ConfigError, check_budget
 from .export import BF16_MIN_AGREEMENT, ONNX_OPSET, bf16_agreement, bf16_flag_agreement, eager_outputs, export_checked
 from .families import FamilyAdapter, get_adapter
@@ -124,9 +124,7 @@ def _vit_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Module
     if not src.startswith("timm:"):
         raise ConfigError(f"base.source {src!r} is not an image model source (train-vit, timm:<name>)")
     name = src[5:]
-    model = timm.create_model(name, pretrained=False, num_classes=n_classes)
-    if cfg.base.path:
-        load_checkpoint(model, cfg.base.path, strict=False)
+    model = load_timm(name, cfg.base.path, n_classes)  # every backbone key checked; the head reset to n_classes
     dc = model.pretrained_cfg
     prep.update(size=list(dc["input_size"][1:]), mean=list(dc["mean"]), std=list(dc["std"]), channels=3,
                 interpolation=dc.get("interpolation", "bicubic"))  # fmt: skip

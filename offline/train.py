@@ -27,6 +27,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from tqdm.auto import tqdm
 
+from .checkpoints import check_keys
 from .data import Data
 from .families.vit import check_supported
 
@@ -532,14 +533,19 @@ def load_minilm_classifier(n_classes: int, path: str | None = None, seed: int = 
     src = path or minilm_path()
     torch.manual_seed(seed)
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            src, attn_implementation="eager", num_labels=n_classes, ignore_mismatched_sizes=True
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            src, attn_implementation="eager", num_labels=n_classes, ignore_mismatched_sizes=True,
+            output_loading_info=True,
         )
         tok = AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"cannot load a text classifier from {src!r} offline ({e}); give a local Hugging Face model folder"
         ) from e
+    # only the classifier head may be new (another class count); a backbone key that is missing or unexpected
+    # would mean random weights under a valid manifest
+    mismatched = {k for k, *_ in info.get("mismatched_keys", [])}
+    check_keys(str(src), set(info["missing_keys"]) | mismatched, info["unexpected_keys"], head=["classifier."])
     if not isinstance(model, BertForSequenceClassification):
         raise ValueError(f"{src}: the bert family needs a BERT-architecture encoder, got {type(model).__name__}")
     return model.eval(), tok
