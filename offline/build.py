@@ -20,7 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch  # noqa: E402
 
-from offline import pipeline, pipeline_clip  # noqa: E402
+from offline import lit, pipeline, pipeline_clip, train  # noqa: E402
 from offline.config import BuildConfig, ConfigError, add_arguments, load_config, overrides_from_args  # noqa: E402
 
 # family -> the pipeline that builds it
@@ -31,11 +31,23 @@ PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {
 }
 
 
+def check_presets(cfg: BuildConfig) -> None:
+    """The training presets the config names exist (checked before any data or weights load)."""
+    known = sorted(lit.LIT_PRESETS) if cfg.base.source == "lit" else sorted(train.PRESETS)
+    if cfg.base.preset not in known:
+        raise ConfigError(f"base.preset {cfg.base.preset!r} is not a preset of base.source {cfg.base.source!r}; "
+                          f"known: {', '.join(known)}")  # fmt: skip
+    if cfg.hydra.finetune_preset is not None and cfg.hydra.finetune_preset not in train.PRESETS:
+        raise ConfigError(f"hydra.finetune_preset {cfg.hydra.finetune_preset!r} is not a preset; "
+                          f"known: {', '.join(sorted(train.PRESETS))}")  # fmt: skip
+
+
 def build(cfg: BuildConfig, out: str | Path) -> Path:
     """Build the artifact of ``cfg`` into ``out`` with its family's pipeline and return it."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if cfg.family not in PIPELINES:
         raise ConfigError(f"family {cfg.family!r} has no pipeline; known: {sorted(PIPELINES)}")
+    check_presets(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     return PIPELINES[cfg.family](cfg, Path(out))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
 
 from service.artifact import OOD_SCORES as SERVED_SCORES
 
@@ -187,8 +188,49 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     return cfg
 
 
+def _typed(where: str, hint: Any, value: Any) -> Any:
+    """``value`` checked against the field's type (pydantic, strict: ``true`` is no integer, ``"x"`` no number;
+    an integer is a valid float), converted; a :class:`ConfigError` naming the key and the expected type."""
+    try:
+        return TypeAdapter(hint).validate_python(value, strict=True)
+    except ValidationError as e:
+        want = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        msg = e.errors(include_url=False)[0]["msg"]
+        raise ConfigError(f"{where}: {value!r} is not a valid {want} ({msg})") from None
+
+
+def check_types(cfg: BuildConfig) -> None:
+    """Every value of ``cfg`` against its field's type, before any range check (a string where a number belongs
+    must be a one-line error, not a comparison failing somewhere later)."""
+    for name, hint in typing.get_type_hints(BuildConfig).items():
+        value = getattr(cfg, name)
+        if not dataclasses.is_dataclass(hint):
+            setattr(cfg, name, _typed(name, hint, value))
+            continue
+        for key, sub_hint in typing.get_type_hints(hint).items():
+            setattr(value, key, _typed(f"{name}.{key}", sub_hint, getattr(value, key)))
+
+
+def _check_ranges(cfg: BuildConfig) -> None:
+    """The numeric ranges no type says."""
+    h, d = cfg.hydra, cfg.data
+    if h.pool is not None and not h.pool > 0:
+        raise ConfigError(f"hydra.pool must be > 0 (the candidate pool / budget ratio) or null, got {h.pool!r}")
+    if h.seeds is not None and len(set(h.seeds)) != len(h.seeds):
+        raise ConfigError(f"hydra.seeds must differ (members differ by their pruning seed), got {h.seeds}")
+    if not cfg.export.tolerance > 0:
+        raise ConfigError(f"export.tolerance must be > 0, got {cfg.export.tolerance!r}")
+    for key in ("max_train", "max_val", "max_test", "max_ood"):
+        if getattr(d, key) < 1:
+            raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
+    if h.calib_samples < 1 or h.finetune_steps < 0 or cfg.threads < 0:
+        raise ConfigError("hydra.calib_samples must be >= 1, hydra.finetune_steps and threads >= 0")
+
+
 def validate(cfg: BuildConfig) -> None:
     """Cheap checks that need no model or data loading; raise ConfigError with one clear line."""
+    check_types(cfg)
+    _check_ranges(cfg)
     if cfg.family not in FAMILIES:
         raise ConfigError(f"family must be one of {FAMILIES}, got {cfg.family!r}")
     h = cfg.hydra

@@ -99,3 +99,29 @@ def test_base_cache_dir_is_shared_by_builds_that_differ_only_in_hydra_settings(t
     plain = load_config(root / "text-fast.yaml")  # no cache_dir: the artifact's own resumable checkpoints
     assert plain.base.cache_dir is None
     assert base_checkpoint_dir(plain, tmp_path / "a") == tmp_path / "a" / ".checkpoints" / "base"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("calibration.tpr", "high", "calibration.tpr: 'high' is not a valid float"),
+        ("data.max_train", "lots", "data.max_train: 'lots' is not a valid int"),
+        ("base.preset", "vit_huge", "base.preset 'vit_huge' is not a preset"),
+        ("hydra.pool", "-3", "hydra.pool must be > 0"),
+        ("hydra.seeds", "[0, 0, 0]", "hydra.seeds must differ"),
+        ("hydra.members", "true", "hydra.members: True is not a valid int"),
+        ("export.tolerance", "x", "export.tolerance: 'x' is not a valid float"),
+        ("hydra.member_data", "shuffle", "hydra.member_data must be one of"),
+    ],
+)
+def test_a_bad_value_is_one_line_and_exit_status_2(tmp_path, capsys, flag, value, says):
+    """Every bad config value ends in one line naming the key, the value and what is allowed; no traceback, and
+    before any data or weights load (the build would take minutes to reach them)."""
+    from offline.build import main
+
+    code = main(["--config", "offline/configs/image-fast.yaml", "--out", str(tmp_path / "out"), f"--{flag}", value])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.count("\n") == 0 and "Traceback" not in err
+    assert err.startswith("config error: ") and says in err
+    assert not (tmp_path / "out").exists()  # nothing was built
