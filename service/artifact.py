@@ -100,7 +100,8 @@ class ClipTextPreprocessing(_Record):
 
 
 class ImagePreprocessing(_Record):
-    """Image bytes -> ``(C, H, W)``: convert to ``channels``, resize to ``size``, ``(u8 / 255 - mean) / std``."""
+    """Image bytes -> ``(C, H, W)``: convert to ``channels``, resize (and crop) to ``size``, ``(u8 / 255 - mean) /
+    std``."""
 
     type: Literal["image"] = "image"
     size: tuple[PositiveInt, PositiveInt]  # (H, W) the model takes
@@ -108,7 +109,10 @@ class ImagePreprocessing(_Record):
     std: list[float] = Field(min_length=1)  # one value, or one per channel; all > 0
     interpolation: Literal["bilinear", "bicubic", "nearest", "lanczos"] = "bilinear"
     channels: Literal[1, 3] = 3  # 1 = grayscale (Pillow "L"), 3 = RGB
-    resize: Literal["direct"] = "direct"  # resize straight to ``size`` (no crop)
+    # direct: straight to ``size``; shorter_crop: timm's evaluation transform (shorter side to size / crop_pct,
+    # then the centre crop)
+    resize: Literal["direct", "shorter_crop"] = "direct"
+    crop_pct: float | None = Field(None, gt=0, le=1)  # shorter_crop: the share of the resized image kept
     text: ClipTextPreprocessing | None = None  # zero-shot artifacts only
 
     @model_validator(mode="after")

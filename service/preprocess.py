@@ -17,6 +17,7 @@ import base64
 import binascii
 import io
 import json
+import math
 import re
 import warnings
 from pathlib import Path
@@ -88,8 +89,12 @@ class ImagePreprocessor:
         if interp not in _RESAMPLE:
             raise ValueError(f"preprocessing.interpolation {interp!r} is not one of {sorted(_RESAMPLE)}")
         self.resample = _RESAMPLE[interp]
-        if spec.get("resize", "direct") != "direct":
-            raise ValueError(f"preprocessing.resize {spec.get('resize')!r} is not supported (only 'direct')")
+        self.resize = spec.get("resize", "direct")
+        if self.resize not in ("direct", "shorter_crop"):
+            raise ValueError(f"preprocessing.resize {self.resize!r} is not 'direct' or 'shorter_crop'")
+        self.crop_pct = float(spec.get("crop_pct") or 1.0)
+        if not 0 < self.crop_pct <= 1:
+            raise ValueError(f"preprocessing.crop_pct must be in (0, 1], got {self.crop_pct}")
         self.max_pixels = int(max_pixels)
         # Pillow's own guard too (raises DecompressionBombError above 2x); ours below refuses above 1x.
         Image.MAX_IMAGE_PIXELS = self.max_pixels
@@ -137,12 +142,25 @@ class ImagePreprocessor:
             im = im.convert("RGBA")
         if im.mode != self.mode:
             im = im.convert(self.mode)
-        H, W = self.size
-        if im.size != (W, H):
-            im = im.resize((W, H), resample=self.resample)
+        im = self._resized(im)
         arr = np.asarray(im, dtype=np.float32) * (1.0 / 255.0)  # (H, W) or (H, W, C)
         arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)  # (C, H, W)
         return torch.from_numpy(np.ascontiguousarray((arr - self.mean) / self.std))
+
+    def _resized(self, im: Image.Image) -> Image.Image:
+        """``direct``: straight to ``size``. ``shorter_crop`` (timm's evaluation transform, ``resolve_data_config``):
+        the shorter side to ``floor(size / crop_pct)`` keeping the aspect ratio, then the centre ``size`` crop
+        (torchvision's ``Resize(int)`` and ``CenterCrop`` arithmetic)."""
+        H, W = self.size
+        if self.resize == "direct":
+            return im if im.size == (W, H) else im.resize((W, H), resample=self.resample)
+        w, h = im.size
+        scale = math.floor(min(H, W) / self.crop_pct)  # timm: scale_size = floor(img_size / crop_pct)
+        nw, nh = (scale, int(scale * h / w)) if w <= h else (int(scale * w / h), scale)
+        if (nw, nh) != (w, h):
+            im = im.resize((nw, nh), resample=self.resample)
+        top, left = int(round((nh - H) / 2.0)), int(round((nw - W) / 2.0))
+        return im.crop((left, top, left + W, top + H))
 
     def __call__(self, data: bytes, where: str = "image") -> torch.Tensor:
         """Encoded image bytes -> ``(C, H, W)`` float32."""

@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from service.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
@@ -131,3 +132,22 @@ def test_unusual_modes_are_converted(mode, fmt, channels):
     pre = ImagePreprocessor({**GREY, "size": [8, 8], "channels": channels, "mean": [0.5], "std": [0.25]}, 10_000)
     x = pre(buf.getvalue())
     assert x.shape == (channels, 8, 8) and torch.isfinite(x).all()
+
+
+@pytest.mark.parametrize("size", [(37, 53), (224, 160), (300, 300)])
+def test_shorter_crop_is_timms_evaluation_transform(size):
+    """``resize: shorter_crop`` gives the tensor timm's own eval transform gives (``resolve_data_config`` +
+    ``create_transform``) for a timm ViT's data config, on images of other sizes and aspect ratios."""
+    import timm
+    from timm.data import create_transform, resolve_data_config
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False)
+    dc = resolve_data_config({}, model=model)
+    spec = {"type": "image", "size": list(dc["input_size"][1:]), "mean": list(dc["mean"]), "std": list(dc["std"]),
+            "interpolation": dc["interpolation"], "channels": 3, "resize": "shorter_crop", "crop_pct": dc["crop_pct"]}
+    rng = np.random.default_rng(0)
+    im = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+    want = create_transform(**dc)(im)
+    got = ImagePreprocessor(spec, 1 << 24).to_tensor(im)
+    assert got.shape == want.shape == (3, 224, 224)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
