@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import timm
 from timm.models import load_state_dict
@@ -39,15 +40,16 @@ def check_keys(source: str, missing: Iterable[str], unexpected: Iterable[str], h
         raise ConfigError(f"{source}: the checkpoint's keys do not match the architecture: {'; '.join(parts)}")
 
 
-def load_timm(name: str, path: str | Path | None, num_classes: int) -> nn.Module:
+def load_timm(name: str, path: str | Path | None, num_classes: int, **kwargs: Any) -> nn.Module:
     """timm model ``name`` with ``num_classes`` outputs, from the local checkpoint ``path`` (``.safetensors``,
     ``.pth``, ``.bin``) as timm loads pretrained weights (``pretrained_cfg_overlay={"file": path}``: its key
     filters apply, the head is reset when the class count differs); without ``path``, random weights.
 
-    The checkpoint's keys are checked against the architecture first (:func:`check_keys`).
+    The checkpoint's keys are checked against the architecture first (:func:`check_keys`). ``kwargs`` go to
+    ``timm.create_model`` (``base.arch``: e.g. ``img_size``, ``depth`` of a smaller variant).
     """
     if path is None:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes)
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"base.path {path} is not a file")
@@ -55,13 +57,13 @@ def load_timm(name: str, path: str | Path | None, num_classes: int) -> nn.Module
         ckpt = load_state_dict(str(path))
     except Exception as e:  # a corrupt or foreign file: say which
         raise ConfigError(f"base.path {path}: cannot read a state dict ({type(e).__name__}: {e})") from e
-    probe = timm.create_model(name, pretrained=False)
+    probe = timm.create_model(name, pretrained=False, **kwargs)
     head = probe.get_classifier()
     head_names = [n for n, m in probe.named_modules() if m is head]
     expected = set(probe.state_dict())
     check_keys(str(path), expected - set(ckpt), set(ckpt) - expected, head=[f"{n}." for n in head_names])
     try:
         return timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": str(path)},
-                                 num_classes=num_classes)  # fmt: skip
+                                 num_classes=num_classes, **kwargs)  # fmt: skip
     except RuntimeError as e:  # shapes that do not fit the architecture
         raise ConfigError(f"base.path {path}: does not fit timm {name!r} ({str(e).splitlines()[0]})") from e

