@@ -22,6 +22,7 @@ import torch  # noqa: E402
 
 from offline import lit, pipeline, pipeline_clip, train  # noqa: E402
 from offline.config import BuildConfig, ConfigError, add_arguments, load_config, overrides_from_args  # noqa: E402
+from offline.progress import set_enabled as set_progress  # noqa: E402
 
 # family -> the pipeline that builds it
 PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {
@@ -62,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--config", required=True, help="YAML config (examples in offline/configs/)")
     parser.add_argument("--out", required=True, help="artifact directory to write")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out directory")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars: one log line per stage with its timing (the default when stderr is "
+                             "not a terminal, e.g. CI or a Kubernetes Job)")  # fmt: skip
     add_arguments(parser)
     return parser.parse_args(argv)
 
@@ -69,7 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = load_config(args.config, overrides_from_args(args, skip=("config", "out", "force")))
+        if args.no_progress:
+            set_progress(False)
+        cfg = load_config(args.config, overrides_from_args(args, skip=("config", "out", "force", "no_progress")))
         out = Path(args.out)
         if out.exists() and any(out.iterdir()) and not args.force:
             raise ConfigError(f"--out {out} is not empty; pass --force to overwrite")

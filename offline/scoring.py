@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from .families import FamilyAdapter
+from .progress import bar as progress_bar
 
 Batch = dict[str, torch.Tensor]
 
@@ -102,7 +102,7 @@ def taylor_prune(
     pruned_all: list[list[int]] = []
     scores_all: list[list[float]] = []
     current = model
-    for layer in tqdm(range(L), desc="taylor", disable=not progress, leave=False):
+    for layer in progress_bar(range(L), desc="taylor scoring (layers)", wanted=progress):
         r = int(prune_per_layer[layer])
         H = adapter.heads(current)[layer]
         if r < 0 or r > H:
@@ -233,7 +233,7 @@ def circuit_ranking(
     ranking: list[tuple[int, int]] = []
     scores: list[float] = []
     total = sum(len(candidates) - t for t in range(budget))
-    bar = tqdm(total=total, desc=f"circuit-{score}", disable=not progress, leave=False)
+    bar = progress_bar(desc=f"circuit extraction ({score}, evaluations)", total=total, wanted=progress)
     for _ in range(budget):
         best, best_s = None, -np.inf
         for layer, h in candidates:

@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
-from tqdm.auto import tqdm
 
 from service.errors import ServiceError
 from service.preprocess import ImagePreprocessor
@@ -33,6 +32,7 @@ from service.preprocess import ImagePreprocessor
 from .checkpoints import check_keys
 from .data import Data
 from .families.vit import check_supported
+from .progress import bar as progress_bar
 
 log = logging.getLogger("hydra.train")
 
@@ -397,8 +397,7 @@ def fit(
     start = _load_checkpoint(Path(checkpoint_dir), model, opt, sched, key) if checkpoint_dir is not None else 0
     losses: list[float] = []
     model.train()
-    bar = tqdm(range(start, tcfg.steps), desc=desc, initial=start, total=tcfg.steps, disable=not tcfg.progress,
-               dynamic_ncols=True)
+    bar = progress_bar(range(start, tcfg.steps), desc=desc, initial=start, total=tcfg.steps, wanted=tcfg.progress)
     try:
         for step in bar:
             batch, y = get_batch(batch_indices(n, tcfg.batch_size, step, tcfg.seed), step)
