@@ -197,7 +197,8 @@ def train_lit(
 
     def get_batch(idx: np.ndarray, step: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         g = torch.Generator().manual_seed(tcfg.seed * 7_919 + step + 1)
-        x = pixel_batch(x_tr[idx], mean, std, size, ch)  # (B, C, H, W)
+        chunk = [x_tr[i] for i in idx] if isinstance(x_tr, list) else x_tr[idx]  # arrays, or a user's image files
+        x = pixel_batch(chunk, mean, std, size, ch)  # (B, C, H, W)
         if tcfg.hflip:
             flip = torch.rand(len(idx), generator=g) < 0.5
             x = torch.where(flip.view(-1, 1, 1, 1), x.flip(-1), x)

@@ -111,6 +111,7 @@ from .stages import (
     provenance,
     sample_indices,
     standard_methods,
+    take,
     taylor_members,
     write_artifact,
 )
@@ -275,17 +276,20 @@ def zero_shot_batches(
     return out
 
 
-def ood_sample(ood_sets: dict[str, np.ndarray], n: int, seed: int) -> np.ndarray:
-    """``n`` OOD validation images drawn evenly from every set (seeded), so no single set drives the circuits."""
+def ood_sample(ood_sets: dict[str, Any], n: int, seed: int) -> Any:
+    """``n`` OOD validation images drawn evenly from every set (seeded), so no single set drives the circuits;
+    arrays or a user's image files alike (none without OOD data)."""
     names = sorted(ood_sets)
+    if not names:
+        return []
     rng = np.random.default_rng(seed)
     per, extra = divmod(n, len(names))
     parts = []
     for i, name in enumerate(names):
         x = ood_sets[name]
         k = min(len(x), per + (1 if i < extra else 0))
-        parts.append(x[np.sort(rng.choice(len(x), size=k, replace=False))])
-    return np.concatenate(parts)
+        parts.append(take(x, np.sort(rng.choice(len(x), size=k, replace=False))))
+    return concat(parts)
 
 
 # ----------------------------------------------------------------------------- members
@@ -310,9 +314,9 @@ def scoring_batches(cfg: BuildConfig, data: Any, prep: dict, prompts_: Batch) ->
     """Taylor's gradient batches and circuit extraction's ID / OOD validation batches, each with the prompts."""
     n = min(cfg.hydra.calib_samples, len(data.train.labels))
     cal_idx = sample_indices(len(data.train.labels), n, cfg.data.seed)
-    calib = zero_shot_batches(data.train.inputs[cal_idx], data.train.labels[cal_idx], prep, prompts_, 64)
+    calib = zero_shot_batches(take(data.train.inputs, cal_idx), data.train.labels[cal_idx], prep, prompts_, 64)
     n_val = min(cfg.hydra.calib_samples, len(data.val.labels))
-    val = zero_shot_batches(data.val.inputs[:n_val], data.val.labels[:n_val], prep, prompts_, 256)
+    val = zero_shot_batches(take(data.val.inputs, np.arange(n_val)), data.val.labels[:n_val], prep, prompts_, 256)
     ood_x = ood_sample(data.ood_val, n_val, cfg.data.seed)
     return ScoringBatches.of(calib, val, zero_shot_batches(ood_x, np.zeros(len(ood_x), dtype=np.int64), prep,
                                                            prompts_, 256))  # fmt: skip

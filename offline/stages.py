@@ -39,7 +39,7 @@ from torch import nn
 from service.artifact import Manifest, write_manifest
 from service.ood import OODStats
 from service.preprocess import ImagePreprocessor, TextPreprocessor
-from service.uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
+from service.uncertainty import OOD_METRICS, summarize
 from service.uncertainty import ood_score as ood_score_of
 
 from . import data as data_mod
@@ -441,15 +441,14 @@ def calibrate(
     val_logits = collect_logits(fused_fn, val)
     val_y = torch.cat([y for _, y in val])
     T = fit_temperature(val_logits, val_y) if cfg.calibration.temperature else 1.0
-    metric = forced_score(cfg) or "msp"
-    if metric not in SUMMARY_SCORES:
-        raise ConfigError(f"calibration.ood_score {metric!r} needs member features; zero-shot builds serve "
-                          f"{', '.join(SUMMARY_SCORES)} or auto")  # fmt: skip
+    metric = forced_score(cfg) or "msp"  # a probability score: offline.config refuses the others for zero-shot
     id_scores = ood_score_of(summarize(val_logits, T), metric).numpy()
     threshold = calibrate_threshold(id_scores, metric, tpr=cfg.calibration.tpr)
-    ood_scores = ood_score_of(summarize(collect_logits(fused_fn, ood_val), T), metric).numpy()
-    return Calibration(T, metric, threshold, cfg.calibration.tpr, float(np.mean(flag(ood_scores, metric, threshold))),
-                       forced=forced_score(cfg) is not None)  # fmt: skip
+    flagged = 0.0
+    if ood_val:  # a user's data may have no OOD inputs
+        ood_scores = ood_score_of(summarize(collect_logits(fused_fn, ood_val), T), metric).numpy()
+        flagged = float(np.mean(flag(ood_scores, metric, threshold)))
+    return Calibration(T, metric, threshold, cfg.calibration.tpr, flagged, forced=forced_score(cfg) is not None)
 
 
 def calibrate_ood(
