@@ -69,10 +69,14 @@ def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
     return out
 
 
-def run_variant(config: Path, name: str, work: Path, cache: Path) -> Path:
-    """Build one variant into ``work/name`` unless a build with the same overrides is there already."""
+def run_variant(config: Path, name: str, work: Path, cache: Path, seed: int = 0) -> Path:
+    """Build one variant into ``work/name`` (``name@seed<s>`` for another ``data.seed``: splits, base, members)
+    unless a build with the same overrides is there already."""
     base_cfg = load_config(config)
     over = {**resolve(VARIANTS[name], base_cfg), "base.cache_dir": str(cache), "name": f"{base_cfg.name}-{name}"}
+    if seed:
+        over["data.seed"] = seed
+        name = f"{name}@seed{seed}"
     out = work / name
     stamp = work / f".{name}.json"
     if (out / "manifest.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) == over:
@@ -151,20 +155,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "recipe", help="where the builds go (reused)")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "bases", help="base.cache_dir for the builds")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="data.seed of each build (splits, base model, members); several: a table over seeds too")
     args = ap.parse_args(argv)
     work = args.work / args.config.stem
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.variants:
-        out = run_variant(args.config, name, work, args.cache)
-        rows.append(summarize(name, out, VARIANTS[name]))
+        for seed in args.seeds:
+            out = run_variant(args.config, name, work, args.cache, seed)
+            rows.append({**summarize(out.name, out, VARIANTS[name]), "seed": seed, "recipe": name})
     machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
     args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"config": str(args.config), "machine": machine, "rows": rows}
+    doc = {"config": str(args.config), "machine": machine, "seeds": args.seeds, "rows": rows}
+    text = markdown(rows, str(args.config), machine) + (over_seeds(rows) if len(args.seeds) > 1 else "")
     (args.out / "recipe.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "recipe.md").write_text(markdown(rows, str(args.config), machine))
-    print(markdown(rows, str(args.config), machine))
+    (args.out / "recipe.md").write_text(text)
+    print(text)
     return 0
+
+
+def _mean_std(values: list[float | None]) -> str:
+    v = [x for x in values if x is not None]
+    if not v:
+        return "–"
+    m = sum(v) / len(v)
+    sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
+    return f"{100 * m:.1f} ± {100 * sd:.1f}"
+
+
+def over_seeds(rows: list[dict[str, Any]]) -> str:
+    """Mean ± standard deviation over the seeds of each recipe: the served flag and the AUROCs."""
+    sets = list(rows[0]["recall"])
+    head = ["recipe", "seeds", "ID test flagged %"] + [f"recall {s} %" for s in sets]
+    head += ["AUROC Hydra", "Single", "best member"]
+    lines = ["", "Over seeds (mean ± std):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        rs = [r for r in rows if r["recipe"] == recipe]
+        cells = [recipe, ", ".join(str(r["seed"]) for r in rs), _mean_std([r["id_test_flag_rate"] for r in rs])]
+        cells += [_mean_std([r["recall"].get(s) for r in rs]) for s in sets]
+        cells += [_mean_std([r[k] for r in rs]) for k in ("auroc_hydra", "auroc_single", "auroc_best_member")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
