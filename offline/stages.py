@@ -50,6 +50,7 @@ from .families import FamilyAdapter
 from .members import Budget, pool_size, sample_members
 from .metrics import evaluate_predictions
 from .ood_fit import detection, fit_ood_stats, flag_rate, scores_np, select_score
+from .progress import bar as progress_bar
 from .report import measure_latency, write_report
 from .scoring import circuit_ranking, random_ranking, taylor_prune
 
@@ -531,8 +532,13 @@ def standard_methods(
     for i, (f, m) in enumerate(zip(member_fns, members, strict=True)):
         methods[f"member_{i}"] = Method(f, n_params(m))
     methods["hydra"] = Method(fused_fn, n_params(fused), temperature)
-    for m in methods.values():
-        m.runs = {name: collect(m.fn, batches) for name, batches in sets.named().items()}
+    named = sets.named()
+    with progress_bar(desc="evaluation (methods x sets)", total=len(methods) * len(named)) as bar:
+        for m in methods.values():
+            m.runs = {}
+            for name, batches in named.items():
+                m.runs[name] = collect(m.fn, batches)
+                bar.update(1)
     outs = [methods[f"member_{i}"].runs for i in range(len(members))]
     joined = {name: (torch.cat([o[name][0] for o in outs], dim=1),
                      torch.cat([o[name][1] for o in outs], dim=1) if outs[0][name][1] is not None else None)
