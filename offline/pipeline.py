@@ -294,6 +294,7 @@ def finish(
         [with_features(lambda b, m=m: adapter.forward(m, b), m) for m in members], members,
         lambda b: fused(**b), fused, 1.0, sets,
     )  # fmt: skip
+    timer.lap("evaluation outputs (every method on every set)")
     hydra = methods["hydra"]
     cal = calibrate_ood(cfg, hydra.runs["val"], hydra.runs["fit"], sets.labels("fit"), sets.labels("val"),
                         {name: collect(hydra.fn, b) for name, b in ood_val.items()}, len(data.class_names))  # fmt: skip
