@@ -168,13 +168,8 @@ _OOD_AVG_COLUMNS: tuple[tuple[str, _Cell], ...] = (
 )
 
 
-def _temp(x: Any) -> str:
-    """A temperature: up to 4 significant digits ("1", "1.237")."""
-    return "–" if x is None or not math.isfinite(x) else f"{x:.4g}"
-
-
-def _thr(x: Any) -> str:
-    """An OOD threshold, in its score's own units."""
+def _sig4(x: Any) -> str:
+    """A temperature or an OOD threshold (in its score's own units): up to 4 significant digits ("1", "1.237")."""
     return "–" if x is None or not math.isfinite(x) else f"{x:.4g}"
 
 
@@ -183,9 +178,9 @@ def _id_section(rows: list[dict]) -> list[str]:
     temps = {r.get("temperature") for r in rows}
     columns, at = _ID_COLUMNS, ""
     if len(temps) == 1 and None not in temps:
-        at = f", at T = {_temp(temps.pop())}"
+        at = f", at T = {_sig4(temps.pop())}"
     elif temps != {None}:  # rows at different temperatures: say which, per row
-        columns, at = (("T", _cell(_temp, "temperature")), *_ID_COLUMNS), ", each method at the temperature T"
+        columns, at = (("T", _cell(_sig4, "temperature")), *_ID_COLUMNS), ", each method at the temperature T"
     md = [f"## In-distribution (test set{at})", ""]
     md += [
         "Percentages for Acc, ECE, aECE and disagreement; NLL and entropies in nats; Brier of the mean "
@@ -196,7 +191,7 @@ def _id_section(rows: list[dict]) -> list[str]:
 
 
 _TS_COLUMNS: tuple[tuple[str, _Cell], ...] = (
-    ("T", _cell(_temp, "temperature")),
+    ("T", _cell(_sig4, "temperature")),
     ("Acc %", _cell(_pct, "acc")),
     ("NLL", _cell(_num, "nll")),
     ("Brier", _cell(_num, "brier")),
@@ -317,7 +312,7 @@ def _selection_section(extra: Mapping[str, Any]) -> list[str]:
     sets = list(dict.fromkeys(n for c in cands.values() for n in c.get("val_recall") or {}))
     header = ["Score", "Served", "Threshold", "ID val flagged %", *(f"{n} recall %" for n in sets), "Mean recall %"]
     body = [
-        [f"**{name}**" if name == selected else name, "yes" if name == selected else "", _thr(c.get("threshold")),
+        [f"**{name}**" if name == selected else name, "yes" if name == selected else "", _sig4(c.get("threshold")),
          _pct(c.get("id_val_flag_rate")), *(_pct((c.get("val_recall") or {}).get(n)) for n in sets),
          _pct(c.get("val_mean_recall"))]
         for name, c in cands.items()
@@ -338,7 +333,7 @@ def _served_flag_section(extra: Mapping[str, Any], ood_kinds: dict[str, str]) ->
         body.append(["mean over OOD sets", "", _pct(sum(vals) / len(vals) if vals else None)])
     md = ["## The served flag on test data", ""]
     md += [
-        f"Score `{flag.get('score')}` at threshold {_thr(flag.get('threshold'))}, both fixed on validation data. "
+        f"Score `{flag.get('score')}` at threshold {_sig4(flag.get('threshold'))}, both fixed on validation data. "
         "Flagged: the share of a test set's inputs the flag marks OOD (on ID test: false alarms; on an OOD set: "
         "recall).",
         "",

@@ -39,8 +39,8 @@ from torch import nn
 from service.artifact import Manifest, write_manifest
 from service.ood import OODStats
 from service.preprocess import ImagePreprocessor, TextPreprocessor
-from service.uncertainty import OOD_METRICS, summarize
 from service.uncertainty import ood_score as ood_score_of
+from service.uncertainty import summarize
 
 from . import data as data_mod
 from . import train as train_mod
@@ -83,7 +83,6 @@ __all__ = [
     "eval_batches",
     "evaluate",
     "finetune_members",
-    "flag",
     "length_sorted_batches",
     "load_data",
     "n_params",
@@ -101,7 +100,7 @@ __all__ = [
 log = logging.getLogger("hydra.build")
 
 EVAL_BATCH = 128
-EVAL_MAX_PIXELS = 1 << 26  # the evaluation-time preprocessor's image limit (the builder's own arrays)
+EVAL_MAX_PIXELS = train_mod.IMAGE_FILE_LIMIT  # the builder's own images: one limit for training and evaluation
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530  # Fashion-MNIST pixel statistics (the demo settings' normalisation)
 Batch = dict[str, torch.Tensor]
 Batches = list[tuple[Batch, torch.Tensor]]  # [(named inputs, int64 labels (B,))]
@@ -405,11 +404,6 @@ def finetune_members(
 
 
 # ----------------------------------------------------------------------------- calibration
-def flag(scores: np.ndarray, metric: str, threshold: float) -> np.ndarray:
-    """The OOD flag of ``scores``: below the threshold for MSP, above it for the outlier scores (all others)."""
-    return scores < threshold if OOD_METRICS[metric] else scores > threshold
-
-
 @dataclass
 class Calibration:
     """The served ensemble's temperature and OOD score and threshold, fitted on validation data only."""
@@ -448,7 +442,7 @@ def calibrate(
     flagged = 0.0
     if ood_val:  # a user's data may have no OOD inputs
         ood_scores = ood_score_of(summarize(collect_logits(fused_fn, ood_val), T), metric).numpy()
-        flagged = float(np.mean(flag(ood_scores, metric, threshold)))
+        flagged = flag_rate(ood_scores, metric, threshold)
     return Calibration(T, metric, threshold, cfg.calibration.tpr, flagged, forced=forced_score(cfg) is not None)
 
 

@@ -116,7 +116,7 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------- batches
-IMAGE_FILE_LIMIT = 1 << 28  # pixels: a user's own images are trusted far beyond the server's request limit
+IMAGE_FILE_LIMIT = 1 << 26  # pixels: a user's own images are trusted far beyond the server's request limit
 
 
 def files_to_tensor(paths: Sequence[str], spec: dict[str, Any]) -> torch.Tensor:
