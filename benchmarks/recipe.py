@@ -69,11 +69,14 @@ def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
     return out
 
 
-def run_variant(config: Path, name: str, work: Path, cache: Path, seed: int = 0) -> Path:
+def run_variant(config: Path, name: str, work: Path, cache: Path, seed: int = 0, deep_ensemble: int = 0) -> Path:
     """Build one variant into ``work/name`` (``name@seed<s>`` for another ``data.seed``: splits, base, members)
-    unless a build with the same overrides is there already."""
+    unless a build with the same overrides is there already; ``deep_ensemble``: the size of the build's Deep
+    Ensemble baseline (``base.deep_ensemble``, 0 = none)."""
     base_cfg = load_config(config)
     over = {**resolve(VARIANTS[name], base_cfg), "base.cache_dir": str(cache), "name": f"{base_cfg.name}-{name}"}
+    if deep_ensemble:
+        over["base.deep_ensemble"] = deep_ensemble
     if seed:
         over["data.seed"] = seed
         name = f"{name}@seed{seed}"
@@ -103,13 +106,15 @@ def summarize(name: str, out: Path, overrides: dict[str, Any]) -> dict[str, Any]
     score = served.get("score", extra.get("ood_score"))
     members = [r for k, r in rows.items() if k.startswith("member_")]
     member_auroc = [a for a in (_served_auroc(r, score) for r in members) if a is not None]
-    hydra, single = rows["hydra"], rows["single"]
+    hydra, single, de = rows["hydra"], rows["single"], rows.get("deep_ensemble")
     return {
         "variant": name, "overrides": overrides, "acc": hydra["acc"], "acc_single": single["acc"],
         "served_score": score, "id_test_flag_rate": served.get("id_test_flag_rate"),
         "recall": served.get("recall", {}), "ood_kinds": doc.get("ood_kinds", {}),
         "auroc_hydra": _served_auroc(hydra, score), "auroc_single": _served_auroc(single, score),
         "auroc_best_member": max(member_auroc) if member_auroc else None,
+        "auroc_deep_ensemble": _served_auroc(de, score) if de else None,
+        "ece_deep_ensemble_ts": de.get("calibrated", {}).get("ece") if de else None,
         "auroc_by_score": {s: v["avg"].get("auroc") for s, v in hydra.get("ood_scores", {}).items()},
         "mi_ood": hydra.get("mi_ood"), "member_rank_corr": extra.get("member_rank_correlation_ood", {}),
         "ece_hydra": hydra["ece"], "ece_single": single["ece"],
@@ -129,7 +134,7 @@ def markdown(rows: list[dict[str, Any]], config: str, machine: str) -> str:
     sets = list(rows[0]["recall"]) if rows else []
     kinds = rows[0]["ood_kinds"] if rows else {}
     head = ["variant", "served score", "ID test flagged %"] + [f"recall {s} ({kinds.get(s, '?')}) %" for s in sets]
-    head += ["AUROC Hydra", "Single", "best member", "MI OOD", "member rank corr. (Mahalanobis)"]
+    head += ["AUROC Hydra", "Single", "best member", "Deep Ens.", "MI OOD", "member rank corr. (Mahalanobis)"]
     lines = [f"Config `{config}`; {machine}. Scores and thresholds fixed on validation data; figures on test data.",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for r in rows:
@@ -137,13 +142,15 @@ def markdown(rows: list[dict[str, Any]], config: str, machine: str) -> str:
         cells += [_pct(r["recall"].get(s)) for s in sets]
         corr = r["member_rank_corr"].get("mahalanobis")
         cells += [_pct(r["auroc_hydra"]), _pct(r["auroc_single"]), _pct(r["auroc_best_member"]),
+                  _pct(r.get("auroc_deep_ensemble")),
                   "–" if r["mi_ood"] is None else f"{r['mi_ood']:.4f}", "–" if corr is None else f"{corr:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| variant | acc % | ECE Hydra T=1 | ECE Single T=1 | ECE Hydra own T | ECE Single own T | build s |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["", "| variant | acc % | ECE Hydra T=1 | ECE Single T=1 | ECE Hydra own T | ECE Single own T "
+              "| ECE Deep Ens. own T | build s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         cells = [r["variant"], _pct(r["acc"]), _pct(r["ece_hydra"]), _pct(r["ece_single"]), _pct(r["ece_hydra_ts"]),
-                 _pct(r["ece_single_ts"]), "–" if r["build_s"] is None else f"{r['build_s']:.0f}"]  # fmt: skip
+                 _pct(r["ece_single_ts"]), _pct(r.get("ece_deep_ensemble_ts")),
+                 "–" if r["build_s"] is None else f"{r['build_s']:.0f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -157,13 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "bases", help="base.cache_dir for the builds")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0],
                     help="data.seed of each build (splits, base model, members); several: a table over seeds too")
+    ap.add_argument("--deep-ensemble", type=int, default=0,
+                    help="base.deep_ensemble of each build: a Deep Ensemble baseline of this many base models")
     args = ap.parse_args(argv)
     work = args.work / args.config.stem
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.variants:
         for seed in args.seeds:
-            out = run_variant(args.config, name, work, args.cache, seed)
+            out = run_variant(args.config, name, work, args.cache, seed, args.deep_ensemble)
             rows.append({**summarize(out.name, out, VARIANTS[name]), "seed": seed, "recipe": name})
     machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -188,13 +197,14 @@ def over_seeds(rows: list[dict[str, Any]]) -> str:
     """Mean ± standard deviation over the seeds of each recipe: the served flag and the AUROCs."""
     sets = list(rows[0]["recall"])
     head = ["recipe", "seeds", "ID test flagged %"] + [f"recall {s} %" for s in sets]
-    head += ["AUROC Hydra", "Single", "best member"]
+    head += ["AUROC Hydra", "Single", "best member", "Deep Ens."]
     lines = ["", "Over seeds (mean ± std):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for recipe in dict.fromkeys(r["recipe"] for r in rows):
         rs = [r for r in rows if r["recipe"] == recipe]
         cells = [recipe, ", ".join(str(r["seed"]) for r in rs), _mean_std([r["id_test_flag_rate"] for r in rs])]
         cells += [_mean_std([r["recall"].get(s) for r in rs]) for s in sets]
-        cells += [_mean_std([r[k] for r in rs]) for k in ("auroc_hydra", "auroc_single", "auroc_best_member")]
+        cells += [_mean_std([r.get(k) for r in rs])
+                  for k in ("auroc_hydra", "auroc_single", "auroc_best_member", "auroc_deep_ensemble")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

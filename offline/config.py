@@ -44,6 +44,10 @@ class BaseModelConfig:
     # hydra / calibration / export settings reuse the base (and a stopped base training resumes); unset = the
     # artifact's own .checkpoints (resumable, removed when the build finishes)
     cache_dir: str | None = None
+    seed: int | None = None  # training seed of the base model (new head, dropout, batch order); default the preset's
+    # report a Deep Ensemble baseline of this many base models, trained alike with seeds seed, seed + 1, ... on the
+    # same data (its row scores the same OOD statistics as Hydra's); 0 = none. Each extra base costs a base training
+    deep_ensemble: int = 0
 
 
 @dataclass
@@ -223,6 +227,8 @@ def _check_ranges(cfg: BuildConfig) -> None:
     for key in ("max_train", "max_val", "max_test", "max_ood"):
         if getattr(d, key) < 1:
             raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
+    if cfg.base.deep_ensemble == 1 or cfg.base.deep_ensemble < 0:
+        raise ConfigError(f"base.deep_ensemble must be 0 (none) or >= 2 base models, got {cfg.base.deep_ensemble}")
     if h.calib_samples < 1 or h.finetune_steps < 0 or cfg.threads < 0:
         raise ConfigError("hydra.calib_samples must be >= 1, hydra.finetune_steps and threads >= 0")
 

@@ -95,17 +95,36 @@ def base_checkpoint_dir(cfg: BuildConfig, out: Path | None) -> Path | None:
     """Where the base model's training checkpoints go: ``base.cache_dir/<family>-<hash of base and data settings>``,
     else ``out/.checkpoints/base``."""
     if cfg.base.cache_dir:
-        base = {k: v for k, v in dataclasses.asdict(cfg.base).items() if k != "cache_dir"}
+        # neither the cache folder nor the Deep Ensemble's size changes this base; an unset seed keeps older keys
+        base = {k: v for k, v in dataclasses.asdict(cfg.base).items()
+                if k not in ("cache_dir", "deep_ensemble") and not (k == "seed" and v is None)}  # fmt: skip
         data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "max_fit"}  # not used in training
         key = {"family": cfg.family, "base": base, "data": data}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return Path(cfg.base.cache_dir) / f"{cfg.family}-{digest}"
-    return None if out is None else out / ".checkpoints" / "base"
+    if out is None:
+        return None
+    return out / ".checkpoints" / ("base" if cfg.base.seed is None else f"base-seed{cfg.base.seed}")
 
 
 def _train_config(cfg: BuildConfig) -> train_mod.TrainConfig:
     preset = train_mod.PRESETS[cfg.base.preset]
-    return train_mod.TrainConfig(**{**preset["train"], **({"steps": cfg.base.steps} if cfg.base.steps else {})})
+    over = {"steps": cfg.base.steps} if cfg.base.steps else {}
+    if cfg.base.seed is not None:
+        over["seed"] = cfg.base.seed
+    return train_mod.TrainConfig(**{**preset["train"], **over})
+
+
+def deep_ensemble_bases(cfg: BuildConfig, data: Any, out: Path | None) -> list[nn.Module]:
+    """The other base models of the Deep Ensemble baseline (``base.deep_ensemble``): trained exactly like the base
+    on the same data, with the training seeds after its own; each resumable and cached like it."""
+    first = _train_config(cfg).seed
+    bases = []
+    for seed in range(first + 1, first + cfg.base.deep_ensemble):
+        other = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, seed=seed, deep_ensemble=0))
+        torch.manual_seed(seed)  # a timm head reset draws from the global generator
+        bases.append(load_base(other, data, out)[0])
+    return bases
 
 
 def _vit_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
@@ -151,8 +170,8 @@ def _bert_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Modul
     """Text base: the packaged MiniLM (``minilm``) or a Hugging Face folder (``hf:<path>``), fine-tuned on the data."""
     src = cfg.base.source
     path = cfg.base.path if src == "minilm" and cfg.base.path else (None if src == "minilm" else src[3:])
-    model, tok = train_mod.load_minilm_classifier(len(data.class_names), path=path)
     tcfg = _train_config(cfg)
+    model, tok = train_mod.load_minilm_classifier(len(data.class_names), path=path, seed=tcfg.seed)
     model = train_mod.finetune_bert(
         model, tok, data.train.inputs, data.train.labels, data.val.inputs, data.val.labels, tcfg,
         max_length=cfg.base.max_length, checkpoint_dir=ckpt,
@@ -252,11 +271,15 @@ def build(cfg: BuildConfig, out: Path) -> Path:
     base, prep, tok, base_desc = load_base(cfg, data, out)
     check_budget(cfg, adapter.heads(base))
     timer.lap("base model")
+    others = deep_ensemble_bases(cfg, data, out)
+    if others:
+        timer.lap(f"Deep Ensemble baseline ({len(others)} more base models)")
     members, strategy = build_members(cfg, adapter, base, scoring_batches(cfg, data, prep, tok), timer)
     members = finetune_members(cfg, adapter, members, data, prep, tok, out, timer)
     fused, fcfg = fuse(adapter, members, mlp=cfg.hydra.mlp)
     timer.lap("fusion")
-    return finish(cfg, out, adapter, base, members, (fused, fcfg), data, (prep, tok), strategy, base_desc, timer)
+    return finish(cfg, out, adapter, [base, *others], members, (fused, fcfg), data, (prep, tok), strategy, base_desc,
+                  timer)  # fmt: skip
 
 
 def eval_sets(pre: Any, data: Any) -> tuple[EvalSets, np.ndarray, dict[str, Batches]]:
@@ -275,14 +298,15 @@ def eval_sets(pre: Any, data: Any) -> tuple[EvalSets, np.ndarray, dict[str, Batc
 
 
 def finish(
-    cfg: BuildConfig, out: Path, adapter: FamilyAdapter, base: nn.Module, members: list[nn.Module],
+    cfg: BuildConfig, out: Path, adapter: FamilyAdapter, bases: list[nn.Module], members: list[nn.Module],
     fused_and_config: tuple[nn.Module, dict[str, Any]], data: Any, prep_and_tok: tuple[dict[str, Any], Any],
     strategy: dict[str, Any], base_desc: dict[str, Any], timer: Timer,
 ) -> Path:  # fmt: skip
     """Calibrate, evaluate, export and write the artifact: every evaluation input goes through the server's
     preprocessing of the artifact (:func:`offline.stages.eval_batches`); the fused model returns its members'
-    features too, for the OOD statistics (:func:`offline.stages.calibrate_ood`)."""
-    (fused, fcfg), (prep, tok) = fused_and_config, prep_and_tok
+    features too, for the OOD statistics (:func:`offline.stages.calibrate_ood`). ``bases``: the base model, then
+    the Deep Ensemble baseline's other base models (``base.deep_ensemble``), if any."""
+    (fused, fcfg), (prep, tok), base = fused_and_config, prep_and_tok, bases[0]
     prepare_out(out)
     if tok is not None:  # saved first: the server's text preprocessing reads the artifact's tokenizer
         tok.save_pretrained(str(out / "tokenizer"))
@@ -293,6 +317,7 @@ def finish(
         with_features(lambda b: adapter.forward(base, b), base), base,
         [with_features(lambda b, m=m: adapter.forward(m, b), m) for m in members], members,
         lambda b: fused(**b), fused, 1.0, sets,
+        others=[(with_features(lambda b, m=m: adapter.forward(m, b), m), m) for m in bases[1:]],
     )  # fmt: skip
     timer.lap("evaluation outputs (every method on every set)")
     hydra = methods["hydra"]

@@ -519,27 +519,38 @@ class Method:
 def standard_methods(
     single: Callable[[Batch], Any], base: nn.Module, member_fns: list[Callable], members: list[nn.Module],
     fused_fn: Callable[[Batch], Any], fused: nn.Module, temperature: float, sets: EvalSets,
+    others: Sequence[tuple[Callable[[Batch], Any], nn.Module]] = (),
 ) -> dict[str, Method]:  # fmt: skip
     """The rows every build reports, with their runs on every set of ``sets``: the base model, each member, fused
-    Hydra (at ``temperature``) and the unfused ensemble of the same members (their outputs concatenated)."""
+    Hydra (at ``temperature``) and the unfused ensemble of the same members (their outputs concatenated); with
+    ``others`` (more base models, trained like the first), the Deep Ensemble of the base and them."""
     methods = {"single": Method(single, n_params(base))}
     for i, (f, m) in enumerate(zip(member_fns, members, strict=True)):
         methods[f"member_{i}"] = Method(f, n_params(m))
     methods["hydra"] = Method(fused_fn, n_params(fused), temperature)
+    extra = [Method(f, n_params(m)) for f, m in others]
     named = sets.named()
-    with progress_bar(desc="evaluation (methods x sets)", total=len(methods) * len(named)) as bar:
-        for m in methods.values():
+    with progress_bar(desc="evaluation (methods x sets)", total=(len(methods) + len(extra)) * len(named)) as bar:
+        for m in [*methods.values(), *extra]:
             m.runs = {}
             for name, batches in named.items():
                 m.runs[name] = collect(m.fn, batches)
                 bar.update(1)
-    outs = [methods[f"member_{i}"].runs for i in range(len(members))]
-    joined = {name: (torch.cat([o[name][0] for o in outs], dim=1),
-                     torch.cat([o[name][1] for o in outs], dim=1) if outs[0][name][1] is not None else None)
-              for name in outs[0]}  # fmt: skip
     methods["ensemble_unfused"] = Method(lambda b: [f(b) for f in member_fns], sum(n_params(m) for m in members),
-                                         runs=joined)  # fmt: skip
-    return methods
+                                         runs=joined([methods[f"member_{i}"].runs for i in range(len(members))]))
+    if extra:
+        methods["deep_ensemble"] = Method(lambda b: [single(b)] + [m.fn(b) for m in extra],
+                                          n_params(base) + sum(m.params for m in extra),
+                                          runs=joined([methods["single"].runs] + [m.runs for m in extra]))
+    return methods  # fmt: skip
+
+
+def joined(runs: list[dict[str, Run]]) -> dict[str, Run]:
+    """Several models' runs as one ensemble's: logits ``(N, M, C)`` and features ``(N, M, D)`` concatenated along
+    the member axis, set by set."""
+    return {name: (torch.cat([r[name][0] for r in runs], dim=1),
+                   torch.cat([r[name][1] for r in runs], dim=1) if runs[0][name][1] is not None else None)
+            for name in runs[0]}  # fmt: skip
 
 
 def calibrated_metrics(m: Method, y_val: torch.Tensor, y_test: np.ndarray) -> dict[str, float]:

@@ -140,3 +140,37 @@ def test_timm_checkpoint_and_photo_folder_build_serve_and_predict(photo_folder, 
         logits = model(pre(query.read_bytes()).unsqueeze(0))
     want = summarize(logits, m["uncertainty"]["temperature"])["probs"][0]
     torch.testing.assert_close(served, want, atol=1e-4, rtol=0)
+
+
+def test_deep_ensemble_baseline_row(user_files, tmp_path):
+    """``base.deep_ensemble: 2``: a second base trained like the first with the next seed; the report gets a
+    ``deep_ensemble`` row scored with the same OOD scores as Hydra, and the first base (its cache key) and the
+    served artifact do not depend on the baseline."""
+    import dataclasses
+    import json
+
+    from offline.pipeline import base_checkpoint_dir
+
+    ckpt, data = user_files
+    over = {
+        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
+        "base.steps": 6, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
+        "data.max_train": 90, "data.max_val": 30, "data.max_test": 30, "hydra.prune_per_layer": 1,
+        "hydra.calib_samples": 8, "hydra.finetune_steps": 2, "export.torchscript": False, "export.onnx": False,
+        "export.bf16_check": False, "base.cache_dir": str(tmp_path / "bases"),
+    }  # fmt: skip
+    cfg = load_config(None, {**over, "base.deep_ensemble": 2})
+    key = base_checkpoint_dir(cfg, None)
+    with_base = lambda **kw: dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, **kw))
+    assert key == base_checkpoint_dir(with_base(deep_ensemble=0), None)
+    assert key != base_checkpoint_dir(with_base(seed=1), None)
+    out = build(cfg, tmp_path / "with")
+    rows = {r["method"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
+    de, single = rows["deep_ensemble"], rows["single"]
+    assert de["params"] == 2 * single["params"]
+    assert set(de["ood_scores"]) == set(rows["hydra"]["ood_scores"])  # the same scores, its own statistics
+    assert single["mi_id"] == 0 and de["mi_id"] > 0  # two differently seeded bases disagree
+    assert len(list((tmp_path / "bases").iterdir())) == 2  # both bases cached, apart
+    plain = build(load_config(None, over), tmp_path / "without")  # reuses the cached first base
+    assert "deep_ensemble" not in {r["method"] for r in json.loads((plain / "report.json").read_text())["rows"]}
+    assert load_manifest(plain)["files"]["model.safetensors"] == load_manifest(out)["files"]["model.safetensors"]
