@@ -20,6 +20,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from service.artifact import OOD_SCORES as SERVED_SCORES
 
+from .compute import DEVICES, PRECISIONS, resolve_device
+
 FAMILIES = ("vit", "bert", "clip")
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 MEMBER_DATA = ("same", "order", "bootstrap")  # what each member fine-tunes on (hydra.member_data)
@@ -101,6 +103,15 @@ class ExportConfig:
 
 
 @dataclass
+class ComputeConfig:
+    # where training, head scoring, calibration and evaluation run: auto (CUDA when available) | cpu | cuda | cuda:<i>
+    device: str = "auto"
+    precision: str = "auto"  # autocast of training and head scoring: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    eval_precision: str = "fp32"  # autocast of calibration and evaluation: fp32 (what the fp32 server sees) | bf16
+    workers: int = 0  # DataLoader processes decoding training batches (0 = the main process)
+
+
+@dataclass
 class BuildConfig:
     name: str = "hydra"  # model name used in API responses and metrics
     family: str = "vit"  # vit | bert | clip
@@ -110,6 +121,7 @@ class BuildConfig:
     hydra: HydraConfig = field(default_factory=HydraConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    build: ComputeConfig = field(default_factory=ComputeConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -233,10 +245,26 @@ def _check_ranges(cfg: BuildConfig) -> None:
         raise ConfigError("hydra.calib_samples must be >= 1, hydra.finetune_steps and threads >= 0")
 
 
+def _check_compute(c: ComputeConfig) -> None:
+    """The build device exists and the precisions are known (before any data or weights load)."""
+    if c.device not in DEVICES and not c.device.startswith("cuda:"):
+        raise ConfigError(f"build.device must be one of {DEVICES} or cuda:<index>, got {c.device!r}")
+    for key in ("precision", "eval_precision"):
+        if getattr(c, key) not in PRECISIONS:
+            raise ConfigError(f"build.{key} must be one of {PRECISIONS}, got {getattr(c, key)!r}")
+    if c.workers < 0:
+        raise ConfigError(f"build.workers must be >= 0, got {c.workers}")
+    try:
+        resolve_device(c.device)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"build.device: {e}") from None
+
+
 def validate(cfg: BuildConfig) -> None:
     """Cheap checks that need no model or data loading; raise ConfigError with one clear line."""
     check_types(cfg)
     _check_ranges(cfg)
+    _check_compute(cfg.build)
     if cfg.family not in FAMILIES:
         raise ConfigError(f"family must be one of {FAMILIES}, got {cfg.family!r}")
     h = cfg.hydra

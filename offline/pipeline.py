@@ -30,6 +30,7 @@ from service.uncertainty import SUMMARY_SCORES, ood_flag
 
 from . import train as train_mod
 from .checkpoints import load_timm
+from .compute import Compute, on_device
 from .config import BuildConfig, ConfigError, check_budget
 from .export import BF16_MIN_AGREEMENT, ONNX_OPSET, bf16_agreement, bf16_flag_agreement, eager_outputs, export_checked
 from .families import FamilyAdapter, get_adapter
@@ -50,6 +51,7 @@ from .stages import (
     calibrate_ood,
     circuit_batches,
     collect,
+    compute_of,
     concat,
     eval_batches,
     evaluate,
@@ -61,6 +63,7 @@ from .stages import (
     served_flag,
     standard_methods,
     take,
+    train_compute,
     with_features,
     write_artifact,
 )
@@ -112,7 +115,7 @@ def _train_config(cfg: BuildConfig) -> train_mod.TrainConfig:
     over = {"steps": cfg.base.steps} if cfg.base.steps else {}
     if cfg.base.seed is not None:
         over["seed"] = cfg.base.seed
-    return train_mod.TrainConfig(**{**preset["train"], **over})
+    return train_mod.TrainConfig(**{**preset["train"], **over, **train_compute(cfg)})
 
 
 def deep_ensemble_bases(cfg: BuildConfig, data: Any, out: Path | None) -> list[nn.Module]:
@@ -306,18 +309,56 @@ def finish(
     preprocessing of the artifact (:func:`offline.stages.eval_batches`); the fused model returns its members'
     features too, for the OOD statistics (:func:`offline.stages.calibrate_ood`). ``bases``: the base model, then
     the Deep Ensemble baseline's other base models (``base.deep_ensemble``), if any."""
-    (fused, fcfg), (prep, tok), base = fused_and_config, prep_and_tok, bases[0]
+    (fused, fcfg), (prep, tok) = fused_and_config, prep_and_tok
     prepare_out(out)
     if tok is not None:  # saved first: the server's text preprocessing reads the artifact's tokenizer
         tok.save_pretrained(str(out / "tokenizer"))
     pre = make_preprocessor(prep, out, EVAL_MAX_PIXELS)
-    sets, order, ood_val = eval_sets(pre, data)
+    evaluation = eval_sets(pre, data)
     fused.with_features = True  # (logits, features): the served model and its exports carry both
+    ev = compute_of(cfg, evaluation=True)
+    with on_device(ev, fused, *bases, *members):
+        cal, rows, plots, extra, latency = evaluate_build(cfg, adapter, (bases, members, fused), data, pre,
+                                                          evaluation, ev, timer)  # fmt: skip
+
+    save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
+    if cal.stats is not None:
+        save_file(ood_tensors(cal.stats), str(out / OOD_FILE))
+    exports, precision = export_fused(cfg, fused, parity_batches(evaluation[0].val), out, cal)
+    timer.lap("export")
+
+    def manifest(metrics: dict[str, Any]) -> Manifest:
+        return build_manifest(
+            name=cfg.name, family=cfg.family, task="classification", base_model=base_desc,
+            heads=[adapter.kept_heads(m) for m in members], strategy=strategy, labels=list(data.class_names),
+            preprocessing=prep, uncertainty=cal.uncertainty(), ood=ood_spec(cal, data),
+            model={"config": fcfg, "weights": "model.safetensors", "inputs": list(latency), "output": "logits",
+                   "shape": "(B, M, C)", "outputs": ["logits", "features"]},
+            exports=exports, precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
+        )  # fmt: skip
+
+    title = f"{cfg.name}: Hydra ({strategy['name']}, M={cfg.hydra.members})"
+    extra = {**report_extra(cal, extra.pop("served"), data, timer), **extra}
+    return write_artifact(out, manifest, rows, {name: kind for name, (_, kind) in data.ood_test.items()}, plots,
+                          title, extra)  # fmt: skip
+
+
+def evaluate_build(
+    cfg: BuildConfig, adapter: FamilyAdapter, models: tuple[list[nn.Module], list[nn.Module], nn.Module], data: Any,
+    pre: Any, evaluation: tuple[EvalSets, np.ndarray, dict[str, Batches]], ev: Compute, timer: Timer,
+) -> tuple[Calibration, list[dict[str, Any]], dict[str, Any], dict[str, Any], Batch]:  # fmt: skip
+    """Every method's outputs on every set of ``evaluation`` (:func:`eval_sets`; on ``ev``'s device, under its
+    autocast), the calibration fitted on them, the report rows and plots, ``{"served": ...,
+    "member_rank_correlation_ood": ...}`` and the first 8 test inputs (the latency batch; its keys are the model's
+    inputs). ``models``: the bases (the base, then the Deep Ensemble's others), the members, fused Hydra."""
+    run = ev.wrap if ev.cuda or ev.precision != "fp32" else (lambda f: f)
+    (sets, order, ood_val), (bases, members, fused) = evaluation, models
+    base = bases[0]
     methods = standard_methods(
-        with_features(lambda b: adapter.forward(base, b), base), base,
-        [with_features(lambda b, m=m: adapter.forward(m, b), m) for m in members], members,
-        lambda b: fused(**b), fused, 1.0, sets,
-        others=[(with_features(lambda b, m=m: adapter.forward(m, b), m), m) for m in bases[1:]],
+        run(with_features(lambda b: adapter.forward(base, b), base)), base,
+        [run(with_features(lambda b, m=m: adapter.forward(m, b), m)) for m in members], members,
+        run(lambda b: fused(**b)), fused, 1.0, sets,
+        others=[(run(with_features(lambda b, m=m: adapter.forward(m, b), m)), m) for m in bases[1:]],
     )  # fmt: skip
     timer.lap("evaluation outputs (every method on every set)")
     hydra = methods["hydra"]
@@ -336,26 +377,7 @@ def finish(
     agreement = member_agreement(torch.cat([r[0] for r in ood_all]), torch.cat([r[1] for r in ood_all]), cal.stats,
                                  cal.temperature) if ood_all else {}  # fmt: skip
     timer.lap("evaluation")
-
-    save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
-    if cal.stats is not None:
-        save_file(ood_tensors(cal.stats), str(out / OOD_FILE))
-    exports, precision = export_fused(cfg, fused, parity_batches(sets.val), out, cal)
-    timer.lap("export")
-
-    def manifest(metrics: dict[str, Any]) -> Manifest:
-        return build_manifest(
-            name=cfg.name, family=cfg.family, task="classification", base_model=base_desc,
-            heads=[adapter.kept_heads(m) for m in members], strategy=strategy, labels=list(data.class_names),
-            preprocessing=prep, uncertainty=cal.uncertainty(), ood=ood_spec(cal, data),
-            model={"config": fcfg, "weights": "model.safetensors", "inputs": list(latency), "output": "logits",
-                   "shape": "(B, M, C)", "outputs": ["logits", "features"]},
-            exports=exports, precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
-        )  # fmt: skip
-
-    title = f"{cfg.name}: Hydra ({strategy['name']}, M={cfg.hydra.members})"
-    extra = {**report_extra(cal, served, data, timer), "member_rank_correlation_ood": agreement}
-    return write_artifact(out, manifest, rows, ood_kinds, plots, title, extra)
+    return cal, rows, plots, {"served": served, "member_rank_correlation_ood": agreement}, latency
 
 
 def ood_spec(cal: Calibration, data: Any) -> dict[str, Any] | None:

@@ -133,7 +133,7 @@ def msp_auroc(msp_id: torch.Tensor, msp_ood: torch.Tensor) -> float:
     from sklearn.metrics import roc_auc_score
 
     y = np.r_[np.zeros(len(msp_id)), np.ones(len(msp_ood))]
-    return float(roc_auc_score(y, -np.r_[msp_id.numpy(), msp_ood.numpy()]))
+    return float(roc_auc_score(y, -np.r_[msp_id.float().cpu().numpy(), msp_ood.float().cpu().numpy()]))
 
 
 def circuit_objective(kind: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], float]:

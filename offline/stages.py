@@ -45,6 +45,7 @@ from service.uncertainty import summarize
 from . import data as data_mod
 from . import train as train_mod
 from .calibration import calibrate_threshold, fit_temperature
+from .compute import Compute, on_device
 from .config import BuildConfig, ConfigError
 from .families import FamilyAdapter
 from .members import Budget, pool_size, sample_members
@@ -78,6 +79,9 @@ __all__ = [
     "circuit_batches",
     "collect",
     "collect_logits",
+    "compute_of",
+    "joined",
+    "train_compute",
     "head_module",
     "concat",
     "eval_batches",
@@ -204,6 +208,12 @@ class ScoringBatches:
     def of(cls, calib: Batches, val: Batches, ood: Batches) -> ScoringBatches:
         return cls(calib, [b for b, _ in val], torch.cat([y for _, y in val]), [b for b, _ in ood])
 
+    def to(self, device: torch.device) -> ScoringBatches:
+        """Every tensor on ``device`` (scoring on a GPU reads them many times: copied once)."""
+        on = lambda b: {k: v.to(device) for k, v in b.items()}
+        return ScoringBatches([(on(b), y.to(device)) for b, y in self.calib], [on(b) for b in self.val_id],
+                              self.val_y.to(device), [on(b) for b in self.val_ood])  # fmt: skip
+
 
 # ----------------------------------------------------------------------------- evaluation batches
 def eval_batches(
@@ -318,7 +328,19 @@ def taylor_members(
 def build_members(
     cfg: BuildConfig, adapter: FamilyAdapter, base: nn.Module, scoring: ScoringBatches, timer: Timer
 ) -> tuple[list[nn.Module], dict[str, Any]]:
-    """The M pruned members of ``cfg.hydra.strategy`` and the manifest's ``strategy`` record."""
+    """The M pruned members of ``cfg.hydra.strategy`` and the manifest's ``strategy`` record; head scoring runs on
+    the build device under its autocast (``build.device``, ``build.precision``), the members come back on the CPU."""
+    compute = compute_of(cfg)
+    if not compute.cuda and compute.precision == "fp32":
+        return _build_members(cfg, adapter, base, scoring, timer)
+    with on_device(compute, base), compute.autocast():
+        members, info = _build_members(cfg, adapter, base, scoring.to(compute.device), timer)
+    return [m.to("cpu").float() for m in members], info
+
+
+def _build_members(
+    cfg: BuildConfig, adapter: FamilyAdapter, base: nn.Module, scoring: ScoringBatches, timer: Timer
+) -> tuple[list[nn.Module], dict[str, Any]]:
     h = cfg.hydra
     heads = adapter.heads(base)
     budget = budget_of(cfg)
@@ -359,7 +381,19 @@ def member_train_config(cfg: BuildConfig, i: int) -> train_mod.TrainConfig:
     for key, value in (("label_smoothing", h.label_smoothing), ("lr", h.lr), ("hflip", h.augment)):
         if value is not None:
             over[key] = value
-    return train_mod.TrainConfig(**{**preset, **over})
+    return train_mod.TrainConfig(**{**preset, **over, **train_compute(cfg)})
+
+
+def train_compute(cfg: BuildConfig) -> dict[str, Any]:
+    """The ``build`` section as training settings: device, autocast precision, DataLoader workers."""
+    b = cfg.build
+    return {"device": b.device, "precision": b.precision, "workers": b.workers}
+
+
+def compute_of(cfg: BuildConfig, evaluation: bool = False) -> Compute:
+    """The build's device with the autocast of training and scoring, or (``evaluation``) of calibration and
+    evaluation (:mod:`offline.compute`)."""
+    return Compute.of(cfg.build.device, cfg.build.eval_precision if evaluation else cfg.build.precision)
 
 
 def member_data(data: Any, cfg: BuildConfig, seed: int) -> Any:

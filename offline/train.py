@@ -30,6 +30,7 @@ from service.errors import ServiceError
 from service.preprocess import ImagePreprocessor
 
 from .checkpoints import check_keys
+from .compute import Compute
 from .data import Data
 from .families.vit import check_supported
 from .progress import bar as progress_bar
@@ -102,6 +103,8 @@ class TrainConfig:
     max_eval: int = 2000  # validation examples for the end-of-training accuracy
     eval_batch_size: int = 256  # batch size of that evaluation
     device: str = "cpu"  # cpu | cuda | auto (the model comes back on the CPU)
+    precision: str = "fp32"  # fp32 | bf16 (autocast of the forward pass; weights and optimiser state stay fp32)
+    workers: int = 0  # DataLoader worker processes making the batches (0 = the main process)
     progress: bool = True  # show a tqdm progress bar
 
     def __post_init__(self) -> None:
@@ -284,10 +287,30 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> np.ndarray:
     return torch.randperm(n, generator=g)[k * bs : (k + 1) * bs].numpy()
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+class _Steps(torch.utils.data.Dataset):
+    """Training steps ``start .. steps - 1`` as a dataset: item ``k`` is step ``start + k``'s batch, a function of
+    ``(seed, step)`` only, so batches made by DataLoader workers equal the main process's."""
+
+    def __init__(self, get_batch: Callable[[np.ndarray, int], tuple[Batch, torch.Tensor]], n: int, tcfg: TrainConfig,
+                 start: int) -> None:  # fmt: skip
+        self.get_batch, self.n, self.tcfg, self.start = get_batch, n, tcfg, start
+
+    def __len__(self) -> int:
+        return max(0, self.tcfg.steps - self.start)
+
+    def __getitem__(self, k: int) -> tuple[Batch, torch.Tensor]:
+        step = self.start + k
+        return self.get_batch(batch_indices(self.n, self.tcfg.batch_size, step, self.tcfg.seed), step)
+
+
+def step_batches(get_batch: Callable[[np.ndarray, int], tuple[Batch, torch.Tensor]], n: int, tcfg: TrainConfig,
+                 start: int, pin: bool) -> torch.utils.data.DataLoader:  # fmt: skip
+    """The batches of steps ``start..``, in order, made by ``tcfg.workers`` processes (pinned memory for CUDA)."""
+    w = tcfg.workers
+    # its own generator: the loader's base-seed draw must not advance the global one (dropout; resumed runs)
+    return torch.utils.data.DataLoader(_Steps(get_batch, n, tcfg, start), batch_size=None, shuffle=False,
+                                       num_workers=w, pin_memory=pin, prefetch_factor=2 if w else None,
+                                       generator=torch.Generator().manual_seed(tcfg.seed))  # fmt: skip
 
 
 def _optimizer(model: nn.Module, names: Sequence[str], tcfg: TrainConfig) -> torch.optim.Optimizer:
@@ -303,7 +326,7 @@ def _optimizer(model: nn.Module, names: Sequence[str], tcfg: TrainConfig) -> tor
 
 def _fingerprint(tcfg: TrainConfig, n: int, extra: Any) -> str:
     """What a checkpoint must match to be resumed: the config fields that change the result, data size, model."""
-    cfg = {k: v for k, v in asdict(tcfg).items() if k not in ("progress", "checkpoint_every", "device")}
+    cfg = {k: v for k, v in asdict(tcfg).items() if k not in ("progress", "checkpoint_every", "device", "workers")}
     return json.dumps({"train": cfg, "n": n, "model": extra}, sort_keys=True, default=str)
 
 
@@ -379,7 +402,8 @@ def fit(
     if n < 1:
         raise ValueError(f"{desc}: no training examples")
     torch.manual_seed(tcfg.seed)
-    device = _device(tcfg.device)
+    compute = Compute.of(tcfg.device, tcfg.precision)
+    device = compute.device
     model.to(device)
     names = trainable_names(model, tcfg.unfreeze)
     if not names:
@@ -399,10 +423,10 @@ def fit(
     model.train()
     bar = progress_bar(range(start, tcfg.steps), desc=desc, initial=start, total=tcfg.steps, wanted=tcfg.progress)
     try:
-        for step in bar:
-            batch, y = get_batch(batch_indices(n, tcfg.batch_size, step, tcfg.seed), step)
-            batch = {k: v.to(device) for k, v in batch.items()}
-            loss = F.cross_entropy(forward(model, batch), y.to(device), label_smoothing=tcfg.label_smoothing)
+        for step, (batch, y) in zip(bar, step_batches(get_batch, n, tcfg, start, pin=compute.cuda), strict=True):
+            with compute.autocast():
+                logits = forward(model, compute.batch(batch))
+            loss = F.cross_entropy(logits.float(), y.to(device), label_smoothing=tcfg.label_smoothing)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if tcfg.grad_clip:

@@ -133,7 +133,8 @@ class FamilyAdapter:
                 self._slice_layer(pruned, layer, k)
             new_kept.append([base_kept[layer][i] for i in k])
         setattr(pruned, KEPT_ATTR, new_kept)
-        return pruned
+        # the sliced layers are new modules made on the CPU: the pruned copy lives where the model lives (a GPU build)
+        return pruned.to(next(model.parameters()).device)
 
     def prune_to(self, model: nn.Module, keep_base: Sequence[Sequence[int]]) -> nn.Module:
         """Like :meth:`prune` but with *base-model* head indices."""

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from offline.config import ConfigError, check_budget, load_config
 
@@ -112,6 +113,12 @@ def test_base_cache_dir_is_shared_by_builds_that_differ_only_in_hydra_settings(t
         ("hydra.members", "true", "hydra.members: True is not a valid int"),
         ("export.tolerance", "x", "export.tolerance: 'x' is not a valid float"),
         ("hydra.member_data", "shuffle", "hydra.member_data must be one of"),
+        ("build.precision", "half", "build.precision must be one of"),
+        ("build.device", "tpu", "build.device must be one of"),
+        ("build.workers", "-1", "build.workers must be >= 0"),
+        ("base.deep_ensemble", "1", "base.deep_ensemble must be 0 (none) or >= 2"),
+        pytest.param("build.device", "cuda", "torch sees no CUDA device",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_status_2(tmp_path, capsys, flag, value, says):

@@ -215,6 +215,39 @@ def test_finetune_member_resumes_to_the_same_weights(tmp_path):
     assert getattr(other, T.TRAIN_LOG_ATTR)["steps_run"] == 12  # a checkpoint of another config is not resumed
 
 
+def test_dataloader_workers_give_the_same_weights(tmp_path):
+    """``workers``: the batches come from DataLoader processes; each batch is a function of (seed, step), so two
+    workers train exactly the weights the main process trains (flips included)."""
+    adapter, data = get_adapter("vit"), _image_data()
+    base = tiny_vit(num_classes=2)
+    trained = []
+    for workers in (0, 2):
+        tcfg = T.TrainConfig(steps=6, batch_size=16, lr=1e-3, hflip=True, checkpoint_every=0, progress=False,
+                             workers=workers)  # fmt: skip
+        trained.append(T.finetune_member(adapter, adapter.prune(base, [[0, 1], [2, 3], [0, 3]]), data, IMAGE_PREP,
+                                         None, tcfg, tmp_path / str(workers), f"workers={workers}"))  # fmt: skip
+    for (k, a), b in zip(trained[0].state_dict().items(), trained[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_bf16_autocast_training_keeps_fp32_weights(tmp_path):
+    """``precision: bf16``: the forward pass runs under bf16 autocast (other numbers than fp32's), the weights and
+    the returned model stay fp32 and the loss still falls."""
+    adapter, data = get_adapter("vit"), _image_data()
+    base = tiny_vit(num_classes=2)
+    out = {}
+    for precision in ("fp32", "bf16"):
+        tcfg = T.TrainConfig(steps=30, batch_size=16, lr=3e-3, checkpoint_every=0, progress=False,
+                             precision=precision)  # fmt: skip
+        m = T.finetune_member(adapter, adapter.prune(base, [[0, 1], [2, 3], [0, 3]]), data, IMAGE_PREP, None, tcfg,
+                              tmp_path / precision, precision)  # fmt: skip
+        out[precision] = m
+    assert all(p.dtype == torch.float32 for p in out["bf16"].parameters())
+    a, b = out["fp32"].state_dict(), out["bf16"].state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # bf16 matmuls: not the fp32 run
+    assert getattr(out["bf16"], T.TRAIN_LOG_ATTR)["val_accuracy"] > 0.8  # it learned the toy task
+
+
 def test_finetune_text_member_and_bert(tmp_path, tok):
     from transformers import BertConfig, BertForSequenceClassification
 

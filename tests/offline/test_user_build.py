@@ -174,3 +174,33 @@ def test_deep_ensemble_baseline_row(user_files, tmp_path):
     plain = build(load_config(None, over), tmp_path / "without")  # reuses the cached first base
     assert "deep_ensemble" not in {r["method"] for r in json.loads((plain / "report.json").read_text())["rows"]}
     assert load_manifest(plain)["files"]["model.safetensors"] == load_manifest(out)["files"]["model.safetensors"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_build_under_bf16_autocast_writes_an_fp32_artifact(user_files, tmp_path, device):
+    """``build.precision: bf16`` and ``build.eval_precision: bf16`` (on CUDA: the GPU build): training, head
+    scoring, calibration and evaluation run under bf16 autocast on the build device; the artifact is the same
+    device-independent fp32 artifact, its exports pass the parity check against the fp32 eager model, and it
+    serves on the CPU."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from safetensors import safe_open
+
+    ckpt, data = user_files
+    cfg = load_config(None, {
+        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
+        "base.steps": 6, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
+        "data.max_train": 90, "data.max_val": 30, "data.max_test": 30, "hydra.prune_per_layer": 1,
+        "hydra.calib_samples": 8, "hydra.finetune_steps": 2, "export.torchscript": False, "export.bf16_check": False,
+        "build.device": device, "build.precision": "bf16", "build.eval_precision": "bf16", "build.workers": 1,
+    })  # fmt: skip
+    out = build(cfg, tmp_path / "artifact")
+    m = load_manifest(out)
+    assert m["build"]["config"]["build"] == {"device": device, "precision": "bf16", "eval_precision": "bf16",
+                                             "workers": 1}  # fmt: skip
+    assert m["exports"]["onnx"]["max_abs_diff"] <= m["exports"]["onnx"]["tolerance"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
+    with TestClient(create_app(settings_for(out, backend="onnx"))) as c:
+        r = c.post("/predict", json={"texts": ["where is my parcel"]})
+    assert r.status_code == 200, r.text
