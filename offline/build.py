@@ -43,15 +43,25 @@ def check_presets(cfg: BuildConfig) -> None:
                           f"known: {', '.join(sorted(train.PRESETS))}")  # fmt: skip
 
 
-def build(cfg: BuildConfig, out: str | Path) -> Path:
-    """Build the artifact of ``cfg`` into ``out`` with its family's pipeline and return it."""
+def build(cfg: BuildConfig, out: str | Path, stage: str | None = None, member: int | None = None) -> Path:
+    """Build the artifact of ``cfg`` into ``out`` with its family's pipeline and return it; or run one ``stage``
+    of a classifier build (:data:`offline.pipeline.STAGES`; ``member``: the member of ``--stage member``)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if cfg.family not in PIPELINES:
         raise ConfigError(f"family {cfg.family!r} has no pipeline; known: {sorted(PIPELINES)}")
     check_presets(cfg)
+    if stage is not None and PIPELINES[cfg.family] is not pipeline.build:
+        raise ConfigError(f"--stage is for classifier builds (vit, bert); a {cfg.family} build runs in one process")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    return PIPELINES[cfg.family](cfg, Path(out))
+    if stage is None:
+        return PIPELINES[cfg.family](cfg, Path(out))
+    return pipeline.build(cfg, Path(out), stage=stage, member=member)
+
+
+def resumable_only(out: Path) -> bool:
+    """``out`` holds nothing but a build's resumable state (``.checkpoints``: a stopped build, or earlier stages)."""
+    return all(p.name == ".checkpoints" for p in out.iterdir())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars: one log line per stage with its timing (the default when stderr is "
                              "not a terminal, e.g. CI or a Kubernetes Job)")  # fmt: skip
+    parser.add_argument("--stage", choices=pipeline.STAGES, default=None,
+                        help="run one stage of a classifier build in --out (shared by the stages): base, score, "
+                             "member (with --member K; members fine-tune in parallel), finish; default: all of them")
+    parser.add_argument("--member", type=int, default=None, help="the member --stage member fine-tunes (0..M-1)")
     add_arguments(parser)
     return parser.parse_args(argv)
 
@@ -75,11 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.no_progress:
             set_progress(False)
-        cfg = load_config(args.config, overrides_from_args(args, skip=("config", "out", "force", "no_progress")))
+        skip = ("config", "out", "force", "no_progress", "stage", "member")
+        cfg = load_config(args.config, overrides_from_args(args, skip=skip))
         out = Path(args.out)
-        if out.exists() and any(out.iterdir()) and not args.force:
+        if out.exists() and not resumable_only(out) and not args.force and args.stage in (None, "finish"):
             raise ConfigError(f"--out {out} is not empty; pass --force to overwrite")
-        build(cfg, out)
+        if args.member is not None and args.stage != "member":
+            raise ConfigError("--member K goes with --stage member")
+        build(cfg, out, args.stage, args.member)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

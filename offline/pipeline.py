@@ -56,7 +56,9 @@ from .stages import (
     eval_batches,
     evaluate,
     finetune_members,
+    finetune_one,
     load_data,
+    member_checkpoints,
     prepare_out,
     provenance,
     sample_indices,
@@ -70,7 +72,7 @@ from .stages import (
 
 OOD_FILE = "ood.safetensors"  # the OOD statistics (service.ood.ood_tensors)
 
-__all__ = ["base_checkpoint_dir", "build", "heads_of_base", "load_base", "scoring_batches"]
+__all__ = ["STAGES", "base_checkpoint_dir", "build", "heads_of_base", "load_base", "scoring_batches"]
 
 
 
@@ -260,29 +262,106 @@ def export_fused(
 
 
 # ----------------------------------------------------------------------------- the build
-def build(cfg: BuildConfig, out: Path) -> Path:
-    """Build the classifier artifact of ``cfg`` into ``out`` and return it."""
+STAGES = ("base", "score", "member", "finish")  # --stage: the parts of a build one process (pod, GPU) can run
+
+
+def build(cfg: BuildConfig, out: Path, stage: str | None = None, member: int | None = None) -> Path:
+    """Build the classifier artifact of ``cfg`` into ``out`` and return it; or run one ``stage`` of it.
+
+    Stages share ``out/.checkpoints`` (a volume every pod mounts): ``base`` trains the base model (and the Deep
+    Ensemble baseline's), ``score`` scores the heads and records the members' kept heads, ``member`` fine-tunes
+    member ``member`` (one per process: members train in parallel), ``finish`` collects them (each must have
+    finished), fuses, calibrates, evaluates and exports. Every stage reloads the data and the base from disk; the
+    artifact equals a one-process build's."""
     out = Path(out)
     torch.manual_seed(cfg.data.seed)
     timer = Timer()
     heads = heads_of_base(cfg)
     if heads is not None:
         check_budget(cfg, heads)
+    if stage == "member" and not 0 <= (member if member is not None else -1) < cfg.hydra.members:
+        raise ConfigError(f"--stage member needs --member K with 0 <= K < hydra.members={cfg.hydra.members}")
+    if stage in ("member", "finish") and not (_stage_dir(out) / "members.json").is_file():
+        raise ConfigError(f"--stage {stage}: no scored members in {out} (run --stage base, then --stage score)")
     data = load_data(cfg)
     timer.lap("data")
     adapter = get_adapter(cfg.family)
     base, prep, tok, base_desc = load_base(cfg, data, out)
     check_budget(cfg, adapter.heads(base))
     timer.lap("base model")
-    others = deep_ensemble_bases(cfg, data, out)
+    others = deep_ensemble_bases(cfg, data, out) if stage in (None, "base", "finish") else []
     if others:
         timer.lap(f"Deep Ensemble baseline ({len(others)} more base models)")
-    members, strategy = build_members(cfg, adapter, base, scoring_batches(cfg, data, prep, tok), timer)
+    if stage == "base":
+        return save_stage(out, "base", timer)
+    members, strategy = scored_members(cfg, adapter, base, data, (prep, tok), out, timer, stage)
+    if stage == "score":
+        return save_stage(out, "score", timer)
+    if stage == "member":
+        finetune_one(cfg, adapter, members[member], member, data, prep, tok, out)
+        timer.lap(f"member {member} fine-tuning")
+        return save_stage(out, f"member{member}", timer)
+    if stage == "finish":
+        check_members_done(cfg, out)
     members = finetune_members(cfg, adapter, members, data, prep, tok, out, timer)
     fused, fcfg = fuse(adapter, members, mlp=cfg.hydra.mlp)
     timer.lap("fusion")
+    if stage == "finish":  # the manifest's timings: every stage's, each under its own name
+        timer.times = {**stage_times(out), **timer.times}
     return finish(cfg, out, adapter, [base, *others], members, (fused, fcfg), data, (prep, tok), strategy, base_desc,
                   timer)  # fmt: skip
+
+
+def _stage_dir(out: Path) -> Path:
+    return out / ".checkpoints" / "stages"
+
+
+def save_stage(out: Path, name: str, timer: Timer) -> Path:
+    """Record that stage ``name`` finished, with its timings (``finish`` puts them in the manifest)."""
+    d = _stage_dir(out)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"{name}.timings.json").write_text(json.dumps(timer.times))
+    return out
+
+
+def stage_times(out: Path) -> dict[str, float]:
+    """The timings the earlier stages recorded, as ``stage <name>: <lap>``."""
+    times: dict[str, float] = {}
+    for f in sorted(_stage_dir(out).glob("*.timings.json")):
+        stage = f.name.split(".")[0]
+        times.update({f"stage {stage}: {k}": v for k, v in json.loads(f.read_text()).items()})
+    return times
+
+
+def scored_members(
+    cfg: BuildConfig, adapter: FamilyAdapter, base: nn.Module, data: Any, prep_and_tok: tuple[dict[str, Any], Any],
+    out: Path, timer: Timer, stage: str | None,
+) -> tuple[list[nn.Module], dict[str, Any]]:  # fmt: skip
+    """The pruned members and the strategy record: scored here (one process, or ``--stage score``, which saves the
+    members' kept heads), or (``member``, ``finish``) rebuilt from the saved kept heads: a pruned member is the
+    base with the other heads' weights sliced away, so the kept heads determine it."""
+    path = _stage_dir(out) / "members.json"
+    if stage in ("member", "finish"):
+        saved = json.loads(path.read_text())
+        return [adapter.prune_to(base, k) for k in saved["kept_heads"]], saved["strategy"]
+    prep, tok = prep_and_tok
+    members, strategy = build_members(cfg, adapter, base, scoring_batches(cfg, data, prep, tok), timer)
+    if stage == "score":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"kept_heads": [adapter.kept_heads(m) for m in members], "strategy": strategy}
+        path.write_text(json.dumps(doc, default=float))
+    return members, strategy
+
+
+def check_members_done(cfg: BuildConfig, out: Path) -> None:
+    """``--stage finish``: every member's fine-tuning has reached its last step."""
+    if cfg.hydra.finetune_steps <= 0:
+        return
+    for i in range(cfg.hydra.members):
+        done = train_mod.completed_steps(member_checkpoints(out, i))
+        if done < cfg.hydra.finetune_steps:
+            raise ConfigError(f"--stage finish: member {i} is at step {done} of {cfg.hydra.finetune_steps} "
+                              f"(run --stage member --member {i} first)")  # fmt: skip
 
 
 def eval_sets(pre: Any, data: Any) -> tuple[EvalSets, np.ndarray, dict[str, Batches]]:

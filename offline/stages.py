@@ -87,6 +87,8 @@ __all__ = [
     "eval_batches",
     "evaluate",
     "finetune_members",
+    "finetune_one",
+    "member_checkpoints",
     "length_sorted_batches",
     "load_data",
     "n_params",
@@ -423,18 +425,30 @@ def finetune_members(
     own recipe (:func:`member_train_config`, :func:`member_data`, :func:`reinit_head`)."""
     if cfg.hydra.finetune_steps <= 0:
         return members
-    tuned = []
-    for i, m in enumerate(members):
-        tcfg = member_train_config(cfg, i)
-        if cfg.hydra.reinit_head:
-            reinit_head(m, tcfg.seed + i)
-        key = {"member_data": cfg.hydra.member_data, "reinit_head": cfg.hydra.reinit_head}
-        tuned.append(train_mod.finetune_member(
-            adapter, m, member_data(data, cfg, tcfg.seed), prep, tok, tcfg,
-            checkpoint_dir=out / ".checkpoints" / f"member{i}", desc=f"member {i}", key_extra=key,
-        ).eval())  # fmt: skip
+    tuned = [finetune_one(cfg, adapter, m, i, data, prep, tok, out) for i, m in enumerate(members)]
     timer.lap("member fine-tuning")
     return tuned
+
+
+def member_checkpoints(out: Path, i: int) -> Path:
+    """Where member ``i``'s fine-tuning checkpoints live (shared by the stages of a build)."""
+    return out / ".checkpoints" / f"member{i}"
+
+
+def finetune_one(
+    cfg: BuildConfig, adapter: FamilyAdapter, member: nn.Module, i: int, data: Any, prep: dict[str, Any], tok: Any,
+    out: Path,
+) -> nn.Module:  # fmt: skip
+    """Member ``i`` fine-tuned with its own recipe, resumable (a finished run reloads at once from its last
+    checkpoint, which is how ``--stage finish`` collects members fine-tuned by other processes)."""
+    tcfg = member_train_config(cfg, i)
+    if cfg.hydra.reinit_head:
+        reinit_head(member, tcfg.seed + i)
+    key = {"member_data": cfg.hydra.member_data, "reinit_head": cfg.hydra.reinit_head}
+    return train_mod.finetune_member(
+        adapter, member, member_data(data, cfg, tcfg.seed), prep, tok, tcfg,
+        checkpoint_dir=member_checkpoints(out, i), desc=f"member {i}", key_extra=key,
+    ).eval()  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- calibration

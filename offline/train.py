@@ -340,6 +340,12 @@ def _checkpoints(folder: Path) -> list[int]:
     return sorted(steps)
 
 
+def completed_steps(folder: Path) -> int:
+    """The step of the last complete checkpoint in ``folder`` (0: none)."""
+    steps = _checkpoints(Path(folder)) if Path(folder).is_dir() else []
+    return steps[-1] if steps else 0
+
+
 def _save_checkpoint(folder: Path, step: int, model: nn.Module, opt, sched, fingerprint: str) -> None:
     from safetensors.torch import save_model
 

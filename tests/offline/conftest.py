@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,3 +62,35 @@ def vit():
 @pytest.fixture
 def bert():
     return tiny_bert()
+
+
+# ----------------------------------------------------------------------------- what a user brings
+LABELS = ["billing", "delivery", "praise"]
+WORDS = {
+    "billing": ["invoice", "charged twice", "refund", "payment failed", "my card"],
+    "delivery": ["parcel late", "courier", "tracking number", "not delivered", "wrong address"],
+    "praise": ["great service", "thank you", "love it", "very helpful", "excellent support"],
+}
+
+
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny random BertForSequenceClassification with a 1000-label head (save_pretrained, with a tokenizer) and
+    a CSV of 150 labelled texts."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from offline.train import minilm_path
+
+    root = tmp_path_factory.mktemp("user")
+    cfg = BertConfig(vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=96, max_position_embeddings=64, num_labels=1000)  # fmt: skip
+    torch.manual_seed(0)
+    BertForSequenceClassification(cfg).save_pretrained(root / "ckpt")
+    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(root / "ckpt")
+    with open(root / "tickets.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        for i in range(150):
+            label = LABELS[i % 3]
+            w.writerow([f"{WORDS[label][i % 5]} ticket {i}", label])
+    return root / "ckpt", root / "tickets.csv"

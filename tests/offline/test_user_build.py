@@ -3,7 +3,6 @@ serve -> /predict; the served probabilities are the builder's evaluation-time pr
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,6 @@ from fastapi.testclient import TestClient
 
 from offline.build import build
 from offline.config import load_config
-from offline.train import minilm_path
 from service.artifact import load_manifest
 from service.main import create_app
 from service.models import load_model
@@ -21,33 +19,7 @@ from service.preprocess import make_preprocessor
 from service.uncertainty import summarize
 from tests.service.helpers import settings_for
 
-LABELS = ["billing", "delivery", "praise"]
-WORDS = {
-    "billing": ["invoice", "charged twice", "refund", "payment failed", "my card"],
-    "delivery": ["parcel late", "courier", "tracking number", "not delivered", "wrong address"],
-    "praise": ["great service", "thank you", "love it", "very helpful", "excellent support"],
-}
-
-
-@pytest.fixture(scope="module")
-def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A tiny random BertForSequenceClassification with a 1000-label head (save_pretrained, with a tokenizer) and
-    a CSV of 150 labelled texts."""
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    root = tmp_path_factory.mktemp("user")
-    cfg = BertConfig(vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=96, max_position_embeddings=64, num_labels=1000)  # fmt: skip
-    torch.manual_seed(0)
-    BertForSequenceClassification(cfg).save_pretrained(root / "ckpt")
-    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(root / "ckpt")
-    with open(root / "tickets.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["text", "label"])
-        for i in range(150):
-            label = LABELS[i % 3]
-            w.writerow([f"{WORDS[label][i % 5]} ticket {i}", label])
-    return root / "ckpt", root / "tickets.csv"
+from .conftest import LABELS
 
 
 def test_hf_checkpoint_and_csv_build_serve_and_predict(user_files, tmp_path):
