@@ -78,20 +78,28 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:
         print(f"invalid HYDRA_* settings:\n{e}", file=sys.stderr)
         return EXIT_SETTINGS
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # imported once the settings are known to be valid: service.main builds its module-level `app` (for uvicorn
     # service.main:app) from the environment at import, and loads torch
+    from .logs import configure_logging
     from .main import create_app
 
+    configure_logging(settings)
     app = create_app(settings)
+    json_logs = settings.log_format == "json"
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        # asyncio and h11, the image's (uvloop and httptools are optional extras uvicorn would pick when present)
+        loop="asyncio",
+        http="h11",
         log_level=settings.log_level,
+        # JSON logs: uvicorn's loggers go through the root handler (JSON) instead of their own text handlers
+        log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG,
         timeout_graceful_shutdown=args.graceful_timeout,
         lifespan="on",
-        access_log=settings.log_level == "debug",
+        # the server's own access line (service.logs) replaces uvicorn's with JSON logs
+        access_log=settings.log_level == "debug" and not json_logs,
         server_header=False,
     )
     server = _server_class()(config)

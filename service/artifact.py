@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -46,6 +47,7 @@ __all__ = [
     "TextPreprocessing",
     "Uncertainty",
     "ZeroShotSpec",
+    "artifact_version",
     "build_manifest",
     "file_sha256",
     "list_files",
@@ -65,6 +67,8 @@ LOGIT_SCORES = ("energy", "max_logit")  # need the artifact's OOD statistics (oo
 # need them and the features output
 FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy")
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
+# a model version as the API shows it (URL path segment of the Open Inference Protocol): no slash, no space
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class ArtifactError(RuntimeError):
@@ -258,6 +262,8 @@ class Manifest(_Record):
 
     format_version: Literal[1] = FORMAT_VERSION
     name: str = Field(min_length=1)  # the model's name in API answers and metrics
+    # the model's version in API answers and metrics; absent: build.version, else a hash of the manifest
+    version: str | None = Field(None, pattern=VERSION_PATTERN)
     family: Literal["vit", "bert", "clip"]
     task: Literal["classification", "zero-shot"]
     base_model: BaseModelInfo
@@ -366,6 +372,7 @@ def build_manifest(
     zero_shot: dict[str, Any] | None = None,
     head_index: str | None = None,
     ood: dict[str, Any] | None = None,
+    version: str | None = None,
 ) -> Manifest:
     """The one constructor of a manifest (``members`` is ``len(heads)``); raises :class:`ArtifactError` naming the
     first bad field. ``files`` is added by :func:`write_manifest`."""
@@ -374,7 +381,7 @@ def build_manifest(
         "heads": heads, "head_index": head_index, "strategy": strategy, "labels": labels, "zero_shot": zero_shot,
         "preprocessing": preprocessing.to_dict() if isinstance(preprocessing, BaseModel) else preprocessing,
         "uncertainty": uncertainty, "model": model, "exports": exports or {}, "precision": precision or {},
-        "metrics": metrics or {}, "data": data, "build": build, "ood": ood,
+        "metrics": metrics or {}, "data": data, "build": build, "ood": ood, "version": version,
     }  # fmt: skip
     return parse_manifest(_jsonable(fields), "manifest")
 
@@ -471,3 +478,20 @@ def verify_files(root: str | Path, manifest: dict[str, Any]) -> None:
         digest = file_sha256(path)
         if digest != meta["sha256"]:
             raise ArtifactError(f"{path}: sha256 {digest[:12]}… != {meta['sha256'][:12]}… in the manifest (corrupt?)")
+
+
+def artifact_version(manifest: dict[str, Any]) -> str:
+    """The model version of a validated manifest: its ``version``, else ``build.version``, else the first 12 hex
+    digits of the sha256 of the manifest itself (canonical JSON). The manifest holds the sha256 of every file, and
+    :func:`verify_files` checks them at load, so the hash covers the weights, the exports, the tokenizer and every
+    setting of the manifest (labels, temperature, OOD threshold): any change to what the model answers changes it."""
+    recorded = manifest.get("version")
+    if recorded is None and isinstance(manifest.get("build"), dict):
+        recorded = manifest["build"].get("version")
+    if recorded is not None:
+        text = str(recorded)
+        if not re.fullmatch(VERSION_PATTERN, text):
+            raise ArtifactError(f"manifest build.version {text!r} is not a version (letters, digits, '.', '_', '-')")
+        return text
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]

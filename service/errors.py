@@ -1,9 +1,11 @@
 """Domain exceptions and their one mapping to the contract's error body (docs/api.md, "Errors").
 
-Every error answer is ``{"error": {"code": ..., "message": ...}}``. Code raises a
-:class:`ServiceError` subclass; :func:`install_error_handlers` maps those, FastAPI's
-own validation errors (422), Starlette's 404/405 and any unexpected exception
-(500, logged server-side, never echoed) to that body.
+Every error answer is ``{"error": {"code": ..., "message": ...}}``, except under ``/v2``
+(the Open Inference Protocol), where the protocol's ``{"error": "<message>"}`` is used
+with the same HTTP status. Code raises a :class:`ServiceError` subclass;
+:func:`install_error_handlers` maps those, FastAPI's own validation errors (422),
+Starlette's 404/405 and any unexpected exception (500, logged server-side, never
+echoed) to that body.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "InternalError",
     "error_body",
     "error_response",
+    "is_oip_path",
     "format_validation_errors",
     "install_error_handlers",
 ]
@@ -108,8 +111,15 @@ def error_body(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
 
-def error_response(exc: ServiceError) -> JSONResponse:
-    return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status, headers=exc.headers or None)
+def is_oip_path(path: str) -> bool:
+    """Whether ``path`` belongs to the Open Inference Protocol (``/v2``), whose errors are ``{"error": "..."}``."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def error_response(exc: ServiceError, path: str = "") -> JSONResponse:
+    """The error answer to a request for ``path``: the contract's body, or the protocol's under ``/v2``."""
+    body = {"error": exc.message} if is_oip_path(path) else error_body(exc.code, exc.message)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers or None)
 
 
 def _loc(loc: Sequence[Any]) -> str:
@@ -146,10 +156,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_service_error(request: Request, exc: ServiceError) -> JSONResponse:
         if exc.status >= 500 and not isinstance(exc, (Overloaded, NotReady)):
             log.error("%s %s -> %s: %s", request.method, request.url.path, exc.code, exc.message)
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(InvalidInput(format_validation_errors(exc.errors()), status=422))
+        return error_response(InvalidInput(format_validation_errors(exc.errors()), status=422), request.url.path)
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 404:
@@ -163,14 +173,13 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             err = InternalError("internal error; the server log has the details")
         err.headers.update(exc.headers or {})
-        return error_response(err)
+        return error_response(err, request.url.path)
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(InternalError("internal error; the server log has the details"))
+        return error_response(InternalError("internal error; the server log has the details"), request.url.path)
 
     app.add_exception_handler(ServiceError, on_service_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, on_unexpected)
-

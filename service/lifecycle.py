@@ -45,6 +45,7 @@ __all__ = [
     "load_and_warm",
     "load_in_background",
     "pick",
+    "not_ready_reason",
     "shutdown",
     "startup",
 ]
@@ -144,7 +145,7 @@ async def load_and_warm(state: ServerState) -> None:
         t0 = time.perf_counter()
         await rt.warmup()
         d = rt.describe()
-        info = (rt.name, rt.family, rt.task, d["backend"], d["device"], d["precision"])
+        info = (rt.name, rt.version, rt.family, rt.task, d["backend"], d["device"], d["precision"])
         state.metrics.model_info.labels(*info).set(1)
         log.info("%s warmed up in %.2f s", rt.name, time.perf_counter() - t0)
     state.ready = True
@@ -182,6 +183,22 @@ async def shutdown(state: ServerState) -> None:
     if state.runtimes:
         log.info("stopped: every queued request answered, model workers stopped (%d requests received, %d answered)",
                  state.requests_received, state.requests_answered)  # fmt: skip
+
+
+def not_ready_reason(state: ServerState) -> str | None:
+    """Why the server is not ready (``/readyz``, ``/v2/health/ready`` answer 503 with it); None when it is."""
+    if state.load_error is not None:
+        return "not ready: loading the models failed (the server log has the details); restart it"
+    if not state.ready:
+        return "not ready: models are loading or warming up, or the server is shutting down"
+    bad = state.unhealthy()
+    if bad:
+        s = state.settings
+        return (
+            f"not ready: model(s) {', '.join(bad)} failed {s.unready_after_failures} or more batches in a row; "
+            f"a probe batch runs every {s.probe_interval_s:g} s until one succeeds"
+        )
+    return None
 
 
 def pick(state: ServerState, name: str | None, modality: str, task: str) -> Runtime:

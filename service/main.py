@@ -13,11 +13,13 @@ non-zero status, so that the orchestrator restarts it).
 Readiness also goes false while a model is unhealthy (``HYDRA_UNREADY_AFTER_FAILURES``
 failed batches in a row, until a probe batch succeeds; :class:`service.runtimes.Runtime`).
 
-The app is assembled here from one module per concern: :mod:`service.middleware` (auth,
-body limit, request metrics), :mod:`service.lifecycle` (state, start-up, shutdown, model
-picking), :mod:`service.routes` (the handlers, over :mod:`service.requests` and
-:mod:`service.runtimes`) and :mod:`service.errors` (the error body). Handlers reach the
-loaded models through ``request.app.state.hydra``.
+The app is assembled here from one module per concern: :mod:`service.middleware` (request
+IDs and the access log, auth, body limit, request metrics), :mod:`service.lifecycle` (state,
+start-up, shutdown, model picking), :mod:`service.routes` (the HTTP API's handlers) and
+:mod:`service.routes_oip` (the Open Inference Protocol's), both over :mod:`service.pipeline`
+(the one inference path), :mod:`service.tracing` (request IDs, trace context, OpenTelemetry
+with ``HYDRA_OTEL``) and :mod:`service.errors` (the error body). Handlers reach the loaded
+models through ``request.app.state.hydra``.
 """
 
 from __future__ import annotations
@@ -36,24 +38,42 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 # the imports below load torch (through the runtimes): after the environment defaults above
+from functools import partial
+
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .errors import install_error_handlers
 from .lifecycle import ServerState, lifespan
 from .metrics import Metrics
-from .middleware import GuardMiddleware
+from .middleware import GuardMiddleware, RequestContext
 from .routes import install_routes
+from .routes_oip import install_oip_routes
 from .settings import Settings
+from .tracing import instrument
 
-__all__ = ["create_app", "app"]
+__all__ = ["HydraApp", "create_app", "app"]
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+class HydraApp(FastAPI):
+    """FastAPI, with :class:`RequestContext` around all of it (Starlette's error middleware and OpenTelemetry's
+    included), so that a request's ID is on every answer and its access line sees the final status."""
+
+    context: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.context is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await self.context(scope, receive, send)
+
+
+def create_app(settings: Settings | None = None) -> HydraApp:
     """The app; loading happens in its lifespan (``with TestClient(app)`` or a server), not here."""
     settings = settings if settings is not None else Settings()
     state = ServerState(settings=settings, metrics=Metrics())
-    app = FastAPI(
+    app = HydraApp(
         title="hydra-serve",
         version="0.1.0",
         description="Uncertainty-aware inference with Hydra ensembles: predictions with MSP, entropy, "
@@ -67,9 +87,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.cors_origins:  # outermost, so that 401/413 answers carry CORS headers too
         app.add_middleware(
             CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-ID", "traceparent"],
+            expose_headers=["X-Request-ID"],
         )  # fmt: skip
     install_routes(app)
+    install_oip_routes(app)
+    if settings.otel:
+        instrument(app)
+    app.context = RequestContext(partial(FastAPI.__call__, app), state)
     return app
 
 

@@ -43,8 +43,8 @@ class Metrics:
             registry=r,
         )  # fmt: skip
         self.model_info = Gauge(
-            "hydra_model_info", "Loaded models (value 1) with their backend, device and precision.",
-            ["model", "family", "task", "backend", "device", "precision"], registry=r,
+            "hydra_model_info", "Loaded models (value 1) with their version, backend, device and precision.",
+            ["model", "version", "family", "task", "backend", "device", "precision"], registry=r,
         )  # fmt: skip
         self.ready = Gauge(
             "hydra_ready", "1 while /readyz answers 200: every model loaded, warmed up and healthy.", registry=r

@@ -1,4 +1,10 @@
-"""Pure ASGI middleware in front of every route: request metrics, bearer auth and the body size limit.
+"""Pure ASGI middleware in front of every route: request IDs and the access log, request metrics, bearer auth and
+the body size limit.
+
+:class:`RequestContext` wraps the whole app (outside Starlette's error middleware and OpenTelemetry's, see
+:class:`service.main.HydraApp`), so that every answer, a 500 included, carries the request's ``X-Request-ID``: the
+client's, or a new one (:mod:`service.tracing`). It sets the request ID and the ``traceparent`` trace ID for the
+logs of the request (:mod:`service.logs`) and writes its access line once answered.
 
 :class:`GuardMiddleware` sits outside routing, so it sees every request, 404s included:
 it counts the request (``hydra_requests_in_flight``, ``hydra_request_duration_seconds``
@@ -14,16 +20,76 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from dataclasses import asdict
+from typing import Any
 
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import InvalidInput, PayloadTooLarge, ServiceError, Unauthorized, error_response
 from .lifecycle import ServerState
+from .logs import InferenceNote, log_access, request_context
+from .tracing import REQUEST_ID_HEADER, request_id, trace_id
 
-__all__ = ["GuardMiddleware", "PUBLIC_PATHS"]
+__all__ = ["GuardMiddleware", "PUBLIC_PATHS", "RequestContext", "endpoint_label"]
 
 # answered without the API key: the kubelet's probes and Prometheus' scrapes carry no token
-PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"})
+
+
+def endpoint_label(scope: Scope) -> str:
+    """The route path of a request (``/v2/models/{model_name}/infer``), also when it was answered before routing
+    (401, 413); ``unmatched`` when no route takes its path."""
+    route = scope.get("route")
+    if getattr(route, "path", None):
+        return route.path
+    for r in getattr(scope.get("app"), "routes", ()):
+        matched, _ = r.matches(scope)
+        if matched is not Match.NONE and getattr(r, "path", None):
+            return r.path
+    return "unmatched"
+
+
+class RequestContext:
+    """Pure ASGI, outermost: the request ID (``X-Request-ID`` on every answer) and trace ID, the access line."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        headers = dict(scope.get("headers", []))
+        rid = request_id(headers.get(REQUEST_ID_HEADER))
+        scope["hydra.request_id"], scope["hydra.trace_id"] = rid, trace_id(headers.get(b"traceparent"))
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID_HEADER, rid.encode())]}
+            await send(message)
+
+        with request_context(rid, scope["hydra.trace_id"]):
+            try:
+                await self.app(scope, receive, send_wrapper)
+            finally:
+                self._log(scope, status, t0)
+
+    def _log(self, scope: Scope, status: int, t0: float) -> None:
+        fields: dict[str, Any] = {
+            "request_id": scope["hydra.request_id"], "trace_id": scope.get("hydra.trace_id"),
+            "method": scope.get("method"), "endpoint": endpoint_label(scope), "status": status,
+            "latency_ms": round((time.perf_counter() - t0) * 1000, 3),
+        }  # fmt: skip
+        note = scope.get("hydra.inference")
+        if isinstance(note, InferenceNote):
+            fields.update(asdict(note))
+        log_access(fields, json_format=self.state.settings.log_format == "json")
 
 
 class GuardMiddleware:
@@ -37,7 +103,6 @@ class GuardMiddleware:
         # so neither the content nor the length of the key can be learnt from response times
         self._key_digest = hashlib.sha256(key.get_secret_value().encode()).digest() if key is not None else None
         self._max_body = state.settings.max_body_bytes
-        self._paths: frozenset[str] | None = None  # the app's route paths, read on first use
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,21 +126,12 @@ class GuardMiddleware:
         try:
             err = self._check(scope)
             if err is not None:
-                await error_response(err)(scope, receive, send_wrapper)
+                await error_response(err, scope["path"])(scope, receive, send_wrapper)
                 return
             await self.app(scope, self._limited(receive), send_wrapper)
         finally:
             state.metrics.in_flight.dec()
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or self._endpoint(scope)
-            state.metrics.request_duration.labels(endpoint, str(status)).observe(time.perf_counter() - t0)
-
-    def _endpoint(self, scope: Scope) -> str:
-        """The metrics label of a request answered before routing (401, 413): its path if it is a route."""
-        if self._paths is None:
-            app = scope.get("app")
-            self._paths = frozenset(getattr(r, "path", "") for r in getattr(app, "routes", ()))
-        return scope["path"] if scope["path"] in self._paths else "unmatched"
+            state.metrics.request_duration.labels(endpoint_label(scope), str(status)).observe(time.perf_counter() - t0)
 
     def _check(self, scope: Scope) -> ServiceError | None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}

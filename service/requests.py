@@ -49,14 +49,16 @@ NO_FILES: dict[str, str] = {
 class ParsedRequest:
     """One inference request, whichever endpoint and media type it came by."""
 
-    task: str  # the endpoint's: classification (/predict) or zero-shot (/zero-shot)
+    task: str  # the endpoint's: classification (/predict, OIP) or zero-shot (/zero-shot, OIP with labels)
     modality: str  # image or text
-    field: str  # the inputs' name in error messages: text, texts, image, images or file
-    items: list[Any]  # texts, base64 images (JSON) or image bytes (multipart)
+    field: str  # the inputs' name in error messages: text, texts, image, images, file (OIP: its input's name)
+    items: list[Any]  # texts, base64 images (JSON), image bytes (multipart, OIP binary) or (C, H, W) tensors
     base64_encoded: bool
     model: str | None  # the model asked for, if any
     query: Query
     form: FormData | None = None  # the multipart form, open until close()
+    # the items are model inputs already (the Open Inference Protocol's FP32 tensor): no decoding, no preprocessing
+    preprocessed: bool = False
 
     def check_limits(self, settings: Settings) -> None:
         """Raise :class:`InvalidInput` naming the field when the request exceeds a configured limit."""

@@ -1,11 +1,11 @@
 """The HTTP routes (docs/api.md): health, readiness, metrics, the model list, ``/predict`` and ``/zero-shot``.
 
 Handlers are thin. The two inference endpoints share one path, :func:`infer`: parse the
-body (:mod:`service.requests`) -> check the configured limits -> pick the model
-(:func:`service.lifecycle.pick`) -> prepare the inputs (decode, preprocess) -> run them
-through the model's batcher (:meth:`service.runtimes.Runtime.answer`). The answer is a
-:class:`~service.schemas.PredictResponse`, sent without its unset fields. Errors are
-domain exceptions mapped to the contract's body in :mod:`service.errors`.
+body (:mod:`service.requests`), then the inference path every endpoint shares
+(:func:`service.pipeline.run_inference`: limits -> model -> inputs -> batcher). The answer is a
+:class:`~service.schemas.PredictResponse` (:meth:`service.runtimes.Runtime.respond`), sent
+without its unset fields. Errors are domain exceptions mapped to the contract's body in
+:mod:`service.errors`. The Open Inference Protocol's routes (``/v2``) are :mod:`service.routes_oip`.
 
 The route declarations carry the OpenAPI documentation: response models, the error
 answers of each route, and both request bodies (JSON and multipart) of the inference routes.
@@ -16,16 +16,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from .errors import NotReady
-from .lifecycle import ServerState, pick
+from .lifecycle import not_ready_reason
 from .metrics import CONTENT_TYPE_LATEST
-from .requests import ParsedRequest, parse_request
-from .runtimes import Runtime
+from .pipeline import request_id, run_inference, server_state
+from .requests import parse_request
 from .schemas import (
     ERROR_RESPONSES,
     HealthResponse,
@@ -38,40 +37,13 @@ from .schemas import (
 
 __all__ = ["infer", "install_routes"]
 
-# inputs larger than this (bytes) are decoded in a worker thread, not on the event loop
-INLINE_BYTES = 32 * 1024
-
-
-def server_state(request: Request) -> ServerState:
-    """The state the app's handlers share (set by :func:`service.main.create_app`)."""
-    return request.app.state.hydra
-
-
-async def prepare_inputs(rt: Runtime, parsed: ParsedRequest) -> list[Any]:
-    """Decode and preprocess the request's inputs for ``rt``: large ones in a worker thread, so that the event
-    loop keeps answering while an image is decoded."""
-    if sum(len(x) for x in parsed.items) <= INLINE_BYTES:
-        return rt.prepare(parsed.items, parsed.field, base64_encoded=parsed.base64_encoded)
-    return await anyio.to_thread.run_sync(
-        lambda: rt.prepare(parsed.items, parsed.field, base64_encoded=parsed.base64_encoded)
-    )
-
 
 async def infer(request: Request, task: str) -> JSONResponse:
-    """The one inference path: parse -> check limits -> pick the model -> prepare the inputs -> answer.
-
-    The multipart form (if any) is closed once the inputs are prepared, whatever happens.
-    """
-    state = server_state(request)
+    """Parse the body of ``/predict`` or ``/zero-shot`` -> the shared inference path -> the answer."""
     t0 = request.scope.get("hydra.t0", time.perf_counter())
-    parsed = await parse_request(request, task, state.settings.max_items)
-    try:
-        parsed.check_limits(state.settings)
-        rt = pick(state, parsed.model, parsed.modality, task)
-        prepared = await prepare_inputs(rt, parsed)
-    finally:
-        await parsed.close()
-    answer = await rt.answer(prepared, parsed.query, t0=t0)
+    parsed = await parse_request(request, task, server_state(request).settings.max_items)
+    rt, out = await run_inference(request, parsed)
+    answer = rt.respond(out, parsed.query, t0, request_id(request))
     # validated when built: serialised as is; `members` (None unless asked for) is left out
     return JSONResponse(answer.model_dump(exclude_none=True))
 
@@ -105,17 +77,9 @@ async def healthz() -> dict[str, str]:
 
 async def readyz(request: Request) -> dict[str, Any]:
     state = server_state(request)
-    if state.load_error is not None:
-        raise NotReady("not ready: loading the models failed (the server log has the details); restart it")
-    if not state.ready:
-        raise NotReady("not ready: models are loading or warming up, or the server is shutting down")
-    bad = state.unhealthy()
-    if bad:
-        s = state.settings
-        raise NotReady(
-            f"not ready: model(s) {', '.join(bad)} failed {s.unready_after_failures} or more batches in a row; "
-            f"a probe batch runs every {s.probe_interval_s:g} s until one succeeds"
-        )
+    reason = not_ready_reason(state)
+    if reason is not None:
+        raise NotReady(reason)
     return {"status": "ready", "models": list(state.runtimes)}
 
 

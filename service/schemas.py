@@ -265,13 +265,19 @@ class Timing(BaseModel):
 
 
 class PredictResponse(BaseModel):
+    id: str = Field(
+        description="the request's ID: its X-Request-ID header, else one the server made (also sent back "
+        "as X-Request-ID)"
+    )
     model: str
+    model_version: str = Field(description="the version of the model that answered (GET /v1/models)")
     predictions: list[Prediction]
     timing: Timing
 
 
 class ModelInfo(BaseModel):
     name: str
+    version: str
     family: str
     task: str
     modality: str

@@ -6,6 +6,7 @@ fields (``artifacts``, ``cors_origins``) are comma-separated strings.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -23,6 +24,14 @@ def _split_commas(value: object) -> object:
     if isinstance(value, (list, tuple)):
         return [str(v).strip() for v in value if str(v).strip()]
     return value
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 class Settings(BaseSettings):
@@ -62,6 +71,12 @@ class Settings(BaseSettings):
     max_labels: int = Field(256, ge=2)
     # log level of the service and uvicorn loggers
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # text: human-readable lines; json: one JSON object per line (python-json-logger) and an access line per request
+    log_format: Literal["text", "json"] = "text"
+    # one log line per prediction (label, confidence, uncertainty, OOD flag; never the input itself)
+    log_predictions: bool = False
+    # OpenTelemetry tracing of every request (the `otel` extra); spans go where OTEL_EXPORTER_OTLP_* say
+    otel: bool = False
     # origins allowed by CORS, comma-separated; empty = CORS off
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # torch / ONNX Runtime intra-op threads per model; unset = torch's default (physical cores)
@@ -79,7 +94,7 @@ class Settings(BaseSettings):
     def _comma_list(cls, value: object) -> object:
         return _split_commas(value)
 
-    @field_validator("log_level", mode="before")
+    @field_validator("log_level", "log_format", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
@@ -89,6 +104,13 @@ class Settings(BaseSettings):
     def _non_empty_key(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and not value.get_secret_value().strip():
             return None  # HYDRA_API_KEY="" means auth off, as if unset
+        return value
+
+    @field_validator("otel", mode="after")
+    @classmethod
+    def _otel_installed(cls, value: bool) -> bool:
+        if value and not _installed("opentelemetry.instrumentation.fastapi"):
+            raise ValueError("HYDRA_OTEL=true needs OpenTelemetry: pip install 'hydra-serve[otel]'")
         return value
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from pathlib import Path
 from ..artifact import ArtifactError, load_manifest, verify_files
 from ..metrics import Metrics
 from ..settings import Settings
-from .base import ItemResult, Query, Runtime, build_predictions, summarize_rows
+from .base import ItemResult, Outcome, Query, Runtime, build_predictions, summarize_rows
 from .classifier import ClassifierRuntime
 from .zeroshot import CLIPZeroShotRuntime, TextCache, text_cache_counter
 
@@ -29,6 +29,7 @@ __all__ = [
     "CLIPZeroShotRuntime",
     "ClassifierRuntime",
     "ItemResult",
+    "Outcome",
     "Query",
     "Runtime",
     "TextCache",

@@ -2,10 +2,12 @@
 
 A runtime is one loaded artifact behind one batcher: the request side decodes and
 preprocesses the inputs (:meth:`Runtime.prepare`), the worker thread runs the model
-on a batch (``_run``), and :meth:`Runtime.answer` turns the member logits ``(B, M, C)``
-of one request into the ``/predict`` or ``/zero-shot`` answer. The answer is built as
-the response models of :mod:`service.schemas` (:class:`PredictResponse` and its parts),
-so the body the client gets and the schema the API documents (docs/api.md) are one thing.
+on a batch (``_run``), :meth:`Runtime.outcome` turns the member logits ``(B, M, C)``
+of one request into one :class:`ItemResult` per input (an :class:`Outcome`), and
+:meth:`Runtime.respond` into the ``/predict`` or ``/zero-shot`` answer (the Open Inference
+Protocol builds its tensors from the same outcome). The answer is built as the response
+models of :mod:`service.schemas` (:class:`PredictResponse` and its parts), so the body the
+client gets and the schema the API documents (docs/api.md) are one thing.
 
 Health lives here too: after ``HYDRA_UNREADY_AFTER_FAILURES`` failed batches in a row a
 runtime is not ``healthy`` (``/readyz`` 503) and runs a probe batch every
@@ -29,12 +31,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..artifact import ArtifactError
+from ..artifact import ArtifactError, artifact_version
 from ..backends import Plan
 from ..batching import Batcher, BatchResult
 from ..metrics import Metrics
 from ..ood import OODStats, ensemble_scores
-from ..preprocess import ImagePreprocessor, decode_base64
+from ..preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..schemas import (
     DEFAULT_TEMPLATE,
     OOD,
@@ -48,7 +50,7 @@ from ..schemas import (
 from ..settings import Settings
 from ..uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 
-__all__ = ["ItemResult", "Query", "Runtime", "build_predictions", "preprocess_images", "summarize_rows"]
+__all__ = ["ItemResult", "Outcome", "Query", "Runtime", "build_predictions", "preprocess_images", "summarize_rows"]
 
 log = logging.getLogger("hydra.runtime")
 
@@ -68,6 +70,15 @@ class ItemResult:
     ood_score: float
     ood_flag: bool
     scores: dict[str, float] | None = None  # every OOD score computed for this input (return_scores)
+
+
+@dataclass
+class Outcome:
+    """One request through the model: a result per input, in order, over ``labels``, and its batch timings."""
+
+    results: list[ItemResult]
+    labels: list[str]  # the model's own labels, or a zero-shot request's
+    batch: BatchResult
 
 
 @dataclass(frozen=True)
@@ -175,6 +186,7 @@ class Runtime(abc.ABC):
     """One loaded artifact behind one batcher. Subclasses set ``task`` and implement the abstract methods."""
 
     task: ClassVar[str]
+    pre: ImagePreprocessor | TextPreprocessor  # the inputs' decoding and preprocessing (set by the subclass)
 
     def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
         self.root = root
@@ -182,6 +194,10 @@ class Runtime(abc.ABC):
         self.settings = settings
         self.metrics = metrics
         self.name: str = manifest["name"]
+        try:
+            self.version: str = artifact_version(manifest)
+        except ArtifactError as e:
+            raise ArtifactError(f"{root}: {e}") from None
         self.family: str = manifest["family"]
         self.members: int = int(manifest["members"])
         unc = manifest["uncertainty"]
@@ -205,6 +221,12 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def modality(self) -> str:
         """``image`` or ``text``: the inputs this runtime takes."""
+
+    @property
+    def image_shape(self) -> tuple[int, int, int] | None:
+        """``(C, H, W)`` of one preprocessed image for an image model (``pixel_values``), None for a text model."""
+        pre = self.pre
+        return (pre.channels, *pre.size) if isinstance(pre, ImagePreprocessor) else None
 
     @property
     def labels(self) -> list[str]:
@@ -238,8 +260,18 @@ class Runtime(abc.ABC):
         """Worker thread: prepared inputs (at most ``max_batch``) -> one result per input."""
 
     @abc.abstractmethod
-    async def answer(self, prepared: list[Any], query: Query, *, t0: float) -> PredictResponse:
+    async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
+        """Prepared inputs of one request -> its results, through the batcher."""
+
+    async def outcome(self, prepared: list[Any], query: Query) -> Outcome:
+        """Prepared inputs of one request -> its results, counted in ``hydra_predictions_total``."""
+        out = await self._outcome(prepared, query)
+        self._count(out.results)
+        return out
+
+    async def answer(self, prepared: list[Any], query: Query, *, t0: float, request_id: str = "") -> PredictResponse:
         """Prepared inputs of one request -> its answer; ``t0`` is when the request arrived (``total_ms``)."""
+        return self.respond(await self.outcome(prepared, query), query, t0, request_id)
 
     @abc.abstractmethod
     async def warmup(self) -> None:
@@ -296,6 +328,7 @@ class Runtime(abc.ABC):
         plan = self.plan
         return {
             "name": self.name,
+            "version": self.version,
             "family": self.family,
             "task": self.task,
             "modality": self.modality,
@@ -309,17 +342,17 @@ class Runtime(abc.ABC):
                             "ood_threshold": self.ood_threshold, "tpr": self.manifest["uncertainty"].get("tpr")},
         }  # fmt: skip
 
-    def respond(
-        self, results: list[ItemResult], labels: list[str], query: Query, batch: BatchResult, t0: float
-    ) -> PredictResponse:
-        """The answer to one request: its results over ``labels``, counted in the metrics, with its timings."""
-        self._count(results)
+    def respond(self, out: Outcome, query: Query, t0: float, request_id: str) -> PredictResponse:
+        """The answer to one request (``/predict``, ``/zero-shot``): its results over their labels, with timings."""
         predictions = build_predictions(
-            results, labels, top_k=query.top_k, return_members=query.return_members, metric=self.ood_metric,
-            threshold=self.ood_threshold, return_scores=query.return_scores,
+            out.results, out.labels, top_k=query.top_k, return_members=query.return_members,
+            metric=self.ood_metric, threshold=self.ood_threshold, return_scores=query.return_scores,
         )  # fmt: skip
         # total_ms last: it covers building the answer too
-        return PredictResponse(model=self.name, predictions=predictions, timing=self._timing(batch, t0))
+        return PredictResponse(
+            id=request_id, model=self.name, model_version=self.version, predictions=predictions,
+            timing=self._timing(out.batch, t0),
+        )  # fmt: skip
 
     def _timing(self, res: BatchResult, t0: float) -> Timing:
         return Timing(

@@ -21,9 +21,8 @@ from ..backends import Backend, BackendConfigError, Plan, load_backend, resolve_
 from ..metrics import Metrics
 from ..ood import PER_MEMBER_SCORES, OODStats, ood_from_tensors
 from ..preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
-from ..schemas import PredictResponse
 from ..settings import Settings
-from .base import ItemResult, Query, Runtime, preprocess_images, summarize_rows
+from .base import ItemResult, Outcome, Query, Runtime, preprocess_images, summarize_rows
 
 __all__ = ["ClassifierRuntime", "load_ood_stats"]
 
@@ -117,14 +116,14 @@ class ClassifierRuntime(Runtime):
         features = outs[1] if len(outs) > 1 else None  # (B, M, D)
         return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats)
 
-    async def answer(self, prepared: list[Any], query: Query, *, t0: float) -> PredictResponse:
-        """Prepared inputs of one request -> the ``/predict`` answer over the artifact's labels."""
+    async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
+        """Prepared inputs of one request -> its results over the artifact's labels."""
         res = await self.batcher.submit(prepared)
-        return self.respond(res.results, self.labels, query, res, t0)
+        return Outcome(res.results, self.labels, res)
 
     async def warmup(self) -> None:
         prepared = self.prepare([self.pre.example()], "warmup", base64_encoded=False)
-        await self.answer(prepared, Query(top_k=1, return_members=True), t0=time.perf_counter())
+        await self.answer(prepared, Query(top_k=1, return_members=True), t0=time.perf_counter(), request_id="warmup")
         self.ready = True
 
     async def probe(self) -> None:

@@ -35,9 +35,9 @@ from ..fused_clip import FusedCLIP, zero_shot_logits
 from ..metrics import Metrics
 from ..models import load_model
 from ..preprocess import ImagePreprocessor, TextPreprocessor
-from ..schemas import DEFAULT_TEMPLATE, PredictResponse
+from ..schemas import DEFAULT_TEMPLATE
 from ..settings import Settings
-from .base import ItemResult, Query, Runtime, preprocess_images, summarize_rows
+from .base import ItemResult, Outcome, Query, Runtime, preprocess_images, summarize_rows
 
 __all__ = ["CLIPZeroShotRuntime", "TextCache", "TEXT_CACHE_SIZE", "text_cache_counter"]
 
@@ -195,7 +195,7 @@ class CLIPZeroShotRuntime(Runtime):
             logits = zero_shot_logits(image, text, scale, bias)  # (B, M, L)
         return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold)
 
-    async def answer(self, prepared: list[Any], query: Query, *, t0: float) -> PredictResponse:
+    async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
         """Prepared images against the request's labels (``/zero-shot``: prompts ``template.format(label=...)``),
         or against the manifest's fixed labels when the query has none (``/predict``)."""
         if query.labels is None:
@@ -206,7 +206,7 @@ class CLIPZeroShotRuntime(Runtime):
             labels, text = list(query.labels), await self.text_embeddings(query.labels, query.template)
         res = await self.batcher.submit(prepared)
         results = self._results(torch.stack(res.results), text)  # stacked: (B, M, D)
-        return self.respond(results, labels, query, res, t0)
+        return Outcome(results, labels, res)
 
     async def warmup(self) -> None:
         """One image through preprocess, batcher, image encoder and uncertainty (fixed labels embedded at load)."""
@@ -214,7 +214,7 @@ class CLIPZeroShotRuntime(Runtime):
         # without fixed labels: two placeholder labels, which also warms the text encoder
         labels = None if self._fixed is not None else ["a", "b"]
         query = Query(top_k=1, return_members=True, labels=labels, template=self.template)
-        await self.answer(prepared, query, t0=time.perf_counter())
+        await self.answer(prepared, query, t0=time.perf_counter(), request_id="warmup")
         self.ready = True
 
     async def probe(self) -> None:

@@ -22,7 +22,8 @@ def test_answer_is_the_response_model_and_members_only_when_asked():
     results = summarize_rows(torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0)), 1.5, "msp", 0.5)
     for members in (False, True):
         preds = build_predictions(results, LABELS, top_k=9, return_members=members, metric="msp", threshold=0.5)
-        answer = PredictResponse(model="m", predictions=preds, timing=Timing(queue_ms=0, inference_ms=1, total_ms=2))
+        timing = Timing(queue_ms=0, inference_ms=1, total_ms=2)
+        answer = PredictResponse(id="r1", model="m", model_version="v1", predictions=preds, timing=timing)
         body = json.loads(json.dumps(answer.model_dump(exclude_none=True)))
         PredictResponse.model_validate(body)  # what the client reads fits the documented schema
         for p, r in zip(body["predictions"], results, strict=True):
