@@ -44,4 +44,4 @@ test-all: data
 lint: install
 	$(VENV)/bin/ruff check service offline tests benchmarks deploy
 	$(VENV)/bin/lint-imports --no-cache
-	$(VENV)/bin/hadolint --config deploy/hadolint.yaml Dockerfile
+	$(VENV)/bin/hadolint --config deploy/hadolint.yaml Dockerfile deploy/build/Dockerfile
