@@ -28,6 +28,7 @@ MEMBER_DATA = ("same", "order", "bootstrap")  # what each member fine-tunes on (
 OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD validation sets
 ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information")  # labels come per request: no class statistics
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
+AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
 
 
 class ConfigError(ValueError):
@@ -65,6 +66,10 @@ class DataConfig:
     max_ood: int = 1000  # examples per OOD set
     max_fit: int | None = None  # ID inputs held out from training for the OOD statistics; default: max_val
     seed: int = 0  # split seed
+    # images: training-time augmentation of the base and the members: none | flip | crop | crop+flip (random resized
+    # crops of data.crop_scale..1 of the area, then flips); default: the training preset's flips (and hydra.augment)
+    augment: str | None = None
+    crop_scale: float = 0.35  # the smallest crop area of data.augment crop, as a fraction of the image
 
 
 @dataclass
@@ -319,6 +324,10 @@ def validate(cfg: BuildConfig) -> None:
     for k in ("max_train", "max_val", "max_test", "max_ood"):
         if int(getattr(d, k)) < 1:
             raise ConfigError(f"data.{k} must be >= 1")
+    if d.augment is not None and d.augment not in AUGMENT:
+        raise ConfigError(f"data.augment must be one of {AUGMENT} or null, got {d.augment!r}")
+    if not 0 < d.crop_scale <= 1:
+        raise ConfigError(f"data.crop_scale must be in (0, 1], got {d.crop_scale}")
     if d.max_fit is not None and int(d.max_fit) < 0:
         raise ConfigError("data.max_fit must be >= 0 (0: fit the OOD statistics on the train split) or null")
 

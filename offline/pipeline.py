@@ -103,7 +103,9 @@ def base_checkpoint_dir(cfg: BuildConfig, out: Path | None) -> Path | None:
         # neither the cache folder nor the Deep Ensemble's size changes this base; an unset seed keeps older keys
         base = {k: v for k, v in dataclasses.asdict(cfg.base).items()
                 if k not in ("cache_dir", "deep_ensemble") and not (k == "seed" and v is None)}  # fmt: skip
-        data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k != "max_fit"}  # not used in training
+        data = {k: v for k, v in dataclasses.asdict(cfg.data).items()
+                if k != "max_fit"  # not used in training
+                and not (k in ("augment", "crop_scale") and cfg.data.augment is None)}  # unset: older keys hold
         key = {"family": cfg.family, "base": base, "data": data}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return Path(cfg.base.cache_dir) / f"{cfg.family}-{digest}"

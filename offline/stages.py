@@ -387,9 +387,13 @@ def member_train_config(cfg: BuildConfig, i: int) -> train_mod.TrainConfig:
 
 
 def train_compute(cfg: BuildConfig) -> dict[str, Any]:
-    """The ``build`` section as training settings: device, autocast precision, DataLoader workers."""
-    b = cfg.build
-    return {"device": b.device, "precision": b.precision, "workers": b.workers}
+    """The ``build`` section as training settings (device, autocast precision, DataLoader workers), and
+    ``data.augment`` as the image augmentation (when set; else the preset's)."""
+    b, aug = cfg.build, cfg.data.augment
+    out: dict[str, Any] = {"device": b.device, "precision": b.precision, "workers": b.workers}
+    if aug is not None:
+        out.update(hflip="flip" in aug, crop_scale=cfg.data.crop_scale if "crop" in aug else 1.0)
+    return out
 
 
 def compute_of(cfg: BuildConfig, evaluation: bool = False) -> Compute:

@@ -99,6 +99,7 @@ class TrainConfig:
     seed: int = 0  # seeds the initialisation, dropout and the batch order
     unfreeze: str = "all"  # parts that train: "all" or "+"-joined attention, mlp, norm, head, embed
     hflip: bool = False  # images: random horizontal flips
+    crop_scale: float = 1.0  # images: random resized crops of [crop_scale, 1] of the area (1 = none; timm: 0.08)
     checkpoint_every: int = 50  # member fine-tuning: steps between checkpoints (0 = none)
     max_eval: int = 2000  # validation examples for the end-of-training accuracy
     eval_batch_size: int = 256  # batch size of that evaluation
@@ -324,9 +325,15 @@ def _optimizer(model: nn.Module, names: Sequence[str], tcfg: TrainConfig) -> tor
     return torch.optim.AdamW(groups, lr=tcfg.lr, betas=tcfg.betas)
 
 
+_LATER_FIELDS = {"precision": "fp32", "crop_scale": 1.0}  # fields added after checkpoints existed, and defaults
+
+
 def _fingerprint(tcfg: TrainConfig, n: int, extra: Any) -> str:
     """What a checkpoint must match to be resumed: the config fields that change the result, data size, model."""
     cfg = {k: v for k, v in asdict(tcfg).items() if k not in ("progress", "checkpoint_every", "device", "workers")}
+    for k, default in _LATER_FIELDS.items():  # at their defaults they change nothing: older checkpoints still match
+        if cfg[k] == default:
+            del cfg[k]
     return json.dumps({"train": cfg, "n": n, "model": extra}, sort_keys=True, default=str)
 
 
@@ -486,6 +493,33 @@ def _flip(batch: Batch, step: int, seed: int) -> Batch:
     return {**batch, "pixel_values": x}
 
 
+CROP_RATIO = (3 / 4, 4 / 3)  # the crops' aspect ratios (log-uniform), as torchvision's RandomResizedCrop
+
+
+def affine_crop(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor, cy: torch.Tensor, cx: torch.Tensor) -> torch.Tensor:
+    """Each image of ``x`` ``(B, C, H, W)`` cropped to the box of height ``h`` and width ``w`` (fractions of the
+    image, ``(B,)``) centred at ``(cy, cx)`` (fractions), resized back to ``(H, W)`` bilinearly."""
+    theta = torch.zeros(x.shape[0], 2, 3, dtype=x.dtype)
+    theta[:, 0, 0], theta[:, 0, 2] = w, 2 * cx - 1  # output [-1, 1] -> the box's x range
+    theta[:, 1, 1], theta[:, 1, 2] = h, 2 * cy - 1
+    grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def _crop(batch: Batch, step: int, seed: int, min_scale: float) -> Batch:
+    """Random resized crops of the images (area in ``[min_scale, 1]``, aspect ratio in :data:`CROP_RATIO`),
+    seeded by ``(seed, step)``, on the preprocessed tensors (the evaluation transform stays the server's)."""
+    x = batch["pixel_values"]
+    g = torch.Generator().manual_seed(seed * 15_485_863 + step + 7)
+    n = x.shape[0]
+    area = torch.empty(n).uniform_(min_scale, 1.0, generator=g)
+    ratio = torch.empty(n).uniform_(math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]), generator=g).exp()
+    h, w = (area / ratio).sqrt().clamp(max=1.0), (area * ratio).sqrt().clamp(max=1.0)
+    cy = h / 2 + torch.rand(n, generator=g) * (1 - h)
+    cx = w / 2 + torch.rand(n, generator=g) * (1 - w)
+    return {**batch, "pixel_values": affine_crop(x, h, w, cy, cx)}
+
+
 def image_kw(prep: dict[str, Any]) -> dict[str, Any]:
     """The image keywords of :func:`make_batches` from an artifact's ``preprocessing``."""
     keys = ("mean", "std", "size", "channels", "resize", "crop_pct", "interpolation")
@@ -505,6 +539,8 @@ def _data_batcher(
         x = [inputs[i] for i in idx] if isinstance(inputs, list) else inputs[idx]
         ((batch, y),) = make_batches(x, labels[idx], len(idx), kind, tokenizer=tok, max_length=prep.get("max_length"),
                                      **image_kw(prep))
+        if kind == "image" and tcfg.crop_scale < 1:
+            batch = _crop(batch, step, tcfg.seed, tcfg.crop_scale)
         if kind == "image" and tcfg.hflip:
             batch = _flip(batch, step, tcfg.seed)
         return batch, y

@@ -116,6 +116,8 @@ def test_base_cache_dir_is_shared_by_builds_that_differ_only_in_hydra_settings(t
         ("build.precision", "half", "build.precision must be one of"),
         ("build.device", "tpu", "build.device must be one of"),
         ("build.workers", "-1", "build.workers must be >= 0"),
+        ("data.augment", "rotate", "data.augment must be one of"),
+        ("data.crop_scale", "0", "data.crop_scale must be in (0, 1]"),
         ("base.deep_ensemble", "1", "base.deep_ensemble must be 0 (none) or >= 2"),
         pytest.param("build.device", "cuda", "torch sees no CUDA device",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),

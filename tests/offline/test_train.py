@@ -215,6 +215,34 @@ def test_finetune_member_resumes_to_the_same_weights(tmp_path):
     assert getattr(other, T.TRAIN_LOG_ATTR)["steps_run"] == 12  # a checkpoint of another config is not resumed
 
 
+def test_affine_crop_known_answers():
+    """The whole image is the identity; the right half of a half-black, half-white image is white (but for the
+    bilinear edge); the top-left quarter of a 4x4 ramp resized to 4x4 samples the ramp's first two columns."""
+    x = torch.rand(2, 3, 8, 8)
+    one, half = torch.ones(2), torch.full((2,), 0.5)
+    torch.testing.assert_close(T.affine_crop(x, one, one, half, half), x, atol=1e-5, rtol=0)
+    lr = torch.zeros(1, 1, 8, 8)
+    lr[..., 4:] = 1.0
+    right = T.affine_crop(lr, torch.ones(1), torch.full((1,), 0.5), torch.full((1,), 0.5), torch.full((1,), 0.75))
+    # every output pixel samples the white half; the first column's bilinear sample sits a quarter pixel from the edge
+    torch.testing.assert_close(right[..., 1:], torch.ones(1, 1, 8, 7), atol=1e-6, rtol=0)
+    torch.testing.assert_close(right[..., 0], torch.full((1, 1, 8), 0.75), atol=1e-6, rtol=0)
+    ramp = torch.arange(4.0).view(1, 1, 1, 4).expand(1, 1, 4, 4)
+    quarter, centre = torch.full((1,), 0.5), torch.full((1,), 0.25)
+    q = T.affine_crop(ramp, quarter, quarter, centre, centre)
+    # output centres at 0.25, 0.75, 1.25, 1.75 px of a ramp whose pixel centres hold 0..3 (the first at the border)
+    torch.testing.assert_close(q[0, 0, 0], torch.tensor([0.0, 0.25, 0.75, 1.25]), atol=1e-6, rtol=0)
+
+
+def test_random_crops_are_seeded_and_stay_in_the_image():
+    batch = {"pixel_values": torch.rand(16, 1, 16, 16)}
+    a, b = T._crop(batch, 3, 0, 0.35), T._crop(batch, 3, 0, 0.35)
+    torch.testing.assert_close(a["pixel_values"], b["pixel_values"], atol=0, rtol=0)  # a function of (seed, step)
+    assert not torch.equal(a["pixel_values"], T._crop(batch, 4, 0, 0.35)["pixel_values"])
+    assert a["pixel_values"].shape == batch["pixel_values"].shape
+    assert float(a["pixel_values"].min()) >= 0 and float(a["pixel_values"].max()) <= 1  # inside: no padding values
+
+
 def test_dataloader_workers_give_the_same_weights(tmp_path):
     """``workers``: the batches come from DataLoader processes; each batch is a function of (seed, step), so two
     workers train exactly the weights the main process trains (flips included)."""
@@ -222,8 +250,8 @@ def test_dataloader_workers_give_the_same_weights(tmp_path):
     base = tiny_vit(num_classes=2)
     trained = []
     for workers in (0, 2):
-        tcfg = T.TrainConfig(steps=6, batch_size=16, lr=1e-3, hflip=True, checkpoint_every=0, progress=False,
-                             workers=workers)  # fmt: skip
+        tcfg = T.TrainConfig(steps=6, batch_size=16, lr=1e-3, hflip=True, crop_scale=0.5, checkpoint_every=0,
+                             progress=False, workers=workers)  # fmt: skip
         trained.append(T.finetune_member(adapter, adapter.prune(base, [[0, 1], [2, 3], [0, 3]]), data, IMAGE_PREP,
                                          None, tcfg, tmp_path / str(workers), f"workers={workers}"))  # fmt: skip
     for (k, a), b in zip(trained[0].state_dict().items(), trained[1].state_dict().values(), strict=True):
