@@ -1,18 +1,19 @@
 # syntax=docker/dockerfile:1
 # hydra-serve: the serving image (HTTP API: docs/api.md), built from one file in two variants.
 #
-#   GPU (default, CUDA runtime base): docker build -t hydra-serve:0.1.0-gpu .
-#   CPU (Ubuntu base, CPU torch):     docker build --build-arg VARIANT=cpu -t hydra-serve:0.1.0-cpu .
+#   CPU (default, Ubuntu base, CPU torch): docker build -t hydra-serve:0.1.0-cpu .
+#   GPU (CUDA runtime base):               docker build --build-arg VARIANT=gpu -t hydra-serve:0.1.0-gpu .
 #
 # Artifacts are not baked in: mount them and list them in HYDRA_ARTIFACTS (default
 # /artifacts/text,/artifacts/image, the layout `make artifacts` writes to artifacts/default).
 # To bake artifacts in, name a folder of the build context (under artifacts/, see .dockerignore):
-#   docker build --build-arg ARTIFACTS=artifacts/default -t hydra-serve:0.1.0-gpu-default .
+#   docker build --build-arg ARTIFACTS=artifacts/default -t hydra-serve:0.1.0-cpu-default .
 # The artifacts alone, for the Kubernetes init container (deploy/base/deployment.yaml):
 #   docker build --target artifacts --build-arg ARTIFACTS=artifacts/default -t hydra-serve-artifacts:default .
 
-# gpu | cpu: picks the base image, the torch build and the onnxruntime extra (gpu | onnx).
-ARG VARIANT=gpu
+# cpu | gpu: picks the base image, the torch build and the onnxruntime extra (onnx | gpu). CPU by default: it runs
+# anywhere, and a GPU image is only of use on a GPU node.
+ARG VARIANT=cpu
 # torch 2.14.1 from PyPI is built for CUDA 13.0 (cu130): keep the runtime base on the same major version.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
 ARG CPU_IMAGE=ubuntu:24.04
@@ -49,8 +50,9 @@ COPY pyproject.toml ./
 COPY deploy/docker/requirements.py /tmp/requirements.py
 # CPU: torch/torchvision from the PyTorch CPU index (no CUDA libraries), onnxruntime CPU (`onnx` extra).
 # GPU: torch from PyPI (cu130), onnxruntime-gpu (`gpu` extra).
-RUN extra=gpu \
- && if [ "$VARIANT" = cpu ]; then extra=onnx; export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu; fi \
+# Both: OpenTelemetry (`otel` extra), off unless HYDRA_OTEL=true.
+RUN extra=gpu,otel \
+ && if [ "$VARIANT" = cpu ]; then extra=onnx,otel; export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu; fi \
  && python /tmp/requirements.py pyproject.toml "$extra" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt
 # Then the source: only the server package (the offline builder and its dependencies stay out of the image).

@@ -25,7 +25,12 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
 # Labels Prometheus adds to every scraped series (ServiceMonitor target labels), plus `up`.
 TARGET_LABELS = frozenset({"namespace", "pod", "service", "job", "instance", "endpoint", "container"})
 SCRAPE_SERIES = {"up": frozenset()}
-INFERENCE_ENDPOINTS = {"/predict", "/zero-shot"}
+INFERENCE_ENDPOINTS = {
+    "/predict",
+    "/zero-shot",
+    "/v2/models/{model_name}/infer",
+    "/v2/models/{model_name}/versions/{model_version}/infer",
+}
 
 
 def server_metrics() -> dict[str, tuple[str, frozenset[str]]]:
@@ -181,3 +186,16 @@ def test_the_issue_alerts_exist() -> None:
     assert ("hydra_predictions_total", {"ood": "true"}) in ood and ("hydra_predictions_total", {}) in ood
     overload = selectors("HydraServeOverloaded")
     assert any(m == "hydra_request_duration_seconds_count" and lab.get("status") == "503" for m, lab in overload)
+    # every inference route counts, the Open Inference Protocol's too
+    for alert in ("HydraServeLatencyP99High", "HydraServeOverloaded"):
+        for _, labels in selectors(alert):
+            assert set(labels["endpoint"].split("|")) == INFERENCE_ENDPOINTS, alert
+
+
+def test_inference_endpoints_are_the_servers_routes() -> None:
+    try:
+        from service.main import app
+    except ImportError as e:
+        pytest.skip(f"service.main not importable ({e})")
+    paths = {getattr(r, "path", None) for r in app.routes if "POST" in getattr(r, "methods", ())}
+    assert INFERENCE_ENDPOINTS == paths, paths

@@ -66,8 +66,8 @@ def test_stages_and_variants(df: Dockerfile) -> None:
     names = [s.name for s in df.stages]
     assert names == ["os-gpu", "os-cpu", "python", "builder", "artifacts", "runtime"], names
     assert df.stages[-1].name == "runtime", "the default target (last stage) must be the serving image"
-    # GPU by default on a CUDA *runtime* image; the CPU variant is one build argument away.
-    assert df.global_args["VARIANT"] == "gpu"
+    # CPU by default (it runs anywhere); the GPU variant, on a CUDA *runtime* image, is one build argument away.
+    assert df.global_args["VARIANT"] == "cpu"
     assert re.fullmatch(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-ubuntu[\d.]+", df.global_args["CUDA_IMAGE"])
     assert df.stage("os-gpu").base == "${CUDA_IMAGE}" and df.stage("os-cpu").base == "${CPU_IMAGE}"
     assert df.stage("python").base == "os-${VARIANT}"

@@ -37,9 +37,11 @@ KINDS = {
     "Deployment",
     "PodDisruptionBudget",
     "HorizontalPodAutoscaler",
+    "NetworkPolicy",
     "ServiceMonitor",
     "PrometheusRule",
 }
+DIGEST = re.compile(r"[a-z0-9.-]+(:\d+)?/[a-z0-9./_-]+@sha256:[0-9a-f]{64}")
 
 
 @functools.cache
@@ -344,6 +346,10 @@ def test_explicit_requests_and_limits(docs: list[dict[str, Any]], overlay: str) 
         assert main["limits"]["nvidia.com/gpu"] == main["requests"]["nvidia.com/gpu"] == "1"
         tolerations = pod["tolerations"]
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+        # on GPU nodes only, with the NVIDIA container runtime
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"} and pod["runtimeClassName"] == "nvidia"
+    else:
+        assert "nodeSelector" not in pod and "runtimeClassName" not in pod and "tolerations" not in pod
     if overlay.endswith("cpu"):  # Guaranteed QoS on CPU
         assert main["requests"] == main["limits"]
     env = {e["name"]: e for e in container(one(docs, "Deployment"))["env"]}
@@ -425,7 +431,27 @@ def test_artifacts_volume(docs: list[dict[str, Any]], overlay: str) -> None:
         assert path.startswith(mount["mountPath"].rstrip("/") + "/"), path
     images = [x["image"] for x in _all_containers(pod)]
     if overlay != "base":
-        assert all("/" in image and ":" in image for image in images), f"overlay sets registry and tag: {images}"
+        # registry and digest: a tag can be moved, and IfNotPresent would keep serving whatever a node has cached
+        assert all(DIGEST.fullmatch(image) for image in images), f"overlay pins the images by digest: {images}"
+    for c in _all_containers(pod):
+        assert c["imagePullPolicy"] == "IfNotPresent" and c["image"] in images
+
+
+def test_network_policy_opens_the_serving_port_only(docs: list[dict[str, Any]]) -> None:
+    policy = one(docs, "NetworkPolicy")["spec"]
+    deployment = one(docs, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    ports = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
+    (rule,) = policy["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}] and "http" in ports
+    # the metrics Prometheus scrapes and the probes are served on that same port
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == ports["http"]
+    sm = one(docs, "ServiceMonitor")
+    service_ports = {p["name"]: p["targetPort"] for p in one(docs, "Service")["spec"]["ports"]}
+    assert all(service_ports[ep["port"]] == "http" for ep in sm["spec"]["endpoints"])
 
 
 def test_pvc_component(tmp_path: Path) -> None:

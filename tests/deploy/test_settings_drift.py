@@ -61,6 +61,9 @@ def _used_names() -> dict[str, set[str]]:
                 for c in doc["spec"]["template"]["spec"]["containers"]:
                     for e in c.get("env", []):
                         used.setdefault(e["name"], set()).add(f"{overlay} env")
+    for c in one(list(_render("kserve")), "InferenceService")["spec"]["predictor"]["containers"]:
+        for e in c.get("env", []):
+            used.setdefault(e["name"], set()).add("kserve InferenceService env")
     for key in _runtime_env():
         used.setdefault(key, set()).add("Dockerfile ENV")
     for text, where in (((DEPLOY / "README.md").read_text(), "deploy/README.md"),):
@@ -154,8 +157,8 @@ def test_probe_and_metrics_paths_are_server_routes() -> None:
     wanted = {c[p]["httpGet"]["path"] for p in ("livenessProbe", "readinessProbe", "startupProbe")}
     wanted |= {ep["path"] for ep in one(docs, "ServiceMonitor")["spec"]["endpoints"]}
     assert wanted == {"/healthz", "/readyz", "/metrics"}
-    # the endpoints the alerts filter on (deploy/base/prometheusrule.yaml)
-    wanted |= {"/predict", "/zero-shot"}
+    # the endpoints the alerts filter on (deploy/base/prometheusrule.yaml) and KServe's probes
+    wanted |= {"/predict", "/zero-shot", "/v2/models/{model_name}/infer", "/v2/health/ready", "/v2/health/live"}
     assert wanted <= paths, f"routes missing from service.main:app: {sorted(wanted - paths)}"
 
 
