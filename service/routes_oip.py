@@ -236,10 +236,6 @@ def _check_media(request: Request) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- handlers
-def _version(request: Request) -> str | None:
-    return request.path_params.get("model_version")
-
-
 async def server_metadata(request: Request) -> dict[str, Any]:
     return {"name": "hydra-serve", "version": request.app.version, "extensions": EXTENSIONS}
 
@@ -255,14 +251,14 @@ async def ready(request: Request) -> dict[str, bool]:
     return {"ready": True}
 
 
-async def metadata(request: Request, model_name: str) -> dict[str, Any]:
-    return model_metadata(find_model(server_state(request), model_name, _version(request)))
+async def _metadata(request: Request, model_name: str, model_version: str | None) -> dict[str, Any]:
+    return model_metadata(find_model(server_state(request), model_name, model_version))
 
 
-async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
+async def _model_ready(request: Request, model_name: str, model_version: str | None) -> dict[str, Any]:
     """200 when the server is ready and this model healthy; else 503 (the kubelet's probes want a 5xx)."""
     state = server_state(request)
-    rt = find_model(state, model_name, _version(request))
+    rt = find_model(state, model_name, model_version)
     reason = not_ready_reason(state) if not state.ready or state.load_error else None
     if reason is None and not rt.healthy:
         reason = f"not ready: model {rt.name!r} is failing its batches; a probe batch runs until one succeeds"
@@ -271,9 +267,9 @@ async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
     return {"name": rt.name, "ready": True}
 
 
-async def infer(request: Request, model_name: str) -> Response:
+async def _infer(request: Request, model_name: str, model_version: str | None) -> Response:
     """Decode the request -> the shared inference path -> the requested outputs, JSON or binary."""
-    rt = find_model(server_state(request), model_name, _version(request))
+    rt = find_model(server_state(request), model_name, model_version)
     _check_media(request)
     req, tensors = decode_request(await request.body(), request.headers.get(HEADER_LENGTH))
     _check_body_names(rt, req)
@@ -288,12 +284,41 @@ async def infer(request: Request, model_name: str) -> Response:
     return Response(body, media_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})
 
 
+# each model route twice: the model's path, and its path with a version (the model's own, else 404)
+async def metadata(request: Request, model_name: str) -> dict[str, Any]:
+    return await _metadata(request, model_name, None)
+
+
+async def metadata_version(request: Request, model_name: str, model_version: str) -> dict[str, Any]:
+    return await _metadata(request, model_name, model_version)
+
+
+async def model_ready(request: Request, model_name: str) -> dict[str, Any]:
+    return await _model_ready(request, model_name, None)
+
+
+async def model_ready_version(request: Request, model_name: str, model_version: str) -> dict[str, Any]:
+    return await _model_ready(request, model_name, model_version)
+
+
+async def infer(request: Request, model_name: str) -> Response:
+    return await _infer(request, model_name, None)
+
+
+async def infer_version(request: Request, model_name: str, model_version: str) -> Response:
+    return await _infer(request, model_name, model_version)
+
+
 def install_oip_routes(app: FastAPI) -> None:
-    """Declare the protocol's routes on ``app`` (left out of the OpenAPI document)."""
+    """Declare the protocol's routes on ``app`` (left out of the OpenAPI document). The path parameters are
+    model names and versions, looked up among the loaded models; nothing reads a file by them."""
     app.get("/v2", include_in_schema=False)(server_metadata)
     app.get("/v2/health/live", include_in_schema=False)(live)
     app.get("/v2/health/ready", include_in_schema=False)(ready)
-    for base in ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}"):
-        app.get(base, include_in_schema=False)(metadata)
-        app.get(base + "/ready", include_in_schema=False)(model_ready)
-        app.post(base + "/infer", include_in_schema=False)(infer)
+    model, version = "/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}"
+    app.get(model, include_in_schema=False)(metadata)
+    app.get(version, include_in_schema=False)(metadata_version)
+    app.get(model + "/ready", include_in_schema=False)(model_ready)
+    app.get(version + "/ready", include_in_schema=False)(model_ready_version)
+    app.post(model + "/infer", include_in_schema=False)(infer)
+    app.post(version + "/infer", include_in_schema=False)(infer_version)
