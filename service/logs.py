@@ -78,13 +78,18 @@ def json_formatter() -> logging.Formatter:
     )
 
 
+class _HydraHandler(logging.StreamHandler):
+    """The stderr handler :func:`configure_logging` installs (and replaces when called again)."""
+
+
 def configure_logging(settings: Settings) -> logging.Handler:
-    """One handler on the root logger (stderr) in ``HYDRA_LOG_FORMAT``, at ``HYDRA_LOG_LEVEL``; returns it."""
-    handler = logging.StreamHandler()
+    """A handler on the root logger (stderr) in ``HYDRA_LOG_FORMAT``, at ``HYDRA_LOG_LEVEL``; returns it. It replaces
+    the one an earlier call installed; handlers others installed stay."""
+    handler = _HydraHandler()
     handler.setFormatter(json_formatter() if settings.log_format == "json" else logging.Formatter(TEXT_FORMAT))
     handler.addFilter(RequestContextFilter())
     root = logging.getLogger()
-    for old in list(root.handlers):
+    for old in [h for h in root.handlers if isinstance(h, _HydraHandler)]:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(settings.log_level.upper())
