@@ -21,6 +21,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 from .settings import Settings
@@ -74,8 +75,9 @@ def json_formatter() -> logging.Formatter:
     """One JSON object per record: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message`` and every ``extra``
     field of the record (``request_id`` and ``trace_id`` with :class:`RequestContextFilter`)."""
     return JsonFormatter(
-        "%(levelname)s %(name)s %(message)s", rename_fields={"levelname": "level", "name": "logger"}, timestamp="time"
-    )
+        "%(levelname)s %(name)s %(message)s", rename_fields={"levelname": "level", "name": "logger"}, timestamp="time",
+        reserved_attrs=[*RESERVED_ATTRS, "color_message"],  # uvicorn's message with terminal colours: left out
+    )  # fmt: skip
 
 
 class _HydraHandler(logging.StreamHandler):
