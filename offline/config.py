@@ -103,6 +103,8 @@ class CalibrationConfig:
 class ExportConfig:
     torchscript: bool = True  # write model.ts and check it against eager
     onnx: bool = True  # write model.onnx and check it against eager
+    # compile model.pt2 ahead of time for the CPU (torch.export + AOTInductor; minutes on 2 cores) and check it
+    aoti: bool = False
     tolerance: float = 1e-4  # max abs difference export vs eager (logits and features) before the build fails
     bf16_check: bool = True  # record bf16-vs-fp32 agreement for the server's precision=auto
 

@@ -1,9 +1,10 @@
-"""Exports of the fused model (TorchScript, ONNX), each checked against eager on real inputs.
+"""Exports of the fused model (TorchScript, ONNX, an AOTInductor package), each checked against eager on real inputs.
 
 A build fails when an export differs from eager by more than the tolerance
 (:class:`ExportMismatch`). Exports are checked on the backend that will serve them: the
-server's own ONNX Runtime session (:func:`service.backends.onnx_session`, same options) and
-TorchScript backend (:class:`service.backends.TorchScriptBackend`). Inputs are passed by name as a dict; the order of
+server's own ONNX Runtime session (:func:`service.backends.onnx_session`, same options),
+TorchScript backend (:class:`service.backends.TorchScriptBackend`) and AOTInductor backend
+(:class:`service.backends.AotiBackend`). Inputs are passed by name as a dict; the order of
 the traced/ONNX inputs is the order of the model's ``forward`` signature
 (``FusedViT(pixel_values)``, ``FusedBert(input_ids, attention_mask)``).
 """
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from service.backends import TorchScriptBackend, onnx_session
+from service.backends import AotiBackend, TorchScriptBackend, onnx_session
 from service.uncertainty import summarize
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "input_order",
     "export_torchscript",
     "export_onnx",
+    "export_aoti",
     "export_checked",
     "run_export",
     "check_parity",
@@ -156,10 +158,34 @@ def export_onnx(model: nn.Module, example_inputs: dict[str, torch.Tensor], path:
     onnx_session(path)  # fails here, at build time, if onnxruntime cannot run the file
 
 
+AOTI_MAX_BATCH = 4096  # the largest batch an AOTInductor package accepts (its dynamic batch dimension's bound)
+
+
+def export_aoti(model: nn.Module, example_inputs: dict[str, torch.Tensor], path: Path, max_seq: int = 4096) -> None:
+    """Compile ``model`` ahead of time for the CPU (``torch.export`` + AOTInductor) into the package ``path``.
+
+    The batch dimension (and, for text, the sequence dimension up to ``max_seq``) stays dynamic. The model is run
+    eagerly once first (:func:`_settle`: shape-independent facts it caches, such as whether its members share a
+    LayerNorm affine, are fixed before the graph is captured). The package runs fp32 on the device it was compiled
+    for; it is loaded by :class:`service.backends.AotiBackend`."""
+    model = model.eval()
+    names = input_order(model, example_inputs)
+    args = tuple(example_inputs[k].contiguous() for k in names)
+    batch = torch.export.Dim("batch", min=1, max=AOTI_MAX_BATCH)
+    seq = torch.export.Dim("sequence", min=2, max=max_seq)
+    dynamic = tuple({0: batch, 1: seq} if k in SEQUENCE_INPUTS else {0: batch} for k in names)
+    _settle(model, args)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():
+        program = torch.export.export(model, args, dynamic_shapes=dynamic, strict=False)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+
+
 def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: list[str]) -> tuple[torch.Tensor, ...]:
     """Every output of a loaded export, on named ``inputs``: a TorchScript backend, or an onnxruntime session fed
     the graph's own inputs (an ONNX graph may drop an input its outputs do not depend on)."""
-    if kind == "torchscript":
+    if kind in ("torchscript", "aoti"):
         return runner.outputs(inputs)
     if kind == "onnx":
         wanted = [i.name for i in runner.get_inputs()]
@@ -221,8 +247,10 @@ def check_parity(
         runner = TorchScriptBackend(path, order, "cpu", "fp32")
     elif kind == "onnx":
         runner = onnx_session(path)
+    elif kind == "aoti":
+        runner = AotiBackend(path, order, "cpu")
     else:
-        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
+        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript', 'onnx' or 'aoti'")
     worst = 0.0
     for i, (batch, refs) in enumerate(zip(batches, _reference(model, batches, reference), strict=True)):
         gots = run_export(runner, kind, batch, order)
@@ -264,8 +292,10 @@ def export_checked(
         export_torchscript(model, example, path)
     elif kind == "onnx":
         export_onnx(model, example, path, output_names=output_names)
+    elif kind == "aoti":
+        export_aoti(model, example, path)
     else:
-        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
+        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript', 'onnx' or 'aoti'")
     return check_parity(model, path, kind, batches, tol, reference=reference)
 
 

@@ -242,8 +242,8 @@ def export_fused(
     reference = eager_outputs(fused, batches)
     example = {k: v[:2] for k, v in batches[0].items()}
     exports: dict[str, Any] = {}
-    wanted = {"torchscript": cfg.export.torchscript, "onnx": cfg.export.onnx}
-    for kind, file in (("torchscript", "model.ts"), ("onnx", "model.onnx")):
+    wanted = {"torchscript": cfg.export.torchscript, "onnx": cfg.export.onnx, "aoti": cfg.export.aoti}
+    for kind, file in (("torchscript", "model.ts"), ("onnx", "model.onnx"), ("aoti", "model.pt2")):
         if wanted[kind]:
             diff = export_checked(fused, kind, out / file, batches, tol, ["logits", "features"], reference, example)
             exports[kind] = {"file": file, "max_abs_diff": diff, "tolerance": tol}

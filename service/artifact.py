@@ -276,7 +276,7 @@ class Manifest(_Record):
     preprocessing: Preprocessing
     uncertainty: Uncertainty
     model: ModelSpec
-    exports: dict[Literal["torchscript", "onnx"], Export | DualExport] = Field(default_factory=dict)
+    exports: dict[Literal["torchscript", "onnx", "aoti"], Export | DualExport] = Field(default_factory=dict)
     precision: dict[Literal["bf16"], Bf16Check] = Field(default_factory=dict)
     ood: OODSpec | None = None  # OOD statistics for logit and feature scores (absent: probability scores only)
     metrics: dict[str, Any] = Field(default_factory=dict)  # the build's evaluation headline numbers per method

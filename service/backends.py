@@ -49,7 +49,7 @@ log = logging.getLogger("hydra.backends")
 
 # exports traced in fp32: autocast cannot re-type a traced graph (the fused model's in-place fp32 fast paths are
 # baked into it), so these backends serve fp32; bf16 is the eager torch backend's.
-FP32_ONLY = frozenset({"onnx", "torchscript"})
+FP32_ONLY = frozenset({"onnx", "torchscript", "aoti"})
 
 
 class BackendConfigError(ValueError):
@@ -86,7 +86,7 @@ def onnxruntime_available() -> bool:
 class Plan:
     """Resolved serving choice for one artifact."""
 
-    backend: str  # torch | torchscript | onnx
+    backend: str  # torch | torchscript | onnx | aoti
     device: str  # cpu | cuda
     precision: str  # fp32 | bf16
     reason: str  # why, for the log
@@ -163,8 +163,14 @@ def resolve_plan(
     elif backend == "torchscript":
         if not ts_file:
             raise BackendConfigError(f"{name}: HYDRA_BACKEND=torchscript but the artifact has no TorchScript export")
+    elif backend == "aoti":
+        if not _export_file(manifest, "aoti"):
+            raise BackendConfigError(f"{name}: HYDRA_BACKEND=aoti but the artifact has no AOTInductor package "
+                                     "(build it with export.aoti: true)")  # fmt: skip
+        if device != "cpu":
+            raise BackendConfigError(f"{name}: the AOTInductor package is compiled for the CPU; use HYDRA_DEVICE=cpu")
     elif backend != "torch":
-        raise BackendConfigError(f"{name}: HYDRA_BACKEND={backend!r} is not auto, torch, torchscript or onnx")
+        raise BackendConfigError(f"{name}: HYDRA_BACKEND={backend!r} is not auto, torch, torchscript, onnx or aoti")
     if backend in FP32_ONLY and precision == "bf16":
         raise BackendConfigError(
             f"{name}: the {backend} export runs fp32 only; set HYDRA_PRECISION=fp32 (or auto), or HYDRA_BACKEND=torch"
@@ -252,6 +258,27 @@ class TorchScriptBackend(_TorchLike):
         return self._run(self.module, inputs)
 
 
+class AotiBackend(Backend):
+    """An AOTInductor package (``model.pt2``: ``torch.export`` compiled ahead of time for the CPU), fp32.
+
+    Its kernels were generated for contiguous inputs, so every input is made contiguous first (a strided view,
+    such as a column slice of a batch, would otherwise be read with the wrong strides)."""
+
+    name = "aoti"
+
+    def __init__(self, path: str | Path, input_names: list[str], device: str = "cpu") -> None:
+        from torch._inductor import aoti_load_package  # the compiler's package loader: imported when used
+
+        super().__init__(input_names, device, "fp32")
+        self.runner = aoti_load_package(str(path))
+
+    def outputs(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        self._check(inputs)
+        with torch.inference_mode():
+            out = self.runner(*(inputs[k].contiguous() for k in self.input_names))
+        return tuple(o.float() for o in (out if isinstance(out, (tuple, list)) else (out,)))
+
+
 def onnx_session(path: str | Path, device: str = "cpu", threads: int | None = None) -> Any:
     """The one way an ONNX export is opened, by the server and by the build's parity check.
 
@@ -310,6 +337,8 @@ def load_backend(
         return OnnxBackend(root / _export_file(manifest, "onnx"), inputs, plan.device, threads)
     if plan.backend == "torchscript":
         return TorchScriptBackend(root / _export_file(manifest, "torchscript"), inputs, plan.device, plan.precision)
+    if plan.backend == "aoti":
+        return AotiBackend(root / _export_file(manifest, "aoti"), inputs, plan.device)
     model = load_model(root / spec["weights"], spec["config"], device=plan.device)
     model.with_features = "features" in spec.get("outputs", ["logits"])  # as the exports were traced
     return TorchBackend(model, inputs, plan.device, plan.precision)

@@ -140,6 +140,8 @@ class MemberLayerNorm(nn.Module):
     def shared(self) -> bool:
         """True when all members' affine parameters are equal (cached on the parameters' versions)."""
         w, b = self.weight, self.bias
+        if torch.compiler.is_compiling() or torch.compiler.is_exporting():
+            return self._shared  # a graph capture sees no storage; settled by an eager call first (offline.export)
         key = (w._version, b._version, w.data_ptr(), b.data_ptr())
         if key != self._shared_key:
             with torch.no_grad():
@@ -363,6 +365,8 @@ def _sub_batch(model: nn.Module, batch: int, tokens: int, device: torch.device) 
         or torch.jit.is_scripting()
         or torch.jit.is_tracing()
         or torch.onnx.is_in_onnx_export()
+        or torch.compiler.is_compiling()  # torch.export / AOTInductor (strict: dynamo traces the graph)
+        or torch.compiler.is_exporting()  # torch.export, non-strict
     ):
         return batch
     return max(1, min(batch, max_rows // (model.members * tokens)))

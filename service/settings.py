@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     # auto = CUDA when available, else CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto = onnx on CPU when exported and fp32, torch eager otherwise (see service/backends.py)
-    backend: Literal["auto", "torch", "torchscript", "onnx"] = "auto"
+    backend: Literal["auto", "torch", "torchscript", "onnx", "aoti"] = "auto"
     # auto = bf16 on CUDA, bf16 on CPUs with native bf16 when the build recorded bf16 agrees, else fp32
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     # most inputs run through the model in one forward pass
