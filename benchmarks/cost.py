@@ -19,8 +19,12 @@ computes only the token the readout reads).
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
+import tempfile
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +35,8 @@ from offline.families import get_adapter
 from offline.fusion import fuse
 
 METHODS = ("single", "member", "hydra", "hydra_unfused", "deep_ensemble")
+BACKENDS = ("eager", "onnx", "aoti")  # the serving backends: torch eager, ONNX Runtime, an AOTInductor package
+COMPILED_METHODS = ("single", "hydra", "deep_ensemble")  # what the compiled backends time (fp32, CPU)
 LAYOUTS = ("vit_b16", "bert_base", "image", "text")
 KEEP = {"vit_b16": 8, "bert_base": 6, "image": 4, "text": 6}  # heads kept per layer per member
 TEXT_SEQ = 64  # sequence length of the text setting's layout (its max_length)
@@ -140,6 +146,66 @@ def _to(models: Models, device: str) -> None:
         m.to(device)
 
 
+class _ImageLogits(nn.Module):
+    """A dense image model as the exporters take it: named positional inputs, the logits out (as the fused
+    model's forward)."""
+
+    def __init__(self, model: nn.Module, run: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.run = model, run
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.run(self.model, {"pixel_values": pixel_values})
+
+
+class _TextLogits(_ImageLogits):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.run(self.model, {"input_ids": input_ids, "attention_mask": attention_mask})
+
+
+def compiled_methods(models: Models, backend: str, folder: Path, progress: Callable[[str], None] = print
+                     ) -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:  # fmt: skip
+    """Single, fused Hydra and the Deep Ensemble in a compiled serving ``backend`` (``onnx``: ONNX Runtime with the
+    server's session options; ``aoti``: an AOTInductor package), fp32 on the CPU, loaded by the server's own
+    backend classes. The Deep Ensemble is M loaded instances of the dense model's export, run one after another:
+    M separate copies of the weights in memory, the cost of M different models of the layout."""
+    from offline.export import export_aoti, export_onnx
+    from service.backends import AotiBackend, OnnxBackend
+
+    x = models["make_input"](2)
+    names = list(x)
+    wrap = _ImageLogits if "pixel_values" in x else _TextLogits
+    exported = {"single": wrap(models["base"], models["run"]).eval(), "hydra": models["fused"]}
+    runners: dict[str, list[Any]] = {}
+    for key, model in exported.items():
+        t0 = time.perf_counter()
+        path = folder / f"{backend}-{key}.{'onnx' if backend == 'onnx' else 'pt2'}"
+        if backend == "onnx":
+            export_onnx(model, x, path, ["logits"])
+        else:
+            export_aoti(model, x, path, max_seq=512)
+        n = len(models["dense"]) if key == "single" else 1
+        runners[key] = [OnnxBackend(path, names, "cpu") if backend == "onnx" else AotiBackend(path, names)
+                        for _ in range(n)]  # fmt: skip
+        progress(f"{backend} {key}: exported and loaded in {time.perf_counter() - t0:.0f} s")
+    return {"single": lambda b: runners["single"][0](b), "hydra": lambda b: runners["hydra"][0](b),
+            "deep_ensemble": lambda b: [r(b) for r in runners["single"]]}  # fmt: skip
+
+
+def peak_gflops(precision: str, n: int = 2048, repeats: int = 5) -> float:
+    """The machine's matmul throughput with this process's torch threads: the best of ``repeats`` ``n x n``
+    GEMMs (fp32, or bf16 inputs), in GFLOPS. Every cost result carries it as its own reference."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
 def run_layout(
     layout: str,
     batches: Sequence[int] = (1, 4),
@@ -150,17 +216,40 @@ def run_layout(
     members: int = 3,
     keep: int | None = None,
     progress: Callable[[str], None] = print,
+    backends: Sequence[str] = ("eager",),
 ) -> list[dict[str, Any]]:
-    """Cost rows of ``layout``: one per (device, precision, batch, method), with params and MACs per input.
+    """Cost rows of ``layout``: one per (device, backend, precision, batch, method), with params and MACs per
+    input, the GFLOPS achieved and the share of the machine's matmul peak (:func:`peak_gflops`, measured here).
 
-    Timing is ``bench_fusion.time_interleaved`` (every repetition runs each method once, order rotated);
-    on CUDA each call is wrapped in bf16 autocast (when asked) and a synchronize.
+    Timing is ``bench_fusion.time_interleaved`` (every repetition runs each method once, order rotated); the
+    compiled backends' methods (:func:`compiled_methods`, CPU fp32) join the eager fp32 cells, interleaved with
+    them. On CUDA each call is wrapped in bf16 autocast (when asked) and a synchronize.
     """
     models = build(layout, members, keep)
     fns = {k: f for k, f in bench_fusion.methods(models).items() if k in METHODS}
     params = param_counts(models)
     x1 = models["make_input"](1)
     n_macs = {k: count_macs(lambda f=f: f(x1)) for k, f in fns.items()}
+    peaks = {p: peak_gflops(p) for p in ("fp32", "bf16")}
+    progress(f"{layout}: matmul peak {peaks['fp32']:.0f} GFLOPS fp32, {peaks['bf16']:.0f} bf16")
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = {be: compiled_methods(models, be, Path(tmp), progress) for be in backends if be != "eager"}
+        rows = _time_layout(layout, models, fns, compiled, params, n_macs, peaks, batches, precisions, devices,
+                            repeats, warmup, members, keep, progress)  # fmt: skip
+    for r in rows:
+        r["gflops"] = round(2 * r["macs"] * r["batch"] / (r["latency_ms_min"] / 1e3) / 1e9, 1)
+        if r["device"] == "cpu":
+            r["peak_gflops"] = round(peaks[r["precision"]], 1)
+            r["peak_fraction"] = round(r["gflops"] / peaks[r["precision"]], 3)
+    return rows
+
+
+def _time_layout(
+    layout: str, models: Models, fns: dict[str, Callable], compiled: dict[str, dict[str, Callable]],
+    params: dict[str, int], n_macs: dict[str, int], peaks: dict[str, float], batches: Sequence[int],
+    precisions: Sequence[str], devices: Sequence[str], repeats: int, warmup: int, members: int, keep: int | None,
+    progress: Callable[[str], None],
+) -> list[dict[str, Any]]:  # fmt: skip
     rows = []
     for device in devices:
         if device == "cuda" and not torch.cuda.is_available():
@@ -181,19 +270,24 @@ def run_layout(
                     times = bench_fusion.time_interleaved({k: (lambda f=f, c=call: c(f)) for k, f in fns.items()},
                                                           repeats, warmup, "fp32")
                 else:
-                    times = bench_fusion.time_interleaved({k: (lambda f=f, x=x: f(x)) for k, f in fns.items()},
+                    timed = {("eager", k): f for k, f in fns.items()}
+                    if prec == "fp32":  # the compiled backends run fp32: timed beside eager fp32, interleaved
+                        timed.update({(be, k): f for be, fs in compiled.items() for k, f in fs.items()})
+                    times = bench_fusion.time_interleaved({k: (lambda f=f, x=x: f(x)) for k, f in timed.items()},
                                                           repeats, warmup, prec)
                 # time_interleaved gives {name: {"wall": [ms, ...], "cpu": [ms, ...]}}: latency is wall clock
                 res = {k: (min(v["wall"]), statistics.median(v["wall"])) for k, v in times.items()}
-                for k in fns:
-                    mn, med = res[k]
-                    rows.append({"layout": layout, "method": k, "batch": b, "device": device, "precision": prec,
-                                 "latency_ms_min": round(mn, 3), "latency_ms_median": round(med, 3),
+                for key in res:
+                    backend, k = key if isinstance(key, tuple) else ("eager", key)
+                    mn, med = res[key]
+                    rows.append({"layout": layout, "method": k, "batch": b, "device": device, "backend": backend,
+                                 "precision": prec, "latency_ms_min": round(mn, 3), "latency_ms_median": round(med, 3),
                                  "params": params[k], "macs": int(n_macs[k]), "members": members,
                                  "keep": KEEP[layout] if keep is None else keep, "repeats": repeats,
                                  "threads": torch.get_num_threads(), "device_name": device_name(device)})
                 progress(f"{layout} {device} {prec} b{b}: " + ", ".join(
-                    f"{k} {res[k][0]:.1f}/{res[k][1]:.1f}" for k in fns) + " ms (min/median)")
+                    f"{'/'.join(k) if isinstance(k, tuple) else k} {v[0]:.1f}/{v[1]:.1f}" for k, v in res.items())
+                    + " ms (min/median)")
     _to(models, "cpu")
     return rows
 
@@ -220,14 +314,16 @@ def rows_from_fusion(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def ratios(rows: Sequence[dict[str, Any]], to: str = "single") -> list[dict[str, Any]]:
-    """Per (layout, device, precision, batch, method): latency min and median divided by those of ``to``."""
-    ref = {(r["layout"], r["device"], r["precision"], r["batch"]): r for r in rows if r["method"] == to}
+    """Per (layout, device, backend, precision, batch, method): latency min and median divided by those of ``to``
+    in the same backend (rows without a backend are torch eager's)."""
+    ref = {(r["layout"], r["device"], r.get("backend", "eager"), r["precision"], r["batch"]): r
+           for r in rows if r["method"] == to}  # fmt: skip
     out = []
     for r in rows:
-        k = (r["layout"], r["device"], r["precision"], r["batch"])
+        k = (r["layout"], r["device"], r.get("backend", "eager"), r["precision"], r["batch"])
         if k not in ref:
             continue
-        out.append({**{f: r[f] for f in ("layout", "device", "precision", "batch", "method")},
+        out.append({**{f: r[f] for f in ("layout", "device", "precision", "batch", "method")}, "backend": k[2],
                     "ratio_min": r["latency_ms_min"] / ref[k]["latency_ms_min"],
                     "ratio_median": r["latency_ms_median"] / ref[k]["latency_ms_median"],
                     "macs_ratio": r["macs"] / ref[k]["macs"], "params_ratio": r["params"] / ref[k]["params"]})

@@ -203,9 +203,9 @@ def target_lines(rows: Sequence[dict]) -> list[str]:
 
 def cost_tables(rows: Sequence[dict], runs: dict) -> list[str]:
     out = []
-    ratio = {(r["layout"], r["device"], r["precision"], r["batch"], r["method"]): r
+    ratio = {(r["layout"], r["device"], r["backend"], r["precision"], r["batch"], r["method"]): r
              for r in cost_mod.ratios(rows, "single")}
-    to_de = {(r["layout"], r["device"], r["precision"], r["batch"], r["method"]): r
+    to_de = {(r["layout"], r["device"], r["backend"], r["precision"], r["batch"], r["method"]): r
              for r in cost_mod.ratios(rows, "deep_ensemble")}
     for layout, rs, meta in _sections(rows, "layout", cost_mod.LAYOUTS, runs):
         first = {r["method"]: r for r in rs}
@@ -218,19 +218,26 @@ def cost_tables(rows: Sequence[dict], runs: dict) -> list[str]:
                 r, s1 = first[m], first["single"]
                 out.append(f"| {METHOD_NAMES.get(m, m)} | {r['params'] / 1e6:.1f} | {r['macs'] / 1e9:.3f} | "
                            f"{r['params'] / s1['params']:.2f} | {r['macs'] / s1['macs']:.2f} |")
-        out += ["", "Latency, ms (min / median); ratios min / median.", "",
-                "| device | precision | batch | " + " | ".join(METHOD_NAMES.get(m, m) for m in cost_mod.METHODS)
-                + " | Hydra / Single | Hydra / Deep Ensemble |", "|" + "---|" * (3 + len(cost_mod.METHODS) + 2)]
-        keys = sorted({(r["device"], r["precision"], r["batch"]) for r in rs})
-        for dev, prec, b in keys:
-            cells = [dev, prec, str(b)]
+        out += ["", "Latency, ms (min / median); ratios min / median, within one backend; Hydra's GFLOPS and its "
+                "share of the machine's matmul peak measured in the same run (when recorded).", "",
+                "| device | backend | precision | batch | "
+                + " | ".join(METHOD_NAMES.get(m, m) for m in cost_mod.METHODS)
+                + " | Hydra / Single | Hydra / Deep Ensemble | Hydra GFLOPS (peak share) |",
+                "|" + "---|" * (4 + len(cost_mod.METHODS) + 3)]
+        keys = sorted({(r["device"], r.get("backend", "eager"), r["precision"], r["batch"]) for r in rs},
+                      key=lambda k: (k[0], cost_mod.BACKENDS.index(k[1]), k[2], k[3]))
+        for dev, be, prec, b in keys:
+            cells = [dev, be, prec, str(b)]
+            cell = {x["method"]: x for x in rs
+                    if (x["device"], x.get("backend", "eager"), x["precision"], x["batch"]) == (dev, be, prec, b)}
             for m in cost_mod.METHODS:
-                r = next((x for x in rs if (x["device"], x["precision"], x["batch"], x["method"]) == (dev, prec, b, m)),
-                         None)
+                r = cell.get(m)
                 cells.append("–" if r is None else f"{r['latency_ms_min']:.1f} / {r['latency_ms_median']:.1f}")
             for table in (ratio, to_de):
-                r = table.get((layout, dev, prec, b, "hydra"))
+                r = table.get((layout, dev, be, prec, b, "hydra"))
                 cells.append("–" if r is None else f"{r['ratio_min']:.2f} / {r['ratio_median']:.2f}")
+            h = cell.get("hydra", {})
+            cells.append(f"{h['gflops']:.0f} ({100 * h['peak_fraction']:.0f} %)" if "peak_fraction" in h else "–")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return out
@@ -379,6 +386,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], default=None,
                     help="cost devices (default: cpu, plus cuda when available)")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per cost cell (fast: 3; full: 10)")
+    ap.add_argument("--backends", nargs="+", choices=cost_mod.BACKENDS, default=["eager"],
+                    help="cost: the serving backends to time Single, Hydra and the Deep Ensemble in (eager: every "
+                         "method; onnx, aoti: CPU fp32, exported and compiled first)")
     ap.add_argument("--methods", nargs="+", choices=q.METHODS, default=list(q.METHODS),
                     help="quality methods to run (default: all)")
     ap.add_argument("--hydra-seeds", type=int, default=3, help="Hydra seeds in the quality table (>= 3)")
@@ -416,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for layout in layouts:
             t0 = time.perf_counter()
             rows = cost_mod.run_layout(layout, batches, args.precisions, devices, repeats,
-                                       progress=lambda s: log.info("%s", s))
+                                       progress=lambda s: log.info("%s", s), backends=args.backends)
             write_part(out, "cost", rows, "layout", {layout}, meta)  # after each layout: a long run keeps its part
             log.info("cost %s done in %.0f s", layout, time.perf_counter() - t0)
 

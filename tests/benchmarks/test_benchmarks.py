@@ -227,3 +227,31 @@ def test_cost_rows_of_a_small_layout_are_timed_side_by_side():
     assert by["member"]["macs"] < by["single"]["macs"] < by["hydra"]["macs"] < by["deep_ensemble"]["macs"]
     ratios = {r["method"]: r for r in cost_mod.ratios(rows, "single") if r["batch"] == 1}
     assert ratios["single"]["ratio_min"] == 1.0 and ratios["deep_ensemble"]["macs_ratio"] == 3.0
+
+
+def test_ratios_stay_within_a_backend():
+    rows = [{"layout": "x", "device": "cpu", "backend": be, "precision": "fp32", "batch": 1, "method": m,
+             "latency_ms_min": t, "latency_ms_median": t, "params": 1, "macs": 1}
+            for be, m, t in (("eager", "single", 10.0), ("eager", "hydra", 12.0), ("onnx", "single", 4.0),
+                             ("onnx", "hydra", 6.0))]  # fmt: skip
+    by = {(r["backend"], r["method"]): r["ratio_min"] for r in cost_mod.ratios(rows, "single")}
+    assert by["eager", "hydra"] == pytest.approx(1.2) and by["onnx", "hydra"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("backend", ["onnx", pytest.param("aoti", marks=pytest.mark.slow)])
+def test_compiled_backends_compute_what_eager_computes(tmp_path: Path, backend: str):
+    """The cost benchmark's compiled methods are the eager models exported (the server's loaders): same logits,
+    and the Deep Ensemble runs M separate instances."""
+    models = cost_mod.build("image", members=3)
+    eager = bench_fusion.methods(models)
+    compiled = cost_mod.compiled_methods(models, backend, tmp_path, progress=lambda s: None)
+    x = models["make_input"](3)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled["single"](x), eager["single"](x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(compiled["hydra"](x), eager["hydra"](x), atol=1e-4, rtol=1e-4)
+        de = compiled["deep_ensemble"](x)
+    assert len(de) == 3 and all(torch.equal(d, de[0]) for d in de)  # one export, three loaded copies
+
+
+def test_peak_probe_reports_a_positive_throughput():
+    assert 0 < cost_mod.peak_gflops("fp32", n=256, repeats=2) < 1e6

@@ -9,6 +9,7 @@ import io
 import os
 import pickle
 import re
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -92,8 +93,10 @@ def test_cors_is_off_by_default(artifacts):
 
 def test_no_endpoint_reads_a_path_from_the_request(artifacts, monkeypatch):
     app = create_app(settings_for(artifacts["vit"]))
-    # no route takes a path parameter; nothing serves files
-    assert not [r.path for r in app.routes if "{" in getattr(r, "path", "")]
+    # no route takes a path parameter but the Open Inference Protocol's model name and version (looked up among
+    # the loaded models, never opened); nothing serves files
+    params = {p for r in app.routes for p in re.findall(r"{(\w+)", getattr(r, "path", ""))}
+    assert params <= {"model_name", "model_version"}, params
     for py in SERVICE.glob("*.py"):
         src = py.read_text()
         for bad in ("path_params", "FileResponse", "StaticFiles", "query_params"):
@@ -126,6 +129,11 @@ def test_no_endpoint_reads_a_path_from_the_request(artifacts, monkeypatch):
             assert r.status_code == 200  # the part's file name is ignored: the bytes are the image
             r = c.post("/zero-shot", json={"image": b64(png(1)), "labels": [value, "b"], "template": "{label}"})
             assert r.status_code == 400
+            quoted = urllib.parse.quote(value, safe="")
+            name = c.get("/v1/models").json()["models"][0]["name"]
+            assert c.get(f"/v2/models/{name}/ready").status_code == 200
+            for path in (f"/v2/models/{quoted}/ready", f"/v2/models/{quoted}", f"/v2/models/{name}/versions/{quoted}"):
+                assert c.get(path).status_code == 404, path  # an unknown model or version, never a file
         monkeypatch.undo()
     assert not [p for p in opened if "passwd" in p or str(artifacts["vit"]) in p], opened
 
