@@ -4,9 +4,20 @@ A batch starts when enough inputs are waiting or ``max_wait_s`` after the oldest
 waiting request arrived (or after the worker became free, if later: a request
 that arrived during the previous batch waits at most that long for the clients
 it answered to come back), whichever comes first. "Enough" is ``max_batch``, or
-fewer when the last batches were smaller (the recent load): a lone client does
-not wait for company that is not coming. While a batch runs, the next one fills
-up. One worker thread per model runs the batches, so the event loop keeps
+fewer when recent load was lower: a lone client does not wait for company that
+is not coming. While a batch runs, the next one fills up.
+
+How much lower (``fill``): ``in_system`` (the default) counts, for each recent
+batch cycle, the most inputs that were in the system at once, queued plus
+running, and fills up to the largest such count. ``recent`` fills up to the
+largest recent batch. The difference shows at medium load: 8 clients split into
+two groups of 4, one running while the other queues. Each queued group reaches
+the largest recent batch (4) and starts at once, so ``recent`` keeps the
+batches at 4 for good. ``in_system`` sees the 8 inputs in flight and waits, at
+most ``max_wait_s``, for the group just answered to come back: batches of 8,
+each one larger and cheaper per input (``benchmarks/results/batching``).
+
+One worker thread per model runs the batches, so the event loop keeps
 answering. The queue is bounded (``max_queue`` inputs): beyond it
 :meth:`Batcher.submit` raises :class:`~service.errors.Overloaded` at once.
 
@@ -36,7 +47,9 @@ from typing import Any
 from .errors import InternalError, NotReady, Overloaded, ServiceError
 from .metrics import Metrics
 
-__all__ = ["Batcher", "BatchResult"]
+__all__ = ["FILL_RULES", "Batcher", "BatchResult"]
+
+FILL_RULES = ("in_system", "recent")  # how full a batch waits to be under lower load (module docstring)
 
 log = logging.getLogger("hydra.batching")
 
@@ -84,8 +97,14 @@ class Batcher:
         metrics: Metrics | None = None,
         unhealthy_after: int = 0,
         on_health: Callable[[bool], None] | None = None,
+        fill: str = "in_system",
     ) -> None:
+        if fill not in FILL_RULES:
+            raise ValueError(f"fill must be one of {FILL_RULES}, got {fill!r}")
         self.name = name
+        self.fill = fill
+        self._running_inputs = 0  # inputs of the batch the worker runs now
+        self._cycle_peak = 0  # most inputs in the system (queued + running) since the last batch started
         self._fn = run
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
@@ -99,7 +118,7 @@ class Batcher:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hydra-{name}")
         self._last_batch_s = 0.0
         self._free_since = 0.0  # when the worker last finished a batch
-        self._recent: deque[int] = deque(maxlen=8)  # sizes (inputs) of the last batches
+        self._recent: deque[int] = deque(maxlen=8)  # per recent batch: its size, or (in_system) the cycle's peak
         self.unhealthy_after = unhealthy_after
         self._on_health = on_health
         self.consecutive_failures = 0  # failed batches in a row (server-side errors only)
@@ -138,6 +157,7 @@ class Batcher:
         req = _Request(items, asyncio.get_running_loop().create_future())
         self._queue.append(req)
         self._set_depth(self._depth + n)
+        self._cycle_peak = max(self._cycle_peak, self._depth + self._running_inputs)
         assert self._event is not None
         self._event.set()
         return await req.future  # cancelled with the request: the loop skips it
@@ -170,7 +190,8 @@ class Batcher:
             # whichever is later (under load, the clients answered by the last batch are about to come back)
             deadline = max(self._queue[0].enqueued, self._free_since) + self.max_wait_s
             # no point waiting for more inputs than recent batches held: a lone client is not made to wait
-            target = min(self.max_batch, max(self._recent, default=self.max_batch))
+            recent = max(self._recent, default=self.max_batch)
+            target = min(self.max_batch, max(recent, self._cycle_peak) if self.fill == "in_system" else recent)
             while self._depth < target and not self._closing:
                 timeout = deadline - time.perf_counter()
                 if timeout <= 0:
@@ -190,6 +211,7 @@ class Batcher:
                         if not r.future.done():
                             r.future.set_exception(InternalError("internal error; the server log has the details"))
                     self._outcome(ran=False, server_fault=True)
+                self._running_inputs = 0
                 self._free_since = time.perf_counter()
 
     def _take(self) -> list[_Request]:
@@ -234,7 +256,9 @@ class Batcher:
             for r in batch:
                 self.metrics.queue_wait.labels(self.name).observe(start - r.enqueued)
         items = [x for r in batch for x in r.items]
-        self._recent.append(len(items))
+        self._recent.append(max(len(items), self._cycle_peak) if self.fill == "in_system" else len(items))
+        self._cycle_peak = self._depth + len(items)  # the next cycle starts with what is in the system now
+        self._running_inputs = len(items)
         try:
             results = await loop.run_in_executor(self._executor, self._call, items)
         except Exception as e:

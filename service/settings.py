@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     max_batch: int = Field(32, ge=1, le=4096)
     # longest wait of a queued input for others to join its batch (a lone client under low load does not wait)
     max_wait_ms: float = Field(20.0, ge=0.0, le=10_000.0)
+    # how full a batch waits to be under lower load (service/batching.py): in_system (the most inputs queued plus
+    # running in recent batch cycles) or recent (the largest recent batch)
+    batch_fill: Literal["in_system", "recent"] = "in_system"
     # most inputs waiting per model; beyond it requests get 503 overloaded
     max_queue: int = Field(512, ge=1)
     # bearer token required on every endpoint but /healthz, /readyz and /metrics; unset = no auth

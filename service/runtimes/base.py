@@ -212,7 +212,7 @@ class Runtime(abc.ABC):
         self.batcher = Batcher(
             self.name, self._run, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000,
             max_queue=settings.max_queue, metrics=metrics, unhealthy_after=settings.unready_after_failures,
-            on_health=self._health_changed,
+            on_health=self._health_changed, fill=settings.batch_fill,
         )  # fmt: skip
         self.ready = False
         self._prober: asyncio.Task | None = None

@@ -178,3 +178,41 @@ def test_cancelled_request_is_skipped():
 
     r, depth = run(main())
     assert r.results == ["kept"] and seen == ["kept"] and depth == 0
+
+
+@pytest.mark.parametrize(("fill", "lo", "hi"), [("in_system", 7.0, 8.0), ("recent", 3.5, 4.5)])
+def test_medium_load_fills_batches_with_the_clients_in_flight(fill, lo, hi):
+    """8 closed-loop clients that start as two groups of 4 (one group's batch runs while the other queues).
+    ``recent`` keeps that split for good: each queued group already reaches the largest recent batch (4).
+    ``in_system`` sees 8 inputs in flight and waits (at most max_wait) for the group just answered: batches of 8
+    after the first cycles."""
+    sizes: list[int] = []
+
+    def model(items: list) -> list:
+        sizes.append(len(items))
+        time.sleep(0.03)  # a forward pass
+        return list(items)
+
+    async def client(b: Batcher, rounds: int) -> None:
+        for _ in range(rounds):
+            await b.submit(["x"])
+
+    async def main() -> None:
+        b = Batcher("m", model, max_batch=32, max_wait_s=0.1, max_queue=100, fill=fill)
+        b.start()
+        first = [asyncio.create_task(client(b, 12)) for _ in range(4)]
+        await asyncio.sleep(0.005)
+        while not sizes:  # the first group's batch is running: the second group queues behind it
+            await asyncio.sleep(0.001)
+        second = [asyncio.create_task(client(b, 12)) for _ in range(4)]
+        await asyncio.gather(*first, *second)
+        await b.close()
+
+    run(main())
+    steady = sizes[4:-2]  # after the first cycles, before the clients finish
+    assert lo <= sum(steady) / len(steady) <= hi, sizes
+
+
+def test_fill_rule_is_checked():
+    with pytest.raises(ValueError, match="fill must be one of"):
+        Batcher("m", lambda xs: xs, max_batch=4, max_wait_s=0.01, max_queue=10, fill="greedy")
