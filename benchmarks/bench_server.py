@@ -132,6 +132,32 @@ def raw_throughput(artifact: Path, plan: dict[str, str], body: dict[str, Any], b
     return out
 
 
+def check_served(server: tuple[Any, int], name: str, plan: dict[str, str]) -> None:
+    """The server is ready and runs the backend, device and precision the raw model is measured with."""
+    import httpx
+
+    proc, port = server
+    try:
+        harness.wait_ready(port, proc, timeout=300)
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    models = httpx.get(f"http://{harness.HOST}:{port}/v1/models", timeout=5).json()["models"]
+    (model,) = [m for m in models if m["name"] == name]
+    served = {k: model[k] for k in ("backend", "device", "precision")}
+    if served != plan:
+        raise SystemExit(f"the server runs {served}, the raw model was measured with {plan}")
+    print(f"{name}: backend {plan['backend']}, device {plan['device']}, precision {plan['precision']}", flush=True)
+
+
+def drive_level(port: int, body: dict[str, Any], c: int, requests: int, duration: float) -> dict[str, Any]:
+    """One concurrency level against the server on ``port``, with the mean batch size it formed meanwhile."""
+    url = f"http://{harness.HOST}:{port}"
+    s0, n0 = batch_stats(url)
+    res = asyncio.run(drive(port, body, c, requests, duration))
+    s1, n1 = batch_stats(url)
+    return {**res, "mean_batch": round((s1 - s0) / max(n1 - n0, 1), 2)}
+
+
 def _plan_tuple(p: Any) -> tuple[str, str, str]:
     return p.backend, p.device, p.precision
 
@@ -142,13 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="client counts (each <= 64)")
     p.add_argument("--requests", type=int, default=200, help="most requests per concurrency level")
     p.add_argument("--duration", type=float, default=30.0, help="most seconds per concurrency level")
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "torchscript", "onnx"])
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "torchscript", "onnx", "aoti"])
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--max-batch", type=int, default=32, help="HYDRA_MAX_BATCH")
     p.add_argument("--max-wait-ms", type=float, default=None, help="HYDRA_MAX_WAIT_MS (default: the server's)")
     p.add_argument("--threads", type=int, default=None, help="HYDRA_THREADS (torch / ORT intra-op threads)")
     p.add_argument("--raw-seconds", type=float, default=3.0, help="time per batch size for the raw model")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/server_<name>.json)")
+    p.add_argument("--batch-fill", nargs="+", default=["in_system"], choices=["in_system", "recent"],
+                   help="HYDRA_BATCH_FILL: several start one server each, driven in turn at every level (the order "
+                        "alternating per level), so the rules are compared side by side in one run")
     args = p.parse_args(argv)
     if any(not 1 <= c <= 64 for c in args.concurrency):
         p.error("--concurrency values must be between 1 and 64")
@@ -160,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     name = manifest["name"]
     body = harness.payload(manifest)
     port = harness.free_port()
-    url = f"http://{harness.HOST}:{port}"
     env = {"HYDRA_BACKEND": args.backend, "HYDRA_PRECISION": args.precision, "HYDRA_MAX_BATCH": str(args.max_batch),
            "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.concurrency))), "HYDRA_LOG_LEVEL": "warning"}  # fmt: skip
     if args.max_wait_ms is not None:
@@ -175,32 +203,27 @@ def main(argv: list[str] | None = None) -> int:
     batches = sorted(set(args.concurrency))
     print(f"raw model, before the server ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
     raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]
-    print(f"starting the server on {url} with {artifact}", flush=True)
-    proc = harness.start_server(artifact, port, env, inherit_output=True)
-    levels = []
+    servers = {}  # batch fill rule -> (process, port)
+    by_fill: dict[str, list[dict[str, Any]]] = {f: [] for f in args.batch_fill}
     try:
-        try:
-            harness.wait_ready(port, proc, timeout=300)
-        except RuntimeError as e:
-            raise SystemExit(str(e)) from None
-        import httpx
-
-        (model,) = [m for m in httpx.get(f"{url}/v1/models", timeout=5).json()["models"] if m["name"] == name]
-        served = {k: model[k] for k in ("backend", "device", "precision")}
-        if served != plan:
-            raise SystemExit(f"the server runs {served}, the raw model was measured with {plan}")
-        print(f"{name}: backend {plan['backend']}, device {plan['device']}, precision {plan['precision']}", flush=True)
-        for c in args.concurrency:
-            s0, n0 = batch_stats(url)
-            res = asyncio.run(drive(port, body, c, args.requests, args.duration))
-            s1, n1 = batch_stats(url)
-            res["mean_batch"] = round((s1 - s0) / max(n1 - n0, 1), 2)
-            levels.append(res)
-            print(f"  concurrency {c:3d}: {res['throughput_rps']:9.1f} req/s  p50 {res['p50_ms']:8.1f} ms  "
-                  f"p95 {res['p95_ms']:8.1f} ms  p99 {res['p99_ms']:8.1f} ms  mean batch {res['mean_batch']:5.1f}  "
-                  f"errors {res['errors'] or 0}", flush=True)  # fmt: skip
+        for fill in args.batch_fill:
+            port = port if not servers else harness.free_port()
+            print(f"starting the server (HYDRA_BATCH_FILL={fill}) on port {port} with {artifact}", flush=True)
+            servers[fill] = (harness.start_server(artifact, port, {**env, "HYDRA_BATCH_FILL": fill},
+                                                  inherit_output=True), port)  # fmt: skip
+            check_served(servers[fill], name, plan)
+        for i, c in enumerate(args.concurrency):
+            order = args.batch_fill if i % 2 == 0 else args.batch_fill[::-1]  # load drift hits both rules alike
+            for fill in order:
+                res = drive_level(servers[fill][1], body, c, args.requests, args.duration)
+                by_fill[fill].append({**res, "batch_fill": fill})
+                print(f"  {fill:>9} concurrency {c:3d}: {res['throughput_rps']:9.1f} req/s  p50 {res['p50_ms']:8.1f} "
+                      f"ms  p95 {res['p95_ms']:8.1f} ms  p99 {res['p99_ms']:8.1f} ms  mean batch "
+                      f"{res['mean_batch']:5.1f}  errors {res['errors'] or 0}", flush=True)  # fmt: skip
     finally:
-        harness.stop_server(proc)
+        for proc, _ in servers.values():
+            harness.stop_server(proc)
+    levels = by_fill[args.batch_fill[0]]
     print("raw model, after the server:", flush=True)
     raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
     # the better of the two runs per batch size: the server is compared with the raw model at its best
@@ -219,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         "members": manifest["members"],
         **plan,
         "settings": {"max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms or "server default",
+                     "batch_fill": args.batch_fill,
                      "threads": args.threads,
                      "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]},
         "machine": harness.machine(),
         "server": levels,
+        "server_by_batch_fill": by_fill,
         "raw": raw,
         "raw_runs": raw_runs,
         "ratio_top_concurrency_vs_best_raw": round(ratio, 3),

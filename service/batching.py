@@ -13,9 +13,11 @@ running, and fills up to the largest such count. ``recent`` fills up to the
 largest recent batch. The difference shows at medium load: 8 clients split into
 two groups of 4, one running while the other queues. Each queued group reaches
 the largest recent batch (4) and starts at once, so ``recent`` keeps the
-batches at 4 for good. ``in_system`` sees the 8 inputs in flight and waits, at
-most ``max_wait_s``, for the group just answered to come back: batches of 8,
-each one larger and cheaper per input (``benchmarks/results/batching``).
+batches at 4 for good. ``in_system`` sees the 8 inputs in flight and waits for the group just
+answered to come back: batches of 8, each one larger and cheaper per input
+(``benchmarks/results/batching``). It waits at most ``max_wait_s`` and at most
+half the last forward pass (:data:`STRAGGLER_WAIT`): a wait pays only when the
+model, not the HTTP handling, is what the clients wait for.
 
 One worker thread per model runs the batches, so the event loop keeps
 answering. The queue is bounded (``max_queue`` inputs): beyond it
@@ -50,6 +52,10 @@ from .metrics import Metrics
 __all__ = ["FILL_RULES", "Batcher", "BatchResult"]
 
 FILL_RULES = ("in_system", "recent")  # how full a batch waits to be under lower load (module docstring)
+# in_system: the longest wait for a batch to fill, as a share of the last forward pass. A wait buys a larger batch
+# only when the pass costs more than the clients' round trip: with a model of 1 ms a pass (a tiny test model), the
+# 8 clients were busy in HTTP handling, not in the queue, and waiting the full HYDRA_MAX_WAIT_MS halved throughput
+STRAGGLER_WAIT = 0.5
 
 log = logging.getLogger("hydra.batching")
 
@@ -188,7 +194,10 @@ class Batcher:
                 continue
             # let the batch fill: up to max_wait after the oldest request arrived or the worker became free,
             # whichever is later (under load, the clients answered by the last batch are about to come back)
-            deadline = max(self._queue[0].enqueued, self._free_since) + self.max_wait_s
+            wait = self.max_wait_s
+            if self.fill == "in_system" and self._last_batch_s:  # waiting for stragglers costs at most half a pass
+                wait = min(wait, STRAGGLER_WAIT * self._last_batch_s)
+            deadline = max(self._queue[0].enqueued, self._free_since) + wait
             # no point waiting for more inputs than recent batches held: a lone client is not made to wait
             recent = max(self._recent, default=self.max_batch)
             target = min(self.max_batch, max(recent, self._cycle_peak) if self.fill == "in_system" else recent)
