@@ -12,7 +12,7 @@ export HYDRA_DATA_DIR ?= $(CURDIR)/.cache/datasets
 HYDRA_ARTIFACTS ?= artifacts/default/text,artifacts/default/image,artifacts/default/zeroshot
 export HYDRA_ARTIFACTS
 
-.PHONY: install data test test-all serve artifacts lint
+.PHONY: install data test test-all serve artifacts lint bench-gpu
 
 $(VENV)/.installed: pyproject.toml requirements-assets.txt
 	$(PYTHON) -m venv $(VENV)
@@ -45,3 +45,7 @@ lint: install
 	$(VENV)/bin/ruff check service offline tests benchmarks deploy
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/hadolint --config deploy/hadolint.yaml Dockerfile deploy/build/Dockerfile
+
+# every GPU measurement in one go (CUDA tests, a CUDA build, cost and server benchmarks): benchmarks/gpu.sh
+bench-gpu: data
+	benchmarks/gpu.sh

@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=30.0, help="most seconds per concurrency level")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "torchscript", "onnx", "aoti"])
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="HYDRA_DEVICE")
     p.add_argument("--max-batch", type=int, default=32, help="HYDRA_MAX_BATCH")
     p.add_argument("--max-wait-ms", type=float, default=None, help="HYDRA_MAX_WAIT_MS (default: the server's)")
     p.add_argument("--threads", type=int, default=None, help="HYDRA_THREADS (torch / ORT intra-op threads)")
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     name = manifest["name"]
     body = harness.payload(manifest)
     port = harness.free_port()
-    env = {"HYDRA_BACKEND": args.backend, "HYDRA_PRECISION": args.precision, "HYDRA_MAX_BATCH": str(args.max_batch),
+    env = {"HYDRA_BACKEND": args.backend, "HYDRA_PRECISION": args.precision, "HYDRA_DEVICE": args.device,
+           "HYDRA_MAX_BATCH": str(args.max_batch),
            "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.concurrency))), "HYDRA_LOG_LEVEL": "warning"}  # fmt: skip
     if args.max_wait_ms is not None:
         env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
     plan = dict(zip(("backend", "device", "precision"), _plan_tuple(resolve_plan(
-        manifest, device="auto", backend=args.backend, precision=args.precision)), strict=True))  # fmt: skip
+        manifest, device=args.device, backend=args.backend, precision=args.precision)), strict=True))  # fmt: skip
     batches = sorted(set(args.concurrency))
     print(f"raw model, before the server ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
     raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]

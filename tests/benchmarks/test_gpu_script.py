@@ -1,0 +1,56 @@
+"""``benchmarks/gpu.sh --dry-run``: the one-command GPU run prints its commands, and each of them is accepted by the
+program it calls (its own argument parser; the build's config validation), so that the first GPU session does not
+find a typo after the minutes it takes to start."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def commands() -> list[list[str]]:
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
+
+
+def _program(commands: list[list[str]], script: str) -> list[str]:
+    (cmd,) = [c for c in commands if len(c) > 1 and c[1] == script]
+    return cmd[2:]
+
+
+def test_it_runs_the_cuda_tests_a_cuda_build_and_both_benchmarks(commands):
+    programs = [c[1] if len(c) > 1 else c[0] for c in commands]
+    assert "-m" in programs and any(c[1:4] == ["-m", "pytest", "-m"] and c[4] == "gpu" for c in commands)
+    for script in ("offline/build.py", "benchmarks/run.py", "benchmarks/bench_server.py"):
+        assert script in programs, script
+    assert "gpu" in (ROOT / "pyproject.toml").read_text()  # the marker pytest -m gpu selects
+
+
+def test_the_build_command_is_a_valid_cuda_build(commands):
+    from offline.build import parse_args
+    from offline.config import load_config, overrides_from_args
+
+    args = parse_args(_program(commands, "offline/build.py"))
+    over = overrides_from_args(args, skip=("config", "out", "force", "no_progress", "stage", "member"))
+    assert over["build.device"] == "cuda"
+    cfg = load_config(ROOT / args.config, {**over, "build.device": "cpu"})  # this machine may have no GPU
+    assert cfg.build.precision == "auto" and cfg.build.workers == 4
+
+
+@pytest.mark.parametrize("script", ["benchmarks/run.py", "benchmarks/bench_server.py"])
+def test_the_benchmark_commands_parse(commands, script, monkeypatch):
+    """Each program's parser takes the arguments (``--help`` last: every argument before it is checked first)."""
+    import importlib
+
+    module = importlib.import_module(script.replace("/", ".").removesuffix(".py"))
+    with pytest.raises(SystemExit) as done:
+        module.main([*_program(commands, script), "--help"])
+    assert done.value.code == 0
