@@ -45,7 +45,7 @@ from service.uncertainty import summarize
 from . import data as data_mod
 from . import train as train_mod
 from .calibration import calibrate_threshold, fit_temperature
-from .compute import Compute, on_device
+from .compute import Compute, on_device, resolve_device, resolve_precision
 from .config import BuildConfig, ConfigError
 from .families import FamilyAdapter
 from .members import Budget, pool_size, sample_members
@@ -390,7 +390,9 @@ def train_compute(cfg: BuildConfig) -> dict[str, Any]:
     """The ``build`` section as training settings (device, autocast precision, DataLoader workers), and
     ``data.augment`` as the image augmentation (when set; else the preset's)."""
     b, aug = cfg.build, cfg.data.augment
-    out: dict[str, Any] = {"device": b.device, "precision": b.precision, "workers": b.workers}
+    # the precision as resolved on this machine: fp32 on a CPU is what training always was (older checkpoints match)
+    precision = resolve_precision(b.precision, resolve_device(b.device))
+    out: dict[str, Any] = {"device": b.device, "precision": precision, "workers": b.workers}
     if aug is not None:
         out.update(hflip="flip" in aug, crop_scale=cfg.data.crop_scale if "crop" in aug else 1.0)
     return out
