@@ -6,9 +6,9 @@
 
 Each variant is one ``offline/build.py`` build of the config with a few ``hydra.*`` overrides (the levers of
 ``docs/artifact.md``/``offline/config.py``: member data order or bootstrap, head re-initialisation, per-member
-MLPs, more heads pruned, longer fine-tuning). Builds go to ``--work`` and are reused when their overrides match
-(a run resumes); the base model is shared through ``base.cache_dir``. From each build's ``report.json`` the
-script collects what the promise is about, all computed by the build itself on its test data:
+MLPs, more heads pruned, longer fine-tuning). Builds go to ``--work`` and are reused when their overrides and the
+builder's source match (a run resumes); the base model is shared through ``base.cache_dir``. From each build's
+``report.json`` the script collects what the promise is about, all computed by the build itself on its test data:
 
 * diversity: Hydra's mean mutual information on OOD test inputs, and the members' agreement (mean pairwise
   Spearman rank correlation of their per-member Mahalanobis scores on OOD test inputs);
@@ -23,6 +23,7 @@ Writes ``<out>/recipe.json`` (one row per variant, plus the machine) and ``<out>
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -82,15 +83,27 @@ def run_variant(config: Path, name: str, work: Path, cache: Path, seed: int = 0,
         name = f"{name}@seed{seed}"
     out = work / name
     stamp = work / f".{name}.json"
+    over = {**over, "builder": builder_digest()}  # a build of other builder code is not reused
     if (out / "manifest.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) == over:
         print(f"[recipe] {name}: reusing {out}", flush=True)
         return out
     print(f"[recipe] {name}: building {over}", flush=True)
     t0 = time.perf_counter()
-    build(load_config(config, over), out)
+    build(load_config(config, {k: v for k, v in over.items() if k != "builder"}), out)
     stamp.write_text(json.dumps(over))
     (work / f".{name}.seconds").write_text(f"{time.perf_counter() - t0:.1f}")
     return out
+
+
+def builder_digest() -> str:
+    """A digest of the builder's and the server's source (``offline/``, ``service/``): what a build depends on
+    besides its config. (Base models cached in ``base.cache_dir`` are keyed by their config and training settings
+    only: clear the folder after changing how a base trains.)"""
+    h = hashlib.sha256()
+    for path in sorted([*ROOT.glob("offline/**/*.py"), *ROOT.glob("service/**/*.py")]):
+        h.update(str(path.relative_to(ROOT)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _served_auroc(row: dict[str, Any], score: str) -> float | None:
