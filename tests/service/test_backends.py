@@ -106,3 +106,31 @@ def test_three_backends_agree(artifacts, family):
     bf16 = TorchBackend(model, names, "cpu", "bf16")(x)
     assert bf16.dtype == torch.float32  # autocast output handed back as fp32
     assert (bf16 - eager).abs().max() < 0.2
+
+
+@pytest.mark.parametrize("family", ["vit", "bert"])
+def test_bf16_backend_stores_gemm_weights_in_bf16_with_the_same_outputs(family):
+    """TorchBackend in bf16 keeps its matrix weights in bf16 (cast once, not on every call): the outputs are bit for
+    bit those of bf16 autocast over the fp32 model; norms and embeddings stay fp32."""
+    import copy
+
+    from service.backends import TorchBackend
+    from service.fused import tiny_config
+    from service.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(tiny_config(family)).eval()
+    model.with_features = True
+    reference = copy.deepcopy(model)
+    inputs = ({"pixel_values": torch.randn(3, 1, 16, 16)} if family == "vit"
+              else {"input_ids": torch.randint(0, 1000, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.long)})
+    names = list(inputs)
+    backend = TorchBackend(model, names, "cpu", "bf16")
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(*(inputs[k] for k in names))
+    got = backend.outputs(inputs)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w.float())
+    low = {n for n, p in backend.model.named_parameters() if p.dtype == torch.bfloat16}
+    assert low and all(n.endswith(".weight") and ("attn." in n or "mlp." in n or n.split(".")[0] in
+                                                  ("patch_embed", "head", "classifier", "pooler")) for n in low), low
