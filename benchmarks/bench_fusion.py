@@ -24,6 +24,9 @@ Methods:
     hydra_ood         hydra returning its members' features too, plus every OOD score the server computes
                       (service.ood.ensemble_scores, Mahalanobis on statistics of the layout's shape): the
                       served flag's cost, reported as hydra_ood / hydra
+    single_bf16_weights, hydra_bf16_weights
+                      copies of single / hydra with their matrix weights stored in bf16, as the server keeps them
+                      in bf16 (service.backends.cast_gemm_weights; same outputs under bf16 autocast)
 
     python benchmarks/bench_fusion.py --layout vit_b16 --batches 1 4 16 32 --precisions fp32 bf16
     python benchmarks/bench_fusion.py --layout bert_base --batches 1 8 --precisions fp32 bf16
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import platform
@@ -57,12 +61,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline.families import get_adapter  # noqa: E402
 from offline.fusion import fuse  # noqa: E402
-from service.backends import cpu_bf16_flags  # noqa: E402
+from service.backends import cast_gemm_weights, cpu_bf16_flags  # noqa: E402
 from service.fused import CPU_MAX_ROWS  # noqa: E402
 from service.ood import GaussianStats, OODStats, ensemble_scores  # noqa: E402
 
-METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble", "hydra_ood")
-DEFAULT_METHODS = METHODS[:-1]  # hydra_ood: asked for with --methods (the served scores' cost)
+METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble", "hydra_ood",
+           "single_bf16_weights", "hydra_bf16_weights")
+DEFAULT_METHODS = METHODS[:-3]  # the others are asked for with --methods
 LAYOUTS = {  # heads kept per member by default, batch sizes by default
     "vit_b16": {"keep": 8, "batches": [1, 4, 16, 32]},
     "bert_base": {"keep": 6, "batches": [1, 8]},
@@ -152,8 +157,18 @@ def methods(models: dict[str, Any]) -> dict[str, Callable[[dict[str, torch.Tenso
             fused.with_features = False
         return ensemble_scores(logits, features, models["ood_stats"])
 
+    low = {}  # the bf16-weight copies, made when first asked for (they double the memory of two models)
+
+    def bf16_weights(key: str, x: dict[str, torch.Tensor]) -> Any:
+        if key not in low:
+            with torch.inference_mode(False):  # ordinary tensors, as the server loads them (not inference tensors)
+                low[key] = cast_gemm_weights(copy.deepcopy(base if key == "single" else fused))
+        return run(low[key], x) if key == "single" else low[key](**x)
+
     return {
         "hydra_ood": hydra_ood,
+        "single_bf16_weights": lambda x: bf16_weights("single", x),
+        "hydra_bf16_weights": lambda x: bf16_weights("hydra", x),
         "single": lambda x: run(base, x),
         "member": lambda x: run(pruned[0], x),
         "hydra": hydra,
@@ -261,6 +276,13 @@ def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[d
                 + (f"  {load}" if first else "")
             )
             first = False
+        for k, ref in (("hydra_bf16_weights", "hydra"), ("single_bf16_weights", "single")):
+            r = cells.get((prec, b, k))
+            if r is not None and (prec, b, ref) in cells:  # relative to the same model with fp32 weights
+                wall = _ratios(r["wall_ms"], cells[(prec, b, ref)]["wall_ms"])
+                cpu = _ratios(r["cpu_ms"], cells[(prec, b, ref)]["cpu_ms"])
+                lines.append(" " * (17 + len(lat)) + f"   {k[:6] + '/bf16w':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
+                             f"{cpu[0]:>8.3f}, {cpu[1]:.3f}")  # fmt: skip
         ood = cells.get((prec, b, "hydra_ood"))
         if ood is not None:  # the served scores' cost: relative to hydra, not to the deep ensemble
             wall = _ratios(ood["wall_ms"], cells[(prec, b, "hydra")]["wall_ms"])
@@ -315,9 +337,12 @@ def main() -> None:
         "hydra_unfused": sum(sum(p.numel() for p in m.parameters()) for m in models["pruned"]),
         "deep_ensemble": sum(sum(p.numel() for p in m.parameters()) for m in models["dense"]),
     }
-    n_params["hydra_all_tokens"] = n_params["hydra_ood"] = n_params["hydra"]
+    n_params["hydra_all_tokens"] = n_params["hydra_ood"] = n_params["hydra_bf16_weights"] = n_params["hydra"]
+    n_params["single_bf16_weights"] = n_params["single"]
     x1 = models["make_input"](1)
-    macs = {k: {"params": n_params[k], "macs": count_macs(lambda f=f: f(x1))} for k, f in fns.items()}
+    low = ("single_bf16_weights", "hydra_bf16_weights")  # bf16 only; the same products as their fp32 models
+    macs = {k: {"params": n_params[k], "macs": count_macs(lambda f=f: f(x1))} for k, f in fns.items() if k not in low}
+    macs.update({k: dict(macs.get(k.split("_")[0], {"params": n_params[k], "macs": 0})) for k in low if k in fns})
     n_head = len(render(meta, macs, []))
     print("\n".join(render(meta, macs, [])), flush=True)
 
@@ -326,10 +351,11 @@ def main() -> None:
         for b in batches:
             x = models["make_input"](b)
             load_before = os.getloadavg()[0]
-            times = time_interleaved({k: (lambda f=fns[k], x=x: f(x)) for k in names}, args.repeats, args.warmup, prec)
+            timed = [k for k in names if prec == "bf16" or k not in low]
+            times = time_interleaved({k: (lambda f=fns[k], x=x: f(x)) for k in timed}, args.repeats, args.warmup, prec)
             load_after = os.getloadavg()[0]
             cell = []
-            for k in names:
+            for k in timed:
                 wall, cpu = times[k]["wall"], times[k]["cpu"]
                 cell.append(
                     {

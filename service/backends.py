@@ -235,9 +235,10 @@ def cast_gemm_weights(model: torch.nn.Module) -> torch.nn.Module:
     place; everything else (norms, embeddings, biases, tokens) stays fp32.
 
     Under bf16 autocast these weights are cast to bf16 for every product anyway, so the outputs are bit for bit
-    the same, but autocast casts them again on every forward: a copy of every weight matrix per call. Cast once,
-    the fused ViT-B/16 answers one image 6 % sooner and a dense one 11 % sooner (AMD EPYC, 2 threads, bf16;
-    ``benchmarks/results/backends/profile_vit_b16_bf16_b1.txt`` shows the copies), with half the weight memory."""
+    the same, but autocast casts them again on every forward: a copy of every weight matrix per call
+    (``benchmarks/results/backends/profile_vit_b16_bf16_b1.txt``). Cast once, the fused ViT-B/16 answers one image
+    3-4 % sooner and a dense one 12 % sooner, with half the weight memory (AMD EPYC, 2 threads;
+    ``benchmarks/results/bf16_weights/``)."""
     from torch import nn
 
     from .fused import GroupedLinear
