@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 __all__ = [
@@ -148,6 +149,20 @@ def format_validation_errors(errors: Iterable[Mapping[str, Any]], limit: int = 5
             msgs.append(f"{where}: {e.get('msg', 'invalid')}")
     more = f" (and {len(errors) - limit} more)" if len(errors) > limit else ""
     return "invalid request: " + "; ".join(msgs) + more
+
+
+def validate_json_body(body: bytes, model: type[BaseModel], send: str) -> Any:
+    """``body`` validated by the pydantic ``model``: :class:`InvalidInput` (400) for an empty or malformed body,
+    saying what to ``send``; 422 naming the fields that do not fit (:func:`format_validation_errors`)."""
+    if not body:
+        raise InvalidInput(f"empty request body; send {send}")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        if any(err.get("type") == "json_invalid" for err in errors):
+            raise InvalidInput(f"malformed JSON: {errors[0].get('msg', 'invalid JSON')}; send {send}") from None
+        raise InvalidInput(format_validation_errors(errors), status=422) from None
 
 
 def install_error_handlers(app: FastAPI) -> None:

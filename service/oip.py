@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import InvalidInput, format_validation_errors
+from .errors import InvalidInput, validate_json_body
 
 __all__ = [
     "HEADER_LENGTH",
@@ -113,15 +113,7 @@ def decode_request(body: bytes, header_length: str | None) -> tuple[InferRequest
 
 
 def _parse_json(body: bytes) -> InferRequest:
-    if not body:
-        raise InvalidInput("empty request body; send an inference request (JSON object with 'inputs')")
-    try:
-        return InferRequest.model_validate_json(body)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        if any(err.get("type") == "json_invalid" for err in errors):
-            raise InvalidInput(f"malformed JSON: {errors[0].get('msg', 'invalid JSON')}") from None
-        raise InvalidInput(format_validation_errors(errors), status=422) from None
+    return validate_json_body(body, InferRequest, "an inference request (a JSON object with 'inputs')")
 
 
 def _decode_tensor(t: TensorIn, raw: bytes, offset: int) -> tuple[Tensor, int]:

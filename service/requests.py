@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import InvalidInput, UnsupportedMediaType, format_validation_errors
+from .errors import InvalidInput, UnsupportedMediaType, format_validation_errors, validate_json_body
 from .runtimes import Query
 from .schemas import FormOptions, PredictRequest, ZeroShotRequest, check_limits
 from .settings import Settings
@@ -93,17 +93,7 @@ async def parse_request(request: Request, task: str, max_items: int) -> ParsedRe
 
 async def parse_json(request: Request, model: type[BaseModel]) -> Any:
     """The body validated by ``model``: 400 for an empty or malformed body, 422 naming the fields that do not fit."""
-    body = await request.body()
-    if not body:
-        raise InvalidInput("empty request body; send a JSON object")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        errors = e.errors(include_url=False)
-        if any(err.get("type") == "json_invalid" for err in errors):
-            msg = errors[0].get("msg", "invalid JSON")
-            raise InvalidInput(f"malformed JSON: {msg}; send one UTF-8 encoded JSON object") from None
-        raise InvalidInput(format_validation_errors(errors), status=422) from None
+    return validate_json_body(await request.body(), model, "one UTF-8 encoded JSON object")
 
 
 def from_json(req: PredictRequest | ZeroShotRequest, task: str) -> ParsedRequest:

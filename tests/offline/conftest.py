@@ -94,3 +94,14 @@ def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
             label = LABELS[i % 3]
             w.writerow([f"{WORDS[label][i % 5]} ticket {i}", label])
     return root / "ckpt", root / "tickets.csv"
+
+
+def ticket_build(ckpt: Path, data: Path, **extra: object) -> dict[str, object]:
+    """Config overrides of a tiny build from ``user_files`` (the HF checkpoint and its CSV), plus ``extra``."""
+    return {
+        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
+        "base.steps": 6, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
+        "data.max_train": 90, "data.max_val": 30, "data.max_test": 30, "hydra.prune_per_layer": 1,
+        "hydra.calib_samples": 8, "hydra.finetune_steps": 2, "export.torchscript": False, "export.bf16_check": False,
+        **extra,
+    }  # fmt: skip

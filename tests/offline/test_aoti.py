@@ -15,6 +15,8 @@ from service.backends import BackendConfigError, resolve_plan
 from service.main import create_app
 from tests.service.helpers import settings_for
 
+from .conftest import ticket_build
+
 TEXTS = ["I was charged twice on my card and nobody answers", "where is my parcel", "thanks, great service",
          "refund please", "the courier left it at the wrong address again, third time this month"]
 
@@ -22,13 +24,7 @@ TEXTS = ["I was charged twice on my card and nobody answers", "where is my parce
 @pytest.fixture(scope="module")
 def artifact(user_files, tmp_path_factory):
     ckpt, data = user_files
-    cfg = load_config(None, {
-        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
-        "base.steps": 4, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
-        "data.max_train": 60, "data.max_val": 30, "data.max_test": 20, "hydra.prune_per_layer": 1,
-        "hydra.calib_samples": 8, "hydra.finetune_steps": 2, "export.torchscript": False, "export.aoti": True,
-        "export.bf16_check": False,
-    })  # fmt: skip
+    cfg = load_config(None, ticket_build(ckpt, data, **{"export.aoti": True}))
     return build(cfg, tmp_path_factory.mktemp("aoti") / "artifact")
 
 

@@ -12,16 +12,12 @@ import pytest
 from offline.build import main
 from service.artifact import load_manifest
 
+from .conftest import ticket_build
+
 
 def _flags(ckpt: Path, data: Path) -> list[str]:
-    over = {
-        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
-        "base.steps": 6, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
-        "data.max_train": 90, "data.max_val": 30, "data.max_test": 30, "hydra.prune_per_layer": 1,
-        "hydra.strategy": "taylor", "hydra.calib_samples": 8, "hydra.finetune_steps": 4,
-        "hydra.member_data": "bootstrap", "hydra.reinit_head": True, "export.torchscript": False,
-        "export.bf16_check": False,
-    }  # fmt: skip
+    over = ticket_build(ckpt, data, **{"hydra.strategy": "taylor", "hydra.finetune_steps": 4,
+                                       "hydra.member_data": "bootstrap", "hydra.reinit_head": True})
     return [f for k, v in over.items() for f in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
 
 

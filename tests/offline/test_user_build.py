@@ -19,17 +19,12 @@ from service.preprocess import make_preprocessor
 from service.uncertainty import summarize
 from tests.service.helpers import settings_for
 
-from .conftest import LABELS
+from .conftest import LABELS, ticket_build
 
 
 def test_hf_checkpoint_and_csv_build_serve_and_predict(user_files, tmp_path):
     ckpt, data = user_files
-    cfg = load_config(None, {
-        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
-        "base.steps": 6, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
-        "data.max_train": 90, "data.max_val": 30, "data.max_test": 30, "hydra.prune_per_layer": 1,
-        "hydra.calib_samples": 8, "hydra.finetune_steps": 2, "export.torchscript": False, "export.bf16_check": False,
-    })  # fmt: skip
+    cfg = load_config(None, ticket_build(ckpt, data))
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)
     assert m["labels"] == LABELS  # from the CSV's label column, sorted
@@ -124,13 +119,7 @@ def test_deep_ensemble_baseline_row(user_files, tmp_path):
     from offline.pipeline import base_checkpoint_dir
 
     ckpt, data = user_files
-    over = {
-        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
-        "base.steps": 6, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
-        "data.max_train": 90, "data.max_val": 30, "data.max_test": 30, "hydra.prune_per_layer": 1,
-        "hydra.calib_samples": 8, "hydra.finetune_steps": 2, "export.torchscript": False, "export.onnx": False,
-        "export.bf16_check": False, "base.cache_dir": str(tmp_path / "bases"),
-    }  # fmt: skip
+    over = ticket_build(ckpt, data, **{"export.onnx": False, "base.cache_dir": str(tmp_path / "bases")})
     cfg = load_config(None, {**over, "base.deep_ensemble": 2})
     key = base_checkpoint_dir(cfg, None)
     with_base = lambda **kw: dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, **kw))
@@ -159,13 +148,8 @@ def test_build_under_bf16_autocast_writes_an_fp32_artifact(user_files, tmp_path,
     from safetensors import safe_open
 
     ckpt, data = user_files
-    cfg = load_config(None, {
-        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
-        "base.steps": 6, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
-        "data.max_train": 90, "data.max_val": 30, "data.max_test": 30, "hydra.prune_per_layer": 1,
-        "hydra.calib_samples": 8, "hydra.finetune_steps": 2, "export.torchscript": False, "export.bf16_check": False,
-        "build.device": device, "build.precision": "bf16", "build.eval_precision": "bf16", "build.workers": 1,
-    })  # fmt: skip
+    cfg = load_config(None, ticket_build(ckpt, data, **{
+        "build.device": device, "build.precision": "bf16", "build.eval_precision": "bf16", "build.workers": 1}))
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)
     assert m["build"]["config"]["build"] == {"device": device, "precision": "bf16", "eval_precision": "bf16",
