@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"server at concurrency {top['concurrency']} / best raw = {ratio:.2f} (target >= 0.80)")
     result = {
         "name": name,
-        "artifact": str(artifact) if not args.tiny else f"tiny {args.tiny} (random weights)",
+        "artifact": (str(artifact.resolve().relative_to(ROOT)) if artifact.resolve().is_relative_to(ROOT)
+                     else str(artifact)) if not args.tiny else f"tiny {args.tiny} (random weights)",
         "family": manifest["family"],
         "members": manifest["members"],
         **plan,
