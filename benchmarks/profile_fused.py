@@ -67,10 +67,9 @@ def profile_onnx(models: dict, args: argparse.Namespace) -> None:
     import tempfile
     from collections import defaultdict
 
-    import onnxruntime as ort
-
     from benchmarks.cost import _ImageLogits, _TextLogits
     from offline.export import export_onnx
+    from service.backends import onnx_session
 
     x = models["make_input"](args.batch)
     wrap = _ImageLogits if "pixel_values" in x else _TextLogits
@@ -79,11 +78,7 @@ def profile_onnx(models: dict, args: argparse.Namespace) -> None:
         for name, model in (("hydra", models["fused"]), ("single", wrap(models["base"], models["run"]).eval())):
             path = f"{tmp}/{name}.onnx"
             export_onnx(model, x, path, ["logits"])
-            opts = ort.SessionOptions()
-            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            opts.intra_op_num_threads, opts.inter_op_num_threads = args.threads, 1
-            opts.enable_profiling, opts.profile_file_prefix = True, f"{tmp}/{name}"
-            sess = ort.InferenceSession(path, sess_options=opts, providers=["CPUExecutionProvider"])
+            sess = onnx_session(path, threads=args.threads, profile_prefix=f"{tmp}/{name}")  # the server's options
             feed = {i.name: x[i.name].numpy() for i in sess.get_inputs()}
             for _ in range(1 + args.repeats):
                 sess.run(None, feed)

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from .fused import GroupedLinear
 from .models import load_model
 
 __all__ = [
@@ -239,10 +241,6 @@ def cast_gemm_weights(model: torch.nn.Module) -> torch.nn.Module:
     (``benchmarks/results/backends/profile_vit_b16_bf16_b1.txt``). Cast once, the fused ViT-B/16 answers one image
     3-4 % sooner and a dense one 12 % sooner, with half the weight memory (AMD EPYC, 2 threads;
     ``benchmarks/results/bf16_weights/``)."""
-    from torch import nn
-
-    from .fused import GroupedLinear
-
     for module in model.modules():
         if isinstance(module, (nn.Linear, nn.Conv2d, GroupedLinear)):
             module.weight.data = module.weight.data.to(torch.bfloat16)
@@ -301,17 +299,22 @@ class AotiBackend(Backend):
         return tuple(o.float() for o in (out if isinstance(out, (tuple, list)) else (out,)))
 
 
-def onnx_session(path: str | Path, device: str = "cpu", threads: int | None = None) -> Any:
-    """The one way an ONNX export is opened, by the server and by the build's parity check.
+def onnx_session(
+    path: str | Path, device: str = "cpu", threads: int | None = None, profile_prefix: str | None = None
+) -> Any:
+    """The one way an ONNX export is opened, by the server, the build's parity check and the benchmarks.
 
     An ``onnxruntime.InferenceSession`` with every graph optimisation, ``threads`` intra-op threads (default
     torch's), idle threads that sleep instead of spinning (the event loop and preprocessing share these cores),
     and the CUDA execution provider first when ``device`` is ``cuda`` and onnxruntime has it (else CPU, with a
-    warning). The provider that runs is ``session.get_providers()[0]``.
+    warning). The provider that runs is ``session.get_providers()[0]``. ``profile_prefix``: ONNX Runtime's
+    profiler on, its JSON file named after it (``session.end_profiling()`` writes it and returns its path).
     """
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
+    if profile_prefix is not None:
+        opts.enable_profiling, opts.profile_file_prefix = True, profile_prefix
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.intra_op_num_threads = threads or torch.get_num_threads()
