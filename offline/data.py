@@ -39,6 +39,8 @@ import numpy as np
 
 from service.artifact import file_sha256
 
+from .outliers import CORRUPTIONS, corrupted
+
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_CLASSES = [
@@ -61,6 +63,11 @@ USER_OOD_VAL_FRACTION = 0.3  # share of each user OOD set carved out for validat
 MIN_FIT_PER_CLASS = 2  # a fit split with fewer inputs of some class than this is not drawn: fit = train instead
 FIT_SEED_TAG = 7  # the fit split draws from default_rng([seed, FIT_SEED_TAG]), not the other splits' generator
 FIT_HELD_OUT = "held out: ID inputs in none of train/val/test"
+# The Fashion-MNIST train file's ID images are split once, the same way for every seed and size: 1,000 images per
+# class are reserved for validation and the fit split (and never trained on: not by a build's base model or members,
+# nor by the image backbone offline.pretrain trains); the other 30,000 form the training pool
+FASHION_RESERVED_PER_CLASS = 1000
+FASHION_POOL_SEED = 20261124  # the generator of that one split (not data.seed: the pools must not move with it)
 
 
 @dataclass
@@ -230,6 +237,12 @@ def _read_fashion(folder: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.n
     return out
 
 
+def read_fashion(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Train images ``(60000, 28, 28)``, train labels, test images ``(10000, 28, 28)``, test labels of the
+    Fashion-MNIST files in ``folder`` (read-only arrays, read once per process)."""
+    return _read_fashion(str(folder))
+
+
 def upsample_digits(images: np.ndarray, size: int = 28) -> np.ndarray:
     """sklearn digits ``(N, 8, 8)`` float in 0..16 -> uint8 ``(N, size, size)`` in 0..255 (bilinear)."""
     import torch
@@ -268,6 +281,18 @@ def synthetic_images(n: int, seed: int, size: int = 28) -> np.ndarray:
     return out
 
 
+def fashion_pools(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(training pool, reserved pool)``: indices of the ID images of the Fashion-MNIST train file (``labels``: its
+    labels), split once by :data:`FASHION_POOL_SEED`: :data:`FASHION_RESERVED_PER_CLASS` images per ID class are
+    reserved (validation, the fit split), the rest is the training pool (base models, members, the backbone).
+    Both sorted."""
+    rng = np.random.default_rng(FASHION_POOL_SEED)
+    reserved = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[:FASHION_RESERVED_PER_CLASS]
+                               for c in FASHION_ID_CLASSES])  # fmt: skip
+    pool = np.setdiff1d(np.flatnonzero(np.isin(labels, FASHION_ID_CLASSES)), reserved)
+    return pool, np.sort(reserved)
+
+
 def _fashion_sources(d: Path, noise_seed: int, class_names: list[str]) -> dict[str, Any]:
     """The ``sources`` and ``classes`` of the Fashion-MNIST setting's record."""
     return {
@@ -291,9 +316,9 @@ def fashion_mnist_setting(
     """Fashion-MNIST with classes 0-5 in distribution and 6-9 as near-OOD; digits and noise as far-OOD.
 
     Train and val come from the official train file (disjoint), test from the test file;
-    near-OOD val / test from the held-out classes of the train / test files. The fit split
-    (``max_fit``, default ``max_val``) comes from the ID images of the train file in neither
-    train nor val.
+    near-OOD val / test from the held-out classes of the train / test files. Train is drawn from the train
+    file's training pool, val and the fit split (``max_fit``, default ``max_val``) from its reserved images
+    (:func:`fashion_pools`), so no model trained on the pool has seen them.
     """
     from sklearn.datasets import load_digits
 
@@ -304,12 +329,12 @@ def fashion_mnist_setting(
     remap[list(FASHION_ID_CLASSES)] = np.arange(len(FASHION_ID_CLASSES))
     class_names = [FASHION_CLASSES[c] for c in FASHION_ID_CLASSES]
 
-    id_tr = np.flatnonzero(np.isin(ytr, FASHION_ID_CLASSES))
+    pool, reserved = fashion_pools(ytr)
     ood_tr = np.flatnonzero(np.isin(ytr, FASHION_OOD_CLASSES))
     id_te = np.flatnonzero(np.isin(yte, FASHION_ID_CLASSES))
     ood_te = np.flatnonzero(np.isin(yte, FASHION_OOD_CLASSES))
-    parts = _split_id_pool(ytr[id_tr], [("val", max_val), ("train", max_train)], rng)
-    tr_idx, va_idx = id_tr[parts["train"]], id_tr[parts["val"]]
+    va_idx = reserved[stratified_indices(ytr[reserved], max_val, rng)]
+    tr_idx = pool[stratified_indices(ytr[pool], max_train, rng)]
     te_idx = id_te[stratified_indices(yte[id_te], max_test, rng)]
     near_val_idx = ood_tr[stratified_indices(ytr[ood_tr], max_ood, rng)]
     near_test_idx = ood_te[stratified_indices(yte[ood_te], max_ood, rng)]
@@ -323,14 +348,15 @@ def fashion_mnist_setting(
     digits_up = upsample_digits(digits.images)
     noise_seed = int(rng.integers(2**31))
     max_fit = max_val if max_fit is None else max_fit
-    fit_idx, fit_rec = _fit_indices(ytr, [tr_idx, va_idx], max_fit, seed, pool=id_tr)
+    fit_idx, fit_rec = _fit_indices(ytr, [va_idx], max_fit, seed, pool=reserved)
 
     def split(x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
         return Split(np.ascontiguousarray(x[idx]), remap[y[idx]])
 
     train, val, test = split(xtr, ytr, tr_idx), split(xtr, ytr, va_idx), split(xte, yte, te_idx)
     fit = train if fit_idx is None else split(xtr, ytr, fit_idx)
-    ood_val = {"fashion-heldout": xtr[near_val_idx], "digits": digits_up[dval]}
+    ood_val = {"fashion-heldout": xtr[near_val_idx], "digits": digits_up[dval],
+               "corrupted": corrupted(val.inputs[: min(max_ood, len(val))], seed)}  # fmt: skip
     ood_test = {
         "fashion-heldout": (xte[near_test_idx], "near"),
         "digits": (digits_up[dtest], "far"),
@@ -343,15 +369,23 @@ def fashion_mnist_setting(
                       "max_fit": max_fit},
         **_fashion_sources(d, noise_seed, class_names),
         "id": {
-            "train": {"from": "train file", **_rec(tr_idx), "class_counts": _counts(train.labels, class_names)},
-            "val": {"from": "train file", **_rec(va_idx), "class_counts": _counts(val.labels, class_names)},
+            "train": {"from": "train file, training pool", **_rec(tr_idx),
+                      "class_counts": _counts(train.labels, class_names)},
+            "val": {"from": "train file, reserved images", **_rec(va_idx),
+                    "class_counts": _counts(val.labels, class_names)},
             "test": {"from": "test file", **_rec(te_idx), "class_counts": _counts(test.labels, class_names)},
-            "fit": {"from": "train file", **_fit_record(fit_idx, tr_idx, fit_rec, _counts(fit.labels, class_names))},
+            "fit": {"from": "train file, reserved images",
+                    **_fit_record(fit_idx, tr_idx, fit_rec, _counts(fit.labels, class_names))},
         },
+        "pools": {"training": {"size": len(pool), "index_sha256": _index_hash(pool)},
+                  "reserved": {"size": len(reserved), "index_sha256": _index_hash(reserved),
+                               "per_class": FASHION_RESERVED_PER_CLASS, "seed": FASHION_POOL_SEED}},
         "ood_val": {
             "fashion-heldout": {"from": "train file", "kind": "near", **_rec(near_val_idx)},
             "digits": {"from": "load_digits, first half of a seeded permutation", "kind": "far",
                        **_rec(dval)},
+            "corrupted": {"from": "the ID validation images, each corrupted (offline.outliers)", "kind": "far",
+                          "corruptions": list(CORRUPTIONS), "size": len(ood_val["corrupted"])},
         },
         "ood_test": {
             "fashion-heldout": {"from": "test file", "kind": "near", **_rec(near_test_idx)},

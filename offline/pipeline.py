@@ -34,8 +34,9 @@ from .compute import Compute, on_device
 from .config import BuildConfig, ConfigError, check_budget
 from .export import BF16_MIN_AGREEMENT, ONNX_OPSET, bf16_agreement, bf16_flag_agreement, eager_outputs, export_checked
 from .families import FamilyAdapter, get_adapter
+from .foreign import foreign_images
 from .fusion import fuse
-from .ood_fit import member_agreement
+from .ood_fit import LAYERS, member_agreement
 from .stages import (
     EVAL_MAX_PIXELS,
     FASHION_MEAN,
@@ -96,17 +97,21 @@ def heads_of_base(cfg: BuildConfig) -> list[int] | None:
     return None
 
 
-def base_checkpoint_dir(cfg: BuildConfig, out: Path | None) -> Path | None:
-    """Where the base model's training checkpoints go: ``base.cache_dir/<family>-<hash of base and data settings>``,
-    else ``out/.checkpoints/base``."""
+def base_checkpoint_dir(cfg: BuildConfig, out: Path | None, data: Any = None) -> Path | None:
+    """Where the base model's training checkpoints go: ``base.cache_dir/<family>-<hash of base and data settings>``
+    (and, with ``data``, of the training split's index hash: a base is reused only on the same images), else
+    ``out/.checkpoints/base``."""
     if cfg.base.cache_dir:
         # neither the cache folder nor the Deep Ensemble's size changes this base; an unset seed keeps older keys
         base = {k: v for k, v in dataclasses.asdict(cfg.base).items()
                 if k not in ("cache_dir", "deep_ensemble") and not (k == "seed" and v is None)}  # fmt: skip
-        data = {k: v for k, v in dataclasses.asdict(cfg.data).items()
-                if k != "max_fit"  # not used in training
-                and not (k in ("augment", "crop_scale") and cfg.data.augment is None)}  # unset: older keys hold
-        key = {"family": cfg.family, "base": base, "data": data}
+        settings = {k: v for k, v in dataclasses.asdict(cfg.data).items()
+                    if k != "max_fit"  # not used in training
+                    and not (k in ("augment", "crop_scale") and cfg.data.augment is None)}  # unset: older keys hold
+        key: dict[str, Any] = {"family": cfg.family, "base": base, "data": settings}
+        train = ((getattr(data, "splits", None) or {}).get("id") or {}).get("train") or {}
+        if train.get("index_sha256"):
+            key["train_index"] = train["index_sha256"]
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
         return Path(cfg.base.cache_dir) / f"{cfg.family}-{digest}"
     if out is None:
@@ -198,7 +203,7 @@ def _bert_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Modul
 
 def load_base(cfg: BuildConfig, data: Any, out: Path | None = None) -> tuple[nn.Module, dict[str, Any], Any, dict]:
     """Base classifier (eval), preprocessing spec, tokenizer (text; else None) and a description for the manifest."""
-    ckpt = base_checkpoint_dir(cfg, out)
+    ckpt = base_checkpoint_dir(cfg, out, data)
     if cfg.family == "vit":
         model, prep, desc = _vit_base(cfg, data, ckpt)
         return model.eval(), prep, None, desc
@@ -245,7 +250,7 @@ def export_fused(
     wanted = {"torchscript": cfg.export.torchscript, "onnx": cfg.export.onnx, "aoti": cfg.export.aoti}
     for kind, file in (("torchscript", "model.ts"), ("onnx", "model.onnx"), ("aoti", "model.pt2")):
         if wanted[kind]:
-            diff = export_checked(fused, kind, out / file, batches, tol, ["logits", "features"], reference, example)
+            diff = export_checked(fused, kind, out / file, batches, tol, model_outputs(fused), reference, example)
             exports[kind] = {"file": file, "max_abs_diff": diff, "tolerance": tol}
             if kind == "onnx":
                 exports[kind]["opset"] = ONNX_OPSET
@@ -254,13 +259,20 @@ def export_fused(
         check = bf16_agreement(fused, batches, temperature=cal.temperature, reference=reference)
 
         def flags_of(outs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            scores = ensemble_scores(outs[0], outs[1] if len(outs) > 1 else None, cal.stats, cal.temperature)
+            scores = ensemble_scores(outs[0], outs[1] if len(outs) > 1 else None, cal.stats, cal.temperature,
+                                     layer_features=outs[2] if len(outs) > 2 else None)  # fmt: skip
             return ood_flag(scores[cal.metric], cal.metric, cal.threshold)
 
         check["ood_flag_agreement"] = bf16_flag_agreement(fused, batches, reference, flags_of)
         check["ok"] = bool(check["ok"] and check["ood_flag_agreement"] >= BF16_MIN_AGREEMENT)
         precision["bf16"] = check
     return exports, precision
+
+
+def model_outputs(fused: nn.Module) -> list[str]:
+    """The fused model's named outputs as exported and listed in the manifest: logits, features, and the layer
+    features when the served score reads them."""
+    return ["logits", "features"] + (["layer_features"] if fused.layer_features else [])
 
 
 # ----------------------------------------------------------------------------- the build
@@ -372,11 +384,13 @@ def eval_sets(pre: Any, data: Any) -> tuple[EvalSets, np.ndarray, dict[str, Batc
     Validation keeps its input order (its first batches are the export checks' inputs); the others are sorted by
     length (texts), their labels travel along."""
     test, order = eval_batches(pre, data.test.inputs, data.test.labels)
+    foreign = [f.pixels for f in foreign_images()] if data.modality == "image" else []
     sets = EvalSets(
         test=test,
         ood_test={name: eval_batches(pre, x, [0] * len(x))[0] for name, (x, _) in data.ood_test.items()},
         val=eval_batches(pre, data.val.inputs, data.val.labels, sort=False)[0],
         fit=eval_batches(pre, data.fit.inputs, data.fit.labels)[0],
+        foreign=eval_batches(pre, foreign, [0] * len(foreign), sort=False)[0] if foreign else None,
     )  # fmt: skip
     return sets, order, {name: eval_batches(pre, x, [0] * len(x))[0] for name, x in data.ood_val.items()}
 
@@ -396,12 +410,14 @@ def finish(
         tok.save_pretrained(str(out / "tokenizer"))
     pre = make_preprocessor(prep, out, EVAL_MAX_PIXELS)
     evaluation = eval_sets(pre, data)
-    fused.with_features = True  # (logits, features): the served model and its exports carry both
+    fused.with_features = True  # (logits, features): the served model and its exports carry both ...
+    fused.with_layer_features = True  # ... and, for now, the layer features: kept if the served score reads them
     ev = compute_of(cfg, evaluation=True)
     with on_device(ev, fused, *bases, *members):
         cal, rows, plots, extra, latency = evaluate_build(cfg, adapter, (bases, members, fused), data, pre,
                                                           evaluation, ev, timer)  # fmt: skip
 
+    fused.with_layer_features = cal.stats is not None and cal.stats.layers is not None
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     if cal.stats is not None:
         save_file(ood_tensors(cal.stats), str(out / OOD_FILE))
@@ -414,7 +430,7 @@ def finish(
             heads=[adapter.kept_heads(m) for m in members], strategy=strategy, labels=list(data.class_names),
             preprocessing=prep, uncertainty=cal.uncertainty(), ood=ood_spec(cal, data),
             model={"config": fcfg, "weights": "model.safetensors", "inputs": list(latency), "output": "logits",
-                   "shape": "(B, M, C)", "outputs": ["logits", "features"]},
+                   "shape": "(B, M, C)", "outputs": model_outputs(fused)},
             exports=exports, precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
         )  # fmt: skip
 
@@ -435,11 +451,12 @@ def evaluate_build(
     run = ev.wrap if ev.cuda or ev.precision != "fp32" else (lambda f: f)
     (sets, order, ood_val), (bases, members, fused) = evaluation, models
     base = bases[0]
+    def hooked(m: nn.Module) -> Any:  # logits, penultimate and layer features of a single (timm / HF) model
+        return run(with_features(lambda b: adapter.forward(m, b), m, adapter.layer_modules(m)))
+
     methods = standard_methods(
-        run(with_features(lambda b: adapter.forward(base, b), base)), base,
-        [run(with_features(lambda b, m=m: adapter.forward(m, b), m)) for m in members], members,
-        run(lambda b: fused(**b)), fused, 1.0, sets,
-        others=[(run(with_features(lambda b, m=m: adapter.forward(m, b), m)), m) for m in bases[1:]],
+        hooked(base), base, [hooked(m) for m in members], members, run(lambda b: fused(**b)), fused, 1.0, sets,
+        others=[(hooked(m), m) for m in bases[1:]],
     )  # fmt: skip
     timer.lap("evaluation outputs (every method on every set)")
     hydra = methods["hydra"]
@@ -452,11 +469,18 @@ def evaluate_build(
                            sort=False)[0][0][0]  # the first test inputs in their own order (not the shortest texts)
     metric = cal.metric if cal.metric in SUMMARY_SCORES else "msp"  # the main rows' score: a probability score
     rows, plots = evaluate(methods, sets, data.test.labels[order], ood_kinds, metric,
-                           ({k: v[:1] for k, v in latency.items()}, latency), len(data.class_names))  # fmt: skip
+                           ({k: v[:1] for k, v in latency.items()}, latency), len(data.class_names),
+                           cal.layer_ids)  # fmt: skip
     served, plots["served"] = served_flag(hydra, cal)
     ood_all = [hydra.runs[k] for k in hydra.runs if k.startswith("ood:")]
     agreement = member_agreement(torch.cat([r[0] for r in ood_all]), torch.cat([r[1] for r in ood_all]), cal.stats,
                                  cal.temperature) if ood_all else {}  # fmt: skip
+    if sets.foreign:  # the served flag per kind of the foreign-image set
+        kinds = [f.kind for f in foreign_images()]
+        flags = served["foreign"]
+        served["foreign_by_kind"] = {k: float(np.mean([f for f, kk in zip(flags, kinds, strict=True) if kk == k]))
+                                     for k in dict.fromkeys(kinds)}  # fmt: skip
+        served["foreign"] = float(np.mean(flags))
     timer.lap("evaluation")
     return cal, rows, plots, {"served": served, "member_rank_correlation_ood": agreement}, latency
 
@@ -465,13 +489,22 @@ def ood_spec(cal: Calibration, data: Any) -> dict[str, Any] | None:
     """The manifest's ``ood`` block: the statistics file, the scores the server computes and how one was chosen."""
     if cal.stats is None:
         return None
-    return {"file": OOD_FILE, "scores": list(cal.candidates), "selected": cal.metric, "forced": cal.forced,
+    # the scores the server computes: every candidate but the multi-layer score's layer sets, which the artifact
+    # carries (one set) only when it serves that score
+    scores = [n for n in cal.candidates if "@" not in n] + ([LAYERS] if cal.stats.layers is not None else [])
+    spec = {"file": OOD_FILE, "scores": scores, "selected": cal.metric, "forced": cal.forced,
             "candidates": cal.candidates, "fit": data.splits.get("id", {}).get("fit")}  # fmt: skip
+    if cal.stats.layers is not None:
+        spec["layers"] = list(cal.stats.layers.ids)
+    return spec
 
 
 def report_extra(cal: Calibration, served: dict[str, Any], data: Any, timer: Timer) -> dict[str, Any]:
     """The build facts the report shows next to its tables."""
-    return {"temperature": cal.temperature, "ood_threshold": cal.threshold, "ood_score": cal.metric,
-            "timings_s": timer.times, "ood_val_flagged": cal.ood_val_flagged, "ood_candidates": cal.candidates,
-            "ood_selected": cal.metric, "ood_forced": cal.forced, "served_flag": served,
-            "no_ood_data": not data.ood_val and not data.ood_test}  # fmt: skip
+    out = {"temperature": cal.temperature, "ood_threshold": cal.threshold, "ood_score": cal.metric,
+           "timings_s": timer.times, "ood_val_flagged": cal.ood_val_flagged, "ood_candidates": cal.candidates,
+           "ood_selected": cal.selected or cal.metric, "ood_forced": cal.forced, "served_flag": served,
+           "no_ood_data": not data.ood_val and not data.ood_test}  # fmt: skip
+    if cal.layer_ids is not None:  # the blocks mahalanobis_layers reads: served, or the best layer set on validation
+        out["ood_layers"] = list(cal.layer_ids)
+    return out

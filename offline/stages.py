@@ -39,8 +39,8 @@ from torch import nn
 from service.artifact import Manifest, write_manifest
 from service.ood import OODStats
 from service.preprocess import ImagePreprocessor, TextPreprocessor
+from service.uncertainty import ood_flag, summarize
 from service.uncertainty import ood_score as ood_score_of
-from service.uncertainty import summarize
 
 from . import data as data_mod
 from . import train as train_mod
@@ -50,7 +50,22 @@ from .config import BuildConfig, ConfigError
 from .families import FamilyAdapter
 from .members import Budget, pool_size, sample_members
 from .metrics import evaluate_predictions
-from .ood_fit import detection, fit_ood_stats, flag_rate, scores_np, select_score
+from .ood_fit import (
+    LAYERS,
+    Run,
+    base_score,
+    candidate_scores,
+    detection,
+    fit_layer_stats,
+    fit_ood_stats,
+    flag_rate,
+    layer_candidates,
+    layer_columns,
+    restrict_layers,
+    scores_np,
+    select_score,
+    with_layers,
+)
 from .progress import bar as progress_bar
 from .report import measure_latency, write_report
 from .scoring import circuit_ranking, random_ranking, taylor_prune
@@ -251,21 +266,20 @@ def eval_batches(
     ], order
 
 
-Run = tuple[torch.Tensor, torch.Tensor | None]  # one method on one set: logits (N, M, C), features (N, M, D) or None
-
-
 @torch.inference_mode()
 def collect(fn: Callable[[Batch], Any], batches: Batches) -> Run:
-    """Concatenated outputs of ``fn`` over batches: logits, and features when ``fn`` returns ``(logits, features)``;
-    ``(N, C)`` / ``(N, D)`` single-model outputs become ``(N, 1, C)`` / ``(N, 1, D)``."""
-    logits, feats = [], []
+    """Concatenated outputs of ``fn`` over batches (:data:`offline.ood_fit.Run`): logits, and the features and layer
+    features when ``fn`` returns them (``(logits, features[, layers])``); a single model's ``(N, C)`` / ``(N, D)`` /
+    ``(N, L-1, d)`` become ``(N, 1, C)`` / ``(N, 1, D)`` / ``(N, 1, L-1, d)``."""
+    parts: list[list[torch.Tensor]] = [[], [], []]
     for batch, _ in batches:
         y = fn(batch)
-        y, f = (y[0], y[1]) if isinstance(y, tuple) else (y, None)
-        logits.append(y.float().unsqueeze(1) if y.dim() == 2 else y.float())
-        if f is not None:
-            feats.append(f.float().unsqueeze(1) if f.dim() == 2 else f.float())
-    return torch.cat(logits), (torch.cat(feats) if feats else None)
+        outs = tuple(y) if isinstance(y, tuple) else (y,)
+        single = outs[0].dim() == 2
+        for i, t in enumerate(outs[:3]):
+            parts[i].append(t.float().unsqueeze(1) if single else t.float())
+    cat = [torch.cat(p) if p else None for p in parts]
+    return cat[0], cat[1], cat[2]  # type: ignore[return-value]
 
 
 def collect_logits(fn: Callable[[Batch], Any], batches: Batches) -> torch.Tensor:
@@ -282,18 +296,35 @@ def head_module(model: nn.Module) -> nn.Module:
     raise ValueError(f"{type(model).__name__} has no linear head named 'head' or 'classifier'")
 
 
-def with_features(fn: Callable[[Batch], torch.Tensor], model: nn.Module) -> Callable[[Batch], tuple]:
-    """``fn`` that also returns ``model``'s penultimate feature: the input of its classifier head ``(B, D)``."""
+def with_features(
+    fn: Callable[[Batch], torch.Tensor], model: nn.Module, layers: Sequence[nn.Module] = ()
+) -> Callable[[Batch], tuple]:
+    """``fn`` that also returns ``model``'s penultimate feature: the input of its classifier head ``(B, D)``; with
+    ``layers`` (the model's blocks, :meth:`offline.families.FamilyAdapter.layer_modules`) also the outputs of every
+    block but the last pooled over the tokens ``(B, L-1, d)``, as the fused model's layer features: the mean over
+    all tokens, or over the real ones (``attention_mask``) for text."""
     head = head_module(model)
 
-    def run(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(batch: Batch) -> tuple[torch.Tensor, ...]:
         seen: list[torch.Tensor] = []
-        hook = head.register_forward_hook(lambda mod, args, out: seen.append(args[0]))
+        states: list[torch.Tensor] = []
+        hooks = [head.register_forward_hook(lambda mod, args, out: seen.append(args[0]))]
+        hooks += [m.register_forward_hook(lambda mod, args, out: states.append(out[0] if isinstance(out, tuple)
+                                                                                 else out)) for m in layers[:-1]]
         try:
             logits = fn(batch)
         finally:
-            hook.remove()
-        return logits, seen[-1]
+            for h in hooks:
+                h.remove()
+        if not states:
+            return logits, seen[-1]
+        mask = batch.get("attention_mask")
+        if mask is None:
+            pooled = [h.float().mean(dim=1) for h in states]  # (B, d) each
+        else:
+            w = mask.float() / mask.float().sum(dim=1, keepdim=True).clamp_min(1.0)  # (B, T)
+            pooled = [(h.float() * w.unsqueeze(-1)).sum(dim=1) for h in states]
+        return logits, seen[-1], torch.stack(pooled, dim=1)  # (B, L-1, d)
 
     return run
 
@@ -470,6 +501,8 @@ class Calibration:
     stats: OODStats | None = None  # the statistics of the logit and feature scores (classifiers)
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)  # every score's validation figures
     forced: bool = False  # the config named the score
+    selected: str = ""  # the candidate served (metric, or mahalanobis_layers@<ids>: the layer set)
+    layer_ids: tuple[int, ...] | None = None  # the layer set of mahalanobis_layers: served, else the best candidate's
 
     def uncertainty(self) -> dict[str, Any]:
         """The manifest's ``uncertainty`` block."""
@@ -507,26 +540,66 @@ def calibrate_ood(
     """The served score of a classifier: temperature on ID validation, the OOD statistics (Gaussians on the fit
     split's features, norms on validation), every score's threshold at ``calibration.tpr`` and recall on each OOD
     validation set; the best mean recall is served unless the config names a score (``hydra``: the fused model's
-    validation outputs; ``fit``: on the fit split)."""
-    val_l, val_f = hydra
+    validation outputs; ``fit``: on the fit split). With layer features every layer set of
+    :func:`offline.ood_fit.layer_candidates` is a ``mahalanobis_layers`` candidate of its own."""
+    val_l, val_f, val_layers = hydra
     T = fit_temperature(val_l, y_val) if cfg.calibration.temperature else 1.0
     stats = fit_ood_stats(fit[1], y_fit, classes, val_l, val_f, T) if fit[1] is not None else None
-    ood = {name: scores_np(*run, stats, T) for name, run in ood_val.items()}
-    selected, candidates = select_score(scores_np(val_l, val_f, stats, T), ood, cfg.calibration.tpr, forced_score(cfg))
+    id_val = scores_np((val_l, val_f, None), stats, T)
+    ood = {name: scores_np((run[0], run[1], None), stats, T) for name, run in ood_val.items()}
+    full = None
+    if stats is not None and val_layers is not None and fit[2] is not None and val_layers.shape[2] > 0:
+        full = fit_layer_stats(fit[2], y_fit, classes, val_layers, torch.from_numpy(id_val["mahalanobis"]))
+        columns = {"": layer_columns(hydra, stats, full, T),
+                   **{name: layer_columns(run, stats, full, T) for name, run in ood_val.items()}}  # fmt: skip
+        for ids in layer_candidates(val_layers.shape[2]):
+            name = layer_candidate_name(ids)
+            id_val[name] = candidate_scores(columns[""], full, ids)
+            for set_name in ood:
+                ood[set_name][name] = candidate_scores(columns[set_name], full, ids)
+    selected, candidates = select_score(id_val, ood, cfg.calibration.tpr, forced_score(cfg))
     c = candidates[selected]
-    return Calibration(T, selected, c["threshold"], cfg.calibration.tpr, c["val_mean_recall"] or 0.0, stats,
-                       candidates, forced_score(cfg) is not None)  # fmt: skip
+    metric = base_score(selected)
+    layer_ids = best_layers(candidates, selected)
+    if metric == LAYERS and full is not None and stats is not None:
+        stats = with_layers(stats, restrict_layers(full, layer_ids))  # type: ignore[arg-type]
+    return Calibration(T, metric, c["threshold"], cfg.calibration.tpr, c["val_mean_recall"] or 0.0, stats,
+                       candidates, forced_score(cfg) is not None, selected, layer_ids)  # fmt: skip
+
+
+def layer_candidate_name(ids: Sequence[int]) -> str:
+    """``mahalanobis_layers@0,2``: the multi-layer score reading layers 0 and 2."""
+    return f"{LAYERS}@{','.join(str(i) for i in ids)}"
+
+
+def best_layers(candidates: dict[str, dict[str, Any]], selected: str) -> tuple[int, ...] | None:
+    """The layer set of the served candidate when it is ``mahalanobis_layers``, else the best layer candidate's on
+    validation (the report shows what the layers would give); None without layer candidates."""
+    if base_score(selected) == LAYERS:
+        return tuple(int(i) for i in selected.split("@", 1)[1].split(","))
+    names = [n for n in candidates if base_score(n) == LAYERS]
+    if not names:
+        return None
+    best = max(names, key=lambda n: (candidates[n]["val_mean_recall"] or 0.0, -names.index(n)))
+    return tuple(int(i) for i in best.split("@", 1)[1].split(","))
+
+
+def ood_flag_np(scores: np.ndarray, metric: str, threshold: float) -> np.ndarray:
+    """The served flag ``(N,)`` bool of scores ``(N,)`` (:func:`service.uncertainty.ood_flag`)."""
+    return ood_flag(torch.from_numpy(np.asarray(scores, dtype=np.float64)), metric, threshold).numpy()
 
 
 def served_flag(hydra: Method, cal: Calibration) -> tuple[dict[str, Any], dict[str, Any]]:
     """The served flag on test data, as fixed on validation: ``(report record, plot data)`` with the ID test flag
     rate (false alarms) and the recall on each OOD test set."""
-    score = {name: scores_np(*run, cal.stats, cal.temperature)[cal.metric] for name, run in hydra.runs.items()
-             if name == "test" or name.startswith("ood:")}  # fmt: skip
+    score = {name: scores_np(run, cal.stats, cal.temperature)[cal.metric] for name, run in hydra.runs.items()
+             if name == "test" or name.startswith("ood:") or name.startswith("foreign")}  # fmt: skip
     ood = {k[4:]: v for k, v in score.items() if k.startswith("ood:")}
     record = {"score": cal.metric, "threshold": cal.threshold,
               "id_test_flag_rate": flag_rate(score["test"], cal.metric, cal.threshold),
               "recall": {k: flag_rate(v, cal.metric, cal.threshold) for k, v in ood.items()}}  # fmt: skip
+    if "foreign" in score:  # per input, in the set's order (the caller groups them by kind)
+        record["foreign"] = ood_flag_np(score["foreign"], cal.metric, cal.threshold).tolist()
     return record, {"score": cal.metric, "threshold": cal.threshold, "id": score["test"], "ood": ood}
 
 
@@ -544,10 +617,13 @@ class EvalSets:
     ood_test: dict[str, Batches]
     val: Batches | None = None
     fit: Batches | None = None
+    foreign: Batches | None = None  # the foreign-image test set (offline.foreign), images only: the served flag's
 
     def named(self) -> dict[str, Batches]:
         out = {"test": self.test, **{f"ood:{k}": v for k, v in self.ood_test.items()}}
-        return out | ({"val": self.val} if self.val is not None else {}) | ({"fit": self.fit} if self.fit else {})
+        out |= {"val": self.val} if self.val is not None else {}
+        out |= {"fit": self.fit} if self.fit else {}
+        return out | ({"foreign": self.foreign} if self.foreign else {})
 
     def labels(self, name: str) -> torch.Tensor:
         return torch.cat([y for _, y in self.named()[name]])
@@ -600,11 +676,12 @@ def standard_methods(
 
 
 def joined(runs: list[dict[str, Run]]) -> dict[str, Run]:
-    """Several models' runs as one ensemble's: logits ``(N, M, C)`` and features ``(N, M, D)`` concatenated along
-    the member axis, set by set."""
-    return {name: (torch.cat([r[name][0] for r in runs], dim=1),
-                   torch.cat([r[name][1] for r in runs], dim=1) if runs[0][name][1] is not None else None)
-            for name in runs[0]}  # fmt: skip
+    """Several models' runs as one ensemble's: logits ``(N, M, C)``, features ``(N, M, D)`` and layer features
+    ``(N, M, L-1, d)`` concatenated along the member axis, set by set."""
+    def cat(name: str, i: int) -> torch.Tensor | None:
+        return torch.cat([r[name][i] for r in runs], dim=1) if runs[0][name][i] is not None else None
+
+    return {name: (torch.cat([r[name][0] for r in runs], dim=1), cat(name, 1), cat(name, 2)) for name in runs[0]}
 
 
 def calibrated_metrics(m: Method, y_val: torch.Tensor, y_test: np.ndarray) -> dict[str, float]:
@@ -615,20 +692,26 @@ def calibrated_metrics(m: Method, y_val: torch.Tensor, y_test: np.ndarray) -> di
                                  if k in ("acc", "nll", "brier", "ece", "aece")}}  # fmt: skip
 
 
-def ood_detection(m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int) -> dict[str, Any]:
+def ood_detection(
+    m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int, layer_ids: tuple[int, ...] | None = None
+) -> dict[str, Any]:
     """Every OOD score of the method (its own Gaussians on the fit split, norms and temperature on validation) and
-    its detection quality per OOD test set: Single and the members with the same scores as Hydra."""
-    (val_l, val_f), fit_f = m.runs["val"], m.runs["fit"][1]
+    its detection quality per OOD test set: Single and the members with the same scores as Hydra (``layer_ids``:
+    the layer set of ``mahalanobis_layers``, Hydra's)."""
+    (val_l, val_f, val_layers), (_, fit_f, fit_layers) = m.runs["val"], m.runs["fit"]
     T = fit_temperature(val_l, y_val)
     stats = fit_ood_stats(fit_f, y_fit, classes, val_l, val_f, T) if fit_f is not None else None
-    id_scores = scores_np(*m.runs["test"], stats, T)
-    ood = {k[4:]: scores_np(*v, stats, T) for k, v in m.runs.items() if k.startswith("ood:")}
+    if stats is not None and layer_ids and fit_layers is not None and val_layers is not None:
+        val_md = torch.from_numpy(scores_np((val_l, val_f, None), stats, T)["mahalanobis"])
+        stats = with_layers(stats, fit_layer_stats(fit_layers, y_fit, classes, val_layers, val_md, layer_ids))
+    id_scores = scores_np(m.runs["test"], stats, T)
+    ood = {k[4:]: scores_np(v, stats, T) for k, v in m.runs.items() if k.startswith("ood:")}
     return detection(id_scores, ood)
 
 
 def evaluate(
     methods: dict[str, Method], sets: EvalSets, y_test: np.ndarray, ood_kinds: dict[str, str], metric: str,
-    latency: tuple[Batch, Batch], classes: int | None = None,
+    latency: tuple[Batch, Batch], classes: int | None = None, layer_ids: tuple[int, ...] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """Report rows and the plots' data. Each row: the metrics at the method's temperature (scored with the probability
     score ``metric``), size, latency on the ``latency`` batches of 1 and 8 inputs; with validation outputs also the
@@ -646,7 +729,7 @@ def evaluate(
         if sets.val is not None:
             row["calibrated"] = calibrated_metrics(m, sets.labels("val"), y_test)
         if sets.fit is not None and sets.val is not None and classes is not None:
-            row["ood_scores"] = ood_detection(m, sets.labels("fit"), sets.labels("val"), classes)
+            row["ood_scores"] = ood_detection(m, sets.labels("fit"), sets.labels("val"), classes, layer_ids)
         row["params"] = m.params
         row["latency_ms"] = {"batch1": measure_latency(lambda f=m.fn: f(one)),
                              "batch8": measure_latency(lambda f=m.fn: f(eight))}  # fmt: skip

@@ -435,6 +435,10 @@ def fit(
     losses: list[float] = []
     model.train()
     bar = progress_bar(range(start, tcfg.steps), desc=desc, initial=start, total=tcfg.steps, wanted=tcfg.progress)
+    # Subnormal floats (AdamW's second moments and the gradients of near-silent units reach them within a few hundred
+    # steps) take a slow path on x86 CPUs: a 2.7M-parameter ViT trained at 2.9 s per step with them and 0.51 s with
+    # them flushed to zero (AMD EPYC, 2 threads). Flushing changes the results only below 1e-38, deterministically.
+    flush = device.type == "cpu" and torch.set_flush_denormal(True)
     try:
         for step, (batch, y) in zip(bar, step_batches(get_batch, n, tcfg, start, pin=compute.cuda), strict=True):
             with compute.autocast():
@@ -454,6 +458,8 @@ def fit(
             if checkpoint_dir is not None and every > 0 and (done % every == 0 or done == tcfg.steps):
                 _save_checkpoint(Path(checkpoint_dir), done, model, opt, sched, key)  # final one: instant reruns
     finally:
+        if flush:
+            torch.set_flush_denormal(False)
         bar.close()
         for n_, p in model.named_parameters():
             p.requires_grad_(was_grad[n_])

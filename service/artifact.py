@@ -62,10 +62,10 @@ MANIFEST = "manifest.json"
 # the OOD scores a threshold can be calibrated on (service.uncertainty.OOD_METRICS, service.ood compute them; a test
 # holds the two lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
 OOD_SCORES = ("msp", "entropy", "mutual_information", "energy", "max_logit", "mahalanobis", "relative_mahalanobis",
-              "mahalanobis_mi", "mahalanobis_energy")  # fmt: skip
+              "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")  # fmt: skip
 LOGIT_SCORES = ("energy", "max_logit")  # need the artifact's OOD statistics (ood block)
 # need them and the features output
-FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy")
+FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 # a model version as the API shows it (URL path segment of the Open Inference Protocol): no slash, no space
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -174,14 +174,16 @@ class ModelSpec(_OpenRecord):
     output: str = "logits"
     shape: str = "(B, M, C)"  # the output's shape, in words
     # the graph's outputs in order: member logits, then (artifacts with feature scores) the members' penultimate
-    # features (B, M, D); the TorchScript and ONNX exports carry the same outputs
-    outputs: list[Literal["logits", "features"]] = Field(default_factory=lambda: ["logits"])
+    # features (B, M, D), then (artifacts serving mahalanobis_layers) the layer features (B, M, L-1, d); the
+    # TorchScript and ONNX exports carry the same outputs
+    outputs: list[Literal["logits", "features", "layer_features"]] = Field(default_factory=lambda: ["logits"])
 
     @field_validator("outputs")
     @classmethod
     def _logits_first(cls, value: list[str]) -> list[str]:
-        if not value or value[0] != "logits" or len(set(value)) != len(value):
-            raise ValueError(f"outputs must start with 'logits' and list each output once, got {value}")
+        order = ["logits", "features", "layer_features"]
+        if value != order[: len(value)]:
+            raise ValueError(f"outputs must be a prefix of {order} (each output needs the ones before), got {value}")
         return value
 
     @field_validator("config")
@@ -230,6 +232,7 @@ class OODSpec(_OpenRecord):
     forced: bool = False  # true: set by the config (calibration.ood_score), not selected on validation data
     candidates: dict[str, OODCandidate] = Field(default_factory=dict)  # every candidate's validation figures
     fit: dict[str, Any] | None = None  # which ID inputs the statistics were fitted on (provenance)
+    layers: list[int] | None = None  # mahalanobis_layers: the blocks whose pooled outputs it reads (0 = the first)
 
 
 class Bf16Check(_OpenRecord):
@@ -306,6 +309,10 @@ class Manifest(_Record):
         needs_features = self.ood is not None and any(s in FEATURE_SCORES for s in self.ood.scores)
         if needs_features and "features" not in self.model.outputs:
             raise ValueError("ood.scores lists feature scores but model.outputs has no 'features'")
+        if self.ood is not None and "mahalanobis_layers" in self.ood.scores:
+            if "layer_features" not in self.model.outputs or not self.ood.layers:
+                raise ValueError("ood.scores lists mahalanobis_layers: it needs model.outputs 'layer_features' and "
+                                 "ood.layers")  # fmt: skip
 
     def _check_classifier(self) -> None:
         if not self.labels:

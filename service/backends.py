@@ -366,4 +366,5 @@ def load_backend(
         return AotiBackend(root / _export_file(manifest, "aoti"), inputs, plan.device)
     model = load_model(root / spec["weights"], spec["config"], device=plan.device)
     model.with_features = "features" in spec.get("outputs", ["logits"])  # as the exports were traced
+    model.with_layer_features = "layer_features" in spec.get("outputs", ["logits"])
     return TorchBackend(model, inputs, plan.device, plan.precision)

@@ -334,16 +334,22 @@ class FusedEncoder(nn.Module):
         attn_mask: torch.Tensor | None = None,
         is_causal: bool = False,
         first_token_only: bool = False,
+        pooled: list[torch.Tensor] | None = None,
+        pool: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``x (M, B*T, d) -> (M, B*T, d)``: sequences of ``seq_len`` tokens, masked as in :class:`Sequences`.
 
         ``first_token_only``: the last layer computes only each sequence's first token (all that a
         class-token readout reads; exact, and it skips most of that layer's work): ``-> (M, B, d)``.
+        With ``pool`` (``(M, B*T, d) -> (M, B, d)``), ``pool`` of every block's output but the last's is appended
+        to ``pooled``: the intermediate layers' pooled features of the OOD scores.
         """
         seqs = Sequences(seq_len, attn_mask, is_causal)
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
             x = blk(x, seqs, first_token_only=first_token_only and i == last)
+            if pool is not None and pooled is not None and i < last:
+                pooled.append(pool(x))
         return x
 
 
@@ -372,7 +378,8 @@ def _sub_batch(model: nn.Module, batch: int, tokens: int, device: torch.device) 
     return max(1, min(batch, max_rows // (model.members * tokens)))
 
 
-Outputs = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # logits (B, M, C), or (logits, features (B, M, D))
+# logits (B, M, C), or (logits, features (B, M, D)), or (logits, features, layer features (B, M, L-1, d))
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
 
 
 def _in_sub_batches(model: nn.Module, run: Callable[..., Outputs], tokens: int, *inputs: torch.Tensor) -> Outputs:
@@ -415,21 +422,36 @@ class FusedClassifier(nn.Module):
         # True: forward returns (logits, features), the members' penultimate features (the input of each member's
         # classifier head, ``(B, M, D)``) for the feature-space OOD scores (service.ood); set before tracing
         self.with_features = False
+        # True (with ``with_features``, and a model of 2 or more layers): a third output, the layer features
+        # ``(B, M, L-1, d)``: every block's output but the last's, pooled over each sequence's tokens (the mean;
+        # text: over its real tokens), per member. Low-level shifts (noise, blank frames) show in the early layers
+        # long before they reach the last feature; the multi-layer OOD scores (service.ood) read them
+        self.with_layer_features = False
 
-    def _readout(self, x: torch.Tensor, head: nn.Module) -> Outputs:
-        """``x (M, B, D)`` penultimate features -> logits ``(B, M, C)`` (and ``x`` as ``(B, M, D)``)."""
+    @property
+    def layer_features(self) -> bool:
+        """Whether forward returns the layer features (:attr:`with_layer_features` and a second layer to pool)."""
+        return self.with_features and self.with_layer_features and len(self.encoder.blocks) > 1
+
+    def _readout(self, x: torch.Tensor, head: nn.Module, pooled: list[torch.Tensor] | None = None) -> Outputs:
+        """``x (M, B, D)`` penultimate features -> logits ``(B, M, C)`` (and ``x`` as ``(B, M, D)``; and the pooled
+        layers ``[(M, B, d)] * (L-1)`` as ``(B, M, L-1, d)``)."""
         logits = head(x).transpose(0, 1)  # (B, M, C)
         if self.with_features:
+            if pooled:
+                return logits, x.transpose(0, 1), torch.stack(pooled, dim=2).transpose(0, 1)  # (B, M, L-1, d)
             return logits, x.transpose(0, 1)  # (B, M, D)
         return logits
 
     def _first_token_states(
-        self, x: torch.Tensor, seq_len: int, attn_mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The encoder's last-layer states of each sequence's first token: ``x (M, B*T, d) -> (M, B, d)``."""
+        self, x: torch.Tensor, seq_len: int, attn_mask: torch.Tensor | None = None,
+        pooled: list[torch.Tensor] | None = None, pool: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The encoder's last-layer states of each sequence's first token: ``x (M, B*T, d) -> (M, B, d)``
+        (``pooled``, ``pool``: see :meth:`FusedEncoder.forward`)."""
         if self.first_token_readout:
-            return self.encoder(x, seq_len, attn_mask, first_token_only=True)
-        return _first_tokens(self.encoder(x, seq_len, attn_mask), seq_len)
+            return self.encoder(x, seq_len, attn_mask, first_token_only=True, pooled=pooled, pool=pool)
+        return _first_tokens(self.encoder(x, seq_len, attn_mask, pooled=pooled, pool=pool), seq_len)
 
 
 class FusedViT(FusedClassifier):
@@ -474,18 +496,21 @@ class FusedViT(FusedClassifier):
         x = stack_members(x, self.members)  # (M, B*T, d)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
+        M, d = self.members, self.dim
+        pooled: list[torch.Tensor] | None = [] if self.layer_features else None
+        pool = (lambda h: h.view(M, B, T, d).mean(dim=2)) if pooled is not None else None  # (M, B, d): every token
         if self.global_pool == "avg":
-            x = self.encoder(x, T)  # (M, B*T, d)
+            x = self.encoder(x, T, pooled=pooled, pool=pool)  # (M, B*T, d)
             if self.norm is not None:
                 x = self.norm(x)
-            x = x.view(self.members, B, T, self.dim)[:, :, self.num_prefix :].mean(dim=2)  # (M, B, d)
+            x = x.view(M, B, T, d)[:, :, self.num_prefix :].mean(dim=2)  # (M, B, d)
         else:
-            x = self._first_token_states(x, T)  # (M, B, d)
+            x = self._first_token_states(x, T, pooled=pooled, pool=pool)  # (M, B, d)
             if self.norm is not None:  # LayerNorm is per token: normalising the first token alone is exact
                 x = self.norm(x)
         if self.fc_norm is not None:
             x = self.fc_norm(x)
-        return self._readout(x, self.head)  # (B, M, C)
+        return self._readout(x, self.head, pooled)  # (B, M, C)
 
 
 class FusedBert(FusedClassifier):
@@ -522,10 +547,17 @@ class FusedBert(FusedClassifier):
         # key padding mask, True = attend: (B, T) -> (M*B, 1, 1, T)
         mask = attention_mask.to(torch.bool).view(1, B, 1, 1, T).expand(self.members, B, 1, 1, T)
         mask = mask.reshape(self.members * B, 1, 1, T)
-        x = self._first_token_states(x, T, mask)  # (M, B, d) the [CLS] token
+        pooled: list[torch.Tensor] | None = [] if self.layer_features else None
+        pool = None
+        if pooled is not None:  # the mean over each text's real tokens (padding left out): (M, B*T, d) -> (M, B, d)
+            M, d = self.members, self.dim
+            w = attention_mask.to(x.dtype)  # (B, T)
+            w = (w / w.sum(dim=1, keepdim=True).clamp_min(1.0)).view(1, B, T, 1)  # (1, B, T, 1) weights
+            pool = lambda h: (h.view(M, B, T, d) * w).sum(dim=2)  # noqa: E731
+        x = self._first_token_states(x, T, mask, pooled=pooled, pool=pool)  # (M, B, d) the [CLS] token
         if self.pooler is not None:
             x = torch.tanh(self.pooler(x))
-        return self._readout(x, self.classifier)  # (B, M, C)
+        return self._readout(x, self.classifier, pooled)  # (B, M, C)
 
 
 def tiny_config(family: str, num_classes: int = 4, members: int = 3) -> dict[str, Any]:

@@ -18,6 +18,18 @@ Per-member scores ``(B, M)`` are combined across members by the mean of their
 standardised values (each member's score minus its ID-validation mean, over its
 standard deviation), so members on different scales weigh the same.
 
+* ``mahalanobis_layers``: the Mahalanobis score on more than the last feature. The fused model
+  also returns every block's output but the last's, pooled over the tokens, per member
+  (``layer features (B, M, L-1, d)``); a class-conditional Gaussian is fitted per member and
+  selected layer like the last feature's. Per layer the members' standardised distances are
+  averaged; then the last feature's combined score and each selected layer's are standardised
+  once more on ID validation, and the input's score is the largest of them. Early layers see
+  low-level shifts (noise, blank frames, gradients, photographs) that the last feature, trained
+  to separate the classes, maps next to some class; the last feature sees semantic shifts
+  (other objects drawn like the classes) that early layers find typical. The maximum flags an
+  input that any of them finds foreign; the layers it reads are chosen at build time on
+  validation data (:class:`LayerStats` ``ids``).
+
 Statistics (class means, precisions) are fitted at build time on ID features and
 stored in the artifact; :class:`GaussianStats` holds them for scoring. The
 distances are computed in float64: ``Σ⁻¹`` of a 384-d feature has a large
@@ -34,6 +46,11 @@ from .uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
 
 __all__ = [
     "FEATURE_SCORES",
+    "LayerStats",
+    "layer_scores",
+    "layer_tensors",
+    "layers_from_tensors",
+    "layers_max",
     "HIGHER_IS_ID",
     "PER_MEMBER_SCORES",
     "GaussianStats",
@@ -181,8 +198,41 @@ def stats_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "gaussian
 # distribution, MSP only). The probability scores come from service.uncertainty.summarize, the next two from the
 # members' logits; the last three need the members' penultimate features and the artifact's Gaussian statistics.
 HIGHER_IS_ID = OOD_METRICS
-FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy")
+FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")
 PER_MEMBER_SCORES = ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """The statistics of ``mahalanobis_layers``: which layers it reads and their Gaussians and norms.
+
+    ``ids (K,)``: indices into the layer features' layer axis (block ``i``'s pooled output), ascending.
+    ``gaussians``: one :class:`GaussianStats` whose ``M·K`` "members" are (member, layer) pairs, member-major
+    (pair ``m·K + k`` is member ``m``'s layer ``ids[k]``). ``pair_norms``: mean and standard deviation ``(M·K,)`` of
+    each pair's Mahalanobis score on ID validation inputs. ``column_norms``: mean and standard deviation ``(K+1,)`` of
+    the combined columns on ID validation: column 0 the last feature's combined ``mahalanobis``, column ``1+k``
+    layer ``ids[k]``'s member mean of standardised scores.
+    """
+
+    ids: tuple[int, ...]
+    gaussians: GaussianStats
+    pair_norms: tuple[torch.Tensor, torch.Tensor]
+    column_norms: tuple[torch.Tensor, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        k = len(self.ids)
+        pairs = self.gaussians.members
+        if k == 0 or pairs % k:
+            raise ValueError(f"LayerStats: {pairs} (member, layer) Gaussians for {k} layers")
+        if any(t.shape != (pairs,) for t in self.pair_norms) or any(t.shape != (k + 1,) for t in self.column_norms):
+            raise ValueError(f"LayerStats norms must be ({pairs},) and ({k + 1},), got "
+                             f"{[tuple(t.shape) for t in (*self.pair_norms, *self.column_norms)]}")  # fmt: skip
+        if list(self.ids) != sorted(set(self.ids)) or min(self.ids) < 0:
+            raise ValueError(f"LayerStats.ids must be distinct, ascending and >= 0, got {list(self.ids)}")
+
+    @property
+    def members(self) -> int:
+        return self.gaussians.members // len(self.ids)
 
 
 @dataclass(frozen=True)
@@ -191,11 +241,35 @@ class OODStats:
 
     ``gaussians``: the members' class-conditional Gaussians (None: no feature scores). ``norms``: per score, the
     mean and standard deviation of its per-member values on ID validation inputs, ``(M,)`` each (``(1,)`` for
-    ``mutual_information``), which put members (and MI) on one scale before they are combined.
+    ``mutual_information``), which put members (and MI) on one scale before they are combined. ``layers``: the
+    statistics of ``mahalanobis_layers`` (None: the artifact does not serve it).
     """
 
     gaussians: GaussianStats | None
     norms: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    layers: LayerStats | None = None
+
+
+def layer_scores(layer_features: torch.Tensor, stats: LayerStats) -> torch.Tensor:
+    """Each selected layer's combined score ``(B, K)`` from the layer features ``(B, M, L-1, d)``: per (member,
+    layer) the Mahalanobis score standardised by ``pair_norms``, the mean over members (not yet ``column_norms``)."""
+    B, M = layer_features.shape[:2]
+    k = len(stats.ids)
+    if M != stats.members or max(stats.ids) >= layer_features.shape[2]:
+        raise ValueError(f"layer features {tuple(layer_features.shape)} do not fit statistics of {stats.members} "
+                         f"members and layers {list(stats.ids)}")  # fmt: skip
+    f = layer_features[:, :, list(stats.ids)]  # (B, M, K, d)
+    md = mahalanobis(f.reshape(B, M * k, f.shape[-1]), stats.gaussians)  # (B, M*K)
+    return standardize(md, *stats.pair_norms).view(B, M, k).mean(dim=1)  # (B, K)
+
+
+def layers_max(
+    last: torch.Tensor, layers: torch.Tensor, column_norms: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """``mahalanobis_layers`` ``(B,)``: the largest of the last feature's combined score ``last (B,)`` and the
+    layers' ``layers (B, K)``, each column standardised by ``column_norms`` ``(K+1,)``."""
+    cols = torch.cat([last.to(torch.float64).unsqueeze(1), layers.to(torch.float64)], dim=1)  # (B, K+1)
+    return standardize(cols, *column_norms).max(dim=1).values
 
 
 def member_scores(
@@ -215,7 +289,7 @@ def member_scores(
 
 def ensemble_scores(
     logits: torch.Tensor, features: torch.Tensor | None, stats: OODStats | None, temperature: float = 1.0,
-    summary: dict[str, torch.Tensor] | None = None,
+    summary: dict[str, torch.Tensor] | None = None, layer_features: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """Every score :data:`HIGHER_IS_ID` names that the inputs allow, one value per input ``(B,)``, float64.
 
@@ -225,8 +299,10 @@ def ensemble_scores(
     ``mahalanobis_mi`` adds the standardised mutual information to the combined Mahalanobis score, so an input
     the members disagree on counts as more foreign than its distance alone says; ``mahalanobis_energy`` adds the
     combined energy (a feature-space distance and a logit-space score, in the spirit of ViM, Wang et al. 2022:
-    inputs far from the classes' features but given confident logits, and the reverse). Without ``stats`` only
-    the probability scores are given.
+    inputs far from the classes' features but given confident logits, and the reverse); ``mahalanobis_layers``
+    (with ``layer_features`` ``(B, M, L-1, d)`` and ``stats.layers``) the largest of the last feature's and the
+    selected layers' standardised scores (:func:`layers_max`). Without ``stats`` only the probability scores are
+    given.
     """
     s = summary if summary is not None else summarize(logits, temperature)
     out = {k: s[k].to(torch.float64) for k in SUMMARY_SCORES}
@@ -241,6 +317,9 @@ def ensemble_scores(
         out["mahalanobis_mi"] = out["mahalanobis"] + mi
     if "mahalanobis" in out and "energy" in out:  # feature space and logit space: each catches what the other misses
         out["mahalanobis_energy"] = out["mahalanobis"] + out["energy"]
+    if "mahalanobis" in out and stats.layers is not None and layer_features is not None:
+        out["mahalanobis_layers"] = layers_max(out["mahalanobis"], layer_scores(layer_features, stats.layers),
+                                               stats.layers.column_norms)  # fmt: skip
     return out
 
 
@@ -254,12 +333,40 @@ def fit_norms(scores: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
     return out
 
 
+def layer_tensors(stats: LayerStats, prefix: str = "layers.") -> dict[str, torch.Tensor]:
+    """The tensors of :class:`LayerStats` by name (``prefix`` + field), for a safetensors file."""
+    return {prefix + "ids": torch.tensor(stats.ids, dtype=torch.int64),
+            **stats_tensors(stats.gaussians, prefix + "gaussian."),
+            prefix + "pair_norms.mean": stats.pair_norms[0].contiguous(),
+            prefix + "pair_norms.std": stats.pair_norms[1].contiguous(),
+            prefix + "column_norms.mean": stats.column_norms[0].contiguous(),
+            prefix + "column_norms.std": stats.column_norms[1].contiguous()}  # fmt: skip
+
+
+def layers_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "layers.") -> LayerStats | None:
+    """:class:`LayerStats` back from :func:`layer_tensors`' names (None when there are none; shapes checked)."""
+    if prefix + "ids" not in tensors:
+        return None
+    f64 = lambda k: tensors[prefix + k].to(torch.float64)  # noqa: E731
+    try:
+        return LayerStats(
+            ids=tuple(int(i) for i in tensors[prefix + "ids"].tolist()),
+            gaussians=stats_from_tensors(tensors, prefix + "gaussian."),
+            pair_norms=(f64("pair_norms.mean"), f64("pair_norms.std")),
+            column_norms=(f64("column_norms.mean"), f64("column_norms.std")),
+        )
+    except KeyError as e:
+        raise ValueError(f"OOD statistics lack {e}") from e
+
+
 def ood_tensors(stats: OODStats) -> dict[str, torch.Tensor]:
     """The tensors of ``stats`` by name, for the artifact's safetensors file."""
     out = stats_tensors(stats.gaussians) if stats.gaussians is not None else {}
     for name, (mean, std) in stats.norms.items():
         out[f"norm.{name}.mean"] = mean.contiguous()
         out[f"norm.{name}.std"] = std.contiguous()
+    if stats.layers is not None:
+        out.update(layer_tensors(stats.layers))
     return out
 
 
@@ -269,4 +376,4 @@ def ood_from_tensors(tensors: dict[str, torch.Tensor]) -> OODStats:
     names = {k.split(".")[1] for k in tensors if k.startswith("norm.")}
     norms = {n: (tensors[f"norm.{n}.mean"].to(torch.float64), tensors[f"norm.{n}.std"].to(torch.float64))
              for n in sorted(names)}  # fmt: skip
-    return OODStats(gaussians, norms)
+    return OODStats(gaussians, norms, layers_from_tensors(tensors))

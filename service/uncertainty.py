@@ -32,6 +32,7 @@ OOD_METRICS: dict[str, bool] = {
     "relative_mahalanobis": False,
     "mahalanobis_mi": False,
     "mahalanobis_energy": False,
+    "mahalanobis_layers": False,
 }
 SUMMARY_SCORES = ("msp", "entropy", "mutual_information")  # the scores :func:`ood_score` reads from a summary
 

@@ -47,6 +47,10 @@ class FamilyAdapter:
         """Current number of heads per layer."""
         raise NotImplementedError
 
+    def layer_modules(self, model: nn.Module) -> list[nn.Module]:
+        """The model's blocks in order (their outputs, pooled over the tokens, are the layer features)."""
+        raise NotImplementedError
+
     def out_proj(self, model: nn.Module, layer: int) -> nn.Linear:
         """The attention output projection of ``layer``; weight ``(d, H*hd)``, head h = columns h*hd:(h+1)*hd."""
         raise NotImplementedError

@@ -77,6 +77,9 @@ class BertAdapter(FamilyAdapter):
     def _layers(model: nn.Module) -> nn.ModuleList:
         return model.bert.encoder.layer
 
+    def layer_modules(self, model: nn.Module) -> list[nn.Module]:
+        return list(self._layers(model))
+
     def num_layers(self, model: nn.Module) -> int:
         return len(self._layers(model))
 

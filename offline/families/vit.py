@@ -52,6 +52,9 @@ class ViTAdapter(FamilyAdapter):
     def heads(self, model: nn.Module) -> list[int]:
         return [blk.attn.num_heads for blk in model.blocks]
 
+    def layer_modules(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)
+
     def out_proj(self, model: nn.Module, layer: int) -> nn.Linear:
         return model.blocks[layer].attn.proj
 

@@ -95,15 +95,17 @@ class Query:
 
 def summarize_rows(
     logits: torch.Tensor, temperature: float, metric: str, threshold: float, features: torch.Tensor | None = None,
-    stats: OODStats | None = None,
+    stats: OODStats | None = None, layer_features: torch.Tensor | None = None,
 ) -> list[ItemResult]:  # fmt: skip
-    """Member logits ``(B, M, C)`` (and features ``(B, M, D)``) -> one :class:`ItemResult` per input.
+    """Member logits ``(B, M, C)`` (and features ``(B, M, D)``, layer features ``(B, M, L-1, d)``) -> one
+    :class:`ItemResult` per input.
 
     The uncertainty comes from :mod:`service.uncertainty`; with the artifact's OOD statistics ``stats`` every
     score of :func:`service.ood.ensemble_scores` is computed too, and ``metric`` may name any of them.
     """
     s = summarize(logits, temperature)
-    all_scores = ensemble_scores(logits, features, stats, temperature, summary=s) if stats is not None else None
+    all_scores = (ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features)
+                  if stats is not None else None)  # fmt: skip
     score = all_scores[metric] if all_scores is not None else ood_score(s, metric)  # float64 with statistics
     flag = ood_flag(score, metric, threshold)
     probs = s["probs"].numpy()  # (B, C)

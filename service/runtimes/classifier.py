@@ -41,6 +41,13 @@ def load_ood_stats(root: Path, manifest: dict[str, Any]) -> OODStats | None:
     missing = [s for s in spec["scores"] if s in PER_MEMBER_SCORES and s not in stats.norms]
     if missing:
         raise ArtifactError(f"{root / spec['file']}: no norms for the scores {missing} the manifest lists")
+    if "mahalanobis_layers" in spec["scores"]:
+        if stats.layers is None or list(stats.layers.ids) != list(spec.get("layers") or []):
+            raise ArtifactError(f"{root / spec['file']}: the layer statistics of mahalanobis_layers do not match "
+                                f"ood.layers {spec.get('layers')}")  # fmt: skip
+        if stats.layers.members != int(manifest["members"]):
+            raise ArtifactError(f"{root / spec['file']}: layer statistics for {stats.layers.members} members, the "
+                                f"model has {manifest['members']}")  # fmt: skip
     g = stats.gaussians
     if g is not None and (g.members != int(manifest["members"]) or g.means.shape[1] != len(manifest["labels"])):
         raise ArtifactError(f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
@@ -114,7 +121,9 @@ class ClassifierRuntime(Runtime):
                 f"{self.name}: model output {tuple(logits.shape)}, expected (B={len(items)}, M, C={len(self.labels)})"
             )
         features = outs[1] if len(outs) > 1 else None  # (B, M, D)
-        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats)
+        layers = outs[2] if len(outs) > 2 else None  # (B, M, L-1, d)
+        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats,
+                              layers)  # fmt: skip
 
     async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
         """Prepared inputs of one request -> its results over the artifact's labels."""

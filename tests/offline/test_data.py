@@ -84,7 +84,7 @@ def test_fashion_setting_shapes_counts_disjoint_and_deterministic():
     for split, n in ((d.train, 600), (d.val, 120), (d.test, 240)):
         assert np.bincount(split.labels, minlength=6).tolist() == [n // 6] * 6  # stratified, balanced source
     assert not np.array_equal(d.train.labels[:12], np.sort(d.train.labels[:12]))  # shuffled, not class-sorted
-    assert set(d.ood_val) == {"fashion-heldout", "digits"}
+    assert set(d.ood_val) == {"fashion-heldout", "digits", "corrupted"}
     assert {k: v[1] for k, v in d.ood_test.items()} == {"fashion-heldout": "near", "digits": "far", "noise": "far"}
     assert all(len(x) == 100 for x in d.ood_val.values()) and all(len(x) == 100 for x, _ in d.ood_test.values())
     assert _rows(d.train.inputs).isdisjoint(_rows(d.val.inputs))
@@ -113,11 +113,12 @@ def test_near_ood_images_come_from_held_out_classes():
     assert {lookup[i.tobytes()] for i in d.test.inputs} <= set(D.FASHION_ID_CLASSES)
 
 
-# index hashes of the splits as drawn before the fit split existed: adding it must leave every one of them as it was
+# index hashes of the splits as drawn since the train file's reserved images exist (offline.data.fashion_pools):
+# the fit split (and any split added later) must leave every one of them as it is
 FASHION_TINY_S1_HASHES = {
-    "id": {"train": "dca1785449769d82", "val": "6ab5354586545b70", "test": "64b44136c383388f"},
-    "ood_val": {"fashion-heldout": "2babd40f1e80dd2d", "digits": "510eff79c8edd7e3"},
-    "ood_test": {"fashion-heldout": "a56899f35326f3fd", "digits": "6956a6148afa097e"},
+    "id": {"train": "8b24594d549dc33b", "val": "127755529da95bab", "test": "48af480e7c151c1c"},
+    "ood_val": {"fashion-heldout": "35992d47a2dd9412", "digits": "11df10b37f2b01e9"},
+    "ood_test": {"fashion-heldout": "a63405e4e570bf7f", "digits": "54ceb770cff082ce"},
 }
 TWEETS_SMALL_S0_HASHES = {
     "id": {"train": "3bbefe8d938dc985", "val": "5ff13ef02d54ca56", "test": "4daeef55cfa8245d"},
@@ -157,8 +158,8 @@ def test_fashion_fit_split_held_out_stratified_seeded_and_leaves_other_splits_al
         assert fit_rows.isdisjoint(_rows(other.inputs))
     assert fit_rows.isdisjoint(_rows(d.ood_val["fashion-heldout"]))
     rec = d.splits["id"]["fit"]
-    assert rec["source"] == D.FIT_HELD_OUT and rec["from"] == "train file" and rec["size"] == 30
-    assert rec["unused_id_inputs"] == 36000 - 60 - 12 and sum(rec["class_counts"].values()) == 30
+    assert rec["source"] == D.FIT_HELD_OUT and rec["from"] == "train file, reserved images" and rec["size"] == 30
+    assert rec["unused_id_inputs"] == 6000 - 12 and sum(rec["class_counts"].values()) == 30
     assert d.splits["requested"]["max_fit"] == 30
     json.dumps(d.splits)
     assert _hashes(d, FASHION_TINY_S1_HASHES) == FASHION_TINY_S1_HASHES  # the splits drawn before fit existed
@@ -177,9 +178,24 @@ def test_fashion_fit_split_held_out_stratified_seeded_and_leaves_other_splits_al
 
 
 @needs_fashion
-def test_fashion_fit_falls_back_to_train_when_nothing_is_left():
+def test_fashion_training_pool_and_reserved_images():
+    """The train file's ID images split once, whatever the seed and sizes: train draws from the training pool (all
+    of it at most), val and fit from the reserved images, which no model trained on the pool has seen."""
+    x, y, _, _ = D.read_fashion(D.fashion_dir())
+    pool, reserved = D.fashion_pools(y)
+    assert len(pool) == 30000 and len(reserved) == 6000 and np.intersect1d(pool, reserved).size == 0
+    assert np.bincount(y[reserved], minlength=10).tolist() == [1000] * 6 + [0] * 4
+    assert np.array_equal(D.fashion_pools(y)[1], reserved)  # fixed: no seed moves it
     d = D.fashion_mnist_setting(max_train=40000, max_val=12, max_test=12, max_ood=10, seed=0)
-    assert len(d.train) == 36000 - 12  # the whole ID part of the train file is used
+    assert len(d.train) == 30000  # the whole training pool, never more
+    assert _rows(d.train.inputs) == _rows(x[pool]) and _rows(d.val.inputs) <= _rows(x[reserved])
+    assert _rows(d.fit.inputs) <= _rows(x[reserved]) and d.splits["pools"]["reserved"]["size"] == 6000
+
+
+@needs_fashion
+def test_fashion_fit_falls_back_to_train_when_nothing_is_left():
+    d = D.fashion_mnist_setting(max_train=60, max_val=6000, max_test=12, max_ood=10, seed=0)
+    assert len(d.val) == 6000  # every reserved image is validation
     assert d.fit is d.train
     rec = d.splits["id"]["fit"]
     assert rec["source"] == "train (no unused ID inputs)" and rec["unused_id_inputs"] == 0

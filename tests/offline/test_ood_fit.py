@@ -94,7 +94,7 @@ def test_fit_ood_stats_norms_standardise_the_validation_scores():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(600, 3, 3, generator=g)
     stats = fit_ood_stats(z, y, 3, logits, z, temperature=1.0)
-    s = scores_np(logits, z, stats, 1.0)
+    s = scores_np((logits, z, None), stats, 1.0)
     # each per-member score standardised on these very inputs: the member mean of z-scores has mean 0
     for name in ("energy", "max_logit", "mahalanobis", "relative_mahalanobis"):
         assert abs(s[name].mean()) < 1e-9, name
@@ -102,3 +102,124 @@ def test_fit_ood_stats_norms_standardise_the_validation_scores():
     mi_z = (mi - mi.mean()) / mi.std(ddof=1)
     np.testing.assert_allclose(s["mahalanobis_mi"], s["mahalanobis"] + mi_z, atol=1e-9)
     np.testing.assert_allclose(s["mahalanobis_energy"], s["mahalanobis"] + s["energy"], atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- relative Mahalanobis's background
+def test_relative_mahalanobis_cancels_outside_the_class_means_with_few_inputs_per_dimension():
+    """Known answer: the background Gaussian is the class mixture's (within-class covariance plus the between-class
+    scatter), so along any direction orthogonal to the class means (in the within-class metric) the two Gaussians
+    agree and an input moved along it keeps its relative score while its Mahalanobis distance grows. The old fit
+    shrank the background covariance on its own: with about as many inputs as dimensions the two shrinkage
+    intensities differed, far inputs got relative scores far *below* ID ones (AUROC 14-16 % on the text artifact),
+    and this test failed."""
+    from service.ood import relative_mahalanobis
+
+    g = torch.Generator().manual_seed(3)
+    n, dim = 64, 48  # about as many inputs as dimensions, as 400 texts of 384 dimensions
+    y = torch.arange(n) % 2
+    centres = torch.zeros(2, dim)
+    centres[1, 0] = 4.0  # the class means differ along axis 0 only
+    scales = torch.linspace(0.5, 2.0, dim)  # anisotropic, so that shrinkage matters
+    z = (centres[y] + torch.randn(n, dim, generator=g) * scales).unsqueeze(1)  # (N, 1, D)
+    stats = fit_gaussians(z, y, classes=2)
+    v = stats.means[0, 1] - stats.means[0, 0]  # the class means' span (two classes: one direction)
+    pw = stats.precision[0]
+    u = torch.randn(dim, generator=g, dtype=torch.float64)
+    u -= (v @ pw @ u) / (v @ pw @ v) * v  # orthogonal to it in the within-class metric: vᵀ P u = 0
+    u /= u.norm()
+    base = stats.background_mean[0] + 0.3 * v
+    points = torch.stack([base + t * u for t in (0.0, 5.0, 50.0)]).unsqueeze(1)  # (3, 1, D)
+    rel = relative_mahalanobis(points, stats)[:, 0]
+    md = mahalanobis(points, stats)[:, 0]
+    assert md[2] > 100 * md[0]  # far away for the class Gaussians ...
+    torch.testing.assert_close(rel, rel[:1].expand(3), rtol=0, atol=1e-6 * float(md[2]))  # ... not for the relative
+
+
+def test_relative_mahalanobis_ranks_far_inputs_above_id_ones():
+    """Inputs scaled away from the data in every direction score higher than held-out ID inputs (AUROC above
+    chance), with as many fit inputs as dimensions: the regression test of the inverted score."""
+    from sklearn.metrics import roc_auc_score
+
+    from service.ood import relative_mahalanobis
+
+    g = torch.Generator().manual_seed(4)
+    n, dim = 96, 64
+    y = torch.arange(n) % 3
+    centres = torch.randn(3, dim, generator=g) * 2
+    z = (centres[y] + torch.randn(n, dim, generator=g)).unsqueeze(1)
+    stats = fit_gaussians(z, y, classes=3)
+    yt = torch.arange(200) % 3
+    test = (centres[yt] + torch.randn(200, dim, generator=g)).unsqueeze(1)
+    far = (centres[yt] + 4 * torch.randn(200, dim, generator=g)).unsqueeze(1)
+    s_id, s_far = relative_mahalanobis(test, stats)[:, 0].numpy(), relative_mahalanobis(far, stats)[:, 0].numpy()
+    assert roc_auc_score(np.r_[np.zeros(200), np.ones(200)], np.r_[s_id, s_far]) > 0.6
+
+
+# ----------------------------------------------------------------------------- the multi-layer score
+def _layer_data(n: int = 240, members: int = 2, layers: int = 3, dim: int = 6, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    centres = torch.randn(3, members, layers, dim, generator=g) * 3
+    z = centres[y] + torch.randn(n, members, layers, dim, generator=g)
+    feats = torch.randn(n, members, 4, generator=g) + torch.randn(3, members, 4, generator=g)[y] * 3
+    logits = torch.randn(n, members, 3, generator=g)
+    return logits, feats, z, y
+
+
+def test_layer_candidates_equal_the_served_score_on_their_restricted_statistics():
+    """What selection computes for a layer set (layer_columns + candidate_scores, once for all sets) is exactly what
+    the server computes with the statistics restricted to that set (ensemble_scores), on other inputs too."""
+    from offline.ood_fit import (
+        candidate_scores,
+        fit_layer_stats,
+        fit_ood_stats,
+        layer_candidates,
+        layer_columns,
+        restrict_layers,
+        scores_np,
+        with_layers,
+    )
+
+    logits, feats, layers, y = _layer_data()
+    fit, val, new = slice(0, 120), slice(120, 180), slice(180, 240)
+    stats = fit_ood_stats(feats[fit], y[fit], 3, logits[val], feats[val], 1.0)
+    val_md = torch.from_numpy(scores_np((logits[val], feats[val], None), stats, 1.0)["mahalanobis"])
+    full = fit_layer_stats(layers[fit], y[fit], 3, layers[val], val_md)
+    assert layer_candidates(3) == [(0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2)]
+    run = (logits[new], feats[new], layers[new])
+    cols = layer_columns(run, stats, full, 1.0)
+    for ids in layer_candidates(3):
+        served = scores_np(run, with_layers(stats, restrict_layers(full, ids)), 1.0)["mahalanobis_layers"]
+        np.testing.assert_allclose(candidate_scores(cols, full, ids), served, rtol=0, atol=1e-12)
+    # a layer set fitted on its own equals the restriction of the full fit
+    alone = fit_layer_stats(layers[fit], y[fit], 3, layers[val], val_md, ids=(0, 2))
+    again = restrict_layers(full, (0, 2))
+    for a, b in ((alone.gaussians.means, again.gaussians.means), (alone.pair_norms[1], again.pair_norms[1]),
+                 (alone.column_norms[0], again.column_norms[0])):
+        torch.testing.assert_close(a, b)
+
+
+def test_layers_score_is_the_largest_standardised_column():
+    from service.ood import layers_max
+
+    last = torch.tensor([1.0, 0.0])
+    layers = torch.tensor([[0.0, 3.0], [10.0, 2.0]])
+    norms = (torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64), torch.tensor([1.0, 2.0, 0.5], dtype=torch.float64))
+    # columns standardised: [1, -0.5, 2] and [0, 4.5, 0]
+    assert layers_max(last, layers, norms).tolist() == [2.0, 4.5]
+
+
+def test_layer_statistics_round_trip_and_shapes_are_checked(tmp_path):
+    from offline.ood_fit import fit_layer_stats
+    from service.ood import LayerStats, layer_scores, layer_tensors, layers_from_tensors
+
+    _, _, layers, y = _layer_data()
+    st = fit_layer_stats(layers[:120], y[:120], 3, layers[120:], torch.zeros(120), ids=(1, 2))
+    save_file(layer_tensors(st), str(tmp_path / "l.safetensors"))
+    back = layers_from_tensors(load_file(str(tmp_path / "l.safetensors")))
+    assert back is not None and back.ids == (1, 2)
+    torch.testing.assert_close(layer_scores(layers[:7], back), layer_scores(layers[:7], st), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="do not fit statistics"):
+        layer_scores(layers[:7, :1], st)  # one member, statistics of two
+    with pytest.raises(ValueError, match="norms must be"):
+        LayerStats((1, 2), st.gaussians, st.pair_norms, (torch.zeros(2), torch.ones(2)))

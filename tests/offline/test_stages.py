@@ -83,10 +83,42 @@ def test_with_features_returns_the_heads_input():
     x = torch.randn(5, 4)
     logits, feats = fn({"x": x})
     assert torch.allclose(feats, model.body(x)) and logits.shape == (5, 3)
-    run_logits, run_feats = collect(fn, [({"x": x}, torch.zeros(5))])
+    run_logits, run_feats, run_layers = collect(fn, [({"x": x}, torch.zeros(5))])
     assert run_logits.shape == (5, 1, 3) and run_feats.shape == (5, 1, 6)  # single models: M = 1
+    assert run_layers is None
     with pytest.raises(ValueError, match="no linear head"):
         head_module(nn.Sequential(nn.Linear(2, 2)))
+
+
+def test_with_features_pools_every_block_but_the_last_as_the_fused_model_does():
+    """Layer features of a single model: each block's output (but the last's) averaged over the tokens, over the
+    real tokens only when the batch has an attention mask (padding left out)."""
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, 4) -> (B, 2), the first token read out
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x[:, 0])
+
+    model = Blocks()
+    x = torch.randn(2, 5, 4)
+    with torch.no_grad():
+        h0 = model.blocks[0](x)
+        h1 = model.blocks[1](h0)
+        fn = with_features(lambda b: model(b["x"]), model, list(model.blocks))
+        _, feats, layers = fn({"x": x})
+        assert layers.shape == (2, 2, 4) and torch.allclose(feats, model.blocks[2](h1)[:, 0])
+        torch.testing.assert_close(layers, torch.stack([h0.mean(1), h1.mean(1)], dim=1))
+        mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+        _, _, masked = fn({"x": x, "attention_mask": mask})
+        torch.testing.assert_close(masked[0, 0], h0[0, :3].mean(0))
+        torch.testing.assert_close(masked[1, 1], h1[1].mean(0))
+        logits, _, collected = collect(fn, [({"x": x}, torch.zeros(2))])
+    assert logits.shape == (2, 1, 2) and collected.shape == (2, 1, 2, 4)  # single models: M = 1
 
 
 def test_image_eval_batches_are_the_servers_tensors():

@@ -76,8 +76,9 @@ def _ref_block(blk, m: int, h: torch.Tensor, mask: torch.Tensor | None, act: str
     return h + mlp(_ln(blk.norm2, m, h)) * ls2
 
 
-def reference_vit(model, pixel_values: torch.Tensor) -> torch.Tensor:
-    """(B, C, H, W) -> (B, M, C), each member run alone."""
+def reference_vit(model, pixel_values: torch.Tensor, pooled: list | None = None) -> torch.Tensor:
+    """(B, C, H, W) -> (B, M, C), each member run alone; ``pooled`` gets each member's token means of every block
+    but the last, ``[[(B, d)] * (L-1)] * M``."""
     B = pixel_values.shape[0]
     x = model.patch_embed(pixel_values).flatten(2).transpose(1, 2)
     if model.cls_token is not None:
@@ -88,8 +89,12 @@ def reference_vit(model, pixel_values: torch.Tensor) -> torch.Tensor:
         h = x
         if model.norm_pre is not None:
             h = _ln(model.norm_pre, m, h)
+        layers = []
         for blk in model.encoder.blocks:
             h = _ref_block(blk, m, h, None, model.cfg.get("act", "gelu"))
+            layers.append(h.mean(1))
+        if pooled is not None:
+            pooled.append(layers[:-1])
         if model.norm is not None:
             h = _ln(model.norm, m, h)
         h = h[:, model.num_prefix :].mean(1) if model.global_pool == "avg" else h[:, 0]
@@ -99,16 +104,24 @@ def reference_vit(model, pixel_values: torch.Tensor) -> torch.Tensor:
     return torch.stack(outs, 1)
 
 
-def reference_bert(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) -> (B, M, C), each member run alone."""
+def reference_bert(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, pooled: list | None = None
+) -> torch.Tensor:
+    """(B, T) -> (B, M, C), each member run alone; ``pooled``: the means over each text's real tokens, as in
+    :func:`reference_vit`."""
     T = input_ids.shape[1]
     x = model.word_embeddings(input_ids) + model.position_embeddings.weight[:T] + model.token_type_embeddings.weight[0]
     mask = attention_mask.bool()
     outs = []
     for m in range(model.members):
         h = _ln(model.emb_norm, m, x)
+        layers = []
         for blk in model.encoder.blocks:
             h = _ref_block(blk, m, h, mask, model.cfg.get("act", "gelu"))
+            w = mask.float().unsqueeze(-1)  # (B, T, 1)
+            layers.append((h * w).sum(1) / w.sum(1))
+        if pooled is not None:
+            pooled.append(layers[:-1])
         h = h[:, 0]
         if model.pooler is not None:
             h = torch.tanh(h @ model.pooler.weight[m] + model.pooler.bias[m, 0])
@@ -133,8 +146,9 @@ def _model(family: str, shared_norms: bool = True, **overrides) -> torch.nn.Modu
     return _randomize(build_model(cfg), shared_norms)
 
 
-def _reference(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return reference_vit(model, **batch) if model.cfg["arch"] == "vit" else reference_bert(model, **batch)
+def _reference(model, batch: dict[str, torch.Tensor], pooled: list | None = None) -> torch.Tensor:
+    ref = reference_vit if model.cfg["arch"] == "vit" else reference_bert
+    return ref(model, **batch, pooled=pooled)
 
 
 def _batch(family: str, **kw) -> dict[str, torch.Tensor]:
@@ -153,6 +167,32 @@ def test_fused_matches_naive_members(family, mlp, shared_norms, first_token_read
     batch = _batch(family)
     with torch.no_grad():
         torch.testing.assert_close(model(**batch), _reference(model, batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["vit", "bert"])
+@pytest.mark.parametrize("first_token_readout", [True, False])
+def test_layer_features_match_naive_members(family, first_token_readout):
+    """The third output: each member's pooled outputs of every block but the last (token means; text: over the
+    real tokens only), the same as each member run alone; logits and features unchanged by asking for them."""
+    model = _model(family, shared_norms=False, mlp="per_member")
+    model.first_token_readout = first_token_readout
+    batch = _batch(family)
+    pooled: list = []
+    with torch.no_grad():
+        ref_logits = _reference(model, batch, pooled)
+        model.with_features = True
+        assert len(model(**batch)) == 2  # features only until layer features are asked for
+        model.with_layer_features = True
+        logits, features, layers = model(**batch)
+    B, M, L = batch[next(iter(batch))].shape[0], model.members, len(model.encoder.blocks)
+    assert layers.shape == (B, M, L - 1, model.dim)
+    expected = torch.stack([torch.stack(per_member, dim=1) for per_member in pooled], dim=1)  # (B, M, L-1, d)
+    torch.testing.assert_close(layers, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    if family == "bert":  # padding tokens change nothing: the same text padded further gives the same features
+        padded = {k: F.pad(v, (0, 4)) for k, v in batch.items()}
+        with torch.no_grad():
+            torch.testing.assert_close(model(**padded)[2], layers, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

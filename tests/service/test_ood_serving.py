@@ -16,7 +16,7 @@ from service.artifact import OOD_SCORES, ArtifactError, load_manifest, parse_man
 from service.main import create_app
 from service.models import load_model
 from service.ood import ood_from_tensors
-from service.preprocess import ImagePreprocessor
+from service.preprocess import ImagePreprocessor, make_preprocessor
 from service.runtimes.classifier import load_ood_stats
 from service.uncertainty import OOD_METRICS
 from tests.fixtures.tiny_artifact import make_tiny_artifact
@@ -30,24 +30,35 @@ def ood_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
                               ood_score="mahalanobis", ood_threshold=None)  # fmt: skip
 
 
+@pytest.fixture(scope="module", params=["vit", "bert"])
+def layers_artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose served score is mahalanobis_layers (its layer features exported too)."""
+    family = request.param
+    return make_tiny_artifact(tmp_path_factory.mktemp("layers") / family, family, name=f"tiny-layers-{family}",
+                              ood=True, ood_score="mahalanobis_layers", ood_threshold=None)  # fmt: skip
+
+
 def builder_scores(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
     """The builder's scores (offline.ood_fit.scores_np) of ``images`` through the eager model and the artifact."""
     m = load_manifest(root)
     model = load_model(root / "model.safetensors", m["model"]["config"])
     model.with_features = True
+    model.with_layer_features = "layer_features" in m["model"]["outputs"]
     pre = ImagePreprocessor(m["preprocessing"], 1 << 20)
     x = torch.stack([pre(png(a)) for a in images])
     with torch.inference_mode():
-        logits, feats = model(x)
+        outs = model(x)
     stats = ood_from_tensors(load_file(str(root / "ood.safetensors")))
-    return scores_np(logits, feats, stats, m["uncertainty"]["temperature"])
+    return scores_np((*outs[:2], outs[2] if len(outs) > 2 else None), stats, m["uncertainty"]["temperature"])
 
 
 def test_the_artifact_lists_the_scores_and_the_features_output(ood_artifact):
     m = load_manifest(ood_artifact)
     assert m["model"]["outputs"] == ["logits", "features"]
     assert m["ood"]["selected"] == m["uncertainty"]["ood_score"] == "mahalanobis"
-    assert sorted(m["ood"]["scores"]) == sorted(OOD_SCORES) == sorted(OOD_METRICS)
+    assert sorted(OOD_SCORES) == sorted(OOD_METRICS)
+    # every score but the multi-layer one, whose layer statistics an artifact carries only when it serves it
+    assert sorted(m["ood"]["scores"]) == sorted(set(OOD_SCORES) - {"mahalanobis_layers"})
     assert "ood.safetensors" in m["files"]
 
 
@@ -63,12 +74,45 @@ def test_served_scores_equal_the_builders_in_every_backend(ood_artifact, backend
     threshold = load_manifest(ood_artifact)["uncertainty"]["ood_threshold"]
     for i, p in enumerate(preds):
         assert p["ood"]["metric"] == "mahalanobis"
-        assert set(p["ood"]["scores"]) == set(OOD_SCORES)
+        assert set(p["ood"]["scores"]) == set(OOD_SCORES) - {"mahalanobis_layers"}
         for name, value in p["ood"]["scores"].items():
             assert value == pytest.approx(float(want[name][i]), rel=1e-4, abs=1e-4), (name, i)
         assert p["ood"]["score"] == pytest.approx(float(want["mahalanobis"][i]), rel=1e-4, abs=1e-4)
         assert p["ood"]["score"] == p["ood"]["scores"]["mahalanobis"]  # the served value is the listed one, exactly
         assert p["ood"]["flag"] == (float(want["mahalanobis"][i]) > threshold)
+
+
+@pytest.mark.parametrize("backend", ["torch", "torchscript", "onnx"])
+def test_layer_score_served_equals_the_builders_in_every_backend(layers_artifact, backend):
+    """mahalanobis_layers from the exported layer features (eager, TorchScript, ONNX) is the builder's number."""
+    m = load_manifest(layers_artifact)
+    assert m["model"]["outputs"] == ["logits", "features", "layer_features"] and m["ood"]["layers"] == [0]
+    assert "mahalanobis_layers" in m["ood"]["scores"]
+    pre = make_preprocessor(m["preprocessing"], layers_artifact, 1 << 20)
+    if m["family"] == "vit":
+        images = noise_images(5, seed=4)
+        items, body = [pre(png(a)) for a in images], {"images": [b64(png(a)) for a in images]}
+    else:
+        texts = ["a short one", "quite a bit longer text than the first", "third", "x y z w", "the fifth text"]
+        items, body = pre.encode(texts), {"texts": texts}
+    model = load_model(layers_artifact / "model.safetensors", m["model"]["config"])
+    model.with_features = model.with_layer_features = True
+    with torch.inference_mode():
+        outs = model(**pre.collate(items))
+    stats = ood_from_tensors(load_file(str(layers_artifact / "ood.safetensors")))
+    want = scores_np(tuple(outs), stats, m["uncertainty"]["temperature"])
+    app = create_app(settings_for(layers_artifact, backend=backend))
+    with TestClient(app) as c:
+        r = c.post("/predict", json={**body, "return_scores": True})
+    assert r.status_code == 200, r.text
+    for i, p in enumerate(r.json()["predictions"]):
+        assert p["ood"]["metric"] == "mahalanobis_layers"
+        assert p["ood"]["scores"]["mahalanobis_layers"] == pytest.approx(float(want["mahalanobis_layers"][i]),
+                                                                         rel=1e-4, abs=1e-4)  # fmt: skip
+        assert p["ood"]["score"] == p["ood"]["scores"]["mahalanobis_layers"]
+    bad = {**m, "model": {**m["model"], "outputs": ["logits", "features"]}}
+    with pytest.raises(ArtifactError, match="layer_features"):
+        parse_manifest(bad)
 
 
 def test_scores_only_when_asked_for_and_in_multipart_forms(ood_artifact):
