@@ -32,9 +32,10 @@ distinct scores, as stated; APS/RAPS sets are also somewhat larger than the rand
 (when even the top label's score exceeds ``qhat``, i.e. a confident model at a large ``alpha``); an empty set is a
 valid answer ("no label at this level"), and keeping it is what keeps the upper coverage bound. Equal
 probabilities are counted together (``p_j >= p_y`` above, and the rank counts ties), so equally probable labels
-enter or leave a set together and the score does not depend on label order. Without ties these are exactly the
-scores of MAPIE's ``lac`` and of its APS/RAPS cumulated scores (``include_last_label=False``), and the quantile
-is MAPIE's ``ceil((n + 1)(1 - alpha))``-th order statistic (``tests/service/test_conformal.py``).
+enter or leave a set together and the score does not depend on label order. Without ties the scores, ``qhat`` and
+sets are exactly MAPIE's (1.6: ``lac``; the non-randomised APS/RAPS cumulated scores with fixed ``k_reg``, ``lam``
+and ``include_last_label=False``, where MAPIE puts the top label into a set that would be empty), which
+``tests/service/test_conformal.py`` checks.
 
 **OOD p-values** (conformal outlier detection, Bates et al. 2023): for an outlier score (higher = more OOD) and
 ``n`` ID calibration scores, ``p(s) = (1 + #{i: s_i >= s}) / (n + 1)``. For an ID test input exchangeable with
@@ -386,7 +387,7 @@ def binomial_p_value(k: np.ndarray | int, n: np.ndarray | int, eps: float) -> np
 
 
 def hb_p_value(k: np.ndarray | int, n: np.ndarray | int, eps: float) -> np.ndarray:
-    """Hoeffding-Bentkus p-value of ``H0: risk > eps`` (Bates et al. 2021, LTT eq. 6) for ``k`` errors in ``n``.
+    """Hoeffding-Bentkus p-value of ``H0: risk > eps`` (Bates et al. 2021, as in LTT) for ``k`` errors in ``n``.
 
     ``min(exp(-n h(min(k/n, eps), eps)), e * P(Binom(n, eps) <= k))`` with
     ``h(a, b) = a log(a/b) + (1-a) log((1-a)/(1-b))``. Valid for any losses in [0, 1]; for 0/1 losses it is never
