@@ -26,7 +26,8 @@ FAMILIES = ("vit", "bert", "clip")
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 MEMBER_DATA = ("same", "order", "bootstrap")  # what each member fine-tunes on (hydra.member_data)
 OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD validation sets
-ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information")  # labels come per request: no class statistics
+# labels come per request: no class statistics; the feature scores are label-free (distances to the ID images)
+ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information", "mahalanobis", "mahalanobis_layers")
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
 
@@ -297,7 +298,7 @@ def validate(cfg: BuildConfig) -> None:
     if cfg.calibration.ood_score not in OOD_SCORES:
         raise ConfigError(f"calibration.ood_score must be one of {OOD_SCORES}, got {cfg.calibration.ood_score!r}")
     if cfg.family == "clip" and cfg.calibration.ood_score not in ZERO_SHOT_SCORES:
-        raise ConfigError(f"calibration.ood_score {cfg.calibration.ood_score!r} needs member features; zero-shot "
+        raise ConfigError(f"calibration.ood_score {cfg.calibration.ood_score!r} needs class statistics; zero-shot "
                           f"builds serve one of {ZERO_SHOT_SCORES}")  # fmt: skip
     if not 0 < cfg.calibration.tpr < 1:
         raise ConfigError(f"calibration.tpr must be in (0, 1), got {cfg.calibration.tpr}")

@@ -30,6 +30,7 @@ from service.ood import (
     GaussianStats,
     LayerStats,
     OODStats,
+    combine,
     ensemble_scores,
     fit_norms,
     layer_scores,
@@ -46,7 +47,10 @@ from .metrics import ood_metrics
 __all__ = [
     "LAYERS",
     "Run",
+    "background_stats",
     "base_score",
+    "columns_of",
+    "label_free_scores",
     "detection",
     "fit_gaussians",
     "fit_layer_stats",
@@ -192,7 +196,26 @@ def layer_columns(run: Run, stats: OODStats, full: LayerStats, T: float) -> np.n
     feature's combined score, then each layer's; a candidate's score is the maximum of its columns standardised
     (:func:`candidate_scores`), so each is computed once for all candidates."""
     last = ensemble_scores(run[0], run[1], stats, T)["mahalanobis"]
-    return torch.cat([last.unsqueeze(1), layer_scores(run[2], full).to(torch.float64)], dim=1).numpy()
+    return columns_of(last, run[2], full)
+
+
+def columns_of(last: torch.Tensor, layers: torch.Tensor, full: LayerStats) -> np.ndarray:
+    """:func:`layer_columns` from the last feature's combined ``mahalanobis`` ``(N,)`` and the layer features."""
+    return torch.cat([last.to(torch.float64).unsqueeze(1), layer_scores(layers, full).to(torch.float64)], 1).numpy()
+
+
+def background_stats(fit: torch.Tensor, val: torch.Tensor) -> OODStats:
+    """Label-free statistics (zero-shot: the labels come with each request): one Gaussian per member of the ID
+    embeddings ``fit (N, M, D)`` (``mahalanobis`` is then the distance to the ID images, whatever the labels) and its
+    norms on ``val (N', M, D)``."""
+    g = fit_gaussians(fit, torch.zeros(fit.shape[0], dtype=torch.int64), classes=1)
+    return OODStats(g, fit_norms({"mahalanobis": mahalanobis(val, g)}))
+
+
+def label_free_scores(features: torch.Tensor, stats: OODStats) -> torch.Tensor:
+    """The combined ``mahalanobis`` ``(N,)`` of :func:`background_stats` (as :func:`service.ood.ensemble_scores`)."""
+    assert stats.gaussians is not None
+    return combine(mahalanobis(features, stats.gaussians), *stats.norms["mahalanobis"])
 
 
 def candidate_scores(columns: np.ndarray, full: LayerStats, ids: tuple[int, ...]) -> np.ndarray:

@@ -80,7 +80,9 @@ from transformers import AutoTokenizer, CLIPTokenizer
 
 from service.artifact import Manifest, build_manifest, file_sha256
 from service.fused_clip import zero_shot_logits
+from service.ood import ood_tensors
 from service.preprocess import ImagePreprocessor
+from service.uncertainty import SUMMARY_SCORES
 
 from . import lit
 from .calibration import fit_temperature
@@ -88,17 +90,34 @@ from .config import BuildConfig, ConfigError, check_budget
 from .data import ROOT
 from .export import ONNX_OPSET, bf16_agreement, export_checked
 from .families.clip import CLIPAdapter, split_heads
+from .foreign import foreign_images
 from .fusion import fuse
+from .ood_fit import (
+    LAYERS,
+    background_stats,
+    base_score,
+    candidate_scores,
+    columns_of,
+    fit_layer_stats,
+    flag_rate,
+    label_free_scores,
+    layer_candidates,
+    restrict_layers,
+    select_score,
+    with_layers,
+)
 from .stages import (
     EVAL_BATCH,
     EVAL_MAX_PIXELS,
     FASHION_MEAN,
     FASHION_STD,
     Batch,
+    Calibration,
     EvalSets,
     Method,
     ScoringBatches,
     Timer,
+    best_layers,
     budget_of,
     build_members,
     calibrate,
@@ -106,6 +125,8 @@ from .stages import (
     concat,
     eval_batches,
     evaluate,
+    forced_score,
+    layer_candidate_name,
     load_data,
     prepare_out,
     provenance,
@@ -116,6 +137,8 @@ from .stages import (
     write_artifact,
 )
 from .train import TrainConfig
+
+OOD_FILE = "ood.safetensors"  # the label-free OOD statistics (service.ood.ood_tensors)
 
 log = logging.getLogger("hydra.build")
 
@@ -377,7 +400,8 @@ def zero_shot_exports(
         prompt_batch(tok, class_names[:2], "a photo of the {label}, a type of clothing.", prep["text"]),
         prompt_batch(tok, list(class_names) + ["dog", "bicycle"], "{label}", prep["text"]),
     ]
-    encoders = {"image": (fused.image_encoder, image_batches, ["image_embeds"]),
+    image_out = ["image_embeds"] + (["layer_features"] if fused.visual.with_layer_features else [])
+    encoders = {"image": (fused.image_encoder, image_batches, image_out),
                 "text": (fused.text_encoder, text_batches, ["text_embeds"])}  # fmt: skip
     tol = cfg.export.tolerance
     exports: dict[str, Any] = {}
@@ -415,6 +439,11 @@ def finish_zero_shot(
     ood_val = eval_batches(pre, ood_val_x, [0] * len(ood_val_x), extra=prompts_)[0]
     fused_fn, single, member_fns = zero_shot_fns(adapter, base, members, fused, prompts_)
     cal = calibrate(cfg, fused_fn, val, ood_val)
+    served = None
+    if forced_score(cfg) not in SUMMARY_SCORES:  # auto or a feature score: the label-free distance (default)
+        cal, scores = calibrate_label_free(cfg, cal.temperature, image_feature_runs(fused, pre, data, val, test,
+                                                                                    ood_test))  # fmt: skip
+        served = served_label_free(cal, scores)
     val_y = torch.cat([y for _, y in val])
     T_single = fit_temperature(collect_logits(single, val), val_y) if cfg.calibration.temperature else 1.0
     timer.lap("calibration")
@@ -426,10 +455,14 @@ def finish_zero_shot(
     example = test[0][0]
     latency = tuple({**example, "pixel_values": example["pixel_values"][:k]} for k in (1, 8))
     ood_kinds = {name: kind for name, (_, kind) in data.ood_test.items()}
-    rows, plots = evaluate(methods, sets, data.test.labels, ood_kinds, cal.metric, latency)  # image side per call
+    metric = cal.metric if cal.metric in SUMMARY_SCORES else "msp"  # the main rows' score: a probability score
+    rows, plots = evaluate(methods, sets, data.test.labels, ood_kinds, metric, latency)  # image side per call
     timer.lap("evaluation")
 
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
+    if cal.stats is not None:
+        save_file(ood_tensors(cal.stats), str(out / OOD_FILE))
+    fused.visual.with_layer_features = cal.stats is not None and cal.stats.layers is not None
     exports = zero_shot_exports(cfg, fused, val, tok, list(data.class_names), prep, prompts_, out)
     precision = {"bf16": bf16_agreement(fused, [b for b, _ in val[:4]], temperature=cal.temperature)} \
         if cfg.export.bf16_check else {}  # fmt: skip
@@ -443,26 +476,124 @@ def finish_zero_shot(
             strategy=strategy, labels=list(data.class_names),
             zero_shot={"template": lit.TEMPLATE, "logit_scale": fcfg["logit_scale"], "logit_bias": fcfg["logit_bias"],
                        "embed_dim": fcfg["embed_dim"]},
-            preprocessing=prep, uncertainty=cal.uncertainty(), model=model_spec(fcfg), exports=exports,
+            preprocessing=prep, uncertainty=cal.uncertainty(), model=model_spec(fcfg, cal), exports=exports,
             precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
+            ood=label_free_spec(cal, data),
         )  # fmt: skip
 
     extra = {"template": lit.TEMPLATE, "labels": list(data.class_names), "temperature": cal.temperature,
              "temperature_single_ts": T_single, "ood_threshold": cal.threshold, "ood_score": cal.metric,
              "timings_s": timer.times, "ood_val_flagged": cal.ood_val_flagged,
              "base_zero_shot_val_acc": base_desc.get("lit", {}).get("val_zero_shot_accuracy")}  # fmt: skip
+    if served is not None:
+        extra.update(ood_candidates=cal.candidates, ood_selected=cal.selected or cal.metric, served_flag=served)
+        if cal.layer_ids is not None:
+            extra["ood_layers"] = list(cal.layer_ids)
     title = f"{cfg.name}: zero-shot Hydra ({strategy['name']}, M={len(members)})"
     return write_artifact(out, manifest, rows, ood_kinds, plots, title, extra)
 
 
-def model_spec(fcfg: dict[str, Any]) -> dict[str, Any]:
-    """The manifest's ``model`` block of a fused dual encoder."""
+def model_spec(fcfg: dict[str, Any], cal: Calibration | None = None) -> dict[str, Any]:
+    """The manifest's ``model`` block of a fused dual encoder; ``outputs``: with label-free OOD statistics the image
+    embeddings are the scores' ``features`` (and, for ``mahalanobis_layers``, the image tower's layer features)."""
+    image = {"inputs": ["pixel_values"], "output": "image_embeds", "shape": "(B, M, D)"}
+    outputs = ["logits"]
+    if cal is not None and cal.stats is not None:
+        outputs.append("features")
+        if cal.stats.layers is not None:
+            outputs.append("layer_features")
+            image["outputs"] = ["image_embeds", "layer_features"]
     return {
         "config": fcfg, "weights": "model.safetensors", "inputs": ["pixel_values", "input_ids", "attention_mask"],
-        "output": "logits", "shape": "(B, M, L)",
-        "image_encoder": {"inputs": ["pixel_values"], "output": "image_embeds", "shape": "(B, M, D)"},
+        "output": "logits", "shape": "(B, M, L)", "outputs": outputs, "image_encoder": image,
         "text_encoder": {"inputs": ["input_ids", "attention_mask"], "output": "text_embeds", "shape": "(L, M, D)"},
     }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the label-free OOD score
+ImageRun = tuple[torch.Tensor, torch.Tensor | None]  # image embeddings (N, M, D), layer features (N, M, L-1, d)
+
+
+@torch.inference_mode()
+def image_feature_runs(
+    fused: nn.Module, pre: ImagePreprocessor, data: Any, val: list, test: list, ood_test: dict[str, list]
+) -> dict[str, ImageRun]:
+    """The fused image tower's embeddings and layer features on every set: ``fit`` (the statistics), ``val`` (their
+    norms, the thresholds), ``oodval:<name>`` (selection), ``test``, ``ood:<name>`` and ``foreign`` (the report)."""
+    sets: dict[str, list] = {
+        "fit": eval_batches(pre, data.fit.inputs, data.fit.labels)[0], "val": val, "test": test,
+        **{f"ood:{n}": b for n, b in ood_test.items()},
+        **{f"oodval:{n}": eval_batches(pre, x, [0] * len(x))[0] for n, x in data.ood_val.items()},
+    }  # fmt: skip
+    foreign = [f.pixels for f in foreign_images()]
+    sets["foreign"] = eval_batches(pre, foreign, [0] * len(foreign), sort=False)[0]
+    out = {}
+    for name, batches in sets.items():
+        parts = [fused.image_features(b["pixel_values"]) for b, _ in batches]
+        layers = [p[1] for p in parts]
+        out[name] = (torch.cat([p[0] for p in parts]).float(),
+                     torch.cat(layers).float() if layers and layers[0] is not None else None)  # fmt: skip
+    return out
+
+
+def calibrate_label_free(
+    cfg: BuildConfig, temperature: float, runs: dict[str, ImageRun]
+) -> tuple[Calibration, dict[str, dict[str, np.ndarray]]]:
+    """The served OOD score of a zero-shot model: label-free, since the labels come with each request. One Gaussian
+    per member of the ID images' embeddings (the fit split), ``mahalanobis`` the distance to it; the image tower's
+    layers as :func:`offline.stages.calibrate_ood` uses them (``mahalanobis_layers`` candidates); the threshold at
+    ``calibration.tpr`` of ID validation images and the best mean recall over the OOD validation sets, as for the
+    classifiers. The flag does not depend on the labels of a request. Also returns every candidate's scores on every
+    set of ``runs`` (the report's)."""
+    fit, val = runs["fit"], runs["val"]
+    stats = background_stats(fit[0], val[0])
+    scores = {name: {"mahalanobis": label_free_scores(emb, stats).numpy()} for name, (emb, _) in runs.items()}
+    full = None
+    if val[1] is not None and fit[1] is not None and val[1].shape[2] > 0:
+        zeros = torch.zeros(fit[1].shape[0], dtype=torch.int64)
+        full = fit_layer_stats(fit[1], zeros, 1, val[1], torch.from_numpy(scores["val"]["mahalanobis"]))
+        for name, (_, layers) in runs.items():
+            cols = columns_of(torch.from_numpy(scores[name]["mahalanobis"]), layers, full)
+            for ids in layer_candidates(val[1].shape[2]):
+                scores[name][layer_candidate_name(ids)] = candidate_scores(cols, full, ids)
+    ood_val = {name[7:]: v for name, v in scores.items() if name.startswith("oodval:")}
+    forced = forced_score(cfg)
+    selected, candidates = select_score(scores["val"], ood_val, cfg.calibration.tpr, forced)
+    metric = base_score(selected)
+    layer_ids = best_layers(candidates, selected)
+    if metric == LAYERS and full is not None:
+        stats = with_layers(stats, restrict_layers(full, layer_ids))  # type: ignore[arg-type]
+    c = candidates[selected]
+    cal = Calibration(temperature, metric, c["threshold"], cfg.calibration.tpr, c["val_mean_recall"] or 0.0, stats,
+                      candidates, forced is not None, selected, layer_ids)  # fmt: skip
+    return cal, scores
+
+
+def served_label_free(cal: Calibration, scores: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
+    """The served label-free flag on the test sets (ID test: false alarms; each OOD test set and the foreign-image
+    set per kind: recall), as the report's ``served_flag``; ``scores``: :func:`calibrate_label_free`'s."""
+    score = {name: v[cal.selected] for name, v in scores.items()}
+    kinds = [f.kind for f in foreign_images()]
+    flags = np.asarray(score["foreign"]) > cal.threshold
+    return {
+        "score": cal.metric, "threshold": cal.threshold,
+        "id_test_flag_rate": flag_rate(score["test"], cal.metric, cal.threshold),
+        "recall": {n[4:]: flag_rate(v, cal.metric, cal.threshold) for n, v in score.items() if n.startswith("ood:")},
+        "foreign": float(flags.mean()),
+        "foreign_by_kind": {k: float(flags[[kk == k for kk in kinds]].mean()) for k in dict.fromkeys(kinds)},
+    }  # fmt: skip
+
+
+def label_free_spec(cal: Calibration, data: Any) -> dict[str, Any] | None:
+    """The manifest's ``ood`` block of a zero-shot model with label-free statistics (None: probability scores)."""
+    if cal.stats is None:
+        return None
+    scores = ["mahalanobis"] + ([LAYERS] if cal.stats.layers is not None else [])
+    spec = {"file": OOD_FILE, "scores": scores, "selected": cal.metric, "forced": cal.forced,
+            "candidates": cal.candidates, "fit": data.splits.get("id", {}).get("fit"), "label_free": True}  # fmt: skip
+    if cal.stats.layers is not None:
+        spec["layers"] = list(cal.stats.layers.ids)
+    return spec
 
 
 # ----------------------------------------------------------------------------- the numbers, printed

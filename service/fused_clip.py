@@ -78,8 +78,19 @@ class FusedCLIPVision(nn.Module):
         self.pool = cfg.get("pool", "tok")
         self.final_ln_after_pool = bool(cfg.get("final_ln_after_pool", False))
         self.proj = GroupedLinear(members, d, embed_dim, bias=False)
+        # True (a tower of 2 or more layers): forward returns (embeddings, layer features (B, M, L-1, d)), every
+        # block's output but the last's averaged over the tokens: the label-free OOD score reads them
+        self.with_layer_features = False
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``pixel_values (B, C, H, W) -> (B, M, D)`` normalised embeddings (and the layer features, with
+        :attr:`with_layer_features`)."""
+        emb, layers = self.embed(pixel_values, self.with_layer_features)
+        return emb if layers is None else (emb, layers)
+
+    def embed(self, pixel_values: torch.Tensor, layers: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(embeddings (B, M, D), layer features (B, M, L-1, d) or None)``: the latter when asked for and the
+        tower has a second layer."""
         B = pixel_values.shape[0]
         x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)  # (B, T0, d)
         cls = self.class_embedding.view(1, 1, -1).expand(B, 1, self.dim)
@@ -88,7 +99,10 @@ class FusedCLIPVision(nn.Module):
         x = stack_members(x, self.members)  # (M, B*T, d)
         if self.norm_pre is not None:
             x = self.norm_pre(x)
-        x = self.encoder(x, T)
+        M, d = self.members, self.dim
+        pooled: list[torch.Tensor] | None = [] if layers and len(self.encoder.blocks) > 1 else None
+        pool = (lambda h: h.view(M, B, T, d).mean(dim=2)) if pooled is not None else None  # (M, B, d)
+        x = self.encoder(x, T, pooled=pooled, pool=pool)
         if not self.final_ln_after_pool:
             x = self.norm(x)
         x = x.view(self.members, B, T, self.dim)  # (M, B, T, d)
@@ -96,7 +110,8 @@ class FusedCLIPVision(nn.Module):
         if self.final_ln_after_pool:
             x = self.norm(x)
         x = self.proj(x)  # (M, B, D)
-        return F.normalize(x, dim=-1).transpose(0, 1)  # (B, M, D)
+        emb = F.normalize(x, dim=-1).transpose(0, 1)  # (B, M, D)
+        return emb, (torch.stack(pooled, dim=2).transpose(0, 1) if pooled else None)  # (B, M, L-1, d)
 
 
 class FusedCLIPText(nn.Module):
@@ -232,7 +247,12 @@ class FusedCLIP(nn.Module):
         return self.text
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.visual(pixel_values)
+        """``(B, C, H, W) -> (B, M, D)`` normalised image embeddings."""
+        return self.visual.embed(pixel_values, layers=False)[0]
+
+    def image_features(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(embeddings (B, M, D), layer features (B, M, L-1, d) or None)``: what the label-free OOD score reads."""
+        return self.visual.embed(pixel_values, layers=True)
 
     def encode_text(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.text(input_ids, attention_mask)
@@ -241,5 +261,6 @@ class FusedCLIP(nn.Module):
         self, pixel_values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         return zero_shot_logits(
-            self.visual(pixel_values), self.text(input_ids, attention_mask), self.logit_scale.exp(), self.logit_bias
+            self.encode_image(pixel_values), self.text(input_ids, attention_mask), self.logit_scale.exp(),
+            self.logit_bias,
         )

@@ -30,12 +30,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from ..artifact import ArtifactError, artifact_version
 from ..backends import Plan
 from ..batching import Batcher, BatchResult
 from ..metrics import Metrics
-from ..ood import OODStats, ensemble_scores
+from ..ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..schemas import (
     DEFAULT_TEMPLATE,
@@ -50,7 +51,8 @@ from ..schemas import (
 from ..settings import Settings
 from ..uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 
-__all__ = ["ItemResult", "Outcome", "Query", "Runtime", "build_predictions", "preprocess_images", "summarize_rows"]
+__all__ = ["ItemResult", "Outcome", "Query", "Runtime", "build_predictions", "load_ood_stats", "preprocess_images",
+           "summarize_rows"]
 
 log = logging.getLogger("hydra.runtime")
 
@@ -182,6 +184,34 @@ def preprocess_images(
         data = decode_base64(x, where) if base64_encoded else x
         out.append(pre(data, where))
     return out
+
+
+def load_ood_stats(root: Path, manifest: dict[str, Any]) -> OODStats | None:
+    """The artifact's OOD statistics (manifest ``ood``; None without it), checked against the model's shape: class
+    Gaussians of a classifier, or (``ood.label_free``, zero-shot) one Gaussian of the ID images per member."""
+    spec = manifest.get("ood")
+    if spec is None:
+        return None
+    try:
+        stats = ood_from_tensors(load_file(str(root / spec["file"])))
+    except (OSError, ValueError, KeyError) as e:
+        raise ArtifactError(f"{root / spec['file']}: unreadable OOD statistics ({e})") from e
+    missing = [s for s in spec["scores"] if s in PER_MEMBER_SCORES and s not in stats.norms]
+    if missing:
+        raise ArtifactError(f"{root / spec['file']}: no norms for the scores {missing} the manifest lists")
+    if "mahalanobis_layers" in spec["scores"]:
+        if stats.layers is None or list(stats.layers.ids) != list(spec.get("layers") or []):
+            raise ArtifactError(f"{root / spec['file']}: the layer statistics of mahalanobis_layers do not match "
+                                f"ood.layers {spec.get('layers')}")  # fmt: skip
+        if stats.layers.members != int(manifest["members"]):
+            raise ArtifactError(f"{root / spec['file']}: layer statistics for {stats.layers.members} members, the "
+                                f"model has {manifest['members']}")  # fmt: skip
+    g = stats.gaussians
+    classes = 1 if spec.get("label_free") else len(manifest["labels"])  # zero-shot: one Gaussian of ID images
+    if g is not None and (g.members != int(manifest["members"]) or g.means.shape[1] != classes):
+        raise ArtifactError(f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
+                            f"classes, the model has {manifest['members']} and {classes}")  # fmt: skip
+    return stats
 
 
 class Runtime(abc.ABC):

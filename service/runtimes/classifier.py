@@ -14,45 +14,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file
-
 from ..artifact import ArtifactError
 from ..backends import Backend, BackendConfigError, Plan, load_backend, resolve_plan
 from ..metrics import Metrics
-from ..ood import PER_MEMBER_SCORES, OODStats, ood_from_tensors
 from ..preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
 from ..settings import Settings
-from .base import ItemResult, Outcome, Query, Runtime, preprocess_images, summarize_rows
+from .base import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
 
-__all__ = ["ClassifierRuntime", "load_ood_stats"]
+__all__ = ["ClassifierRuntime"]
 
 log = logging.getLogger("hydra.runtime")
-
-
-def load_ood_stats(root: Path, manifest: dict[str, Any]) -> OODStats | None:
-    """The artifact's OOD statistics (manifest ``ood``; None without it), checked against the model's shape."""
-    spec = manifest.get("ood")
-    if spec is None:
-        return None
-    try:
-        stats = ood_from_tensors(load_file(str(root / spec["file"])))
-    except (OSError, ValueError, KeyError) as e:
-        raise ArtifactError(f"{root / spec['file']}: unreadable OOD statistics ({e})") from e
-    missing = [s for s in spec["scores"] if s in PER_MEMBER_SCORES and s not in stats.norms]
-    if missing:
-        raise ArtifactError(f"{root / spec['file']}: no norms for the scores {missing} the manifest lists")
-    if "mahalanobis_layers" in spec["scores"]:
-        if stats.layers is None or list(stats.layers.ids) != list(spec.get("layers") or []):
-            raise ArtifactError(f"{root / spec['file']}: the layer statistics of mahalanobis_layers do not match "
-                                f"ood.layers {spec.get('layers')}")  # fmt: skip
-        if stats.layers.members != int(manifest["members"]):
-            raise ArtifactError(f"{root / spec['file']}: layer statistics for {stats.layers.members} members, the "
-                                f"model has {manifest['members']}")  # fmt: skip
-    g = stats.gaussians
-    if g is not None and (g.members != int(manifest["members"]) or g.means.shape[1] != len(manifest["labels"])):
-        raise ArtifactError(f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
-                            f"classes, the model has {manifest['members']} and {len(manifest['labels'])}")  # fmt: skip
-    return stats
 
 
 class ClassifierRuntime(Runtime):

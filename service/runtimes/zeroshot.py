@@ -9,6 +9,9 @@ The artifact (``offline/pipeline_clip.py``) holds a fused :class:`service.fused_
 * per request: member logits ``(B, M, L) = logit_scale * einsum("bmd,lmd->bml") (+ logit_bias)``, then
   :func:`~service.runtimes.base.summarize_rows` (manifest temperature, OOD metric and threshold) and the
   answer over the request's labels, in the request's order.
+* the OOD flag: artifacts with label-free statistics (manifest ``ood.label_free``) score each image's
+  embeddings (and its image tower's layer features) against the ID images, whatever the request's labels
+  (``mahalanobis`` / ``mahalanobis_layers``); older artifacts flag on a probability score of the logits.
 
 Backend: torch eager only (:func:`service.backends.resolve_plan` with ``eager_only``: fp32 on CPU, bf16
 autocast on CUDA or with ``HYDRA_PRECISION=bf16``).
@@ -37,7 +40,7 @@ from ..models import load_model
 from ..preprocess import ImagePreprocessor, TextPreprocessor
 from ..schemas import DEFAULT_TEMPLATE
 from ..settings import Settings
-from .base import ItemResult, Outcome, Query, Runtime, preprocess_images, summarize_rows
+from .base import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
 
 __all__ = ["CLIPZeroShotRuntime", "TextCache", "TEXT_CACHE_SIZE", "text_cache_counter"]
 
@@ -107,6 +110,8 @@ class CLIPZeroShotRuntime(Runtime):
         self.cache = TextCache(TEXT_CACHE_SIZE)
         self._fixed: torch.Tensor | None = None  # (C, M, D) text embeddings of the manifest's labels
         self._counter = text_cache_counter(metrics) if metrics is not None else None
+        self.ood_stats = load_ood_stats(root, manifest)  # label-free: one Gaussian of the ID images per member
+        self._layers = self.ood_stats is not None and self.ood_stats.layers is not None
 
     @property
     def modality(self) -> str:
@@ -176,24 +181,32 @@ class CLIPZeroShotRuntime(Runtime):
         return preprocess_images(self.pre, raw, field, base64_encoded=base64_encoded)
 
     # -- worker thread: images -> embeddings
-    def _run(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``B`` prepared images -> ``B`` image embeddings ``(M, D)`` fp32 on CPU."""
+    def _run(self, items: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``B`` prepared images -> ``B`` pairs: image embeddings ``(M, D)`` and (label-free ``mahalanobis_layers``)
+        layer features ``(M, L-1, d)``, fp32 on CPU."""
         assert self.model is not None and self.plan is not None
         pixels = self.pre.collate(items)["pixel_values"].to(self.plan.device)
         with torch.inference_mode(), self._autocast():
-            emb = self.model.encode_image(pixels)  # (B, M, D)
+            emb, layers = self.model.image_features(pixels) if self._layers else (self.model.encode_image(pixels), None)
         if emb.dim() != 3 or emb.shape[0] != len(items):
             raise RuntimeError(f"{self.name}: image encoder output {tuple(emb.shape)}, expected (B={len(items)}, M, D)")
-        return list(emb.float().cpu().unbind(0))
+        per_layer = layers.float().cpu().unbind(0) if layers is not None else [None] * len(items)
+        return list(zip(emb.float().cpu().unbind(0), per_layer, strict=True))
 
-    def _results(self, image: torch.Tensor, text: torch.Tensor) -> list[ItemResult]:
-        """Image ``(B, M, D)`` and text ``(L, M, D)`` embeddings -> one :class:`ItemResult` per image."""
+    def _results(
+        self, image: torch.Tensor, text: torch.Tensor, layers: torch.Tensor | None = None
+    ) -> list[ItemResult]:
+        """Image ``(B, M, D)`` and text ``(L, M, D)`` embeddings (and the images' layer features) -> one
+        :class:`ItemResult` per image; with label-free statistics the OOD scores of the image side too."""
         assert self.model is not None
         with torch.inference_mode():
             scale = self.model.logit_scale.detach().float().exp().cpu()
             bias = self.model.logit_bias.detach().float().cpu() if self.model.logit_bias is not None else None
             logits = zero_shot_logits(image, text, scale, bias)  # (B, M, L)
-        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold)
+        if self.ood_stats is None:
+            return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold)
+        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, image, self.ood_stats,
+                              layers)  # fmt: skip
 
     async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
         """Prepared images against the request's labels (``/zero-shot``: prompts ``template.format(label=...)``),
@@ -205,8 +218,9 @@ class CLIPZeroShotRuntime(Runtime):
         else:
             labels, text = list(query.labels), await self.text_embeddings(query.labels, query.template)
         res = await self.batcher.submit(prepared)
-        results = self._results(torch.stack(res.results), text)  # stacked: (B, M, D)
-        return Outcome(results, labels, res)
+        image = torch.stack([e for e, _ in res.results])  # (B, M, D)
+        layers = torch.stack([lay for _, lay in res.results]) if self._layers else None  # (B, M, L-1, d)
+        return Outcome(self._results(image, text, layers), labels, res)
 
     async def warmup(self) -> None:
         """One image through preprocess, batcher, image encoder and uncertainty (fixed labels embedded at load)."""

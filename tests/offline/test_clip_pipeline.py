@@ -104,6 +104,11 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
             assert manifest["exports"][kind]["max_abs_diff"][side] <= tol
     assert manifest["exports"]["onnx"]["inputs"]["image"] == ["pixel_values"]
     assert {"hydra", "single", "ensemble_unfused", "member_0"} <= set(manifest["metrics"])
+    # the OOD flag is label-free: distances of the image tower's outputs to the ID images, chosen on validation
+    ood = manifest["ood"]
+    assert ood["label_free"] is True and ood["selected"] == manifest["uncertainty"]["ood_score"]
+    assert ood["selected"] in ("mahalanobis", "mahalanobis_layers") and (out / ood["file"]).is_file()
+    assert {"mahalanobis", "mahalanobis_layers@0", "mahalanobis_layers@0,1"} & set(ood["candidates"])
 
     # the artifact's tokenizer reproduces open_clip's ids for the prompts
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))

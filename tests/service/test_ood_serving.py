@@ -17,7 +17,7 @@ from service.main import create_app
 from service.models import load_model
 from service.ood import ood_from_tensors
 from service.preprocess import ImagePreprocessor, make_preprocessor
-from service.runtimes.classifier import load_ood_stats
+from service.runtimes.base import load_ood_stats
 from service.uncertainty import OOD_METRICS
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for

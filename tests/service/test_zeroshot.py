@@ -214,3 +214,73 @@ def test_bad_inputs(zs_client: TestClient):
                  "invalid_input", "file")  # fmt: skip
     # the server still answers after the bad requests
     assert zs_client.post("/zero-shot", json=ok).status_code == 200
+
+
+# ----------------------------------------------------------------------------- the label-free OOD flag
+@pytest.fixture(scope="module")
+def zs_label_free(zs_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny zero-shot artifact with label-free OOD statistics fitted by the builder's code on random images:
+    one Gaussian per member of the image embeddings, the image tower's layer 0; served mahalanobis_layers."""
+    import shutil
+
+    from offline.ood_fit import background_stats, fit_layer_stats, label_free_scores, with_layers
+    from service.ood import ood_tensors
+
+    out = tmp_path_factory.mktemp("zs-lf") / "tiny-clip-lf"
+    shutil.copytree(zs_artifact, out)
+    m = json.loads((out / "manifest.json").read_text())
+    model = build_model(m["model"]["config"])
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    pre = ImagePreprocessor(PREP, 10**8)
+    with torch.no_grad():
+        fit = model.eval().image_features(torch.stack([pre(rgb_png(100 + i)) for i in range(40)]))
+        val = model.image_features(torch.stack([pre(rgb_png(200 + i)) for i in range(30)]))
+    stats = background_stats(fit[0], val[0])
+    layers = fit_layer_stats(fit[1], torch.zeros(40, dtype=torch.int64), 1, val[1], label_free_scores(val[0], stats))
+    stats = with_layers(stats, layers)
+    save_file(ood_tensors(stats), str(out / "ood.safetensors"))
+    m["uncertainty"] = {**m["uncertainty"], "ood_score": "mahalanobis_layers", "ood_threshold": 1.0}
+    m["ood"] = {"file": "ood.safetensors", "scores": ["mahalanobis", "mahalanobis_layers"], "selected":
+                "mahalanobis_layers", "forced": True, "label_free": True, "layers": [0]}  # fmt: skip
+    m["model"]["outputs"] = ["logits", "features", "layer_features"]
+    m.pop("files", None)
+    write_manifest(out, m)
+    return out
+
+
+def test_label_free_flag_is_the_builders_and_ignores_the_labels(zs_label_free: Path):
+    """The zero-shot OOD score is computed from the image side only: the same for any labels and template, and the
+    number the builder's code computes from the image tower's embeddings and layer features."""
+    from safetensors.torch import load_file
+
+    from service.ood import ensemble_scores, ood_from_tensors
+
+    images = [rgb_png(7), rgb_png(8), bytes(_blank_png())]
+    with TestClient(create_app(settings_for(zs_label_free))) as c:
+        a = c.post("/zero-shot", json={"images": [b64(x) for x in images], "labels": ["cat", "dog"],
+                                       "return_scores": True})  # fmt: skip
+        b = c.post("/zero-shot", json={"images": [b64(x) for x in images], "labels": ["a", "b", "c", "d"],
+                                       "template": "{label}", "return_scores": True})  # fmt: skip
+    assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
+    m = json.loads((zs_label_free / "manifest.json").read_text())
+    model = build_model(m["model"]["config"])
+    model.load_state_dict(load_file(str(zs_label_free / "model.safetensors")))
+    pre = ImagePreprocessor(PREP, 10**8)
+    with torch.no_grad():
+        emb, layers = model.eval().image_features(torch.stack([pre(x) for x in images]))
+    stats = ood_from_tensors(load_file(str(zs_label_free / "ood.safetensors")))
+    want = ensemble_scores(torch.zeros(3, 3, 2), emb, stats, 1.0, layer_features=layers)["mahalanobis_layers"]
+    for i, (p, q) in enumerate(zip(a.json()["predictions"], b.json()["predictions"], strict=True)):
+        assert p["ood"]["metric"] == "mahalanobis_layers"
+        assert p["ood"]["score"] == q["ood"]["score"] and p["ood"]["flag"] == q["ood"]["flag"]  # label-free
+        assert p["ood"]["score"] == pytest.approx(float(want[i]), rel=1e-5, abs=1e-6)
+        assert p["ood"]["flag"] == (float(want[i]) > 1.0)
+        assert p["ood"]["scores"]["mahalanobis"] == q["ood"]["scores"]["mahalanobis"]
+
+
+def _blank_png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (255, 255, 255)).save(buf, format="PNG")
+    return buf.getvalue()
