@@ -46,10 +46,14 @@ def load_timm(name: str, path: str | Path | None, num_classes: int, **kwargs: An
     filters apply, the head is reset when the class count differs); without ``path``, random weights.
 
     The checkpoint's keys are checked against the architecture first (:func:`check_keys`). ``kwargs`` go to
-    ``timm.create_model`` (``base.arch``: e.g. ``img_size``, ``depth`` of a smaller variant).
+    ``timm.create_model`` (``base.arch``: e.g. ``img_size``, ``depth`` of a smaller variant); its
+    ``pretrained_cfg_overlay`` (the checkpoint's own ``mean``, ``std``, ``input_size``, ``crop_pct``, ``num_classes``:
+    the head is kept when that class count is the data's) is merged with the file.
     """
+    overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})  # e.g. the checkpoint's mean, std, input size
     if path is None:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, **kwargs)
+        return timm.create_model(name, pretrained=False, num_classes=num_classes,
+                                 pretrained_cfg_overlay=overlay or None, **kwargs)  # fmt: skip
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"base.path {path} is not a file")
@@ -57,13 +61,13 @@ def load_timm(name: str, path: str | Path | None, num_classes: int, **kwargs: An
         ckpt = load_state_dict(str(path))
     except Exception as e:  # a corrupt or foreign file: say which
         raise ConfigError(f"base.path {path}: cannot read a state dict ({type(e).__name__}: {e})") from e
-    probe = timm.create_model(name, pretrained=False, **kwargs)
+    probe = timm.create_model(name, pretrained=False, pretrained_cfg_overlay=overlay or None, **kwargs)
     head = probe.get_classifier()
     head_names = [n for n, m in probe.named_modules() if m is head]
     expected = set(probe.state_dict())
     check_keys(str(path), expected - set(ckpt), set(ckpt) - expected, head=[f"{n}." for n in head_names])
     try:
-        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": str(path)},
+        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay={**overlay, "file": str(path)},
                                  num_classes=num_classes, **kwargs)  # fmt: skip
     except RuntimeError as e:  # shapes that do not fit the architecture
         raise ConfigError(f"base.path {path}: does not fit timm {name!r} ({str(e).splitlines()[0]})") from e

@@ -52,6 +52,9 @@ class BaseModelConfig:
     # report a Deep Ensemble baseline of this many base models, trained alike with seeds seed, seed + 1, ... on the
     # same data (its row scores the same OOD statistics as Hydra's); 0 = none. Each extra base costs a base training
     deep_ensemble: int = 0
+    # lit: a timm ViT checkpoint (.safetensors, e.g. offline.pretrain's backbone) the image tower starts from instead
+    # of random weights; its architecture must be the preset's vision tower (base.arch)
+    image_init: str | None = None
 
 
 @dataclass

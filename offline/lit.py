@@ -59,6 +59,14 @@ LIT_PRESETS: dict[str, dict[str, Any]] = {
         "train": {"steps": 200, "batch_size": 128, "lr": 2e-3, "weight_decay": 0.05, "warmup_frac": 0.05,
                   "label_smoothing": 0.0, "grad_clip": 1.0, "hflip": True},
     },
+    # the image tower of the pretrained Fashion backbone (offline.pretrain; base.image_init): timm's ViT layout
+    # (no ln_pre, LayerNorm eps 1e-6), 4x4 patches, 6 layers of 6 heads of 32; a short LiT run aligns it to the text
+    "lit_backbone": {
+        "vision": {"image_size": 28, "patch_size": 4, "width": 192, "layers": 6, "head_width": 32,
+                   "mlp_ratio": 4.0, "no_ln_pre": True, "norm_kwargs": {"eps": 1e-6}},
+        "train": {"steps": 120, "batch_size": 128, "lr": 5e-4, "weight_decay": 0.05, "warmup_frac": 0.1,
+                  "label_smoothing": 0.0, "grad_clip": 1.0, "hflip": True},
+    },
     "lit_full": {
         "vision": {"image_size": 28, "patch_size": 4, "width": 192, "layers": 6, "head_width": 32,
                    "mlp_ratio": 2.0},
@@ -111,6 +119,60 @@ def make_lit_model(model_cfg: dict[str, Any], pretrained_text: bool = True, seed
     except OSError as e:
         raise FileNotFoundError(f"cannot load the text tower from {text_cfg['hf_model_name']!r} offline") from e
     return model.eval()
+
+
+def init_image_tower(model: nn.Module, path: str | Path) -> dict[str, Any]:
+    """Start ``model``'s image tower (an open_clip ``VisionTransformer``) from a timm ``VisionTransformer``
+    checkpoint of the same shape (``offline.pretrain``'s backbone); the embedding projection stays as initialised.
+
+    The mapping is exact for grey images sent as RGB (the LiT tower's input): timm's patch embedding has a bias and
+    one input channel, open_clip's none and three, so the weights are split evenly over the three (equal) channels
+    and the bias is added to every patch position's embedding; timm's blocks are open_clip's one for one
+    (``qkv`` = ``in_proj``, rows q, k, v). The tower must have no ``ln_pre`` and LayerNorm eps 1e-6, as timm's
+    ViT (``vision_cfg``: ``no_ln_pre``, ``norm_kwargs``). Every tensor's shape is checked; returns a record.
+    """
+    from safetensors.torch import load_file
+
+    from service.artifact import file_sha256
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"base.image_init {path} is not a file")
+    src = {k: v.float() for k, v in load_file(str(path)).items()}
+    v = model.visual
+    if not isinstance(v.ln_pre, nn.Identity):
+        raise ValueError("base.image_init needs a vision tower without ln_pre (vision_cfg no_ln_pre: true)")
+    conv = src["patch_embed.proj.weight"]  # (d, c, p, p)
+    d, c = conv.shape[:2]
+    dst_c = v.conv1.weight.shape[1]
+    if c not in (1, dst_c):
+        raise ValueError(f"base.image_init has {c} input channels, the tower {dst_c}")
+    out: dict[str, torch.Tensor] = {
+        "conv1.weight": conv.expand(-1, dst_c, -1, -1) / dst_c if c == 1 else conv,
+        "class_embedding": src["cls_token"].reshape(d),
+        "positional_embedding": src["pos_embed"].reshape(-1, d).clone(),
+        "ln_post.weight": src["norm.weight"], "ln_post.bias": src["norm.bias"],
+    }
+    out["positional_embedding"][1:] += src.get("patch_embed.proj.bias", torch.zeros(d))  # the bias, per patch
+    pairs = {"norm1": "ln_1", "attn.qkv": "attn.in_proj_", "attn.proj": "attn.out_proj", "norm2": "ln_2",
+             "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}  # fmt: skip
+    for i in range(len(v.transformer.resblocks)):
+        for a, b in pairs.items():
+            for kind in ("weight", "bias"):
+                name = f"{b}{kind}" if b.endswith("_") else f"{b}.{kind}"  # in_proj_weight, ln_1.weight, ...
+                out[f"transformer.resblocks.{i}.{name}"] = src[f"blocks.{i}.{a}.{kind}"]
+    own = v.state_dict()
+    bad = [f"{k} {tuple(t.shape)} vs {tuple(own[k].shape)}" for k, t in out.items() if k not in own or
+           t.shape != own[k].shape]  # fmt: skip
+    if bad:
+        raise ValueError(f"base.image_init {path} does not fit the image tower: {bad[:3]}")
+    missing = sorted(set(own) - set(out) - {"proj"})
+    if missing:
+        raise ValueError(f"base.image_init {path} leaves {missing[:3]} of the image tower unset")
+    with torch.no_grad():
+        for k, t in out.items():
+            own[k].copy_(t)
+    return {"path": str(path), "sha256": file_sha256(path), "tensors": len(out)}
 
 
 def load_tokenizer(model_cfg: dict[str, Any]) -> Any:

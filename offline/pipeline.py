@@ -159,9 +159,12 @@ def _vit_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Module
     # every backbone key checked; the head reset to n_classes; base.arch: create_model kwargs
     model = load_timm(name, cfg.base.path, n_classes, **cfg.base.arch)
     prep = timm_preprocessing(model)
-    desc = {"name": name, "path": cfg.base.path, "sha256": file_sha256(cfg.base.path) if cfg.base.path else None,
-            "arch": dict(cfg.base.arch)}  # fmt: skip
-    return train_mod.train_classifier_on_arrays(model, data, prep, tcfg), prep, desc  # fine-tune the new head
+    sha = file_sha256(cfg.base.path) if cfg.base.path else None
+    desc = {"name": name, "path": cfg.base.path, "sha256": sha, "arch": dict(cfg.base.arch), "finetune": vars(tcfg)}
+    key = {"timm": name, "sha256": sha, "arch": cfg.base.arch, "prep": prep}
+    model = train_mod.train_classifier_on_arrays(model, data, prep, tcfg, ckpt, key)  # fine-tuned, resumable
+    desc["result"] = getattr(model, train_mod.TRAIN_LOG_ATTR, None)
+    return model, prep, desc
 
 
 def timm_preprocessing(model: nn.Module) -> dict[str, Any]:

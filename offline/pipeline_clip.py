@@ -160,15 +160,15 @@ def lit_cache_dir() -> Path:
     return Path(os.environ.get("HYDRA_CACHE_DIR", ROOT / ".cache")) / "lit"
 
 
-def _lit_key(model_cfg: dict, tcfg: TrainConfig, data, max_length: int) -> str:
+def _lit_key(model_cfg: dict, tcfg: TrainConfig, data, max_length: int, image_init: str | None = None) -> str:
     tower = Path(model_cfg["text_cfg"]["hf_model_name"])
     weights = next(iter(sorted(tower.glob("*.safetensors"))), None)
-    blob = json.dumps(
-        {"model": model_cfg, "train": vars(tcfg), "templates": lit.TRAIN_TEMPLATES, "max_length": max_length,
-         "classes": list(data.class_names), "train_split": data.splits.get("id", {}).get("train"),
-         "text_weights": file_sha256(weights) if weights else None, "version": 1},
-        sort_keys=True, default=str,
-    )
+    doc = {"model": model_cfg, "train": vars(tcfg), "templates": lit.TRAIN_TEMPLATES, "max_length": max_length,
+           "classes": list(data.class_names), "train_split": data.splits.get("id", {}).get("train"),
+           "text_weights": file_sha256(weights) if weights else None, "version": 1}
+    if image_init:  # the image tower's starting weights (an unset one keeps older keys)
+        doc["image_init"] = file_sha256(image_init)
+    blob = json.dumps(doc, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -249,10 +249,13 @@ def _lit_base(cfg: BuildConfig, data) -> tuple[nn.Module, Any, dict, dict]:
     size = [size, size] if isinstance(size, int) else list(size)
     prep = image_prep(size, [FASHION_MEAN] * 3, [FASHION_STD] * 3, "bilinear")
     tok = lit.load_tokenizer(model_cfg)
-    key = _lit_key(model_cfg, tcfg, data, max_length)
+    if cfg.base.image_init and not Path(cfg.base.image_init).is_file():
+        raise ConfigError(f"base.image_init {cfg.base.image_init} is not a file")
+    key = _lit_key(model_cfg, tcfg, data, max_length, cfg.base.image_init)
     cache = lit_cache_dir() / key
     name = f"lit-{cfg.base.preset}"
     model = lit.make_lit_model(model_cfg, pretrained_text=True, seed=tcfg.seed)
+    init = lit.init_image_tower(model, cfg.base.image_init) if cfg.base.image_init else None
     weights = cache / f"{name}.safetensors"
     if weights.is_file() and (cache / "lit_log.json").is_file():
         model.load_state_dict(load_file(str(weights)), strict=True)
@@ -275,6 +278,7 @@ def _lit_base(cfg: BuildConfig, data) -> tuple[nn.Module, Any, dict, dict]:
         "open_clip_config": model_cfg,
         "lit": info,
         "cache": str(cache),
+        "image_init": init,
     }
     return model.eval(), tok, prep, desc
 

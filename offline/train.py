@@ -64,6 +64,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # small ViTs trained here: (steps, peak lr) of training from scratch and of member fine-tuning
     "vit_fast": _vit_preset(embed_dim=96, depth=4, train=(500, 2e-3), finetune=(100, 3e-4)),
     "vit_full": _vit_preset(embed_dim=144, depth=6, train=(2400, 1.5e-3), finetune=(500, 2e-4)),
+    # a pretrained image backbone (offline.pretrain, or a user's checkpoint of the same domain) fine-tuned: short, at
+    # a low learning rate, with the same flips and milder crops than pretraining; members as the presets above
+    "vit_pretrained": {
+        "train": {"steps": 150, "batch_size": 128, "lr": 2e-4, "weight_decay": 0.05, "warmup_frac": 0.1,
+                  "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True, "crop_scale": 0.6},
+        "finetune": {"steps": 60, "batch_size": 128, "lr": 2e-4, "weight_decay": 0.05, "warmup_frac": 0.1,
+                     "label_smoothing": 0.1, "grad_clip": 1.0, "hflip": True,
+                     "unfreeze": "attention+mlp+norm+head"},
+    },
     # MiniLM (all-MiniLM-L6-v2) fine-tuned for tweet sentiment; the word embeddings stay frozen: on CPU their
     # dense gradient and AdamW update (11.7M parameters) cost about a third of each step
     "bert_fast": {
@@ -601,17 +610,21 @@ def train_base_vit(
     return model.eval()
 
 
-def train_classifier_on_arrays(model: nn.Module, data: Data, prep: dict[str, Any], tcfg: TrainConfig) -> nn.Module:
+def train_classifier_on_arrays(
+    model: nn.Module, data: Data, prep: dict[str, Any], tcfg: TrainConfig, checkpoint_dir: Path | None = None,
+    checkpoint_key: Any = None,
+) -> nn.Module:  # fmt: skip
     """Fine-tune a timm image classifier (e.g. pretrained with a new head) on ``data`` preprocessed per ``prep``.
 
     ``prep``: ``size`` [H, W], ``mean`` / ``std`` per channel, ``channels``; ``tcfg.unfreeze`` picks what trains
-    (``"head"`` for a linear probe).
+    (``"head"`` for a linear probe). With ``checkpoint_dir`` the run is resumable (and a finished one reloads at
+    once); ``checkpoint_key``: what else determines it (the checkpoint file's hash).
     """
     t0 = time.perf_counter()
     prep = {**prep, "type": "image"}
     y = np.asarray(data.train.labels, dtype=np.int64)
     losses = fit(model, _vit_forward, _data_batcher(data.train.inputs, y, prep, None, tcfg), len(y), tcfg,
-                 desc="classifier")
+                 desc="classifier", checkpoint_dir=checkpoint_dir, checkpoint_key=checkpoint_key)
     val, n_val = _val_batches(data.val.inputs, data.val.labels, prep, None, tcfg)
     _record(model, "classifier", losses, accuracy(model, _vit_forward, val) if n_val else None, n_val, t0)
     return model.eval()

@@ -102,3 +102,38 @@ def test_packaged_minilm_is_the_text_tower_offline():
 def test_presets_share_minilm_head_width(preset):
     v = lit.LIT_PRESETS[preset]["vision"]
     assert v["head_width"] == 32 and v["width"] % 32 == 0  # MiniLM: 384 / 12 heads
+
+
+def test_image_tower_starts_exactly_from_a_timm_vit_checkpoint(tmp_path):
+    """base.image_init: a timm ViT of one grey channel, with a patch bias, becomes the open_clip tower that gives the
+    same final-norm class token on the grey image sent as RGB (the LiT input); a mismatch is refused by name."""
+    from safetensors.torch import save_file
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(3)
+    arch = {"img_size": 28, "patch_size": 7, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 4,
+            "mlp_ratio": 2.0, "num_classes": 3}
+    timm_vit = VisionTransformer(**arch).eval()
+    with torch.no_grad():
+        for p in timm_vit.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # no zero biases, no unit norms: every tensor must land
+    path = tmp_path / "backbone.safetensors"
+    save_file({k: v.contiguous() for k, v in timm_vit.state_dict().items()}, str(path))
+    vision = {**VISION, "no_ln_pre": True, "norm_kwargs": {"eps": 1e-6}}
+    model = lit.make_lit_model(lit.lit_model_config(vision, text_path=_text_tower(tmp_path / "text")))
+    rec = lit.init_image_tower(model, path)
+    assert rec["tensors"] == 5 + 2 * 12  # stem (5 tensors) and 12 per block
+    seen = []
+    hook = model.visual.ln_post.register_forward_hook(lambda mod, args, out: seen.append(out))
+    x = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        model.visual(x.expand(-1, 3, -1, -1))
+        want = timm_vit.forward_features(x)[:, 0]
+    hook.remove()
+    torch.testing.assert_close(seen[0][:, 0], want, atol=1e-5, rtol=1e-5)
+    wide = lit.make_lit_model(lit.lit_model_config({**vision, "width": 64}, text_path=str(tmp_path / "text")))
+    with pytest.raises(ValueError, match="does not fit the image tower"):
+        lit.init_image_tower(wide, path)
+    with_ln_pre = lit.make_lit_model(lit.lit_model_config(VISION, text_path=str(tmp_path / "text")))
+    with pytest.raises(ValueError, match="without ln_pre"):
+        lit.init_image_tower(with_ln_pre, path)
