@@ -69,6 +69,9 @@ class DataConfig:
     max_test: int = 2000  # ID test examples for the report
     max_ood: int = 1000  # examples per OOD set
     max_fit: int | None = None  # ID inputs held out from training for the OOD statistics; default: max_val
+    # ID inputs held out from everything else for the guarantees (conformal sets, OOD p-values, risk rules, the drift
+    # alarm); 0 = none. A user's data gives it at most the validation share (USER_EVAL_FRACTION)
+    max_calibration: int = 2000
     seed: int = 0  # split seed
     # images: training-time augmentation of the base and the members: none | flip | crop | crop+flip (random resized
     # crops of data.crop_scale..1 of the area, then flips); default: the training preset's flips (and hydra.augment)

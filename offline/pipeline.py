@@ -106,7 +106,7 @@ def base_checkpoint_dir(cfg: BuildConfig, out: Path | None, data: Any = None) ->
         base = {k: v for k, v in dataclasses.asdict(cfg.base).items()
                 if k not in ("cache_dir", "deep_ensemble") and not (k == "seed" and v is None)}  # fmt: skip
         settings = {k: v for k, v in dataclasses.asdict(cfg.data).items()
-                    if k != "max_fit"  # not used in training
+                    if k not in ("max_fit", "max_calibration")  # not used in training
                     and not (k in ("augment", "crop_scale") and cfg.data.augment is None)}  # unset: older keys hold
         key: dict[str, Any] = {"family": cfg.family, "base": base, "data": settings}
         train = ((getattr(data, "splits", None) or {}).get("id") or {}).get("train") or {}

@@ -147,7 +147,7 @@ def load_data(cfg: BuildConfig) -> Any:
     """The ID splits and OOD sets of ``cfg.data`` (:class:`offline.data.Data`); ``data.labels`` checked."""
     d = cfg.data
     common = dict(max_train=d.max_train, max_val=d.max_val, max_test=d.max_test, max_ood=d.max_ood, seed=d.seed,
-                  max_fit=d.max_fit)
+                  max_fit=d.max_fit, max_calibration=d.max_calibration)
     if d.setting == "fashion-mnist":
         data = data_mod.fashion_mnist_setting(**common)
     elif d.setting == "tweets":

@@ -429,3 +429,42 @@ def test_user_text_file_errors(tmp_path, name, content, error):
     data.write_bytes(content)
     with pytest.raises(ValueError, match=error):
         D.user_setting("text-file", data, {"far": str(ood)}, None, **kw)
+
+
+# ----------------------------------------------------------------------------- the calibration split
+@needs_fashion
+def test_fashion_calibration_split_is_held_out_stratified_seeded_and_moves_nothing_else():
+    kw = dict(max_train=60, max_val=12, max_test=12, max_ood=40, seed=1, max_fit=30)
+    d = D.fashion_mnist_setting(**kw, max_calibration=60)
+    assert len(d.calibration) == 60 and np.bincount(d.calibration.labels, minlength=6).tolist() == [10] * 6
+    cal = _rows(d.calibration.inputs)
+    for other in (d.train, d.val, d.test, d.fit):
+        assert cal.isdisjoint(_rows(other.inputs))
+    x, y, _, _ = D.read_fashion(D.fashion_dir())
+    assert cal <= _rows(x[D.fashion_pools(y)[1]])  # reserved images: no model trained on the pool saw them
+    rec = d.splits["id"]["calibration"]
+    assert rec["source"] == D.CAL_HELD_OUT and rec["size"] == 60 and sum(rec["class_counts"].values()) == 60
+    again = D.fashion_mnist_setting(**kw, max_calibration=60)
+    assert np.array_equal(again.calibration.inputs, d.calibration.inputs) and again.splits == d.splits
+    none = D.fashion_mnist_setting(**kw)  # without it: every other split as it was, fit included
+    assert none.calibration is None and none.splits["id"]["calibration"]["size"] == 0
+    _assert_same_splits(d, none)
+    assert np.array_equal(none.fit.inputs, d.fit.inputs)
+
+
+def test_user_calibration_split_fits_small_data(tmp_path):
+    """A user's data gives the calibration split at most the validation share and never the last training input;
+    small data still builds (the split is then small: the report names the smallest alpha it allows)."""
+    rows = [(f"text number {i}", ["pos", "neg"][i % 2]) for i in range(40)]
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\n" + "\n".join(f"{t},{y}" for t, y in rows))
+    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
+    d = D.user_setting("text-file", path, {}, None, max_calibration=1000, **kw)
+    assert len(d.calibration) == 6 and len(d.val) == 6 and len(d.test) == 6 and len(d.train) == 22
+    assert set(d.calibration.inputs).isdisjoint(d.train.inputs + d.val.inputs + d.test.inputs)
+    assert d.splits["id"]["calibration"]["source"] == D.CAL_HELD_OUT
+    tiny = tmp_path / "tiny.csv"
+    tiny.write_text("text,label\na,pos\nb,neg\nc,pos\n")
+    t = D.user_setting("text-file", tiny, {}, None, max_calibration=1000, **kw)
+    assert t.calibration is None and len(t.train) == 1  # three inputs: test, val, train, nothing to spare
+    assert D.user_setting("text-file", path, {}, None, **kw).calibration is None  # max_calibration 0: none
