@@ -30,6 +30,7 @@ OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD v
 ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information", "mahalanobis", "mahalanobis_layers")
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
+CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.conformal.SCORES)
 
 
 class ConfigError(ValueError):
@@ -107,6 +108,23 @@ class CalibrationConfig:
 
 
 @dataclass
+class GuaranteesConfig:
+    # what the calibration split (data.max_calibration) certifies; docs/api.md "Guarantees"
+    method: str = "lac"  # conformal nonconformity score of the prediction sets: lac | aps | raps
+    k_reg: int = 1  # raps: the rank from which labels are penalised
+    lam: float = 0.01  # raps: the penalty per rank
+    alpha: float = 0.1  # the sets' default miscoverage (a request may ask for any alpha in (0, 1))
+    mondrian: bool = False  # class-conditional sets: coverage at least 1 - alpha for every class
+    ood_alpha: float = 0.05  # the OOD flag's default level: p_value <= ood_alpha (false alarms on ID <= ood_alpha)
+    risks: list[float] = field(default_factory=lambda: [0.01, 0.02, 0.05, 0.1])  # certified target error rates
+    risk: float = 0.05  # the answers' default target (one of risks)
+    delta: float = 0.1  # each risk rule holds with probability >= 1 - delta over the calibration draw
+    p_value: str = "binomial"  # Learn-then-Test p-value: binomial | hb (Hoeffding-Bentkus)
+    drift_delta: float = 0.01  # the drift alarm's false-alarm probability over an unbounded stream
+    drift_bins: int = 2048  # the drift alarm's score bins (memory and resolution)
+
+
+@dataclass
 class ExportConfig:
     torchscript: bool = True  # write model.ts and check it against eager
     onnx: bool = True  # write model.onnx and check it against eager
@@ -134,6 +152,7 @@ class BuildConfig:
     data: DataConfig = field(default_factory=DataConfig)
     hydra: HydraConfig = field(default_factory=HydraConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    guarantees: GuaranteesConfig = field(default_factory=GuaranteesConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     build: ComputeConfig = field(default_factory=ComputeConfig)
 
@@ -274,6 +293,24 @@ def _check_compute(c: ComputeConfig) -> None:
         raise ConfigError(f"build.device: {e}") from None
 
 
+def _check_guarantees(g: GuaranteesConfig) -> None:
+    if g.method not in CONFORMAL_SCORES:
+        raise ConfigError(f"guarantees.method must be one of {CONFORMAL_SCORES}, got {g.method!r}")
+    for name in ("alpha", "ood_alpha", "delta", "drift_delta", "risk"):
+        if not 0 < getattr(g, name) < 1:
+            raise ConfigError(f"guarantees.{name} must be in (0, 1), got {getattr(g, name)}")
+    if not g.risks or any(not 0 < r < 1 for r in g.risks) or len(set(g.risks)) != len(g.risks):
+        raise ConfigError(f"guarantees.risks must be distinct target risks in (0, 1), got {g.risks}")
+    if g.risk not in g.risks:
+        raise ConfigError(f"guarantees.risk {g.risk} must be one of guarantees.risks {g.risks}")
+    if g.p_value not in ("binomial", "hb"):
+        raise ConfigError(f"guarantees.p_value must be 'binomial' or 'hb', got {g.p_value!r}")
+    if g.k_reg < 0 or g.lam < 0:
+        raise ConfigError(f"guarantees.k_reg and guarantees.lam must be >= 0, got {g.k_reg}, {g.lam}")
+    if g.drift_bins < 2:
+        raise ConfigError(f"guarantees.drift_bins must be >= 2, got {g.drift_bins}")
+
+
 def validate(cfg: BuildConfig) -> None:
     """Cheap checks that need no model or data loading; raise ConfigError with one clear line."""
     check_types(cfg)
@@ -308,6 +345,7 @@ def validate(cfg: BuildConfig) -> None:
                           f"builds serve one of {ZERO_SHOT_SCORES}")  # fmt: skip
     if not 0 < cfg.calibration.tpr < 1:
         raise ConfigError(f"calibration.tpr must be in (0, 1), got {cfg.calibration.tpr}")
+    _check_guarantees(cfg.guarantees)
     d = cfg.data
     if d.setting not in SETTINGS:
         raise ConfigError(f"data.setting must be one of {SETTINGS}, got {d.setting!r}")

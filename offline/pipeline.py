@@ -26,7 +26,7 @@ from torch import nn
 from service.artifact import Manifest, build_manifest, file_sha256
 from service.ood import ensemble_scores, ood_tensors
 from service.preprocess import make_preprocessor
-from service.uncertainty import SUMMARY_SCORES, ood_flag
+from service.uncertainty import SUMMARY_SCORES, ood_flag, summarize
 
 from . import train as train_mod
 from .checkpoints import load_timm
@@ -36,7 +36,8 @@ from .export import BF16_MIN_AGREEMENT, ONNX_OPSET, bf16_agreement, bf16_flag_ag
 from .families import FamilyAdapter, get_adapter
 from .foreign import foreign_images
 from .fusion import fuse
-from .ood_fit import LAYERS, member_agreement
+from .guarantees import GUARANTEES_FILE, CalibrationOutputs, fit_guarantees
+from .ood_fit import LAYERS, member_agreement, scores_np
 from .stages import (
     EVAL_MAX_PIXELS,
     FASHION_MEAN,
@@ -394,6 +395,8 @@ def eval_sets(pre: Any, data: Any) -> tuple[EvalSets, np.ndarray, dict[str, Batc
         val=eval_batches(pre, data.val.inputs, data.val.labels, sort=False)[0],
         fit=eval_batches(pre, data.fit.inputs, data.fit.labels)[0],
         foreign=eval_batches(pre, foreign, [0] * len(foreign), sort=False)[0] if foreign else None,
+        calibration=eval_batches(pre, data.calibration.inputs, data.calibration.labels)[0]
+        if data.calibration is not None else None,
     )  # fmt: skip
     return sets, order, {name: eval_batches(pre, x, [0] * len(x))[0] for name, x in data.ood_val.items()}
 
@@ -424,6 +427,9 @@ def finish(
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     if cal.stats is not None:
         save_file(ood_tensors(cal.stats), str(out / OOD_FILE))
+    guarantees = extra.pop("guarantees", None)
+    if guarantees is not None:
+        save_file(guarantees.tensors, str(out / GUARANTEES_FILE))
     exports, precision = export_fused(cfg, fused, parity_batches(evaluation[0].val), out, cal)
     timer.lap("export")
 
@@ -435,6 +441,7 @@ def finish(
             model={"config": fcfg, "weights": "model.safetensors", "inputs": list(latency), "output": "logits",
                    "shape": "(B, M, C)", "outputs": model_outputs(fused)},
             exports=exports, precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
+            guarantees=guarantees.spec if guarantees is not None else None,
         )  # fmt: skip
 
     title = f"{cfg.name}: Hydra ({strategy['name']}, M={cfg.hydra.members})"
@@ -484,8 +491,25 @@ def evaluate_build(
         served["foreign_by_kind"] = {k: float(np.mean([f for f, kk in zip(flags, kinds, strict=True) if kk == k]))
                                      for k in dict.fromkeys(kinds)}  # fmt: skip
         served["foreign"] = float(np.mean(flags))
+    guarantees = hydra_guarantees(cfg, hydra, cal, sets, data) if sets.calibration else None
     timer.lap("evaluation")
-    return cal, rows, plots, {"served": served, "member_rank_correlation_ood": agreement}, latency
+    return cal, rows, plots, {"served": served, "member_rank_correlation_ood": agreement,
+                              "guarantees": guarantees}, latency  # fmt: skip
+
+
+def served_outputs(run: Any, cal: Calibration, labels: torch.Tensor) -> CalibrationOutputs:
+    """The served model's answer on one split: ensemble probabilities at the served temperature, the served OOD
+    score, the labels (what the guarantees are fitted and checked on)."""
+    probs = summarize(run[0], cal.temperature)["probs"].double().numpy()
+    return CalibrationOutputs(probs, labels.numpy(), scores_np(run, cal.stats, cal.temperature)[cal.metric])
+
+
+def hydra_guarantees(cfg: BuildConfig, hydra: Any, cal: Calibration, sets: EvalSets, data: Any) -> Any:
+    """The guarantees of the served model (:func:`offline.guarantees.fit_guarantees`): fitted on the calibration
+    split, the candidate thresholds and drift bins from validation."""
+    return fit_guarantees(cfg.guarantees, served_outputs(hydra.runs["calibration"], cal, sets.labels("calibration")),
+                          served_outputs(hydra.runs["val"], cal, sets.labels("val")), cal.metric, cal.threshold,
+                          data.splits.get("id", {}).get("calibration", {}))  # fmt: skip
 
 
 def ood_spec(cal: Calibration, data: Any) -> dict[str, Any] | None:

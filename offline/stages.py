@@ -618,11 +618,13 @@ class EvalSets:
     val: Batches | None = None
     fit: Batches | None = None
     foreign: Batches | None = None  # the foreign-image test set (offline.foreign), images only: the served flag's
+    calibration: Batches | None = None  # the calibration split: the guarantees' (offline.guarantees)
 
     def named(self) -> dict[str, Batches]:
         out = {"test": self.test, **{f"ood:{k}": v for k, v in self.ood_test.items()}}
         out |= {"val": self.val} if self.val is not None else {}
         out |= {"fit": self.fit} if self.fit else {}
+        out |= {"calibration": self.calibration} if self.calibration else {}
         return out | ({"foreign": self.foreign} if self.foreign else {})
 
     def labels(self, name: str) -> torch.Tensor:

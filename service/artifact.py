@@ -34,15 +34,21 @@ __all__ = [
     "BaseModelInfo",
     "Bf16Check",
     "ClipTextPreprocessing",
+    "ConformalSpec",
+    "DriftSpec",
     "DualExport",
     "Export",
     "FileEntry",
+    "GuaranteesSpec",
     "ImagePreprocessing",
     "Manifest",
     "ModelSpec",
     "OODCandidate",
+    "OODPValueSpec",
     "OODSpec",
     "Preprocessing",
+    "SelectiveSpec",
+    "SelectiveTarget",
     "Strategy",
     "TextPreprocessing",
     "Uncertainty",
@@ -235,6 +241,81 @@ class OODSpec(_OpenRecord):
     layers: list[int] | None = None  # mahalanobis_layers: the blocks whose pooled outputs it reads (0 = the first)
 
 
+Unit = Annotated[float, Field(gt=0, lt=1)]  # a level in (0, 1): alpha, delta, a target risk
+
+
+class ConformalSpec(_OpenRecord):
+    """Prediction sets: the nonconformity score and its defaults; the sorted calibration scores are in the file."""
+
+    method: Literal["lac", "aps", "raps"]
+    k_reg: int = Field(1, ge=0)
+    lam: float = Field(0.01, ge=0)
+    alpha: Unit  # the answers' default miscoverage
+    mondrian: bool = False  # class-conditional sets by default
+    min_alpha: Unit  # 1 / (n + 1): below it a set is every label
+    min_alpha_per_class: list[float] = Field(default_factory=list)
+
+
+class OODPValueSpec(_OpenRecord):
+    """OOD p-values of the served score against the calibration split's ``n`` ID scores."""
+
+    score: Literal[OOD_SCORES]  # type: ignore[valid-type]
+    alpha: Unit  # the flag's default level: p_value <= alpha
+    n: PositiveInt
+    min_alpha: Unit
+    label_free: bool = False  # zero-shot: valid for any labels
+
+
+class SelectiveTarget(_OpenRecord):
+    """One target risk: the certified confidence threshold (None: none certified, the target accepts nothing)."""
+
+    risk: Unit
+    certified: bool
+    threshold: float | None = None
+    calibration_accept_rate: float = Field(ge=0, le=1)
+    calibration_risk: float | None = None
+    n_accepted: int = Field(ge=0)
+    p_value: float = Field(ge=0, le=1)
+
+
+class SelectiveSpec(_OpenRecord):
+    """Answers with a risk bound: accept iff the OOD score passes ``ood_cut`` and the confidence (MSP) is at least
+    the target's threshold; each target certified at level ``delta`` by Learn-then-Test on the calibration split."""
+
+    delta: Unit
+    p_value: Literal["binomial", "hb"] = "binomial"
+    confidence: Literal["msp"] = "msp"
+    default_risk: Unit
+    ood_cut: dict[str, Any]  # {"score", "threshold"}: the build's validation threshold, fixed before the split
+    targets: list[SelectiveTarget] = Field(min_length=1)
+
+
+class DriftSpec(_OpenRecord):
+    """The drift alarm: its false-alarm level and score bins (the edges are in the file)."""
+
+    delta: Unit
+    bins: int = Field(ge=2)
+    seed: int = 0
+
+
+class GuaranteesSpec(_OpenRecord):
+    """What the calibration split certifies (docs/artifact.md, "guarantees"); its tensors are in ``file``."""
+
+    file: str = "guarantees.safetensors"
+    calibration: dict[str, Any]  # the split: size, source, index hash, class counts
+    conformal: ConformalSpec
+    ood: OODPValueSpec
+    selective: SelectiveSpec
+    drift: DriftSpec
+
+    @model_validator(mode="after")
+    def _targets(self) -> GuaranteesSpec:
+        risks = [t.risk for t in self.selective.targets]
+        if self.selective.default_risk not in risks:
+            raise ValueError(f"guarantees.selective.default_risk {self.selective.default_risk} is not a target {risks}")
+        return self
+
+
 class Bf16Check(_OpenRecord):
     """bf16 autocast vs fp32 on validation inputs: may the server serve this artifact in bf16?"""
 
@@ -282,6 +363,7 @@ class Manifest(_Record):
     exports: dict[Literal["torchscript", "onnx", "aoti"], Export | DualExport] = Field(default_factory=dict)
     precision: dict[Literal["bf16"], Bf16Check] = Field(default_factory=dict)
     ood: OODSpec | None = None  # OOD statistics for logit and feature scores (absent: probability scores only)
+    guarantees: GuaranteesSpec | None = None  # sets, OOD p-values, risk rules, drift reference (absent: none)
     metrics: dict[str, Any] = Field(default_factory=dict)  # the build's evaluation headline numbers per method
     data: dict[str, Any] | None = None  # which data the build used (provenance)
     build: dict[str, Any] | None = None  # the resolved build config, timings, versions (provenance)
@@ -296,6 +378,9 @@ class Manifest(_Record):
         else:
             self._check_zero_shot()
         self._check_ood()
+        if self.guarantees is not None and self.guarantees.ood.score != self.uncertainty.ood_score:
+            raise ValueError(f"guarantees.ood.score {self.guarantees.ood.score!r} differs from uncertainty.ood_score "
+                             f"{self.uncertainty.ood_score!r}")  # fmt: skip
         if self.files is not None:
             self._check_listed()
         return self
@@ -380,6 +465,7 @@ def build_manifest(
     head_index: str | None = None,
     ood: dict[str, Any] | None = None,
     version: str | None = None,
+    guarantees: dict[str, Any] | None = None,
 ) -> Manifest:
     """The one constructor of a manifest (``members`` is ``len(heads)``); raises :class:`ArtifactError` naming the
     first bad field. ``files`` is added by :func:`write_manifest`."""
@@ -389,6 +475,7 @@ def build_manifest(
         "preprocessing": preprocessing.to_dict() if isinstance(preprocessing, BaseModel) else preprocessing,
         "uncertainty": uncertainty, "model": model, "exports": exports or {}, "precision": precision or {},
         "metrics": metrics or {}, "data": data, "build": build, "ood": ood, "version": version,
+        "guarantees": guarantees,
     }  # fmt: skip
     return parse_manifest(_jsonable(fields), "manifest")
 

@@ -83,6 +83,20 @@ class _Options(BaseModel):
     top_k: int = Field(5, ge=1, strict=True, description="labels returned per input; clamped to the label count")
     return_members: bool = Field(False, strict=True, description="add each member's prediction")
     return_scores: bool = Field(False, strict=True, description="add every OOD score the model computes (ood.scores)")
+    alpha: float | None = Field(None, gt=0, lt=1, description="miscoverage of the prediction sets (conformal.set "
+                                "holds the true label with probability >= 1 - alpha); default: the model's")
+    ood_alpha: float | None = Field(None, gt=0, lt=1, description="level of the OOD flag: flag = ood.p_value <= "
+                                    "ood_alpha (at most this share of in-distribution inputs flagged)")
+    risk: float | None = Field(None, gt=0, lt=1, description="target error rate of selective.accept: one of the "
+                               "model's certified targets (GET /v1/models); default: the model's")
+
+    @field_validator("alpha", "ood_alpha", "risk", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        """Numbers only: a string or a boolean is refused (422), not read as a number."""
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"must be a number in (0, 1), got {value!r}")
+        return value
 
     @field_validator("top_k", mode="before")
     @classmethod
@@ -169,6 +183,9 @@ class FormOptions(BaseModel):
     return_scores: bool = False
     labels: list[str] | None = None
     template: str = Field(DEFAULT_TEMPLATE, min_length=1)
+    alpha: float | None = Field(None, gt=0, lt=1)
+    ood_alpha: float | None = Field(None, gt=0, lt=1)
+    risk: float | None = Field(None, gt=0, lt=1)
 
     @field_validator("template")
     @classmethod
@@ -236,11 +253,33 @@ class Uncertainty(BaseModel):
 
 
 class OOD(BaseModel):
-    flag: bool = Field(description="true when the score is past the calibrated threshold")
+    flag: bool = Field(description="true when flagged OOD: p_value <= alpha (models with a calibration split), "
+                       "else the score past the threshold")
     score: float = Field(description="the served score of this input")
     metric: Literal[OOD_SCORES] = Field(description="the served score's name")  # type: ignore[valid-type]
-    threshold: float
+    threshold: float = Field(description="the score's threshold fitted on validation data (tpr of ID inputs pass)")
+    p_value: float | None = Field(None, description="conformal p-value of the score against the calibration split's "
+                                  "ID scores: (1 + #{s_i >= s}) / (n + 1)")
+    alpha: float | None = Field(None, description="the level the flag used (the request's ood_alpha or the model's)")
     scores: dict[str, float] | None = Field(None, description="only with return_scores: every score computed")
+
+
+class ConformalSet(BaseModel):
+    alpha: float = Field(description="miscoverage: the set holds the true label with probability >= 1 - alpha")
+    set: list[str] = Field(description="the labels of the set, most probable first (may be empty at a large alpha)")
+    size: int
+    method: Literal["lac", "aps", "raps"] = Field(description="the nonconformity score")
+    mondrian: bool = Field(description="class-conditional: coverage >= 1 - alpha for every class")
+    below_min_alpha: bool = Field(description="alpha is below 1 / (n + 1) of the calibration split (for some "
+                                  "class, with mondrian): those labels are always in; marginal sets hold every label")
+
+
+class Selective(BaseModel):
+    accept: bool = Field(description="the certified rule of the target risk accepts this input")
+    risk: float = Field(description="the target: among accepted in-distribution inputs at most this error rate, "
+                        "with probability >= 1 - delta over the calibration draw")
+    certified: bool = Field(description="false: no rule met this target on the calibration split (accepts nothing)")
+    threshold: float | None = Field(None, description="the rule's confidence threshold (with the OOD threshold)")
 
 
 class MemberPrediction(BaseModel):
@@ -255,6 +294,8 @@ class Prediction(BaseModel):
     top_k: list[TopK]
     uncertainty: Uncertainty
     ood: OOD
+    conformal: ConformalSet | None = Field(None, description="models with a calibration split: the prediction set")
+    selective: Selective | None = Field(None, description="models with a calibration split: the risk rule's decision")
     members: list[MemberPrediction] | None = Field(None, description="only with return_members")
 
 
@@ -288,6 +329,7 @@ class ModelInfo(BaseModel):
     precision: str
     max_batch: int
     uncertainty: dict[str, Any]
+    guarantees: dict[str, Any] | None = None  # models with a calibration split: defaults, risk targets, drift test
 
 
 class ModelsResponse(BaseModel):

@@ -35,15 +35,19 @@ from safetensors.torch import load_file
 from ..artifact import ArtifactError, artifact_version
 from ..backends import Plan
 from ..batching import Batcher, BatchResult
+from ..errors import InvalidInput
+from ..guarantees import Guarantees, load_guarantees, outlier_oriented
 from ..metrics import Metrics
 from ..ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..schemas import (
     DEFAULT_TEMPLATE,
     OOD,
+    ConformalSet,
     MemberPrediction,
     Prediction,
     PredictResponse,
+    Selective,
     Timing,
     TopK,
     Uncertainty,
@@ -72,6 +76,14 @@ class ItemResult:
     ood_score: float
     ood_flag: bool
     scores: dict[str, float] | None = None  # every OOD score computed for this input (return_scores)
+    # the guarantees (models with a calibration split; Runtime.outcome sets them for the request's levels)
+    p_value: float | None = None  # conformal OOD p-value; ood_flag is then p_value <= ood_alpha
+    ood_alpha: float | None = None
+    prediction_set: np.ndarray | None = None  # (C,) bool
+    set_alpha: float | None = None
+    below_min_alpha: bool = False
+    accept: bool | None = None  # the risk rule of target ``risk``
+    risk: float | None = None
 
 
 @dataclass
@@ -93,6 +105,10 @@ class Query:
     labels: list[str] | None = None
     template: str = DEFAULT_TEMPLATE
     return_scores: bool = False  # add every OOD score computed to the answer
+    alpha: float | None = None  # the prediction sets' miscoverage (None: the model's default)
+    ood_alpha: float | None = None  # the OOD flag's level (None: the model's default)
+    risk: float | None = None  # the risk target of selective.accept (None: the model's default)
+    monitor: bool = True  # feed the drift test (False: the server's own warm-up and probe inputs)
 
 
 def summarize_rows(
@@ -136,10 +152,12 @@ def build_predictions(
     metric: str,
     threshold: float,
     return_scores: bool = False,
+    guarantees: Guarantees | None = None,
 ) -> list[Prediction]:
     """The ``predictions`` of an answer (docs/api.md), one per input; ``top_k`` is clamped to ``len(labels)``.
 
-    ``members`` is set only when asked for; the answer is serialised without the unset (None) fields.
+    ``members`` is set only when asked for; ``conformal`` and ``selective`` when the results carry them (models with
+    a calibration split, ``guarantees``); the answer is serialised without the unset (None) fields.
     """
     k = max(1, min(int(top_k), len(labels)))
     out = []
@@ -157,11 +175,24 @@ def build_predictions(
             top_k=[TopK(label=labels[j], prob=float(r.probs[j])) for j in order],
             uncertainty=Uncertainty(msp=r.msp, entropy=r.entropy, expected_entropy=r.expected_entropy,
                                     mutual_information=r.mutual_information, disagreement=r.disagreement),
-            ood=OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=threshold,
-                    scores=_all_scores(r) if return_scores else None),
+            ood=OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=threshold, p_value=r.p_value,
+                    alpha=r.ood_alpha, scores=_all_scores(r) if return_scores else None),
+            conformal=_conformal(r, labels, guarantees),
+            selective=None if r.accept is None or guarantees is None else Selective(
+                accept=r.accept, risk=r.risk, certified=guarantees.rules[r.risk] is not None,
+                threshold=guarantees.rules[r.risk]),
             members=members,
         ))  # fmt: skip
     return out
+
+
+def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> ConformalSet | None:
+    """The answer's prediction set, its labels most probable first."""
+    if r.prediction_set is None or g is None or r.set_alpha is None:
+        return None
+    idx = [int(j) for j in np.argsort(-r.probs, kind="stable") if r.prediction_set[j]]
+    return ConformalSet(alpha=r.set_alpha, set=[labels[j] for j in idx], size=len(idx), method=g.sets.method,
+                        mondrian=g.mondrian, below_min_alpha=r.below_min_alpha)  # fmt: skip
 
 
 def _all_scores(r: ItemResult) -> dict[str, float]:
@@ -241,6 +272,12 @@ class Runtime(abc.ABC):
         if not self.temperature > 0:
             raise ArtifactError(f"{root}: uncertainty.temperature must be > 0, got {self.temperature}")
         self.plan: Plan | None = None
+        self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
+        self.drift = self.guarantees.monitor() if self.guarantees is not None else None
+        if self.guarantees is not None and metrics is not None:
+            metrics.drift_alarm.labels(self.name).set(0)
+            metrics.drift_statistic.labels(self.name).set(0.0)
+            metrics.drift_threshold.labels(self.name).set(float(np.log10(1 / self.guarantees.drift_delta)))
         self.batcher = Batcher(
             self.name, self._run, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000,
             max_queue=settings.max_queue, metrics=metrics, unhealthy_after=settings.unready_after_failures,
@@ -296,10 +333,90 @@ class Runtime(abc.ABC):
         """Prepared inputs of one request -> its results, through the batcher."""
 
     async def outcome(self, prepared: list[Any], query: Query) -> Outcome:
-        """Prepared inputs of one request -> its results, counted in ``hydra_predictions_total``."""
+        """Prepared inputs of one request -> its results, counted in ``hydra_predictions_total``; with guarantees,
+        the request's sets, p-values and risk decisions, and the drift test fed."""
+        self.check_query(query)
         out = await self._outcome(prepared, query)
+        if self.guarantees is not None:
+            self._guarantees(out.results, query)
         self._count(out.results)
         return out
+
+    def sets_hold(self, query: Query) -> bool:
+        """Whether the prediction sets and risk rules hold for this request (the calibration's labels)."""
+        return True
+
+    def check_query(self, query: Query) -> None:
+        """Refuse levels the model cannot serve (422 naming the value and what is accepted)."""
+        g = self.guarantees
+        if query.risk is not None and (g is None or query.risk not in g.rules):
+            targets = sorted(g.rules) if g is not None else []
+            raise InvalidInput(f"risk: {query.risk} is not a target this model was built with; available: "
+                               f"{targets if targets else 'none (the model has no calibration split)'}",
+                               status=422)  # fmt: skip
+
+    def _guarantees(self, results: list[ItemResult], query: Query) -> None:
+        """Each result's OOD p-value and flag at the request's level, prediction set and risk decision; the drift
+        test and the guarantees' metrics updated."""
+        g = self.guarantees
+        assert g is not None
+        scores = np.asarray([r.ood_score for r in results], dtype=np.float64)
+        p = g.p_values(scores)
+        ood_alpha = g.ood_alpha if query.ood_alpha is None else query.ood_alpha
+        flags = p <= ood_alpha
+        sets = accept = None
+        alpha = g.alpha if query.alpha is None else query.alpha
+        risk = g.risk if query.risk is None else query.risk
+        below = False
+        if self.sets_hold(query):
+            probs = np.stack([r.probs for r in results]).astype(np.float64)  # (B, C)
+            sets, below = g.prediction_sets(probs, alpha)
+            accept = g.accepts(probs, scores, risk)
+        for i, r in enumerate(results):
+            r.p_value, r.ood_alpha, r.ood_flag = float(p[i]), ood_alpha, bool(flags[i])
+            if sets is not None and accept is not None:
+                r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, below
+                r.accept, r.risk = bool(accept[i]), risk
+        if query.monitor and self.drift is not None:
+            self.drift.update(outlier_oriented(scores, g.metric))
+        m = self.metrics
+        if m is not None:
+            for v in p:
+                m.ood_p_value.labels(self.name).observe(float(v))
+            if sets is not None and accept is not None:
+                for row in sets:
+                    m.set_size.labels(self.name).observe(int(row.sum()))
+                n_acc = int(accept.sum())
+                if n_acc:
+                    m.selective.labels(self.name, str(risk), "true").inc(n_acc)
+                if len(accept) - n_acc:
+                    m.selective.labels(self.name, str(risk), "false").inc(len(accept) - n_acc)
+            if self.drift is not None:
+                m.drift_alarm.labels(self.name).set(1 if self.drift.alarm else 0)
+                m.drift_statistic.labels(self.name).set(self.drift.log10_statistic)
+                m.drift_inputs.labels(self.name).set(self.drift.count)
+
+    def reset_drift(self) -> dict[str, Any]:
+        """Start a fresh drift test (after an investigation): the alarm cleared, the statistic back to 1."""
+        if self.drift is None:
+            raise InvalidInput(f"model {self.name!r} has no drift test (it was built without a calibration split)",
+                               status=409)  # fmt: skip
+        before = self.drift_state()
+        self.drift.reset()
+        if self.metrics is not None:
+            self.metrics.drift_alarm.labels(self.name).set(0)
+            self.metrics.drift_statistic.labels(self.name).set(0.0)
+            self.metrics.drift_inputs.labels(self.name).set(0)
+        return {"model": self.name, "before": before, "after": self.drift_state()}
+
+    def drift_state(self) -> dict[str, Any] | None:
+        """The drift test now: alarm, log10 statistic, its alarm level, inputs seen, where it alarmed."""
+        if self.drift is None or self.guarantees is None:
+            return None
+        d = self.drift
+        return {"alarm": d.alarm, "log10_statistic": d.log10_statistic,
+                "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)), "inputs": d.count,
+                "alarm_at": d.alarm_at, "delta": self.guarantees.drift_delta}  # fmt: skip
 
     async def answer(self, prepared: list[Any], query: Query, *, t0: float, request_id: str = "") -> PredictResponse:
         """Prepared inputs of one request -> its answer; ``t0`` is when the request arrived (``total_ms``)."""
@@ -372,13 +489,24 @@ class Runtime(abc.ABC):
             "max_batch": self.settings.max_batch,
             "uncertainty": {"temperature": self.temperature, "ood_score": self.ood_metric,
                             "ood_threshold": self.ood_threshold, "tpr": self.manifest["uncertainty"].get("tpr")},
+            "guarantees": self._describe_guarantees(),
         }  # fmt: skip
+
+    def _describe_guarantees(self) -> dict[str, Any] | None:
+        """What a client may ask for: the defaults, the certified risk targets, the smallest alpha; the drift test."""
+        g = self.guarantees
+        if g is None:
+            return None
+        return {"calibration_size": g.n, "method": g.sets.method, "alpha": g.alpha, "min_alpha": g.min_alpha,
+                "mondrian": g.mondrian, "ood_alpha": g.ood_alpha, "risk": g.risk, "delta": g.delta,
+                "risks": {str(k): v for k, v in sorted(g.rules.items())}, "drift": self.drift_state()}  # fmt: skip
 
     def respond(self, out: Outcome, query: Query, t0: float, request_id: str) -> PredictResponse:
         """The answer to one request (``/predict``, ``/zero-shot``): its results over their labels, with timings."""
         predictions = build_predictions(
             out.results, out.labels, top_k=query.top_k, return_members=query.return_members,
             metric=self.ood_metric, threshold=self.ood_threshold, return_scores=query.return_scores,
+            guarantees=self.guarantees,
         )  # fmt: skip
         # total_ms last: it covers building the answer too
         return PredictResponse(

@@ -208,6 +208,11 @@ class CLIPZeroShotRuntime(Runtime):
         return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, image, self.ood_stats,
                               layers)  # fmt: skip
 
+    def sets_hold(self, query: Query) -> bool:
+        """The sets and risk rules were calibrated on the build's labels and template: they hold for ``/predict``
+        and for ``/zero-shot`` requests with exactly those; the OOD p-value (label-free) holds for any."""
+        return query.labels is None or (list(query.labels) == self.labels and query.template == self.template)
+
     async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
         """Prepared images against the request's labels (``/zero-shot``: prompts ``template.format(label=...)``),
         or against the manifest's fixed labels when the query has none (``/predict``)."""
@@ -227,7 +232,7 @@ class CLIPZeroShotRuntime(Runtime):
         prepared = self.prepare([self.pre.example()], "warmup", base64_encoded=False)
         # without fixed labels: two placeholder labels, which also warms the text encoder
         labels = None if self._fixed is not None else ["a", "b"]
-        query = Query(top_k=1, return_members=True, labels=labels, template=self.template)
+        query = Query(top_k=1, return_members=True, labels=labels, template=self.template, monitor=False)
         await self.answer(prepared, query, t0=time.perf_counter(), request_id="warmup")
         self.ready = True
 

@@ -1,0 +1,160 @@
+"""Answers with guarantees (service/guarantees.py, docs/api.md "Guarantees"): prediction sets, OOD p-values and the
+flag at the request's level, the risk rule's decision, their request parameters and errors, and the metrics; the
+same numbers as the builder's code on the same inputs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import load_file
+
+from service.conformal import SetCalibrator
+from service.main import create_app
+from service.models import load_model
+from service.preprocess import ImagePreprocessor
+from service.uncertainty import summarize
+from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
+from tests.service.helpers import assert_error, b64, noise_images, png, settings_for
+
+RISKS = {"risks": [0.05, 0.5], "risk": 0.5}  # a tiny random model is right 2/3 of the time: 0.5 is certifiable
+CUT = 0.3  # the served MSP threshold: the OOD cut of the risk rules lets most of the tiny model's inputs through
+
+
+@pytest.fixture(scope="module")
+def g_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_artifact(tmp_path_factory.mktemp("g") / "vit", "vit", name="tiny-g", guarantees=RISKS,
+                              ood_threshold=CUT)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def g_client(g_artifact: Path) -> Iterator[TestClient]:
+    with TestClient(create_app(settings_for(g_artifact))) as c:
+        yield c
+
+
+def _direct(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The builder-side computation: probabilities and MSP of the eager model, p-values and LAC sets from the file."""
+    m = json.loads((root / "manifest.json").read_text())
+    model = load_model(root / "model.safetensors", m["model"]["config"])
+    pre = ImagePreprocessor(m["preprocessing"], 1 << 20)
+    with torch.inference_mode():
+        s = summarize(model(torch.stack([pre(png(a)) for a in images])), m["uncertainty"]["temperature"])
+    t = load_file(str(root / "guarantees.safetensors"))
+    cal = t["ood.scores"].numpy()  # outlier-oriented: -MSP, sorted
+    msp = s["msp"].double().numpy()
+    p = (1 + (cal[None, :] >= -msp[:, None]).sum(1)) / (len(cal) + 1)
+    sets = SetCalibrator.from_tensors(t)
+    return {"probs": s["probs"].double().numpy(), "msp": msp, "p": p, "calibrator": sets}
+
+
+def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_artifact):
+    images = noise_images(6, seed=5)
+    r = g_client.post("/predict", json={"images": [b64(png(a)) for a in images]})
+    assert r.status_code == 200, r.text
+    want = _direct(g_artifact, images)
+    spec = json.loads((g_artifact / "manifest.json").read_text())["guarantees"]
+    lam = next(t.get("threshold") for t in spec["selective"]["targets"] if t["risk"] == 0.5)
+    assert lam is not None  # certified on the calibration split
+    for i, p in enumerate(r.json()["predictions"]):
+        assert p["ood"]["p_value"] == pytest.approx(want["p"][i], abs=1e-12)
+        assert p["ood"]["alpha"] == 0.05 and p["ood"]["flag"] == (want["p"][i] <= 0.05)
+        assert p["ood"]["threshold"] == CUT and p["ood"]["metric"] == "msp"  # today's fields keep their meaning
+        c = p["conformal"]
+        expected = want["calibrator"].sets(want["probs"][i : i + 1], 0.1)[0]
+        assert c["alpha"] == 0.1 and c["method"] == "lac" and c["mondrian"] is False
+        assert sorted(c["set"]) == sorted(TINY_LABELS[j] for j in np.flatnonzero(expected))
+        assert c["size"] == len(c["set"])
+        order = [TINY_LABELS[j] for j in np.argsort(-want["probs"][i], kind="stable")]
+        assert c["set"] == [lab for lab in order if lab in c["set"]]  # most probable first
+        sel = p["selective"]
+        assert sel == {"accept": bool(want["msp"][i] >= CUT and want["msp"][i] >= lam), "risk": 0.5,
+                       "certified": True, "threshold": lam}  # fmt: skip
+
+
+def test_the_request_chooses_the_levels(g_client, g_artifact):
+    img = b64(png(noise_images(1, seed=8)[0]))
+    base = g_client.post("/predict", json={"image": img}).json()["predictions"][0]
+    wide = g_client.post("/predict", json={"image": img, "alpha": 0.6, "ood_alpha": 0.9}).json()["predictions"][0]
+    assert wide["ood"]["p_value"] == base["ood"]["p_value"]  # the p-value does not depend on the level
+    assert wide["ood"]["alpha"] == 0.9 and wide["ood"]["flag"] == (base["ood"]["p_value"] <= 0.9)
+    assert set(wide["conformal"]["set"]) <= set(base["conformal"]["set"]) and wide["conformal"]["alpha"] == 0.6
+    tiny = g_client.post("/predict", json={"image": img, "alpha": 0.001}).json()["predictions"][0]["conformal"]
+    assert tiny["below_min_alpha"] is True and sorted(tiny["set"]) == sorted(TINY_LABELS)  # below 1 / (300 + 1)
+    strict = g_client.post("/predict", json={"image": img, "risk": 0.05}).json()["predictions"][0]["selective"]
+    assert strict == {"accept": False, "risk": 0.05, "certified": False}  # not met on the calibration split
+    form = g_client.post("/predict", files=[("file", ("a.png", png(noise_images(1, seed=8)[0]), "image/png"))],
+                         data={"alpha": "0.6", "risk": "0.05"})  # fmt: skip
+    assert form.status_code == 200, form.text
+    fp = form.json()["predictions"][0]
+    assert fp["conformal"]["set"] == wide["conformal"]["set"] and fp["selective"]["risk"] == 0.05
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [({"alpha": 0}, "alpha"), ({"alpha": 1}, "alpha"), ({"alpha": 1.5}, "alpha"), ({"alpha": "0.1"}, "alpha"),
+     ({"alpha": True}, "alpha"), ({"ood_alpha": -0.1}, "ood_alpha"), ({"ood_alpha": "a lot"}, "ood_alpha"),
+     ({"risk": 0}, "risk"), ({"risk": None, "alpha": [0.1]}, "alpha")],
+)  # fmt: skip
+def test_bad_levels_are_422_naming_the_field(g_client, body, fragment):
+    r = g_client.post("/predict", json={"image": b64(png(3)), **body})
+    assert_error(r, 422, "invalid_input", fragment)
+
+
+def test_a_risk_the_model_was_not_built_with_lists_the_available_ones(g_client, artifacts):
+    r = g_client.post("/predict", json={"image": b64(png(3)), "risk": 0.3})
+    assert_error(r, 422, "invalid_input", "risk", "0.3", "[0.05, 0.5]")
+    with TestClient(create_app(settings_for(artifacts["vit"]))) as c:  # no calibration split at all
+        plain = c.post("/predict", json={"image": b64(png(3))}).json()["predictions"][0]
+        assert "conformal" not in plain and "selective" not in plain and "p_value" not in plain["ood"]
+        assert_error(c.post("/predict", json={"image": b64(png(3)), "risk": 0.5}), 422, "invalid_input",
+                     "no calibration split")  # fmt: skip
+
+
+def test_models_list_the_guarantees_and_metrics_count_them(g_client):
+    (m,) = g_client.get("/v1/models").json()["models"]
+    g = m["guarantees"]
+    assert g["calibration_size"] == 300 and g["alpha"] == 0.1 and g["ood_alpha"] == 0.05 and g["risk"] == 0.5
+    assert set(g["risks"]) == {"0.05", "0.5"} and g["risks"]["0.05"] is None
+    assert g["min_alpha"] == pytest.approx(1 / 301)
+    assert g["drift"]["alarm"] is False and g["drift"]["log10_threshold"] == pytest.approx(2.0)
+    g_client.post("/predict", json={"images": [b64(png(a)) for a in noise_images(4, seed=9)]})
+    text = g_client.get("/metrics").text
+    assert 'hydra_drift_alarm{model="tiny-g"} 0.0' in text
+    assert 'hydra_drift_threshold{model="tiny-g"} 2.0' in text
+    assert 'hydra_ood_p_value_bucket{le="0.05",model="tiny-g"}' in text
+    assert 'hydra_prediction_set_size_count{model="tiny-g"}' in text
+    assert 'hydra_selective_total{accept="' in text
+
+
+def _like_calibration(n: int, seed: int) -> list[np.ndarray]:
+    """Images whose normalised pixels are standard normal (clipped at 2): the tiny artifact's calibration inputs."""
+    z = np.random.default_rng(seed).standard_normal((n, 16, 16))
+    return [np.clip(np.round((0.5 + 0.25 * x) * 255), 0, 255).astype(np.uint8) for x in z]
+
+
+def test_drift_alarm_fires_on_foreign_traffic_and_warm_up_does_not_count(tmp_path):
+    """Traffic like the calibration inputs keeps the alarm quiet; a stream of white frames, far from them in the
+    members' features (served Mahalanobis), raises it, and the metric follows; the warm-up input is not traffic."""
+    root = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-drift", guarantees=RISKS, ood=True,
+                              ood_score="mahalanobis", ood_threshold=None)  # fmt: skip
+    with TestClient(create_app(settings_for(root))) as c:
+        assert c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]["inputs"] == 0
+        ok = [b64(png(a)) for a in _like_calibration(32, seed=11)]
+        for _ in range(3):
+            c.post("/predict", json={"images": ok})
+        state = c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]
+        assert state["inputs"] == 96 and state["alarm"] is False
+        blank = b64(png(255))
+        for _ in range(20):
+            c.post("/predict", json={"images": [blank] * 16})
+            if c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]["alarm"]:
+                break
+        state = c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]
+        assert state["alarm"] is True and state["alarm_at"] > 96
+        assert 'hydra_drift_alarm{model="tiny-drift"} 1.0' in c.get("/metrics").text
