@@ -82,7 +82,7 @@ from service.artifact import Manifest, build_manifest, file_sha256
 from service.fused_clip import zero_shot_logits
 from service.ood import ood_tensors
 from service.preprocess import ImagePreprocessor
-from service.uncertainty import SUMMARY_SCORES
+from service.uncertainty import SUMMARY_SCORES, summarize
 
 from . import lit
 from .calibration import fit_temperature
@@ -92,6 +92,7 @@ from .export import ONNX_OPSET, bf16_agreement, export_checked
 from .families.clip import CLIPAdapter, split_heads
 from .foreign import foreign_images
 from .fusion import fuse
+from .guarantees import GUARANTEES_FILE, CalibrationOutputs, fit_guarantees
 from .ood_fit import (
     LAYERS,
     background_stats,
@@ -443,11 +444,12 @@ def finish_zero_shot(
     ood_val = eval_batches(pre, ood_val_x, [0] * len(ood_val_x), extra=prompts_)[0]
     fused_fn, single, member_fns = zero_shot_fns(adapter, base, members, fused, prompts_)
     cal = calibrate(cfg, fused_fn, val, ood_val)
-    served = None
+    served, scores = None, None
     if forced_score(cfg) not in SUMMARY_SCORES:  # auto or a feature score: the label-free distance (default)
         cal, scores = calibrate_label_free(cfg, cal.temperature, image_feature_runs(fused, pre, data, val, test,
                                                                                     ood_test))  # fmt: skip
         served = served_label_free(cal, scores)
+    guarantees = zero_shot_guarantees(cfg, fused_fn, cal, data, pre, prompts_, val, scores)
     val_y = torch.cat([y for _, y in val])
     T_single = fit_temperature(collect_logits(single, val), val_y) if cfg.calibration.temperature else 1.0
     timer.lap("calibration")
@@ -466,6 +468,8 @@ def finish_zero_shot(
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     if cal.stats is not None:
         save_file(ood_tensors(cal.stats), str(out / OOD_FILE))
+    if guarantees is not None:
+        save_file(guarantees.tensors, str(out / GUARANTEES_FILE))
     fused.visual.with_layer_features = cal.stats is not None and cal.stats.layers is not None
     exports = zero_shot_exports(cfg, fused, val, tok, list(data.class_names), prep, prompts_, out)
     precision = {"bf16": bf16_agreement(fused, [b for b, _ in val[:4]], temperature=cal.temperature)} \
@@ -482,7 +486,7 @@ def finish_zero_shot(
                        "embed_dim": fcfg["embed_dim"]},
             preprocessing=prep, uncertainty=cal.uncertainty(), model=model_spec(fcfg, cal), exports=exports,
             precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
-            ood=label_free_spec(cal, data),
+            ood=label_free_spec(cal, data), guarantees=guarantees.spec if guarantees is not None else None,
         )  # fmt: skip
 
     extra = {"template": lit.TEMPLATE, "labels": list(data.class_names), "temperature": cal.temperature,
@@ -529,6 +533,8 @@ def image_feature_runs(
         **{f"ood:{n}": b for n, b in ood_test.items()},
         **{f"oodval:{n}": eval_batches(pre, x, [0] * len(x))[0] for n, x in data.ood_val.items()},
     }  # fmt: skip
+    if data.calibration is not None:
+        sets["calibration"] = eval_batches(pre, data.calibration.inputs, data.calibration.labels)[0]
     foreign = [f.pixels for f in foreign_images()]
     sets["foreign"] = eval_batches(pre, foreign, [0] * len(foreign), sort=False)[0]
     out = {}
@@ -571,6 +577,27 @@ def calibrate_label_free(
     cal = Calibration(temperature, metric, c["threshold"], cfg.calibration.tpr, c["val_mean_recall"] or 0.0, stats,
                       candidates, forced is not None, selected, layer_ids)  # fmt: skip
     return cal, scores
+
+
+def zero_shot_guarantees(
+    cfg: BuildConfig, fused_fn: Callable[[Batch], torch.Tensor], cal: Calibration, data: Any, pre: ImagePreprocessor,
+    prompts_: Batch, val: list, scores: dict[str, dict[str, np.ndarray]] | None,
+) -> Any:  # fmt: skip
+    """The guarantees of a zero-shot model on the calibration split: sets and risk rules for the build's labels and
+    template, OOD p-values of the served score (label-free unless a probability score is forced); None without a
+    calibration split."""
+    if data.calibration is None:
+        return None
+    cal_batches = eval_batches(pre, data.calibration.inputs, data.calibration.labels, extra=prompts_)[0]
+
+    def outputs(batches: list, name: str) -> CalibrationOutputs:
+        s = summarize(collect_logits(fused_fn, batches), cal.temperature)
+        score = scores[name][cal.selected] if scores is not None else s[cal.metric].double().numpy()
+        return CalibrationOutputs(s["probs"].double().numpy(), torch.cat([y for _, y in batches]).numpy(), score)
+
+    return fit_guarantees(cfg.guarantees, outputs(cal_batches, "calibration"), outputs(val, "val"), cal.metric,
+                          cal.threshold, data.splits.get("id", {}).get("calibration", {}),
+                          label_free=scores is not None)  # fmt: skip
 
 
 def served_label_free(cal: Calibration, scores: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:
