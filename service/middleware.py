@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import InvalidInput, PayloadTooLarge, ServiceError, Unauthorized, error_response
 from .lifecycle import ServerState
-from .logs import InferenceNote, log_access, request_context
+from .logs import InferenceNote, access_log_enabled, log_access, request_context
 from .tracing import REQUEST_ID_HEADER, request_id, trace_id
 
 __all__ = ["GuardMiddleware", "PUBLIC_PATHS", "RequestContext", "endpoint_label"]
@@ -81,6 +81,9 @@ class RequestContext:
                 self._log(scope, status, t0)
 
     def _log(self, scope: Scope, status: int, t0: float) -> None:
+        json_format = self.state.settings.log_format == "json"
+        if not access_log_enabled(json_format=json_format):  # text logs above debug: no line, nothing to build
+            return
         fields: dict[str, Any] = {
             "request_id": scope["hydra.request_id"], "trace_id": scope.get("hydra.trace_id"),
             "method": scope.get("method"), "endpoint": endpoint_label(scope), "status": status,
@@ -89,7 +92,7 @@ class RequestContext:
         note = scope.get("hydra.inference")
         if isinstance(note, InferenceNote):
             fields.update(asdict(note))
-        log_access(fields, json_format=self.state.settings.log_format == "json")
+        log_access(fields, json_format=json_format)
 
 
 class GuardMiddleware:

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     # TCP port `python -m service` listens on
     port: int = Field(8000, ge=1, le=65535)
+    # event loop of `python -m service`: auto = uvloop when it imports, else asyncio (service/server.py)
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    # HTTP/1.1 parser of `python -m service`: auto = httptools when it imports, else h11 (pure Python)
+    http: Literal["auto", "h11", "httptools"] = "auto"
     # auto = CUDA when available, else CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto = onnx on CPU when exported and fp32, torch eager otherwise (see service/backends.py)
@@ -114,6 +118,13 @@ class Settings(BaseSettings):
     def _otel_installed(cls, value: bool) -> bool:
         if value and not _installed("opentelemetry.instrumentation.fastapi"):
             raise ValueError("HYDRA_OTEL=true needs OpenTelemetry: pip install 'hydra-serve[otel]'")
+        return value
+
+    @field_validator("loop", "http", mode="after")
+    @classmethod
+    def _server_module_installed(cls, value: str) -> str:
+        if value in ("uvloop", "httptools") and not _installed(value):
+            raise ValueError(f"{value} is not installed: pip install {value}, or choose auto")
         return value
 
     @model_validator(mode="after")

@@ -51,14 +51,17 @@ def test_unknown_extra_is_named(pyproject: Path) -> None:
 
 @pytest.mark.parametrize(("extra", "ort"), [("onnx", "onnxruntime=="), ("gpu", "onnxruntime-gpu==")])
 def test_image_extras_from_the_real_pyproject(extra: str, ort: str) -> None:
-    """What the CPU (onnx) and GPU (gpu) images install: the runtime dependencies, onnxruntime, no builder deps."""
+    """What the CPU (onnx) and GPU (gpu) images install: the runtime dependencies (uvloop and httptools among them),
+    onnxruntime, no builder deps."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     out = subprocess.run(
         [sys.executable, str(DEPLOY / "docker" / "requirements.py"), str(ROOT / "pyproject.toml"), extra],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.split()
+    ).stdout.splitlines()  # one requirement a line, as `pip install -r` reads them (markers hold spaces)
     assert out[: len(project["dependencies"])] == project["dependencies"]
     assert any(r.startswith(ort) for r in out)
+    # the C event loop and HTTP parser `python -m service` runs (service/server.py), for Linux
+    assert {r.split("==")[0] for r in out} >= {"uvloop", "httptools"}
     assert not any(r.startswith(("timm", "open_clip_torch", "scikit-learn", "pytest")) for r in out)

@@ -25,6 +25,7 @@ def test_sigterm_script_short_run(tmp_path):
     assert sigterm_test.main(["--tiny", "vit", "--concurrency", "32", "--load-seconds", "3", "--after-seconds", "1",
                               "--out", str(out)]) == 0  # fmt: skip
     r = json.loads(out.read_text())
-    assert r["passed"] and r["lost"] == 0 and r["exit_status"] == 0
-    assert r["client"]["in_flight_at_sigterm"].get("ok", 0) > 0
-    assert r["server"]["requests_received"] == r["server"]["requests_answered"]
+    assert r["passed"] and r["totals"]["lost"] == 0 and r["totals"]["resets"] == 0
+    (rep,) = r["repetitions"]
+    assert rep["exit_status"] == 0 and rep["client"]["in_flight_at_sigterm"].get("ok", 0) > 0
+    assert rep["server"]["requests_received"] == rep["server"]["requests_answered"]

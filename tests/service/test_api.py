@@ -232,6 +232,34 @@ def test_unexpected_exception_in_a_handler_is_a_contract_500(artifacts, monkeypa
     assert "shadow" not in r.text
 
 
+def test_answer_is_the_built_response_serialised_once(artifacts, monkeypatch):
+    """The body is the PredictResponse the runtime built, without its None fields, as ``application/json``: the JSON of
+    its dump, whichever way it was serialised (pydantic-core; ``json.dumps`` when the text holds "null"). A
+    non-finite float, which JSON cannot hold (pydantic would write null), is a 500 ``internal``, never a null."""
+    app = create_app(settings_for(artifacts["vit"]))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        rt = app.state.hydra.runtimes["tiny-vit"]
+        respond, built = rt.respond, []
+
+        def keep(*args, edit=lambda answer: None, **kwargs):
+            answer = respond(*args, **kwargs)
+            edit(answer)
+            built.append(answer)
+            return answer
+
+        monkeypatch.setattr(rt, "respond", keep)
+        r = c.post("/predict", json={"image": b64(png(5)), "top_k": 2})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert r.json() == built[-1].model_dump(exclude_none=True) and "members" not in r.json()["predictions"][0]
+        assert "null" not in r.text and int(r.headers["content-length"]) == len(r.content)
+        monkeypatch.setattr(rt, "respond", lambda *a, **k: keep(*a, edit=lambda x: setattr(x, "id", "null"), **k))
+        r = c.post("/predict", json={"image": b64(png(5))})
+        assert r.status_code == 200 and r.json() == built[-1].model_dump(exclude_none=True) and r.json()["id"] == "null"
+        nan = lambda x: setattr(x.predictions[0].uncertainty, "entropy", float("nan"))
+        monkeypatch.setattr(rt, "respond", lambda *a, **k: keep(*a, edit=nan, **k))
+        assert_error(c.post("/predict", json={"image": b64(png(5))}), 500, "internal")
+
+
 # ----------------------------------------------------------------------------- the three backends
 def test_three_backends_give_the_same_answers_through_the_api(artifacts):
     imgs = [b64(png(a)) for a in noise_images(4, seed=5)]

@@ -4,6 +4,7 @@ nothing loaded at import, the server not importing the builder, ``python -m serv
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from benchmarks.harness import free_port
+from service.__main__ import freeze_startup_heap
 from service.lifecycle import StartupError
 from service.main import create_app
 from service.runtimes import ClassifierRuntime
@@ -84,7 +86,8 @@ def test_settings_are_validated(monkeypatch):
     assert s.api_key.get_secret_value() == "tok-9f8e7d" and "tok-9f8e7d" not in repr(s)
     assert s.cors_origins == ["https://a.example", "https://b.example"]
     for bad in ({"max_batch": 0}, {"device": "tpu"}, {"backend": "tensorrt"}, {"precision": "fp8"}, {"port": 0},
-                {"max_wait_ms": -1}, {"max_queue": 4, "max_items": 8}, {"unknown_setting": 1}):  # fmt: skip
+                {"max_wait_ms": -1}, {"max_queue": 4, "max_items": 8}, {"unknown_setting": 1}, {"loop": "trio"},
+                {"http": "zttp"}):  # fmt: skip
         with pytest.raises(ValidationError):
             Settings(**bad)
 
@@ -110,6 +113,24 @@ def test_readyz_is_503_until_warm_up_finished(artifacts, monkeypatch):
     finally:
         serving.__exit__(None, None, None)
     assert TestClient(app).get("/readyz").status_code == 503  # not ready again after shutdown
+
+
+def test_on_ready_is_called_once_every_model_is_warm(artifacts):
+    app = create_app(settings_for(artifacts["vit"], artifacts["bert"]))
+    state = app.state.hydra
+    seen = []
+    state.on_ready = lambda: seen.append((state.ready, all(rt.ready for rt in state.runtimes.values())))
+    with TestClient(app) as c:
+        assert seen == [(True, True)] and c.get("/readyz").status_code == 200
+
+
+def test_python_m_service_freezes_the_start_up_heap():
+    """What ``python -m service`` does once ready: the objects alive then leave the collector's generations."""
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 10_000 and len(gc.get_objects()) < 1_000
+    finally:
+        gc.unfreeze()  # this test process goes on creating and dropping apps
 
 
 def test_shutdown_finishes_in_flight_requests(artifacts):
