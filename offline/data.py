@@ -420,21 +420,31 @@ def fashion_mnist_setting(
         "pools": {"training": {"size": len(pool), "index_sha256": _index_hash(pool)},
                   "reserved": {"size": len(reserved), "index_sha256": _index_hash(reserved),
                                "per_class": FASHION_RESERVED_PER_CLASS, "seed": FASHION_POOL_SEED}},
+        **_fashion_ood_records((near_val_idx, near_test_idx), (dval, dtest), ood_val, ood_test),
+        "image": {"size": [28, 28], "channels": 1, "dtype": "uint8"},
+    }
+    return Data("image", class_names, train, val, test, ood_val, ood_test, splits, fit=fit, calibration=calibration)
+
+
+def _fashion_ood_records(
+    near: tuple[np.ndarray, np.ndarray], digits: tuple[np.ndarray, np.ndarray], ood_val: dict[str, Any],
+    ood_test: dict[str, tuple[Any, str]],
+) -> dict[str, Any]:  # fmt: skip
+    """The Fashion-MNIST setting's ``ood_val`` and ``ood_test`` records: ``near`` and ``digits`` (val, test)
+    indices."""
+    return {
         "ood_val": {
-            "fashion-heldout": {"from": "train file", "kind": "near", **_rec(near_val_idx)},
-            "digits": {"from": "load_digits, first half of a seeded permutation", "kind": "far",
-                       **_rec(dval)},
+            "fashion-heldout": {"from": "train file", "kind": "near", **_rec(near[0])},
+            "digits": {"from": "load_digits, first half of a seeded permutation", "kind": "far", **_rec(digits[0])},
             "corrupted": {"from": "the ID validation images, each corrupted (offline.outliers)", "kind": "far",
                           "corruptions": list(CORRUPTIONS), "size": len(ood_val["corrupted"])},
         },
         "ood_test": {
-            "fashion-heldout": {"from": "test file", "kind": "near", **_rec(near_test_idx)},
-            "digits": {"from": "load_digits, second half", "kind": "far", **_rec(dtest)},
+            "fashion-heldout": {"from": "test file", "kind": "near", **_rec(near[1])},
+            "digits": {"from": "load_digits, second half", "kind": "far", **_rec(digits[1])},
             "noise": {"from": "synthetic", "kind": "far", "size": len(ood_test["noise"][0])},
         },
-        "image": {"size": [28, 28], "channels": 1, "dtype": "uint8"},
-    }
-    return Data("image", class_names, train, val, test, ood_val, ood_test, splits, fit=fit, calibration=calibration)
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- tweets and BBC News

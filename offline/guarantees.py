@@ -29,10 +29,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.conformal import SetCalibrator, binomial_p_value, min_accepted, min_alpha, selective_thresholds
+from service.conformal import (
+    SetCalibrator,
+    binomial_p_value,
+    min_accepted,
+    min_alpha,
+    ood_p_values,
+    selective_thresholds,
+)
+from service.drift import DriftMonitor
 from service.guarantees import GUARANTEES_FILE, outlier_oriented
 
-__all__ = ["GUARANTEES_FILE", "CalibrationOutputs", "Fitted", "fit_guarantees", "grid_of", "drift_edges"]
+__all__ = ["GUARANTEES_FILE", "CalibrationOutputs", "Fitted", "drift_edges", "evaluate_guarantees", "fit_guarantees",
+           "grid_of"]
 
 GRID = 201  # candidate confidence thresholds: quantiles of the validation confidences at i / (GRID - 1)
 # a target's candidates start where the validation inputs' accept rate promises this many times the fewest accepted
@@ -157,3 +166,123 @@ def rule_record(r: Any) -> dict[str, Any]:
     return {"risk": r.eps, "certified": r.threshold is not None, "threshold": r.threshold,
             "calibration_accept_rate": r.accept_rate, "calibration_risk": None if r.n_accepted == 0 else r.risk,
             "n_accepted": r.n_accepted, "p_value": r.p_value}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- what the report shows
+REPORT_ALPHAS = (0.01, 0.05, 0.1, 0.2)  # the sets' and OOD p-values' levels in the report
+DRIFT_ID_INPUTS = 2000  # ID test inputs before the switch in the simulated drift run
+DRIFT_OOD_INPUTS = 1000  # OOD inputs after it
+NULL_STREAMS = 100  # simulated ID streams for the false-alarm check ...
+NULL_STREAM_INPUTS = 10_000  # ... of this many inputs each
+
+
+def coverage_table(fitted: Fitted, test: CalibrationOutputs, mondrian: bool = False) -> dict[str, Any]:
+    """Coverage and mean set size on ID test at each of :data:`REPORT_ALPHAS`: marginal, per class, the smallest
+    class's."""
+    out: dict[str, Any] = {}
+    classes = fitted.sets.num_classes
+    for a in REPORT_ALPHAS:
+        sets = fitted.sets.sets(test.probs, a, mondrian)  # (N, C)
+        hit = sets[np.arange(len(test.labels)), test.labels]
+        per_class = [float(hit[test.labels == c].mean()) if (test.labels == c).any() else None for c in range(classes)]
+        valid = [v for v in per_class if v is not None]
+        out[str(a)] = {"coverage": float(hit.mean()), "mean_size": float(sets.sum(1).mean()),
+                       "per_class": per_class, "min_class": min(valid) if valid else None,
+                       "empty": float((sets.sum(1) == 0).mean())}  # fmt: skip
+    return out
+
+
+def p_value_table(fitted: Fitted, metric: str, test: CalibrationOutputs, ood: dict[str, np.ndarray]) -> dict:
+    """The OOD p-value flag at each level of :data:`REPORT_ALPHAS`: its false-alarm rate on ID test, its recall on
+    each OOD test set (``ood``: served scores per set)."""
+    cal = np.sort(fitted.tensors["ood.scores"].numpy())
+    p_id = ood_p_values(outlier_oriented(test.ood_score, metric), cal)
+    p_ood = {k: ood_p_values(outlier_oriented(v, metric), cal) for k, v in ood.items()}
+    return {str(a): {"false_alarm": float((p_id <= a).mean()), "recall": {k: float((v <= a).mean())
+                                                                          for k, v in p_ood.items()}}
+            for a in REPORT_ALPHAS}  # fmt: skip
+
+
+def selective_table(fitted: Fitted, metric: str, ood_threshold: float, test: CalibrationOutputs) -> list[dict]:
+    """Per target: certified, the threshold, and on ID test the realised risk among accepted and the accept rate."""
+    cut = outlier_oriented(np.asarray([ood_threshold]), metric)[0]
+    eligible = outlier_oriented(test.ood_score, metric) <= cut
+    conf, wrong = test.probs.max(1), test.probs.argmax(1) != test.labels
+    rows = []
+    for r in fitted.rules:
+        acc = eligible & (conf >= r.threshold) if r.threshold is not None else np.zeros_like(eligible)
+        rows.append({"risk": r.eps, "certified": r.threshold is not None, "threshold": r.threshold,
+                     "test_accept_rate": float(acc.mean()), "test_risk": float(wrong[acc].mean()) if acc.any()
+                     else None, "calibration_accept_rate": r.accept_rate})  # fmt: skip
+    return rows
+
+
+def risk_coverage_curve(test: CalibrationOutputs, metric: str, ood_threshold: float, points: int = 50) -> dict:
+    """The risk-coverage curve of the rule family on ID test (accept rate, risk among accepted) over confidence
+    thresholds, the OOD cut applied: what the certified rules are points of."""
+    cut = outlier_oriented(np.asarray([ood_threshold]), metric)[0]
+    eligible = outlier_oriented(test.ood_score, metric) <= cut
+    conf, wrong = test.probs.max(1), test.probs.argmax(1) != test.labels
+    grid = np.unique(np.quantile(conf[eligible], np.linspace(0, 1, points))) if eligible.any() else np.zeros(1)
+    acc = eligible[None, :] & (conf[None, :] >= grid[:, None])
+    rate = acc.mean(1)
+    risk = np.where(acc.sum(1) > 0, (acc & wrong[None, :]).sum(1) / np.maximum(acc.sum(1), 1), np.nan)
+    return {"accept_rate": rate.tolist(), "risk": [None if np.isnan(v) else float(v) for v in risk]}
+
+
+def drift_runs(fitted: Fitted, g: Any, metric: str, test: np.ndarray, ood: dict[str, np.ndarray],
+               val: np.ndarray, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """The drift alarm on simulated streams of served scores (outlier-oriented inside): ID test inputs resampled,
+    then each OOD test set resampled; the statistic along each (log10, every 10th input), the alarm point; and the
+    false alarms of :data:`NULL_STREAMS` ID streams of :data:`NULL_STREAM_INPUTS` inputs resampled from ID test and
+    validation scores."""
+    cal = np.sort(fitted.tensors["ood.scores"].numpy())
+    edges = fitted.tensors["drift.edges"].numpy()
+    rng = np.random.default_rng(seed)
+    runs = {}
+    for name, scores in ood.items():
+        mon = DriftMonitor(cal, delta=g.drift_delta, bins=g.drift_bins, seed=seed, edges=edges)
+        stream = np.concatenate([rng.choice(test, DRIFT_ID_INPUTS), rng.choice(scores, DRIFT_OOD_INPUTS)])
+        trace = []
+        for i in range(0, len(stream), 10):
+            mon.update(outlier_oriented(stream[i : i + 10], metric))
+            trace.append(mon.log10_statistic)
+        at = mon.alarm_at
+        runs[name] = {"trace_every_10": trace, "alarm_at": at,
+                      "delay": None if at is None or at <= DRIFT_ID_INPUTS else at - DRIFT_ID_INPUTS,
+                      "false_alarm": at is not None and at <= DRIFT_ID_INPUTS}  # fmt: skip
+    pool = np.concatenate([test, val])
+    alarms = 0
+    for k in range(NULL_STREAMS):
+        mon = DriftMonitor(cal, delta=g.drift_delta, bins=g.drift_bins, seed=seed + 1 + k, edges=edges)
+        mon.update(outlier_oriented(rng.choice(pool, NULL_STREAM_INPUTS), metric))
+        alarms += mon.alarm
+    return {"switch_at": DRIFT_ID_INPUTS, "log10_threshold": float(np.log10(1 / g.drift_delta)), "runs": runs,
+            "null_streams": NULL_STREAMS, "null_stream_inputs": NULL_STREAM_INPUTS, "null_alarms": int(alarms),
+            "delta": g.drift_delta}  # fmt: skip
+
+
+def evaluate_guarantees(
+    g: Any, by_method: dict[str, dict[str, CalibrationOutputs]], thresholds: dict[str, float], metric: str,
+    served: str = "hydra",
+) -> dict[str, Any]:  # fmt: skip
+    """The report's guarantees section. ``by_method``: per method (Single, members, the Deep Ensemble, Hydra), its
+    outputs at its own temperature with its own OOD statistics of the served score's family on ``calibration``,
+    ``val``, ``test`` and each ``ood:<set>``; ``thresholds``: each method's OOD threshold on its own validation
+    scores (the risk rules' cut). Each method gets its guarantees fitted on the calibration split as the served
+    model does; ``served`` also gets the Mondrian sets, the risk-coverage curve and the drift runs."""
+    out: dict[str, Any] = {"alphas": list(REPORT_ALPHAS), "method": g.method, "metric": metric, "methods": {}}
+    for name, o in by_method.items():
+        fitted = fit_guarantees(g, o["calibration"], o["val"], metric, thresholds[name], {})
+        ood = {k[4:]: v.ood_score for k, v in o.items() if k.startswith("ood:")}
+        row = {"coverage": coverage_table(fitted, o["test"]), "p_values": p_value_table(fitted, metric, o["test"], ood),
+               "selective": selective_table(fitted, metric, thresholds[name], o["test"]),
+               "calibration_size": int(len(o["calibration"].labels))}  # fmt: skip
+        if name == served:
+            row["mondrian"] = coverage_table(fitted, o["test"], mondrian=True)
+            row["risk_coverage"] = risk_coverage_curve(o["test"], metric, thresholds[name])
+            row["drift"] = drift_runs(fitted, g, metric, o["test"].ood_score, ood, o["val"].ood_score)
+            row["min_alpha"] = float(fitted.sets.min_alpha())
+            row["min_alpha_per_class"] = [float(a) for a in fitted.sets.min_alpha(mondrian=True)]
+        out["methods"][name] = row
+    return out

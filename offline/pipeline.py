@@ -29,6 +29,7 @@ from service.preprocess import make_preprocessor
 from service.uncertainty import SUMMARY_SCORES, ood_flag, summarize
 
 from . import train as train_mod
+from .calibration import calibrate_threshold
 from .checkpoints import load_timm
 from .compute import Compute, on_device
 from .config import BuildConfig, ConfigError, check_budget
@@ -36,7 +37,7 @@ from .export import BF16_MIN_AGREEMENT, ONNX_OPSET, bf16_agreement, bf16_flag_ag
 from .families import FamilyAdapter, get_adapter
 from .foreign import foreign_images
 from .fusion import fuse
-from .guarantees import GUARANTEES_FILE, CalibrationOutputs, fit_guarantees
+from .guarantees import GUARANTEES_FILE, CalibrationOutputs, evaluate_guarantees, fit_guarantees
 from .ood_fit import LAYERS, member_agreement, scores_np
 from .stages import (
     EVAL_MAX_PIXELS,
@@ -61,6 +62,7 @@ from .stages import (
     finetune_one,
     load_data,
     member_checkpoints,
+    method_stats,
     prepare_out,
     provenance,
     sample_indices,
@@ -493,8 +495,35 @@ def evaluate_build(
         served["foreign"] = float(np.mean(flags))
     guarantees = hydra_guarantees(cfg, hydra, cal, sets, data) if sets.calibration else None
     timer.lap("evaluation")
+    report = guarantees_report(cfg, methods, cal, sets, len(data.class_names)) if sets.calibration else None
+    if report is not None:
+        timer.lap("guarantees (every method, drift simulations)")
     return cal, rows, plots, {"served": served, "member_rank_correlation_ood": agreement,
-                              "guarantees": guarantees}, latency  # fmt: skip
+                              "guarantees": guarantees, "guarantees_report": report}, latency  # fmt: skip
+
+
+def guarantees_report(cfg: BuildConfig, methods: dict[str, Any], cal: Calibration, sets: EvalSets,
+                      classes: int) -> dict[str, Any]:  # fmt: skip
+    """The report's guarantees section (:func:`offline.guarantees.evaluate_guarantees`): every method with its own
+    temperature and its own statistics of the served score's family, its own OOD threshold on validation."""
+    ids = cal.layer_ids if cal.metric == LAYERS else None
+    names = ["calibration", "val", "test", *(n for n in sets.named() if n.startswith("ood:"))]
+    by_method, thresholds = {}, {}
+    for name, m in methods.items():
+        if name == "ensemble_unfused":  # Hydra's members unfused: the same numbers as Hydra's up to the MLP merge
+            continue
+        T, stats = (cal.temperature, cal.stats) if name == "hydra" else method_stats(
+            m, sets.labels("fit"), sets.labels("val"), classes, ids)  # fmt: skip
+        outs = {}
+        for n in names:
+            run = m.runs[n]
+            labels = sets.labels(n).numpy() if not n.startswith("ood:") else np.zeros(len(run[0]), dtype=np.int64)
+            outs[n] = CalibrationOutputs(summarize(run[0], T)["probs"].double().numpy(), labels,
+                                         scores_np(run, stats, T)[cal.metric])  # fmt: skip
+        by_method[name] = outs
+        thresholds[name] = cal.threshold if name == "hydra" else calibrate_threshold(
+            outs["val"].ood_score, cal.metric, tpr=cfg.calibration.tpr)  # fmt: skip
+    return evaluate_guarantees(cfg.guarantees, by_method, thresholds, cal.metric)
 
 
 def served_outputs(run: Any, cal: Calibration, labels: torch.Tensor) -> CalibrationOutputs:

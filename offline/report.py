@@ -40,7 +40,7 @@ OOD_KEYS = ("auroc", "fpr95", "aupr_in", "aupr_out")
 PLOT_FILES = ("reliability.png", "ood_hist_msp.png", "ood_hist_mi.png", "member_accuracy.png")
 SERVED_PLOT = "ood_hist_served.png"  # only when ``plots["served"]`` is given
 # ``extra`` keys with a section of their own (not repeated in the build facts)
-SECTION_KEYS = ("ood_candidates", "ood_selected", "ood_forced", "served_flag", "no_ood_data")
+SECTION_KEYS = ("ood_candidates", "ood_selected", "ood_forced", "served_flag", "no_ood_data", "guarantees_report")
 # the order of OOD score columns; scores not listed follow in the order they appear
 SCORE_ORDER = ("msp", "max_logit", "energy", "entropy", "mutual_information", "mahalanobis",
                "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")  # fmt: skip
@@ -349,6 +349,61 @@ def _served_flag_section(extra: Mapping[str, Any], ood_kinds: dict[str, str]) ->
     return md
 
 
+def _guarantees_section(extra: Mapping[str, Any]) -> list[str]:
+    """What the calibration split certifies, measured on ID test and the OOD test sets, per method."""
+    if not (g := extra.get("guarantees_report")):
+        return []
+    methods = g["methods"]
+    alphas = [str(a) for a in g["alphas"]]
+    hydra = methods.get("hydra", {})
+    md = ["## Guarantees (calibration split)", ""]
+    md += [f"Fitted on the calibration split alone ({hydra.get('calibration_size', '–')} ID inputs nothing else of "
+           f"the build touched), each method at its own temperature with its own statistics of the served score "
+           f"(`{g['metric']}`), measured on ID test. Sets: `{g['method']}` scores; the smallest alpha the split "
+           f"allows is {_num(hydra.get('min_alpha'), 5)} (per class, Mondrian: "
+           f"{', '.join(_num(a, 4) for a in hydra.get('min_alpha_per_class', []))}). Expected: coverage at least "
+           "1 - alpha (within the test set's sampling error), false alarms at most alpha, realised risk at most "
+           "the target with probability 1 - delta.", ""]
+    md += ["### Prediction sets: coverage % / mean size (ID test)", ""]
+    body = [[m] + [f"{_pct(r['coverage'][a]['coverage'])} / {r['coverage'][a]['mean_size']:.2f}" for a in alphas]
+            for m, r in methods.items()]  # fmt: skip
+    md += _table(["Method"] + [f"alpha {a}" for a in alphas], body) + [""]
+    md += ["Smallest class coverage % (marginal sets; Mondrian sets for Hydra in the last row):", ""]
+    body = [[m] + [_pct(r["coverage"][a]["min_class"]) for a in alphas] for m, r in methods.items()]
+    if "mondrian" in hydra:
+        body.append(["hydra (Mondrian)"] + [f"{_pct(hydra['mondrian'][a]['min_class'])} / "
+                                            f"{hydra['mondrian'][a]['mean_size']:.2f}" for a in alphas])  # fmt: skip
+    md += _table(["Method"] + [f"alpha {a}" for a in alphas], body) + [""]
+    md += ["### OOD p-values: false alarms on ID test % (flag = p-value <= alpha)", ""]
+    body = [[m] + [_pct(r["p_values"][a]["false_alarm"]) for a in alphas] for m, r in methods.items()]
+    md += _table(["Method"] + [f"alpha {a}" for a in alphas], body) + [""]
+    if hydra.get("p_values"):
+        sets = list(hydra["p_values"][alphas[0]]["recall"])
+        md += ["Hydra's recall % on each OOD test set:", ""]
+        body = [[n] + [_pct(hydra["p_values"][a]["recall"][n]) for a in alphas] for n in sets]
+        md += _table(["OOD test set"] + [f"alpha {a}" for a in alphas], body) + [""]
+    md += ["### Answers with a risk bound: realised risk % among accepted / accept rate % (ID test)", ""]
+    risks = [str(r["risk"]) for r in next(iter(methods.values()))["selective"]]
+    body = []
+    for m, r in methods.items():
+        cells = []
+        for t in r["selective"]:
+            cells.append("not certified" if not t["certified"] else
+                         f"{_pct(t['test_risk'])} / {_pct(t['test_accept_rate'])}")  # fmt: skip
+        body.append([m, *cells])
+    md += _table(["Method"] + [f"risk {x}" for x in risks], body) + [""]
+    if drift := hydra.get("drift"):
+        md += ["### Drift alarm (simulated streams of Hydra's served scores)", ""]
+        md += [f"{drift['null_alarms']} of {drift['null_streams']} ID streams of {drift['null_stream_inputs']:,} "
+               f"inputs (resampled from ID test and validation) raised the alarm (delta = {drift['delta']}). A stream "
+               f"of {drift['switch_at']:,} ID test inputs that switches to an OOD test set:", ""]
+        body = [[n, "yes" if r["false_alarm"] else "no", "–" if r["delay"] is None else str(r["delay"])]
+                for n, r in drift["runs"].items()]  # fmt: skip
+        md += _table(["Switch to", "Alarm before the switch", "Inputs after the switch until the alarm"], body)
+        md += [""]
+    return md
+
+
 def _build_section(extra: dict, plots: list[str]) -> list[str]:
     """Build facts as a (nested) list (less what has a section of its own), then the plots, if any."""
     md = ["## Build", ""]
@@ -373,7 +428,8 @@ def _markdown(rows: list[dict], ood_kinds: dict[str, str], title: str, extra: di
         md += ["", "## OOD detection", "", "This build had no OOD data: no OOD detection results.", ""]
     else:
         md += _ood_section(rows, ood_kinds, score) + _scores_section(rows, ood_kinds, served)
-    md += _selection_section(extra) + _served_flag_section(extra, ood_kinds) + _build_section(extra, plots)
+    md += _selection_section(extra) + _served_flag_section(extra, ood_kinds) + _guarantees_section(extra)
+    md += _build_section(extra, plots)
     return "\n".join(md) + "\n"
 
 
@@ -579,7 +635,49 @@ def _write_plots(out: Path, rows: list[dict], ood_kinds: dict[str, str], plots: 
         flag = flag if flag.get("score") == served["score"] else {}
         _plot_served_hist(pdir / SERVED_PLOT, served, plots.get("ood_kinds", ood_kinds), flag)
         written.append(f"plots/{SERVED_PLOT}")
+    hydra = ((extra.get("guarantees_report") or {}).get("methods") or {}).get("hydra") or {}
+    if hydra.get("drift"):
+        _plot_drift(pdir / "drift.png", hydra["drift"])
+        written.append("plots/drift.png")
+    if hydra.get("risk_coverage"):
+        _plot_risk_coverage(pdir / "risk_coverage.png", hydra["risk_coverage"], hydra["selective"])
+        written.append("plots/risk_coverage.png")
     return written
+
+
+def _plot_drift(path: Path, drift: dict) -> None:
+    """The drift statistic (log10) along each simulated stream, the switch and the alarm level."""
+    fig = _figure(7.0, 3.6)
+    ax = fig.subplots()
+    for name, r in drift["runs"].items():
+        x = np.arange(1, len(r["trace_every_10"]) + 1) * 10
+        ax.plot(x, r["trace_every_10"], lw=1.2, label=f"to {name}" + ("" if r["delay"] is None
+                                                                         else f" (alarm +{r['delay']})"))  # fmt: skip
+    ax.axhline(drift["log10_threshold"], color="k", ls="--", lw=1, label="alarm level log10(1/delta)")
+    ax.axvline(drift["switch_at"], color="grey", ls=":", lw=1, label="switch from ID test")
+    ax.set_xlabel("inputs served")
+    ax.set_ylabel("log10 drift statistic")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.savefig(path)
+
+
+def _plot_risk_coverage(path: Path, curve: dict, rules: list[dict]) -> None:
+    """Risk among accepted vs accept rate on ID test, the certified rules marked with their targets."""
+    fig = _figure(5.5, 3.8)
+    ax = fig.subplots()
+    rate = np.asarray(curve["accept_rate"], dtype=float)
+    risk = np.asarray([np.nan if v is None else v for v in curve["risk"]], dtype=float)
+    ax.plot(rate, risk, lw=1.5, label="confidence threshold (OOD cut applied)")
+    for r in rules:
+        if r["certified"] and r["test_risk"] is not None:
+            ax.scatter([r["test_accept_rate"]], [r["test_risk"]], zorder=3)
+            ax.annotate(f"target {r['risk']}", (r["test_accept_rate"], r["test_risk"]), fontsize=7,
+                        xytext=(4, -8), textcoords="offset points")  # fmt: skip
+            ax.axhline(r["risk"], color="grey", lw=0.5, ls=":")
+    ax.set_xlabel("accept rate (ID test)")
+    ax.set_ylabel("risk among accepted")
+    ax.legend(fontsize=7)
+    fig.savefig(path)
 
 
 # ----------------------------------------------------------------------------- entry point

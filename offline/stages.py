@@ -694,18 +694,26 @@ def calibrated_metrics(m: Method, y_val: torch.Tensor, y_test: np.ndarray) -> di
                                  if k in ("acc", "nll", "brier", "ece", "aece")}}  # fmt: skip
 
 
-def ood_detection(
+def method_stats(
     m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int, layer_ids: tuple[int, ...] | None = None
-) -> dict[str, Any]:
-    """Every OOD score of the method (its own Gaussians on the fit split, norms and temperature on validation) and
-    its detection quality per OOD test set: Single and the members with the same scores as Hydra (``layer_ids``:
-    the layer set of ``mahalanobis_layers``, Hydra's)."""
+) -> tuple[float, OODStats | None]:
+    """The method's own temperature (fitted on ID validation) and OOD statistics (Gaussians on the fit split, norms
+    on validation; ``layer_ids``: the layer set of ``mahalanobis_layers``, Hydra's): the same treatment as Hydra's."""
     (val_l, val_f, val_layers), (_, fit_f, fit_layers) = m.runs["val"], m.runs["fit"]
     T = fit_temperature(val_l, y_val)
     stats = fit_ood_stats(fit_f, y_fit, classes, val_l, val_f, T) if fit_f is not None else None
     if stats is not None and layer_ids and fit_layers is not None and val_layers is not None:
         val_md = torch.from_numpy(scores_np((val_l, val_f, None), stats, T)["mahalanobis"])
         stats = with_layers(stats, fit_layer_stats(fit_layers, y_fit, classes, val_layers, val_md, layer_ids))
+    return T, stats
+
+
+def ood_detection(
+    m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int, layer_ids: tuple[int, ...] | None = None
+) -> dict[str, Any]:
+    """Every OOD score of the method (:func:`method_stats`) and its detection quality per OOD test set: Single and
+    the members with the same scores as Hydra."""
+    T, stats = method_stats(m, y_fit, y_val, classes, layer_ids)
     id_scores = scores_np(m.runs["test"], stats, T)
     ood = {k[4:]: scores_np(v, stats, T) for k, v in m.runs.items() if k.startswith("ood:")}
     return detection(id_scores, ood)

@@ -51,6 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -437,6 +438,54 @@ class SelectiveRule:
     tested: int
 
 
+def _selective_inputs(
+    conf: np.ndarray | torch.Tensor, correct: np.ndarray | torch.Tensor, eps: float | Sequence[float], delta: float,
+    eligible: np.ndarray | torch.Tensor | None, p_value: str, min_accept: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, list[float]]:  # fmt: skip
+    """:func:`selective_thresholds`' arguments checked: ``(conf, correct, eligible, delta, targets)``."""
+    c = np.asarray(conf, dtype=np.float64)
+    ok = np.asarray(correct)
+    if c.ndim != 1 or ok.shape != c.shape:
+        raise ValueError(f"conf and correct must both be (n,), got {c.shape} and {ok.shape}")
+    if ok.dtype != np.bool_:
+        raise ValueError(f"correct must be bool, got {ok.dtype}")
+    if not np.all(np.isfinite(c)):
+        raise ValueError("conf must be finite")
+    elig = np.ones(c.shape, dtype=bool) if eligible is None else np.asarray(eligible)
+    if elig.shape != c.shape or elig.dtype != np.bool_:
+        raise ValueError(f"eligible must be a bool (n,) = {c.shape} mask, got {elig.dtype} {elig.shape}")
+    if p_value not in P_VALUES:
+        raise ValueError(f"unknown p_value {p_value!r}; expected one of {list(P_VALUES)}")
+    delta = _level("delta", delta)
+    targets = [_level("eps", e) for e in np.atleast_1d(np.asarray(eps, dtype=np.float64)).tolist()]
+    if not targets:
+        raise ValueError("eps must name at least one target risk")
+    if min_accept is not None and (int(min_accept) != min_accept or min_accept < 0):
+        raise ValueError(f"min_accept must be an integer >= 0, got {min_accept!r}")
+    return c, ok, elig, delta, targets
+
+
+def _candidates(
+    ce: np.ndarray, err: np.ndarray, grid: np.ndarray | Sequence[float] | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(thresholds, n_acc, k)`` descending: the candidate thresholds, and the eligible points each accepts and the
+    errors among them, from eligible confidences ``ce (n_e,)`` and errors ``err (n_e,)``."""
+    order = np.argsort(-ce, kind="stable")
+    desc = ce[order]
+    cum_err = np.concatenate([[0], np.cumsum(err[order])])  # errors among the top j, j = 0..n_e
+    if grid is None:
+        # one candidate per distinct confidence: the top j points, j at the end of each run of equal confidences
+        n_acc = np.flatnonzero(np.concatenate([desc[:-1] != desc[1:], [True]])) + 1 if desc.size else np.zeros(0, int)
+        thresholds = desc[n_acc - 1]
+    else:
+        g = np.asarray(grid, dtype=np.float64)
+        if g.ndim != 1 or g.size == 0 or not np.all(np.isfinite(g)):
+            raise ValueError(f"grid must be a non-empty finite (G,) array, got shape {g.shape}")
+        thresholds = np.unique(g)[::-1]
+        n_acc = desc.size - np.searchsorted(desc[::-1], thresholds, side="left")
+    return thresholds, n_acc, cum_err[n_acc]
+
+
 def selective_thresholds(
     conf: np.ndarray | torch.Tensor, correct: np.ndarray | torch.Tensor, eps: float | Sequence[float],
     delta: float = 0.1, *, eligible: np.ndarray | torch.Tensor | None = None, p_value: str = "binomial",
@@ -495,64 +544,36 @@ def selective_thresholds(
 
     Each ``eps`` is a separate guarantee at level ``delta``.
     """
-    c = np.asarray(conf, dtype=np.float64)
-    ok = np.asarray(correct)
-    if c.ndim != 1 or ok.shape != c.shape:
-        raise ValueError(f"conf and correct must both be (n,), got {c.shape} and {ok.shape}")
-    if ok.dtype != np.bool_:
-        raise ValueError(f"correct must be bool, got {ok.dtype}")
-    if not np.all(np.isfinite(c)):
-        raise ValueError("conf must be finite")
-    elig = np.ones(c.shape, dtype=bool) if eligible is None else np.asarray(eligible)
-    if elig.shape != c.shape or elig.dtype != np.bool_:
-        raise ValueError(f"eligible must be a bool (n,) = {c.shape} mask, got {elig.dtype} {elig.shape}")
-    if p_value not in P_VALUES:
-        raise ValueError(f"unknown p_value {p_value!r}; expected one of {list(P_VALUES)}")
-    delta = _level("delta", delta)
-    targets = [_level("eps", e) for e in np.atleast_1d(np.asarray(eps, dtype=np.float64)).tolist()]
-    if not targets:
-        raise ValueError("eps must name at least one target risk")
-    if min_accept is not None and (int(min_accept) != min_accept or min_accept < 0):
-        raise ValueError(f"min_accept must be an integer >= 0, got {min_accept!r}")
+    c, ok, elig, delta, targets = _selective_inputs(conf, correct, eps, delta, eligible, p_value, min_accept)
     fn = binomial_p_value if p_value == "binomial" else hb_p_value
-
     n_all = c.shape[0]
-    ce, err = c[elig], ~ok[elig]
-    order = np.argsort(-ce, kind="stable")
-    desc = ce[order]
-    cum_err = np.concatenate([[0], np.cumsum(err[order])])  # errors among the top j, j = 0..n_e
-    if grid is None:
-        # one candidate per distinct confidence: the top j points, j at the end of each run of equal confidences
-        n_acc = np.flatnonzero(np.concatenate([desc[:-1] != desc[1:], [True]])) + 1 if desc.size else np.zeros(0, int)
-        thresholds = desc[n_acc - 1]
-    else:
-        g = np.asarray(grid, dtype=np.float64)
-        if g.ndim != 1 or g.size == 0 or not np.all(np.isfinite(g)):
-            raise ValueError(f"grid must be a non-empty finite (G,) array, got shape {g.shape}")
-        thresholds = np.unique(g)[::-1]
-        n_acc = desc.size - np.searchsorted(desc[::-1], thresholds, side="left")
-    k = cum_err[n_acc]
+    thresholds, n_acc, k = _candidates(c[elig], ~ok[elig], grid)
 
-    rules = []
-    for e in targets:
-        start = 0
-        if grid is None:
-            m = min_accepted(e, delta) if min_accept is None else int(min_accept)
-            start = int(np.searchsorted(n_acc, m, side="left"))
-        last, p_last, p_stop, tested = -1, 1.0, 1.0, 0
-        for lo in range(start, thresholds.size, 512):  # early stop: most sequences end long before the last
-            p = fn(k[lo : lo + 512], n_acc[lo : lo + 512], e)
-            fail = np.flatnonzero(p > delta)
-            stop = lo + (int(fail[0]) if fail.size else p.size)
-            tested = stop - start + (1 if fail.size else 0)
-            if stop > lo:
-                last, p_last = stop - 1, float(p[stop - 1 - lo])
-            if fail.size:
-                p_stop = float(p[fail[0]])
-                break
-        if last < 0:
-            rules.append(SelectiveRule(e, delta, None, 0, 0.0, float("nan"), p_stop, tested))
-        else:
-            na, kk = int(n_acc[last]), int(k[last])
-            rules.append(SelectiveRule(e, delta, float(thresholds[last]), na, na / n_all, kk / na, p_last, tested))
-    return rules
+    return [_fixed_sequence(thresholds, n_acc, k, n_all, e, delta, fn, grid is None, min_accept) for e in targets]
+
+
+def _fixed_sequence(
+    thresholds: np.ndarray, n_acc: np.ndarray, k: np.ndarray, n_all: int, e: float, delta: float, fn: Any,
+    data_grid: bool, min_accept: int | None,
+) -> SelectiveRule:  # fmt: skip
+    """One target ``e``: the candidates tested from the highest down, stopping at the first p-value above ``delta``;
+    the rule of the last rejected (see :func:`selective_thresholds`)."""
+    start = 0
+    if data_grid:
+        m = min_accepted(e, delta) if min_accept is None else int(min_accept)
+        start = int(np.searchsorted(n_acc, m, side="left"))
+    last, p_last, p_stop, tested = -1, 1.0, 1.0, 0
+    for lo in range(start, thresholds.size, 512):  # early stop: most sequences end long before the last
+        p = fn(k[lo : lo + 512], n_acc[lo : lo + 512], e)
+        fail = np.flatnonzero(p > delta)
+        stop = lo + (int(fail[0]) if fail.size else p.size)
+        tested = stop - start + (1 if fail.size else 0)
+        if stop > lo:
+            last, p_last = stop - 1, float(p[stop - 1 - lo])
+        if fail.size:
+            p_stop = float(p[fail[0]])
+            break
+    if last < 0:
+        return SelectiveRule(e, delta, None, 0, 0.0, float("nan"), p_stop, tested)
+    na, kk = int(n_acc[last]), int(k[last])
+    return SelectiveRule(e, delta, float(thresholds[last]), na, na / n_all, kk / na, p_last, tested)
