@@ -24,6 +24,7 @@ __all__ = [
     "ServiceError",
     "InvalidInput",
     "Unauthorized",
+    "Forbidden",
     "NotFound",
     "MethodNotAllowed",
     "PayloadTooLarge",
@@ -75,6 +76,10 @@ class Unauthorized(ServiceError, code="unauthorized", status=401):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ServiceError, code="forbidden", status=403):
+    """The caller may not do this here (e.g. reset a drift alarm on a server without ``HYDRA_API_KEY``)."""
 
 
 class NotFound(ServiceError, code="not_found", status=404):

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from .errors import NotReady
+from .errors import Forbidden, NotFound, NotReady
 from .lifecycle import not_ready_reason
 from .metrics import CONTENT_TYPE_LATEST
 from .pipeline import request_id, run_inference, server_state
@@ -106,6 +106,37 @@ async def models(request: Request) -> dict[str, Any]:
     return {"models": [rt.describe() for rt in server_state(request).runtimes.values()]}
 
 
+def _runtime(request: Request, name: str) -> Any:
+    """The loaded model named ``name`` (404 naming the served ones)."""
+    state = server_state(request)
+    rt = state.runtimes.get(name)
+    if rt is None:
+        raise NotFound(f"unknown model {name[:64]!r}; served: {sorted(state.runtimes)}")
+    return rt
+
+
+async def drift(request: Request, model_name: str) -> dict[str, Any]:
+    """The model's drift test now (docs/api.md "Guarantees")."""
+    name = model_name
+    rt = _runtime(request, name)
+    state = rt.drift_state()
+    if state is None:
+        raise NotFound(f"model {name!r} has no drift test (it was built without a calibration split)")
+    return {"model": rt.name, **state}
+
+
+async def drift_reset(request: Request, model_name: str) -> dict[str, Any]:
+    """Start a fresh drift test after an investigation; only for an authenticated caller (``HYDRA_API_KEY``)."""
+    name = model_name
+    if not server_state(request).settings.api_key:
+        raise Forbidden("resetting a drift alarm needs an authenticated caller: start the server with HYDRA_API_KEY "
+                        "set and send Authorization: Bearer <key>")  # fmt: skip
+    rt = _runtime(request, name)
+    if rt.drift_state() is None:
+        raise NotFound(f"model {name!r} has no drift test (it was built without a calibration split)")
+    return rt.reset_drift()
+
+
 async def predict(request: Request) -> Response:
     return await infer(request, "classification")
 
@@ -127,6 +158,16 @@ def install_routes(app: FastAPI) -> None:
         "/v1/models", response_model=ModelsResponse, tags=["models"], summary="Loaded models",
         responses={401: ERROR_RESPONSES[401]},
     )(models)  # fmt: skip
+    app.get(
+        "/v1/models/{model_name}/drift", tags=["models"],
+        summary="The model's drift test: alarm, statistic, inputs seen",
+        responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]},
+    )(drift)  # fmt: skip
+    app.post(
+        "/v1/models/{model_name}/drift/reset", tags=["models"],
+        summary="Start a fresh drift test (authenticated callers)",
+        responses={k: ERROR_RESPONSES[k] for k in (401, 403, 404)},
+    )(drift_reset)  # fmt: skip
     errors = {k: ERROR_RESPONSES[k] for k in (400, 401, 413, 415, 422, 500, 503)}
     app.post(
         "/predict", response_model=PredictResponse, tags=["inference"], responses=errors,

@@ -42,11 +42,29 @@ DATA_INPUTS = ("text", "image", "pixel_values")  # exactly one per request
 
 @dataclass(frozen=True)
 class OutputSpec:
-    """One output: its datatype, its shape after the batch dimension, and its values from an outcome."""
+    """One output: its datatype, its shape after the batch dimension, and its values from an outcome; ``guarantee``:
+    only models with a calibration split have it."""
 
     datatype: str
     dims: Callable[[Runtime], list[int]]
     values: Callable[[Outcome], np.ndarray]
+    guarantee: bool = False
+
+    def available(self, rt: Runtime) -> bool:
+        return not self.guarantee or rt.guarantees is not None
+
+
+def _optional(key: str, dtype: Any, missing: Any) -> Callable[[Outcome], np.ndarray]:
+    """A guarantee field per input (``missing`` where the request's labels have none: zero-shot sets)."""
+    return lambda out: np.array([missing if getattr(r, key) is None else getattr(r, key) for r in out.results],
+                                dtype=dtype)  # fmt: skip
+
+
+def _sets(out: Outcome) -> np.ndarray:
+    """``(B, C)`` bool: each input's prediction set over the answer's labels (all false where none holds)."""
+    c = len(out.labels)
+    return np.stack([r.prediction_set if r.prediction_set is not None else np.zeros(c, dtype=bool)
+                     for r in out.results]).astype(bool)  # fmt: skip
 
 
 def _classes(rt: Runtime) -> int:
@@ -78,9 +96,14 @@ OUTPUTS: dict[str, OutputSpec] = {
     "ood_flag": OutputSpec(
         "BOOL", lambda rt: [], lambda out: np.array([r.ood_flag for r in out.results], dtype=bool)
     ),  # (B,)
+    # the guarantees (docs/api.md "Guarantees"): at the request's parameters alpha, ood_alpha, risk
+    "ood_p_value": OutputSpec("FP32", lambda rt: [], _optional("p_value", np.float32, np.nan), guarantee=True),
+    "prediction_set": OutputSpec("BOOL", lambda rt: [_classes(rt)], _sets, guarantee=True),  # (B, C)
+    "accept": OutputSpec("BOOL", lambda rt: [], _optional("accept", bool, False), guarantee=True),  # (B,)
 }
-# sent when the request names no outputs: all but the (B, M, C) member probabilities
+# sent when the request names no outputs: all the model has but the (B, M, C) member probabilities
 DEFAULT_OUTPUTS = tuple(name for name in OUTPUTS if name != "member_probabilities")
+LEVELS = ("alpha", "ood_alpha", "risk")  # request parameters of the guarantees
 
 
 # ----------------------------------------------------------------------------------------------- metadata
@@ -102,7 +125,8 @@ def input_metadata(rt: Runtime) -> list[dict[str, Any]]:
 def model_metadata(rt: Runtime) -> dict[str, Any]:
     """``$metadata_model_response`` of a model."""
     backend = rt.plan.backend if rt.plan is not None else "none"
-    outputs = [_tensor(name, spec.datatype, [-1, *spec.dims(rt)]) for name, spec in OUTPUTS.items()]
+    outputs = [_tensor(name, spec.datatype, [-1, *spec.dims(rt)]) for name, spec in OUTPUTS.items()
+               if spec.available(rt)]  # fmt: skip
     return {"name": rt.name, "versions": [rt.version], "platform": f"hydra-serve_{backend}",
             "inputs": input_metadata(rt), "outputs": outputs}  # fmt: skip
 
@@ -154,14 +178,28 @@ def _pixels(rt: Runtime, t: Tensor) -> list[torch.Tensor]:
     return list(torch.from_numpy(np.array(t.data, dtype=np.float32)).unbind(0))  # B x (C, H, W)
 
 
+def _levels(params: dict[str, Any]) -> dict[str, float]:
+    """The guarantees' levels a request sets (parameters ``alpha``, ``ood_alpha``, ``risk``): numbers in (0, 1)."""
+    out = {}
+    for key in LEVELS:
+        if key in params:
+            v = params[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+                raise InvalidInput(f"parameters.{key}: must be a number in (0, 1), got {v!r}", status=422)
+            out[key] = float(v)
+    return out
+
+
 def _query(rt: Runtime, tensors: dict[str, Tensor], params: dict[str, Any]) -> Query:
-    """The zero-shot labels and template of a request (none: the model's own labels)."""
+    """The zero-shot labels and template of a request (none: the model's own labels), and the guarantees'
+    levels."""
+    levels = _levels(params)
     if "labels" not in tensors:
         if rt.task == "zero-shot" and not rt.labels:
             raise InvalidInput(
                 f"model {rt.name!r} has no fixed labels: send the candidate labels as the input 'labels'"
             )
-        return Query(top_k=1)
+        return Query(top_k=1, **levels)
     template = params.get("template", DEFAULT_TEMPLATE)
     if not isinstance(template, str):
         raise InvalidInput("parameters.template: must be a string")
@@ -169,7 +207,7 @@ def _query(rt: Runtime, tensors: dict[str, Tensor], params: dict[str, Any]) -> Q
         template = check_template(template)
     except ValueError as e:
         raise InvalidInput(f"parameters.template: {e}") from None
-    return Query(top_k=1, labels=_texts(tensors["labels"], "[L]"), template=template)
+    return Query(top_k=1, labels=_texts(tensors["labels"], "[L]"), template=template, **levels)
 
 
 def parsed_request(rt: Runtime, req: InferRequest, tensors: dict[str, Tensor]) -> ParsedRequest:
@@ -201,15 +239,16 @@ def _flag(params: dict[str, Any], key: str, default: bool = False) -> bool:
     return value
 
 
-def requested_outputs(req: InferRequest) -> list[tuple[str, bool]]:
+def requested_outputs(req: InferRequest, rt: Runtime) -> list[tuple[str, bool]]:
     """The outputs to send, in order, each with whether it goes as binary data."""
     binary = _flag(req.parameters or {}, "binary_data_output")
     if req.outputs is None:
-        return [(name, binary) for name in DEFAULT_OUTPUTS]
+        return [(name, binary) for name in DEFAULT_OUTPUTS if OUTPUTS[name].available(rt)]
     out: list[tuple[str, bool]] = []
+    own = [name for name, spec in OUTPUTS.items() if spec.available(rt)]
     for o in req.outputs:
-        if o.name not in OUTPUTS:
-            raise InvalidInput(f"outputs: {o.name!r} is not an output; outputs: {list(OUTPUTS)}")
+        if o.name not in own:
+            raise InvalidInput(f"outputs: {o.name!r} is not an output of model {rt.name!r}; outputs: {own}")
         if any(o.name == name for name, _ in out):
             raise InvalidInput(f"outputs: {o.name!r} is asked for twice")
         params = o.parameters or {}
@@ -273,7 +312,7 @@ async def _infer(request: Request, model_name: str, model_version: str | None) -
     _check_media(request)
     req, tensors = decode_request(await request.body(), request.headers.get(HEADER_LENGTH))
     _check_body_names(rt, req)
-    wanted = requested_outputs(req)
+    wanted = requested_outputs(req, rt)
     parsed = parsed_request(rt, req, tensors)
     rt, out = await run_inference(request, parsed)
     head = {"model_name": rt.name, "model_version": rt.version, "id": req.id or request_id(request)}

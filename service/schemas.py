@@ -366,6 +366,8 @@ def _example(code: str, description: str) -> dict[str, Any]:
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: _example("invalid_input", "malformed input: bad base64, undecodable image, empty text, ambiguous model"),
     401: _example("unauthorized", "missing or wrong bearer token (when HYDRA_API_KEY is set)"),
+    403: _example("forbidden", "not allowed on this server (a drift reset needs HYDRA_API_KEY)"),
+    404: _example("not_found", "no model of that name is loaded"),
     413: _example("payload_too_large", "request body or image above the configured limit"),
     415: _example("unsupported_media_type", "send application/json or multipart/form-data; images JPEG/PNG/WebP"),
     422: _example("invalid_input", "the body does not match the schema; the message names the field"),

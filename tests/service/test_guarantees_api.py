@@ -158,3 +158,45 @@ def test_drift_alarm_fires_on_foreign_traffic_and_warm_up_does_not_count(tmp_pat
         state = c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]
         assert state["alarm"] is True and state["alarm_at"] > 96
         assert 'hydra_drift_alarm{model="tiny-drift"} 1.0' in c.get("/metrics").text
+
+
+def test_drift_state_and_the_authenticated_reset(tmp_path):
+    """GET /v1/models/{name}/drift shows the test; POST .../drift/reset starts a fresh one, for an authenticated
+    caller only: 403 on a server without HYDRA_API_KEY, 401 without the key, 404 for a model without a drift test."""
+    root = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-reset", guarantees=RISKS, ood_threshold=CUT)
+    with TestClient(create_app(settings_for(root))) as open_server:
+        assert_error(open_server.post("/v1/models/tiny-reset/drift/reset"), 403, "forbidden", "HYDRA_API_KEY")
+    key = {"Authorization": "Bearer s3cret"}
+    with TestClient(create_app(settings_for(root, api_key="s3cret"))) as c:
+        c.post("/predict", json={"images": [b64(png(a)) for a in noise_images(5, seed=2)]}, headers=key)
+        state = c.get("/v1/models/tiny-reset/drift", headers=key).json()
+        assert state["inputs"] == 5 and state["alarm"] is False and state["delta"] == 0.01
+        assert_error(c.post("/v1/models/tiny-reset/drift/reset"), 401, "unauthorized")
+        assert_error(c.post("/v1/models/nope/drift/reset", headers=key), 404, "not_found", "tiny-reset")
+        r = c.post("/v1/models/tiny-reset/drift/reset", headers=key)
+        assert r.status_code == 200 and r.json()["before"]["inputs"] == 5 and r.json()["after"]["inputs"] == 0
+        assert c.get("/v1/models/tiny-reset/drift", headers=key).json()["inputs"] == 0
+
+
+def test_open_inference_protocol_outputs_and_parameters(g_client, g_artifact):
+    """The guarantees as named OIP outputs, at the request's parameters; bad levels are 422."""
+    img = b64(png(noise_images(1, seed=8)[0]))
+    meta = g_client.get("/v2/models/tiny-g").json()
+    names = {o["name"]: o for o in meta["outputs"]}
+    assert {"ood_p_value", "prediction_set", "accept"} <= set(names) and names["prediction_set"]["shape"] == [-1, 4]
+    body = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1], "data": [img]}],
+            "parameters": {"alpha": 0.6, "ood_alpha": 0.9, "risk": 0.05}}  # fmt: skip
+    r = g_client.post("/v2/models/tiny-g/infer", json=body)
+    assert r.status_code == 200, r.text
+    out = {o["name"]: o["data"] for o in r.json()["outputs"]}
+    rest = g_client.post("/predict", json={"image": img, "alpha": 0.6, "ood_alpha": 0.9, "risk": 0.05}).json()
+    p = rest["predictions"][0]
+    assert out["ood_p_value"][0] == pytest.approx(p["ood"]["p_value"], rel=1e-6)
+    assert out["ood_flag"] == [p["ood"]["flag"]] and out["accept"] == [p["selective"]["accept"]]
+    assert [lab for lab, x in zip(TINY_LABELS, out["prediction_set"], strict=True) if x] == sorted(
+        p["conformal"]["set"], key=TINY_LABELS.index)  # fmt: skip
+    for bad in ({"alpha": 0}, {"ood_alpha": "high"}, {"risk": True}):
+        r = g_client.post("/v2/models/tiny-g/infer", json={**body, "parameters": bad})
+        assert r.status_code == 422 and list(bad)[0] in r.json()["error"], r.text
+    r = g_client.post("/v2/models/tiny-g/infer", json={**body, "parameters": {"risk": 0.3}})
+    assert r.status_code == 422 and "[0.05, 0.5]" in r.json()["error"]
