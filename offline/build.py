@@ -22,7 +22,10 @@ import torch  # noqa: E402
 
 from offline import lit, pipeline, pipeline_clip, train  # noqa: E402
 from offline.config import BuildConfig, ConfigError, add_arguments, load_config, overrides_from_args  # noqa: E402
+from offline.progress import DEFAULT_EVERY  # noqa: E402
 from offline.progress import set_enabled as set_progress  # noqa: E402
+from offline.progress import set_every as set_progress_every  # noqa: E402
+from service.logs import json_formatter  # noqa: E402
 
 # family -> the pipeline that builds it
 PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {
@@ -30,6 +33,24 @@ PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {
     "bert": pipeline.build,
     "clip": pipeline_clip.build_zero_shot,
 }
+
+
+def configure_logging(log_format: str | None = None) -> None:
+    """INFO logs on stderr: ``text`` lines, or one JSON object per line (``json``, like the server's
+    ``HYDRA_LOG_FORMAT=json``: the progress lines' fields are its keys); None keeps what is set (default text)."""
+    root = logging.getLogger()
+    if getattr(configure_logging, "_handler", None) is not None:
+        if log_format is None or log_format == configure_logging._format:  # type: ignore[attr-defined]
+            return
+        root.removeHandler(configure_logging._handler)  # type: ignore[attr-defined]
+    handler = logging.StreamHandler(sys.stderr)
+    log_format = log_format or "text"
+    handler.setFormatter(json_formatter() if log_format == "json" else
+                         logging.Formatter("%(asctime)s %(name)s: %(message)s"))  # fmt: skip
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    configure_logging._handler = handler  # type: ignore[attr-defined]
+    configure_logging._format = log_format  # type: ignore[attr-defined]
 
 
 def check_presets(cfg: BuildConfig) -> None:
@@ -46,7 +67,7 @@ def check_presets(cfg: BuildConfig) -> None:
 def build(cfg: BuildConfig, out: str | Path, stage: str | None = None, member: int | None = None) -> Path:
     """Build the artifact of ``cfg`` into ``out`` with its family's pipeline and return it; or run one ``stage``
     of a classifier build (:data:`offline.pipeline.STAGES`; ``member``: the member of ``--stage member``)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure_logging()
     if cfg.family not in PIPELINES:
         raise ConfigError(f"family {cfg.family!r} has no pipeline; known: {sorted(PIPELINES)}")
     check_presets(cfg)
@@ -74,8 +95,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="artifact directory to write")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out directory")
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bars: one log line per stage with its timing (the default when stderr is "
-                             "not a terminal, e.g. CI or a Kubernetes Job)")  # fmt: skip
+                        help="no progress bars: progress lines instead (the default when stderr is not a terminal, "
+                             "e.g. CI or a Kubernetes Job)")  # fmt: skip
+    parser.add_argument("--progress-every", type=float, default=DEFAULT_EVERY,
+                        help="seconds between a long stage's progress lines when no bar is drawn")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="log lines as text, or one JSON object per line (progress lines' fields as keys)")
     parser.add_argument("--stage", choices=pipeline.STAGES, default=None,
                         help="run one stage of a classifier build in --out (shared by the stages): base, score, "
                              "member (with --member K; members fine-tune in parallel), finish; default: all of them")
@@ -89,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.no_progress:
             set_progress(False)
-        skip = ("config", "out", "force", "no_progress", "stage", "member")
+        if not args.progress_every > 0:
+            raise ConfigError(f"--progress-every must be > 0 seconds, got {args.progress_every}")
+        set_progress_every(args.progress_every)
+        configure_logging(args.log_format)
+        skip = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")
         cfg = load_config(args.config, overrides_from_args(args, skip=skip))
         out = Path(args.out)
         if out.exists() and not resumable_only(out) and not args.force and args.stage in (None, "finish"):

@@ -39,6 +39,7 @@ from .foreign import foreign_images
 from .fusion import fuse
 from .guarantees import GUARANTEES_FILE, CalibrationOutputs, evaluate_guarantees, fit_guarantees
 from .ood_fit import LAYERS, member_agreement, scores_np
+from .progress import stage as progress_stage
 from .stages import (
     EVAL_MAX_PIXELS,
     FASHION_MEAN,
@@ -432,7 +433,8 @@ def finish(
     guarantees = extra.pop("guarantees", None)
     if guarantees is not None:
         save_file(guarantees.tensors, str(out / GUARANTEES_FILE))
-    exports, precision = export_fused(cfg, fused, parity_batches(evaluation[0].val), out, cal)
+    with progress_stage("export"):
+        exports, precision = export_fused(cfg, fused, parity_batches(evaluation[0].val), out, cal)
     timer.lap("export")
 
     def manifest(metrics: dict[str, Any]) -> Manifest:
@@ -472,8 +474,10 @@ def evaluate_build(
     )  # fmt: skip
     timer.lap("evaluation outputs (every method on every set)")
     hydra = methods["hydra"]
-    cal = calibrate_ood(cfg, hydra.runs["val"], hydra.runs["fit"], sets.labels("fit"), sets.labels("val"),
-                        {name: collect(hydra.fn, b) for name, b in ood_val.items()}, len(data.class_names))  # fmt: skip
+    with progress_stage("calibration"):
+        cal = calibrate_ood(cfg, hydra.runs["val"], hydra.runs["fit"], sets.labels("fit"), sets.labels("val"),
+                            {name: collect(hydra.fn, b) for name, b in ood_val.items()},
+                            len(data.class_names))  # fmt: skip
     timer.lap("calibration")
 
     ood_kinds = {name: kind for name, (_, kind) in data.ood_test.items()}
@@ -495,7 +499,10 @@ def evaluate_build(
         served["foreign"] = float(np.mean(flags))
     guarantees = hydra_guarantees(cfg, hydra, cal, sets, data) if sets.calibration else None
     timer.lap("evaluation")
-    report = guarantees_report(cfg, methods, cal, sets, len(data.class_names)) if sets.calibration else None
+    report = None
+    if sets.calibration:
+        with progress_stage("guarantees (every method, drift simulations)"):
+            report = guarantees_report(cfg, methods, cal, sets, len(data.class_names))
     if report is not None:
         timer.lap("guarantees (every method, drift simulations)")
     return cal, rows, plots, {"served": served, "member_rank_correlation_ood": agreement,

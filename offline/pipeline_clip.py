@@ -107,6 +107,7 @@ from .ood_fit import (
     select_score,
     with_layers,
 )
+from .progress import stage as progress_stage
 from .stages import (
     EVAL_BATCH,
     EVAL_MAX_PIXELS,
@@ -471,7 +472,8 @@ def finish_zero_shot(
     if guarantees is not None:
         save_file(guarantees.tensors, str(out / GUARANTEES_FILE))
     fused.visual.with_layer_features = cal.stats is not None and cal.stats.layers is not None
-    exports = zero_shot_exports(cfg, fused, val, tok, list(data.class_names), prep, prompts_, out)
+    with progress_stage("export"):
+        exports = zero_shot_exports(cfg, fused, val, tok, list(data.class_names), prep, prompts_, out)
     precision = {"bf16": bf16_agreement(fused, [b for b, _ in val[:4]], temperature=cal.temperature)} \
         if cfg.export.bf16_check else {}  # fmt: skip
     tok.save_pretrained(str(out / "tokenizer"))
