@@ -138,13 +138,21 @@ class ImagePreprocessor:
 
     def to_tensor(self, im: Image.Image) -> torch.Tensor:
         """A decoded image -> ``(C, H, W)`` float32, converted, resized and normalised."""
+        return self.normalize(self.pixels(im))
+
+    def pixels(self, im: Image.Image) -> np.ndarray:
+        """A decoded image converted to the model's colour and resized: uint8 ``(C, H, W)``, not yet normalised
+        (what a training loop may keep and normalise per batch: :meth:`normalize` of it is :meth:`to_tensor`)."""
         if im.mode == "P" or im.mode == "PA":
             im = im.convert("RGBA")
         if im.mode != self.mode:
             im = im.convert(self.mode)
-        im = self._resized(im)
-        arr = np.asarray(im, dtype=np.float32) * (1.0 / 255.0)  # (H, W) or (H, W, C)
-        arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)  # (C, H, W)
+        arr = np.asarray(self._resized(im), dtype=np.uint8)  # (H, W) or (H, W, C)
+        return np.ascontiguousarray(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))  # (C, H, W)
+
+    def normalize(self, pixels: np.ndarray) -> torch.Tensor:
+        """uint8 ``(C, H, W)`` of :meth:`pixels` -> the model's float32 input ``(C, H, W)``."""
+        arr = pixels.astype(np.float32) * (1.0 / 255.0)
         return torch.from_numpy(np.ascontiguousarray((arr - self.mean) / self.std))
 
     def _resized(self, im: Image.Image) -> Image.Image:
