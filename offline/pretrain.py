@@ -191,7 +191,7 @@ def _cpu_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m offline.pretrain", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", required=True, help="pretraining config (offline/configs/pretrain-fashion.yaml)")
+    ap.add_argument("--config", required=True, help="pretraining config (offline/configs/pretrain/fashion-vit-s.yaml)")
     ap.add_argument("--out", default=str(ROOT / "offline" / "backbones"), help="folder for the weights and record")
     ap.add_argument("--steps", type=int, default=None, help="override train.steps (a short run, e.g. a test)")
     ap.add_argument("--checkpoint-dir", default=None,

@@ -131,6 +131,11 @@ def test_image_eval_batches_are_the_servers_tensors():
     assert y.tolist() == [1, 0, 1]
 
 
-def test_zero_shot_configs_refuse_feature_scores_before_any_work():
-    with pytest.raises(ConfigError, match="zero-shot builds serve"):
-        load_config(None, {"family": "clip", "hydra.prune_total": 2, "calibration.ood_score": "mahalanobis"})
+def test_zero_shot_configs_refuse_class_scores_before_any_work():
+    """Zero-shot labels come per request: no class statistics (energy, relative Mahalanobis); the label-free
+    distances to the ID images (mahalanobis, mahalanobis_layers) are allowed."""
+    for score in ("energy", "relative_mahalanobis", "mahalanobis_mi"):
+        with pytest.raises(ConfigError, match="zero-shot builds serve"):
+            load_config(None, {"family": "clip", "hydra.prune_total": 2, "calibration.ood_score": score})
+    for score in ("mahalanobis", "mahalanobis_layers", "msp"):
+        load_config(None, {"family": "clip", "hydra.prune_total": 2, "calibration.ood_score": score})
