@@ -322,7 +322,7 @@ def test_load_classifier_from_local_folder(tmp_path, tok):
 
 
 def test_presets_are_valid_configs():
-    for name, p in T.PRESETS.items():
+    for p in T.PRESETS.values():
         T.TrainConfig(**p["train"])
         T.TrainConfig(**p["finetune"])
         if "arch" in p:  # the presets that train a ViT from scratch (vit_pretrained fine-tunes a checkpoint)
