@@ -42,7 +42,6 @@ import contextlib
 import copy
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -59,6 +58,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness import cpu_name  # noqa: E402,F401 (the CPU named in every result; recipe.py and others import it here)
 from offline.families import get_adapter  # noqa: E402
 from offline.fusion import fuse  # noqa: E402
 from service.backends import cast_gemm_weights, cpu_bf16_flags  # noqa: E402
@@ -403,17 +403,6 @@ def cpu_bf16() -> str:
     """The CPU's native bf16 instructions (``avx512_bf16``, ``amx_bf16``) or ``none`` (bf16 is then emulated)."""
     flags = cpu_bf16_flags()
     return "unknown" if flags is None else ", ".join(flags) or "none"
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ __all__ = [
     "TEXT",
     "Connection",
     "add_artifact_arguments",
+    "cpu_name",
     "error_code",
     "free_port",
     "machine",
@@ -251,9 +252,21 @@ def open_artifact(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, 
     return artifact, json.loads((artifact / "manifest.json").read_text())
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict[str, Any]:
-    """Where the numbers were taken: platform, CPU count, Python version."""
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    """Where the numbers were taken: the CPU's name, CPU count, platform, Python version."""
+    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}  # fmt: skip
 
 
 def write_result(result: dict[str, Any], out: Path | None, default_name: str) -> Path:

@@ -1,0 +1,256 @@
+"""Soak of ``python -m service`` on loopback: steady load for a long time, memory and latency sampled throughout.
+
+Starts the server on 127.0.0.1 (a free port; nothing leaves the machine) with one artifact and its default
+settings, warms it up with a short burst, then keeps ``--clients`` keep-alive clients posting ``POST /predict``
+for ``--minutes``. Every ``--sample-s`` seconds it reads the server's resident memory from ``/proc`` and the
+requests answered so far; every request's latency and answer are kept.
+
+    python benchmarks/soak.py --artifact artifacts/default/text                    # 30 min, 32 clients
+    python benchmarks/soak.py --tiny bert --minutes 2 --warmup-minutes 0.5         # a short check
+
+The checks (the soak's targets):
+
+* ``no_errors``: every request answered 200: no error code, no timeout, no dropped connection;
+* ``rss_growth``: from the first sample after the warm-up (``--warmup-minutes``, part of the soak) to the
+  largest sample after it, resident memory grows by at most ``--rss-growth`` (5 %);
+* ``p99_stable``: the p99 latency of the last ``--window-minutes`` (5) is within ``--p99-band`` (20 %) of the
+  p99 of the first window after the warm-up; the first window of the soak itself, warm-up included, is reported
+  and checked too (``p99_stable_from_start``).
+
+Writes ``benchmarks/results/soak_<name>.json`` (the samples, per-minute throughput, p50 and p99, the windows)
+and ``soak_<name>.png`` (RSS and latency against time); exits 1 when a check fails. The CPU is named in the
+result: latency depends on it, and nothing else may run on the machine while it soaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import json
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
+
+from benchmarks import harness  # noqa: E402 (after the path)
+
+
+class Record:
+    """What the load saw: per request (end time, latency, answer code), per sample (time, RSS, answered)."""
+
+    def __init__(self) -> None:
+        self.t_end: list[float] = []
+        self.latency_ms: list[float] = []
+        self.codes: dict[str, int] = {}
+        self.timeouts = 0
+        self.connection_errors = 0
+        self.samples: list[dict[str, float]] = []
+
+
+async def soak(port: int, pid: int, body: bytes, args: argparse.Namespace) -> Record:
+    """``args.clients`` keep-alive clients for ``args.minutes``, RSS sampled every ``args.sample_s`` seconds."""
+    rec = Record()
+    t0 = time.perf_counter()
+    deadline = t0 + args.minutes * 60
+
+    async def client() -> None:
+        conn = harness.Connection(port)
+        while time.perf_counter() < deadline:
+            t = time.perf_counter()
+            try:
+                status, _, data = await asyncio.wait_for(conn.request("POST", "/predict", body), args.timeout)
+            except asyncio.TimeoutError:  # noqa: UP041 (3.10: not the builtin)
+                rec.timeouts += 1
+                await conn.close()
+                continue
+            except (OSError, ValueError, asyncio.IncompleteReadError):
+                rec.connection_errors += 1
+                await asyncio.sleep(0.05)
+                continue
+            now = time.perf_counter()
+            code = harness.error_code(status, data)
+            rec.codes[code] = rec.codes.get(code, 0) + 1
+            rec.t_end.append(now - t0)
+            rec.latency_ms.append((now - t) * 1000)
+        await conn.close()
+
+    async def sampler() -> None:
+        last_print = -1e9
+        while True:
+            now = time.perf_counter() - t0
+            mem = harness.rss_mb(pid)
+            rec.samples.append({"t_s": round(now, 1), "rss_mb": mem["rss"], "answered": len(rec.t_end)})
+            if now - last_print >= 60:
+                last_print = now
+                recent = rec.latency_ms[bisect.bisect_right(rec.t_end, now - 60) :]  # t_end is sorted
+                p99 = float(np.percentile(recent, 99)) if recent else float("nan")
+                print(
+                    f"soak t={now / 60:5.1f} min answered={len(rec.t_end)} rss_mb={mem['rss']} "
+                    f"last_min_rps={len(recent) / 60:.1f} last_min_p99_ms={p99:.1f} "
+                    f"errors={sum(v for k, v in rec.codes.items() if k != 'ok') + rec.timeouts}",
+                    flush=True,
+                )
+            if time.perf_counter() >= deadline:
+                return
+            await asyncio.sleep(min(args.sample_s, max(deadline - time.perf_counter(), 0.0)))
+
+    await asyncio.gather(sampler(), *(client() for _ in range(args.clients)))
+    return rec
+
+
+def window(rec: Record, start_s: float, end_s: float) -> dict[str, Any]:
+    """Throughput, p50 and p99 of the requests that ended in ``[start_s, end_s)``."""
+    t = np.asarray(rec.t_end)
+    lat = np.asarray(rec.latency_ms)[(t >= start_s) & (t < end_s)]
+    q = np.percentile(lat, [50, 99]) if lat.size else [float("nan")] * 2
+    return {"from_min": round(start_s / 60, 2), "to_min": round(end_s / 60, 2), "requests": int(lat.size),
+            "rps": round(lat.size / max(end_s - start_s, 1e-9), 2),
+            "p50_ms": round(float(q[0]), 2), "p99_ms": round(float(q[1]), 2)}  # fmt: skip
+
+
+def summarise(rec: Record, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, bool]]:
+    total_s, warm_s, win_s = args.minutes * 60, args.warmup_minutes * 60, args.window_minutes * 60
+    per_minute = [window(rec, m * 60, min((m + 1) * 60, total_s)) for m in range(int(np.ceil(args.minutes)))]
+    first, after_warmup = window(rec, 0, win_s), window(rec, warm_s, warm_s + win_s)
+    last = window(rec, total_s - win_s, total_s)
+    post = [s for s in rec.samples if s["t_s"] >= warm_s]
+    base = post[0]["rss_mb"] if post else float("nan")
+    peak = max((s["rss_mb"] for s in post), default=float("nan"))
+    growth = (peak - base) / base if post else float("nan")
+    errors = sum(v for k, v in rec.codes.items() if k != "ok") + rec.timeouts + rec.connection_errors
+
+    def drift(a: dict[str, Any]) -> float:
+        return abs(last["p99_ms"] - a["p99_ms"]) / a["p99_ms"] if a["requests"] else float("inf")
+
+    checks = {
+        "no_errors": errors == 0 and len(rec.t_end) > 0,
+        "rss_growth": bool(growth <= args.rss_growth),
+        "p99_stable": drift(after_warmup) <= args.p99_band,
+        "p99_stable_from_start": drift(first) <= args.p99_band,
+    }
+    summary = {
+        "requests": len(rec.t_end), "answers_by_code": dict(sorted(rec.codes.items())), "timeouts": rec.timeouts,
+        "connection_errors": rec.connection_errors, "errors": errors,
+        "rss_mb": {"after_warmup": base, "peak_after_warmup": peak, "end": rec.samples[-1]["rss_mb"],
+                   "growth_fraction": round(growth, 4), "bound": args.rss_growth},
+        "p99": {"first_window": first, "first_window_after_warmup": after_warmup, "last_window": last,
+                "change_vs_after_warmup": round(drift(after_warmup), 4), "change_vs_first": round(drift(first), 4),
+                "band": args.p99_band},
+        "per_minute": per_minute,
+    }  # fmt: skip
+    return summary, checks
+
+
+def plot(rec: Record, summary: dict[str, Any], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    a.plot([s["t_s"] / 60 for s in rec.samples], [s["rss_mb"] for s in rec.samples], lw=1.2)
+    a.set_ylabel("server RSS (MiB)")
+    a.set_title(title, fontsize=9)
+    mins = [w["from_min"] + 0.5 for w in summary["per_minute"]]
+    b.plot(mins, [w["p50_ms"] for w in summary["per_minute"]], marker=".", label="p50")
+    b.plot(mins, [w["p99_ms"] for w in summary["per_minute"]], marker=".", label="p99")
+    b.set_ylabel("latency per minute (ms)")
+    b.set_xlabel("minutes of load")
+    b.legend()
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    harness.add_artifact_arguments(p)
+    p.add_argument("--clients", type=int, default=32, help="concurrent keep-alive clients (1..64)")
+    p.add_argument("--minutes", type=float, default=30.0, help="length of the soak, warm-up included")
+    p.add_argument("--warmup-minutes", type=float, default=5.0, help="the first minutes, before RSS is the baseline")
+    p.add_argument("--window-minutes", type=float, default=5.0, help="the p99 windows compared")
+    p.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
+    p.add_argument("--timeout", type=float, default=30.0, help="a request without an answer after this is hung")
+    p.add_argument("--rss-growth", type=float, default=0.05, help="most RSS growth after the warm-up (fraction)")
+    p.add_argument("--p99-band", type=float, default=0.20, help="most p99 change, last window vs first (fraction)")
+    p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/soak_<name>.json)")
+    args = p.parse_args(argv)
+    if not 1 <= args.clients <= 64 or not 0 < args.minutes <= 240 or args.sample_s <= 0:
+        p.error("--clients must be in 1..64, --minutes in (0, 240] and --sample-s positive")
+    if args.warmup_minutes + args.window_minutes > args.minutes or args.window_minutes <= 0:
+        p.error("the warm-up and a p99 window must fit in --minutes")
+
+    tmp = tempfile.TemporaryDirectory(prefix="hydra-soak-")
+    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
+    name = manifest["name"]
+    body = json.dumps(harness.payload(manifest)).encode()
+    env = {"HYDRA_LOG_LEVEL": "warning"}
+    port = harness.free_port()
+    log_file = Path(tmp.name) / "server.log"
+    print(f"starting python -m service on {harness.HOST}:{port} with {artifact}; {args.clients} clients for "
+          f"{args.minutes:g} min on {harness.cpu_name()}", flush=True)  # fmt: skip
+    proc = harness.start_server(artifact, port, env, log_file=log_file)
+    try:
+        ready_s = harness.wait_ready(port, proc)
+        asyncio.run(_burst(port, body))
+        rec = asyncio.run(soak(port, proc.pid, body, args))
+        alive = proc.poll() is None
+    finally:
+        exit_status = harness.stop_server(proc)
+    summary, checks = summarise(rec, args)
+    checks["server_alive"] = alive
+    checks["exit_status_0_on_sigterm"] = exit_status == 0
+    shown = artifact.relative_to(harness.ROOT) if artifact.is_relative_to(harness.ROOT) else artifact
+    result = {
+        "command": "python benchmarks/soak.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "name": name,
+        "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(shown),
+        "clients": args.clients, "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,
+        "ready_s": round(ready_s, 1), "server_env": env, **summary,
+        "rss_samples": rec.samples, "checks": checks, "passed": all(checks.values()),
+        "machine": harness.machine(), "server_exit_status": exit_status,
+        "server_log_tail": log_file.read_text(errors="replace").splitlines()[-20:],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }  # fmt: skip
+    out = harness.write_result(result, args.out, f"soak_{name}.json")
+    png = out.with_suffix(".png")
+    plot(rec, summary, f"soak of {name}: {args.clients} clients, {args.minutes:g} min, {harness.cpu_name()} "
+         f"({harness.machine()['cpus']} cores)", png)  # fmt: skip
+    r, q = summary["rss_mb"], summary["p99"]
+    print(
+        f"{summary['requests']} requests, errors {summary['errors']}; RSS {r['after_warmup']} -> peak "
+        f"{r['peak_after_warmup']} MiB after the warm-up ({100 * r['growth_fraction']:+.1f} %); p99 "
+        f"{q['first_window']['p99_ms']} (first {args.window_minutes:g} min), "
+        f"{q['first_window_after_warmup']['p99_ms']} (after the warm-up), {q['last_window']['p99_ms']} ms (last)"
+    )
+    harness.print_checks(checks)
+    print(f"wrote {out} and {png}")
+    tmp.cleanup()
+    return 0 if result["passed"] else 1
+
+
+async def _burst(port: int, body: bytes, n: int = 200) -> None:
+    """A short warm-up burst (8 clients) before the clock starts: the first requests compile and fill caches."""
+    conns = [harness.Connection(port) for _ in range(8)]
+    left = [n]
+
+    async def go(c: harness.Connection) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            await c.request("POST", "/predict", body)
+        await c.close()
+
+    await asyncio.gather(*(go(c) for c in conns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
