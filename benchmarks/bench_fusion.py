@@ -24,6 +24,10 @@ Methods:
     hydra_ood         hydra returning its members' features too, plus every OOD score the server computes
                       (service.ood.ensemble_scores, Mahalanobis on statistics of the layout's shape): the
                       served flag's cost, reported as hydra_ood / hydra
+    hydra_ood_layers  hydra_ood plus the pooled features of the first blocks (with_layer_features) and the
+                      mahalanobis_layers score over all of them (the largest candidate of
+                      offline.ood_fit.layer_candidates): the cost of the layer score,
+                      reported as hydra_ood_layers / hydra
     single_bf16_weights, hydra_bf16_weights
                       copies of single / hydra with their matrix weights stored in bf16, as the server keeps them
                       in bf16 (service.backends.cast_gemm_weights; same outputs under bf16 autocast)
@@ -63,11 +67,12 @@ from offline.families import get_adapter  # noqa: E402
 from offline.fusion import fuse  # noqa: E402
 from service.backends import cast_gemm_weights, cpu_bf16_flags  # noqa: E402
 from service.fused import CPU_MAX_ROWS  # noqa: E402
-from service.ood import GaussianStats, OODStats, ensemble_scores  # noqa: E402
+from service.ood import GaussianStats, LayerStats, OODStats, ensemble_scores  # noqa: E402
 
 METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble", "hydra_ood",
+           "hydra_ood_layers",
            "single_bf16_weights", "hydra_bf16_weights")
-DEFAULT_METHODS = METHODS[:-3]  # the others are asked for with --methods
+DEFAULT_METHODS = METHODS[:-4]  # the others are asked for with --methods
 LAYOUTS = {  # heads kept per member by default, batch sizes by default
     "vit_b16": {"keep": 8, "batches": [1, 4, 16, 32]},
     "bert_base": {"keep": 6, "batches": [1, 8]},
@@ -123,19 +128,29 @@ def build(layout: str, members: int, keep: int, seed: int = 0) -> dict[str, Any]
     fused, _ = fuse(adapter, pruned)
     # a deep ensemble: M dense models of the same layout (weights differ; cost is what matters)
     dense = [base] + [_dense(layout, seed + s) for s in range(1, members)]
+    classes, layers = fused.cfg["num_classes"], len(heads) - 1  # the layer score's largest candidate: every block
     return {"base": base, "pruned": pruned, "fused": fused, "dense": dense, "make_input": make_input, "run": run,
-            "ood_stats": random_ood_stats(members, fused.cfg["num_classes"], fused.dim, seed)}  # fmt: skip
+            "ood_stats": random_ood_stats(members, classes, fused.dim, seed),
+            "ood_layer_stats": random_ood_stats(members, classes, fused.dim, seed, layers)}  # fmt: skip
 
 
-def random_ood_stats(members: int, classes: int, dim: int, seed: int) -> OODStats:
-    """OOD statistics of the served scores' shapes (values are random: only their cost is measured)."""
+def random_ood_stats(members: int, classes: int, dim: int, seed: int, layers: int = 0) -> OODStats:
+    """OOD statistics of the served scores' shapes (values are random: only their cost is measured); with
+    ``layers`` > 0 also ``mahalanobis_layers``' statistics over the first ``layers`` blocks' pooled outputs."""
     g = torch.Generator().manual_seed(seed)
-    eye = torch.eye(dim, dtype=torch.float64).expand(members, dim, dim).clone()
-    gaussians = GaussianStats(torch.randn(members, classes, dim, generator=g, dtype=torch.float64), eye,
-                              torch.zeros(members, dim, dtype=torch.float64), eye)  # fmt: skip
-    ones = (torch.zeros(members, dtype=torch.float64), torch.ones(members, dtype=torch.float64))
-    norms = {k: ones for k in ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")}
-    return OODStats(gaussians, {**norms, "mutual_information": (torch.zeros(1), torch.ones(1))})
+
+    def gaussians(n: int) -> GaussianStats:
+        eye = torch.eye(dim, dtype=torch.float64).expand(n, dim, dim).clone()
+        return GaussianStats(torch.randn(n, classes, dim, generator=g, dtype=torch.float64), eye,
+                             torch.zeros(n, dim, dtype=torch.float64), eye)  # fmt: skip
+
+    def norm(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
+
+    norms = {k: norm(members) for k in ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")}
+    layer_stats = (LayerStats(tuple(range(layers)), gaussians(members * layers), norm(members * layers),
+                              norm(layers + 1)) if layers else None)  # fmt: skip
+    return OODStats(gaussians(members), {**norms, "mutual_information": norm(1)}, layer_stats)
 
 
 def methods(models: dict[str, Any]) -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:
@@ -157,6 +172,14 @@ def methods(models: dict[str, Any]) -> dict[str, Callable[[dict[str, torch.Tenso
             fused.with_features = False
         return ensemble_scores(logits, features, models["ood_stats"])
 
+    def hydra_ood_layers(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        fused.with_features = fused.with_layer_features = True
+        try:
+            logits, features, layer_features = fused(**x)
+        finally:
+            fused.with_features = fused.with_layer_features = False
+        return ensemble_scores(logits, features, models["ood_layer_stats"], layer_features=layer_features)
+
     low = {}  # the bf16-weight copies, made when first asked for (they double the memory of two models)
 
     def bf16_weights(key: str, x: dict[str, torch.Tensor]) -> Any:
@@ -167,6 +190,7 @@ def methods(models: dict[str, Any]) -> dict[str, Callable[[dict[str, torch.Tenso
 
     return {
         "hydra_ood": hydra_ood,
+        "hydra_ood_layers": hydra_ood_layers,
         "single_bf16_weights": lambda x: bf16_weights("single", x),
         "hydra_bf16_weights": lambda x: bf16_weights("hydra", x),
         "single": lambda x: run(base, x),
@@ -283,11 +307,13 @@ def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[d
                 cpu = _ratios(r["cpu_ms"], cells[(prec, b, ref)]["cpu_ms"])
                 lines.append(" " * (17 + len(lat)) + f"   {k[:6] + '/bf16w':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
                              f"{cpu[0]:>8.3f}, {cpu[1]:.3f}")  # fmt: skip
-        ood = cells.get((prec, b, "hydra_ood"))
-        if ood is not None:  # the served scores' cost: relative to hydra, not to the deep ensemble
+        for ood_name in ("hydra_ood", "hydra_ood_layers"):  # the served scores' cost: relative to hydra
+            ood = cells.get((prec, b, ood_name))
+            if ood is None:
+                continue
             wall = _ratios(ood["wall_ms"], cells[(prec, b, "hydra")]["wall_ms"])
             cpu = _ratios(ood["cpu_ms"], cells[(prec, b, "hydra")]["cpu_ms"])
-            lines.append(" " * (17 + len(lat)) + f"   {'hydra_ood/hydra':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
+            lines.append(" " * (17 + len(lat)) + f"   {ood_name + '/hydra':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
                          f"{cpu[0]:>8.3f}, {cpu[1]:.3f}")  # fmt: skip
     return lines
 
@@ -337,7 +363,8 @@ def main() -> None:
         "hydra_unfused": sum(sum(p.numel() for p in m.parameters()) for m in models["pruned"]),
         "deep_ensemble": sum(sum(p.numel() for p in m.parameters()) for m in models["dense"]),
     }
-    n_params["hydra_all_tokens"] = n_params["hydra_ood"] = n_params["hydra_bf16_weights"] = n_params["hydra"]
+    for k in ("hydra_all_tokens", "hydra_ood", "hydra_ood_layers", "hydra_bf16_weights"):
+        n_params[k] = n_params["hydra"]
     n_params["single_bf16_weights"] = n_params["single"]
     x1 = models["make_input"](1)
     low = ("single_bf16_weights", "hydra_bf16_weights")  # bf16 only; the same products as their fp32 models

@@ -3,7 +3,8 @@
 Each fast config under ``offline/configs`` (``text-fast``, ``image-fast``,
 ``zeroshot-fast``) is built into ``<out>/<modality>``. An artifact
 is rebuilt only when it is missing, incomplete, or was built from a different
-config file (its sha256 is recorded next to it).
+config file or different weights named in it (``base.path``, ``base.image_init``: the repository's pretrained
+backbone); their sha256 are recorded next to it. Relative paths in the configs are relative to the repository.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +25,13 @@ SERVED = ("text", "image", "zeroshot")  # built by default
 
 
 def _config_hash(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    """sha256 of the config file and of every weights file it names (a retrained backbone rebuilds too)."""
+    h = hashlib.sha256(path.read_bytes())
+    cfg = load_config(path)
+    for ref in (cfg.base.path, cfg.base.image_init):
+        if ref and (ROOT / ref).is_file():
+            h.update(hashlib.sha256((ROOT / ref).read_bytes()).digest())
+    return h.hexdigest()
 
 
 def _stamp(out: Path) -> Path:
@@ -43,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="artifacts/default", help="folder holding one artifact per modality")
     ap.add_argument("--only", nargs="*", choices=sorted(DEFAULTS), help="build only these modalities")
     args = ap.parse_args(argv)
+    out_root = Path(args.out).resolve()
+    os.chdir(ROOT)  # the configs name the backbone relative to the repository
 
     for modality, name in DEFAULTS.items():
         if (args.only and modality not in args.only) or (not args.only and modality not in SERVED):
@@ -50,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         config = ROOT / "offline" / "configs" / name
         if not config.is_file():
             continue
-        out = Path(args.out) / modality
+        out = out_root / modality
         if is_current(out, config):
             print(f"[default] {out} is up to date")
             continue
