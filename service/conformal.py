@@ -279,10 +279,14 @@ class SetCalibrator:
     def sets(self, probs: np.ndarray | torch.Tensor, alpha: float, mondrian: bool = False) -> np.ndarray:
         """Prediction sets ``(B, C)`` bool for ``probs (B, C)``: label ``j`` is in iff its score is ``<= qhat``
         (``<= qhat_j`` for Mondrian)."""
+        return self.sets_at(probs, self.qhat(alpha, mondrian))
+
+    def sets_at(self, probs: np.ndarray | torch.Tensor, qhat: float | np.ndarray) -> np.ndarray:
+        """Prediction sets ``(B, C)`` bool for ``probs (B, C)`` at a threshold :meth:`qhat` returned."""
         p = _probs(probs)
         if p.shape[1] != self.num_classes:
             raise ValueError(f"probs have {p.shape[1]} classes, the calibrator {self.num_classes}")
-        return label_scores(p, self.method, self.k_reg, self.lam) <= self.qhat(alpha, mondrian)
+        return label_scores(p, self.method, self.k_reg, self.lam) <= qhat
 
     def to_tensors(self, prefix: str = "conformal.") -> dict[str, torch.Tensor]:
         """The calibrator's tensors by name, for a safetensors file (the method's name as uint8 bytes)."""

@@ -20,7 +20,7 @@ the build's own labels and template only, so ``/zero-shot`` requests with other 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from .uncertainty import OOD_METRICS
 __all__ = ["GUARANTEES_FILE", "Guarantees", "load_guarantees", "outlier_oriented"]
 
 GUARANTEES_FILE = "guarantees.safetensors"
+QHAT_CACHE = 256  # set thresholds kept per model (distinct alpha levels requested)
 
 
 def outlier_oriented(scores: np.ndarray, metric: str) -> np.ndarray:
@@ -61,6 +62,9 @@ class Guarantees:
     drift_bins: int
     drift_edges: np.ndarray  # (bins - 1,)
     label_free: bool  # zero-shot: the OOD score does not depend on the labels
+    # the set thresholds asked for so far, by (alpha, mondrian): a quantile of the sorted calibration scores is the
+    # same for every request at one level, and computing it is most of a set's cost at batch 1
+    _qhats: dict[tuple[float, bool], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n(self) -> int:
@@ -77,15 +81,18 @@ class Guarantees:
         """Conformal OOD p-values ``(B,)`` of served scores ``(B,)``: ``(1 + #{s_i >= s}) / (n + 1)``."""
         return ood_p_values(outlier_oriented(scores, self.metric), self.ood_scores)
 
-    def prediction_sets(
-        self, probs: np.ndarray, alpha: float, mondrian: bool | None = None
-    ) -> tuple[np.ndarray, bool]:
+    def prediction_sets(self, probs: np.ndarray, alpha: float, mondrian: bool | None = None) -> tuple[np.ndarray, bool]:
         """``(sets (B, C) bool, below_min_alpha)``: the conformal sets of ``probs (B, C)`` at ``alpha``;
         ``below_min_alpha`` when ``alpha`` is below what the split supports (for some class, with Mondrian sets):
         no finite threshold exists there, so those labels are always in (marginal: every set is every label)."""
         m = self.mondrian if mondrian is None else mondrian
-        q = np.asarray(self.sets.qhat(alpha, m))
-        return self.sets.sets(probs, alpha, m), bool(np.any(np.isinf(q)))
+        key = (float(alpha), bool(m))
+        q = self._qhats.get(key)
+        if q is None:
+            if len(self._qhats) >= QHAT_CACHE:  # requests may ask for any level: keep the cache bounded
+                self._qhats.clear()
+            q = self._qhats[key] = np.asarray(self.sets.qhat(alpha, m))
+        return self.sets.sets_at(probs, q), bool(np.any(np.isinf(q)))
 
     def accepts(self, probs: np.ndarray, scores: np.ndarray, risk: float) -> np.ndarray:
         """``(B,)`` bool: the rule of target ``risk`` (certified at build time) on probabilities ``(B, C)`` and

@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from ..artifact import ArtifactError, artifact_version
 from ..backends import Plan
 from ..batching import Batcher, BatchResult
+from ..drift import DriftFeed, DriftMonitor
 from ..errors import InvalidInput
 from ..guarantees import Guarantees, load_guarantees, outlier_oriented
 from ..metrics import Metrics
@@ -55,8 +56,16 @@ from ..schemas import (
 from ..settings import Settings
 from ..uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 
-__all__ = ["ItemResult", "Outcome", "Query", "Runtime", "build_predictions", "load_ood_stats", "preprocess_images",
-           "summarize_rows"]
+__all__ = [
+    "ItemResult",
+    "Outcome",
+    "Query",
+    "Runtime",
+    "build_predictions",
+    "load_ood_stats",
+    "preprocess_images",
+    "summarize_rows",
+]
 
 log = logging.getLogger("hydra.runtime")
 
@@ -273,7 +282,11 @@ class Runtime(abc.ABC):
             raise ArtifactError(f"{root}: uncertainty.temperature must be > 0, got {self.temperature}")
         self.plan: Plan | None = None
         self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
-        self.drift = self.guarantees.monitor() if self.guarantees is not None else None
+        # the drift test, fed from the request path in chunks (service.drift.DriftFeed: the statistic is that of
+        # every score fed at once; /metrics may lag by up to 63 inputs or a second)
+        self.drift = (DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics)
+                      if self.guarantees is not None else None)  # fmt: skip
+        self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
         if self.guarantees is not None and metrics is not None:
             metrics.drift_alarm.labels(self.name).set(0)
             metrics.drift_statistic.labels(self.name).set(0.0)
@@ -378,23 +391,37 @@ class Runtime(abc.ABC):
                 r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, below
                 r.accept, r.risk = bool(accept[i]), risk
         if query.monitor and self.drift is not None:
-            self.drift.update(outlier_oriented(scores, g.metric))
-        m = self.metrics
-        if m is not None:
+            self.drift.add(outlier_oriented(scores, g.metric))
+        if self.metrics is not None:
+            p_hist = self._child("ood_p_value")
             for v in p:
-                m.ood_p_value.labels(self.name).observe(float(v))
+                p_hist.observe(float(v))
             if sets is not None and accept is not None:
-                for row in sets:
-                    m.set_size.labels(self.name).observe(int(row.sum()))
+                size_hist = self._child("set_size")
+                for n_labels in sets.sum(axis=1).tolist():
+                    size_hist.observe(n_labels)
                 n_acc = int(accept.sum())
                 if n_acc:
-                    m.selective.labels(self.name, str(risk), "true").inc(n_acc)
+                    self._child("selective", str(risk), "true").inc(n_acc)
                 if len(accept) - n_acc:
-                    m.selective.labels(self.name, str(risk), "false").inc(len(accept) - n_acc)
-            if self.drift is not None:
-                m.drift_alarm.labels(self.name).set(1 if self.drift.alarm else 0)
-                m.drift_statistic.labels(self.name).set(self.drift.log10_statistic)
-                m.drift_inputs.labels(self.name).set(self.drift.count)
+                    self._child("selective", str(risk), "false").inc(len(accept) - n_acc)
+
+    def _child(self, metric: str, *labels: str) -> Any:
+        """The metric ``metric`` of this model with the further ``labels`` (prometheus_client's lookup costs
+        microseconds a call, so each child is looked up once)."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            assert self.metrics is not None
+            child = self._children[key] = getattr(self.metrics, metric).labels(self.name, *labels)
+        return child
+
+    def _drift_metrics(self, monitor: DriftMonitor) -> None:
+        """The drift gauges after the test advanced."""
+        if self.metrics is not None:
+            self._child("drift_alarm").set(1 if monitor.alarm else 0)
+            self._child("drift_statistic").set(monitor.log10_statistic)
+            self._child("drift_inputs").set(monitor.count)
 
     def reset_drift(self) -> dict[str, Any]:
         """Start a fresh drift test (after an investigation): the alarm cleared, the statistic back to 1."""
@@ -413,7 +440,7 @@ class Runtime(abc.ABC):
         """The drift test now: alarm, log10 statistic, its alarm level, inputs seen, where it alarmed."""
         if self.drift is None or self.guarantees is None:
             return None
-        d = self.drift
+        d = self.drift.flush()  # the buffered inputs first: the state of every input served
         return {"alarm": d.alarm, "log10_statistic": d.log10_statistic,
                 "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)), "inputs": d.count,
                 "alarm_at": d.alarm_at, "delta": self.guarantees.drift_delta}  # fmt: skip

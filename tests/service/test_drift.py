@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy.stats import kstest
 
-from service.drift import DriftMonitor, change_weights, mixture_log_martingale, tail_bets
+from service.drift import DriftFeed, DriftMonitor, change_weights, mixture_log_martingale, tail_bets
 
 Z = 4.0
 BETS = tail_bets((0.01, 0.05, 0.2), (0.1, 0.3, 0.6))
@@ -225,3 +225,48 @@ def test_invalid_inputs_are_rejected():
     with pytest.raises(ValueError, match="must not be NaN"):
         mon.update([0.1, float("nan")])
     assert mon.count == 0  # a rejected batch changes nothing
+
+
+# ----------------------------------------------------------------------------- the server's feed
+def test_drift_feed_gives_the_statistic_of_feeding_every_score_at_once(monkeypatch):
+    """Buffered in chunks (by count, by time, on flush) the test sees the same scores in the same order: the same
+    p-values, statistic and alarm point as one monitor fed the whole stream."""
+    rng = np.random.default_rng(3)
+    cal = rng.normal(size=2000)
+    stream = np.concatenate([rng.normal(size=700), rng.normal(3.0, 1.0, size=300)])  # drifts at input 701
+    reference = DriftMonitor(cal, delta=0.01, bins=256, seed=5)
+    reference.update(stream)
+    clock = [0.0]
+    monkeypatch.setattr("service.drift.time.monotonic", lambda: clock[0])
+    updates: list[int] = []
+    feed = DriftFeed(DriftMonitor(cal, delta=0.01, bins=256, seed=5), every=64, max_delay_s=1.0,
+                     on_update=lambda m: updates.append(m.count))  # fmt: skip
+    i, quiet = 0, False
+    for size in rng.integers(1, 9, size=10_000):
+        if i >= stream.size:
+            break
+        feed.add(stream[i : i + size])
+        i += int(size)
+        clock[0] += 0.001
+        if i >= 40 and not quiet:  # a quiet second: the next add advances the test with fewer than 64 waiting
+            clock[0] += 1.5
+            quiet = True
+    mon = feed.flush()
+    assert feed.waiting == 0 and mon.count == stream.size
+    assert mon.log10_statistic == pytest.approx(reference.log10_statistic, rel=1e-12, abs=1e-12)
+    assert mon.alarm_at == reference.alarm_at and reference.alarm_at is not None and reference.alarm_at > 700
+    steps = np.diff([0, *updates])
+    assert updates[-1] == stream.size and max(steps) < 64 + 8  # at most every + one batch behind
+    assert any(s < 64 for s in steps[:-1])  # the time rule advanced it once with fewer than 64 waiting
+
+
+def test_drift_feed_reset_drops_the_buffer_and_restarts_the_test():
+    feed = DriftFeed(DriftMonitor(np.arange(100.0), bins=16, seed=0), every=64, max_delay_s=60.0)
+    feed.add(np.full(10, 1e6))
+    assert feed.waiting == 10 and feed.monitor.count == 0  # buffered, not yet tested
+    feed.reset()
+    assert feed.waiting == 0 and feed.flush().count == 0 and feed.monitor.statistic == 1.0
+    with pytest.raises(ValueError, match="NaN"):
+        feed.add(np.array([np.nan]))
+    with pytest.raises(ValueError, match="every"):
+        DriftFeed(feed.monitor, every=0)
