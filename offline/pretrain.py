@@ -156,7 +156,9 @@ def pretrain(cfg: PretrainConfig, out: Path, checkpoint_dir: Path, command: str)
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
     weights = out / f"{cfg.name}.safetensors"
-    save_file(state, str(weights), metadata={"format": "pt", "timm": cfg.timm})
+    # one metadata key: safetensors writes its metadata map in no fixed order, so two keys would make equal weights
+    # two different files (the timm model's name is in the record)
+    save_file(state, str(weights), metadata={"format": "pt"})
     with torch.no_grad():  # the stored weights' accuracy: the fp32 model with the rounded weights
         for k, p in model.state_dict().items():
             p.copy_(state[k].float())
@@ -171,12 +173,23 @@ def pretrain(cfg: PretrainConfig, out: Path, checkpoint_dir: Path, command: str)
         "seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "machine": platform.platform(), "processor": _cpu_name(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "load": {"base.source": f"timm:{cfg.timm}", "base.arch": cfg.arch},
+        "load": load_spec(cfg),
     }  # fmt: skip
     (out / f"{cfg.name}.json").write_text(json.dumps(record, indent=2) + "\n")
     log.info("%s: %d params, test accuracy %.4f (fp32) / %.4f (%s weights), %s (%d bytes)", cfg.name,
              record["params"], acc_fp32, acc_stored, cfg.weights_dtype, weights, record["bytes"])  # fmt: skip
     return record
+
+
+def load_spec(cfg: PretrainConfig) -> dict[str, Any]:
+    """How a build config loads the backbone as a user's timm checkpoint (``base.source``, ``base.arch``): the
+    architecture without its training-only settings, and timm's ``pretrained_cfg_overlay`` saying that the weights
+    have the six-class head and the demo's input (28x28 grey, its mean and std), so timm keeps the head."""
+    arch = {k: v for k, v in cfg.arch.items() if k not in ("num_classes", "drop_path_rate")}
+    overlay = {"num_classes": int(cfg.arch.get("num_classes", 6)),
+               "input_size": [int(cfg.arch.get("in_chans", 1)), int(cfg.arch["img_size"]), int(cfg.arch["img_size"])],
+               "mean": list(GRAY_MEAN), "std": list(GRAY_STD), "crop_pct": 1.0, "interpolation": "bilinear"}  # fmt: skip
+    return {"base.source": f"timm:{cfg.timm}", "base.arch": {**arch, "pretrained_cfg_overlay": overlay}}
 
 
 def _cpu_name() -> str:
