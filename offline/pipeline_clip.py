@@ -444,15 +444,16 @@ def finish_zero_shot(
     ood_val_x = concat(list(data.ood_val.values()))
     ood_val = eval_batches(pre, ood_val_x, [0] * len(ood_val_x), extra=prompts_)[0]
     fused_fn, single, member_fns = zero_shot_fns(adapter, base, members, fused, prompts_)
-    cal = calibrate(cfg, fused_fn, val, ood_val)
-    served, scores = None, None
-    if forced_score(cfg) not in SUMMARY_SCORES:  # auto or a feature score: the label-free distance (default)
-        cal, scores = calibrate_label_free(cfg, cal.temperature, image_feature_runs(fused, pre, data, val, test,
-                                                                                    ood_test))  # fmt: skip
-        served = served_label_free(cal, scores)
-    guarantees = zero_shot_guarantees(cfg, fused_fn, cal, data, pre, prompts_, val, scores)
-    val_y = torch.cat([y for _, y in val])
-    T_single = fit_temperature(collect_logits(single, val), val_y) if cfg.calibration.temperature else 1.0
+    with progress_stage("calibration"):
+        cal = calibrate(cfg, fused_fn, val, ood_val)
+        served, scores = None, None
+        if forced_score(cfg) not in SUMMARY_SCORES:  # auto or a feature score: the label-free distance (default)
+            cal, scores = calibrate_label_free(cfg, cal.temperature, image_feature_runs(fused, pre, data, val, test,
+                                                                                        ood_test))  # fmt: skip
+            served = served_label_free(cal, scores)
+        guarantees = zero_shot_guarantees(cfg, fused_fn, cal, data, pre, prompts_, val, scores)
+        val_y = torch.cat([y for _, y in val])
+        T_single = fit_temperature(collect_logits(single, val), val_y) if cfg.calibration.temperature else 1.0
     timer.lap("calibration")
 
     sets = EvalSets(test, ood_test)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -68,7 +69,8 @@ class ProgressLog:
     build uses (iteration, ``update``, ``set_postfix``, ``close``, a context manager)."""
 
     def __init__(self, iterable: Iterable[Any] | None = None, *, desc: str, total: int | None = None,
-                 initial: int = 0, every: float | None = None, clock: Any = time.monotonic) -> None:  # fmt: skip
+                 initial: int = 0, every: float | None = None, clock: Any = time.monotonic,
+                 heartbeat: bool = False) -> None:  # fmt: skip
         self.iterable = iterable
         self.desc = desc
         self.total = total if total is not None else (len(iterable) + initial  # type: ignore[arg-type]
@@ -81,7 +83,19 @@ class ProgressLog:
         self._t0 = clock()
         self._last = self._t0
         self._closed = False
+        self._lock = threading.Lock()
         self._emit("start")
+        self._stop = threading.Event()
+        if heartbeat:  # a stage without steps of its own: a line every ``every`` seconds from a daemon thread
+            threading.Thread(target=self._beat, name=f"progress:{desc}", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            with self._lock:
+                if self._closed:
+                    return
+                self._last = self._clock()
+                self._emit("update")
 
     # -- tqdm's interface
     def __iter__(self) -> Iterator[Any]:
@@ -98,19 +112,22 @@ class ProgressLog:
         self.close()
 
     def update(self, n: int = 1) -> None:
-        self.n += n
-        now = self._clock()
-        if now - self._last >= self.every:
-            self._last = now
-            self._emit("update")
+        with self._lock:
+            self.n += n
+            now = self._clock()
+            if now - self._last >= self.every:
+                self._last = now
+                self._emit("update")
 
     def set_postfix(self, **kw: Any) -> None:
         self.postfix.update(kw)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._emit("end")
+        self._stop.set()
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._emit("end")
 
     # -- the line
     def fields(self, event: str) -> dict[str, Any]:
@@ -155,5 +172,8 @@ def bar(iterable: Iterable[Any] | None = None, *, desc: str, total: int | None =
 
 
 def stage(desc: str, total: int | None = None) -> Any:
-    """A stage without steps of its own (calibration, export): its start and end lines (a bar on a terminal)."""
-    return bar(desc=desc, total=total)
+    """A stage without steps of its own (calibration, export): its start and end lines and, while it runs, a line
+    every :func:`every` seconds (a bar on a terminal)."""
+    if enabled():
+        return tqdm(desc=desc, total=total, leave=True, dynamic_ncols=True)
+    return ProgressLog(desc=desc, total=total, heartbeat=True)

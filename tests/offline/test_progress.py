@@ -94,6 +94,24 @@ def test_a_stage_without_a_total_and_the_interval_setting(caplog):
     assert msgs[0].startswith('progress stage="export" event=start step=0 ') and 'event=end' in msgs[-1]
 
 
+def test_a_stage_without_steps_logs_a_line_every_interval_while_it_runs(caplog):
+    """Calibration and export have no steps of their own: a heartbeat line every interval, none after the end."""
+    import time
+
+    progress.set_enabled(False)
+    progress.set_every(0.2)
+    try:
+        with caplog.at_level("INFO", logger="hydra.progress"):
+            with progress.stage("calibration"):
+                time.sleep(0.9)
+            time.sleep(0.5)  # closed: the heartbeat has stopped
+    finally:
+        progress.set_every(progress.DEFAULT_EVERY)
+    events = [r.getMessage().split()[2] for r in caplog.records if r.name == "hydra.progress"]
+    assert events[0] == "event=start" and events[-1] == "event=end"
+    assert 3 <= events.count("event=update") <= 5 and events.count("event=end") == 1
+
+
 def test_a_tiny_build_with_stderr_to_a_pipe_logs_progress_lines(user_files, tmp_path):
     """The build as a Kubernetes Job runs it: stderr a pipe, JSON logs. Every long stage logs its start and end,
     and updates in between (the interval set tiny here), with step, total, rate and, while training, the loss."""
