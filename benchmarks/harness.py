@@ -152,7 +152,7 @@ class Connection:
                 self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
             assert self.reader is not None
             head = f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Length: {len(body)}\r\n"
-            if body:
+            if body and not any(k.lower() == "content-type" for k in headers or {}):
                 head += "Content-Type: application/json\r\n"
             for k, v in (headers or {}).items():
                 head += f"{k}: {v}\r\n"
