@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         harness.stop_server(proc)
     flagged = {k: sum(bool(r[k]["flag"]) for r in rows) for k in ("predict", "zero_shot", "zero_shot_other_labels")}
-    doc = {"command": ("python benchmarks/nine_inputs.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip(),
+    command = "python benchmarks/nine_inputs.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    doc = {"command": command.strip(),
            "models": names, "other_labels": OTHER_LABELS, "flagged_of_9": flagged, "inputs": rows,
            "machine": harness.machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
     out = harness.write_result(doc, args.out, "nine_inputs.json")
