@@ -135,7 +135,11 @@ def label_scores(
     only). Higher = label fits worse. Non-randomised; ties counted together (module docstring).
     """
     _method(method, k_reg, lam)
-    p = _probs(probs)
+    return _label_scores(_probs(probs), method, k_reg, lam)
+
+
+def _label_scores(p: np.ndarray, method: str, k_reg: int, lam: float) -> np.ndarray:
+    """:func:`label_scores` of checked float64 probabilities ``(N, C)`` (the server's own softmax outputs)."""
     if method == "lac":
         return 1.0 - p
     c = p.shape[1]
@@ -281,12 +285,14 @@ class SetCalibrator:
         (``<= qhat_j`` for Mondrian)."""
         return self.sets_at(probs, self.qhat(alpha, mondrian))
 
-    def sets_at(self, probs: np.ndarray | torch.Tensor, qhat: float | np.ndarray) -> np.ndarray:
-        """Prediction sets ``(B, C)`` bool for ``probs (B, C)`` at a threshold :meth:`qhat` returned."""
-        p = _probs(probs)
+    def sets_at(self, probs: np.ndarray | torch.Tensor, qhat: float | np.ndarray, checked: bool = False) -> np.ndarray:
+        """Prediction sets ``(B, C)`` bool for ``probs (B, C)`` at a threshold :meth:`qhat` returned; ``checked``:
+        ``probs`` is already a finite, non-negative float64 ``(B, C)`` array (a model's softmax: the per-request
+        path skips the checks, which cost more than the set at batch 1)."""
+        p = probs if checked else _probs(probs)
         if p.shape[1] != self.num_classes:
             raise ValueError(f"probs have {p.shape[1]} classes, the calibrator {self.num_classes}")
-        return label_scores(p, self.method, self.k_reg, self.lam) <= qhat
+        return _label_scores(p, self.method, self.k_reg, self.lam) <= qhat
 
     def to_tensors(self, prefix: str = "conformal.") -> dict[str, torch.Tensor]:
         """The calibrator's tensors by name, for a safetensors file (the method's name as uint8 bytes)."""

@@ -20,6 +20,8 @@ the build's own labels and template only, so ``/zero-shot`` requests with other 
 
 from __future__ import annotations
 
+import bisect
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +66,32 @@ class Guarantees:
     label_free: bool  # zero-shot: the OOD score does not depend on the labels
     # the set thresholds asked for so far, by (alpha, mondrian): a quantile of the sorted calibration scores is the
     # same for every request at one level, and computing it is most of a set's cost at batch 1
-    _qhats: dict[tuple[float, bool], np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+    _qhats: dict[tuple[float, bool], tuple[np.ndarray, bool]] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # the per-request path in Python scalars (a numpy call costs microseconds after the model ran): the sorted
+        # calibration scores as a list for bisect, the risk rules' OOD cut outlier-oriented
+        object.__setattr__(self, "_cal", self.ood_scores.tolist())
+        object.__setattr__(self, "_sign", -1.0 if OOD_METRICS[self.metric] else 1.0)
+        object.__setattr__(self, "_cut", self._sign * float(self.ood_threshold))
+
+    def answer(
+        self, scores: list[float], probs: np.ndarray | None, alpha: float, risk: float
+    ) -> tuple[list[float], np.ndarray | None, bool, list[bool] | None]:  # fmt: skip
+        """One request's guarantees: ``(p-values, sets (B, C) or None, below_min_alpha, accepts or None)`` of served
+        scores ``(B,)`` and the ensemble's probabilities ``(B, C)`` float64 (None: no sets or risk rules for this
+        request). The same numbers as :meth:`p_values`, :meth:`prediction_sets` and :meth:`accepts`."""
+        n, cal, sign = len(self._cal), self._cal, self._sign
+        oriented = [sign * s for s in scores]
+        p = [(1.0 + n - bisect.bisect_left(cal, o)) / (n + 1.0) if o == o else math.nan for o in oriented]
+        if probs is None:
+            return p, None, False, None
+        sets, below = self.prediction_sets(probs, alpha, checked=True)
+        lam = self.rules[risk]
+        if lam is None:
+            return p, sets, below, [False] * len(scores)
+        conf = probs.max(axis=1).tolist()
+        return p, sets, below, [o <= self._cut and c >= lam for o, c in zip(oriented, conf, strict=True)]
 
     @property
     def n(self) -> int:
@@ -81,18 +108,21 @@ class Guarantees:
         """Conformal OOD p-values ``(B,)`` of served scores ``(B,)``: ``(1 + #{s_i >= s}) / (n + 1)``."""
         return ood_p_values(outlier_oriented(scores, self.metric), self.ood_scores)
 
-    def prediction_sets(self, probs: np.ndarray, alpha: float, mondrian: bool | None = None) -> tuple[np.ndarray, bool]:
+    def prediction_sets(
+        self, probs: np.ndarray, alpha: float, mondrian: bool | None = None, checked: bool = False
+    ) -> tuple[np.ndarray, bool]:  # fmt: skip
         """``(sets (B, C) bool, below_min_alpha)``: the conformal sets of ``probs (B, C)`` at ``alpha``;
         ``below_min_alpha`` when ``alpha`` is below what the split supports (for some class, with Mondrian sets):
         no finite threshold exists there, so those labels are always in (marginal: every set is every label)."""
         m = self.mondrian if mondrian is None else mondrian
         key = (float(alpha), bool(m))
-        q = self._qhats.get(key)
-        if q is None:
+        cached = self._qhats.get(key)
+        if cached is None:
             if len(self._qhats) >= QHAT_CACHE:  # requests may ask for any level: keep the cache bounded
                 self._qhats.clear()
-            q = self._qhats[key] = np.asarray(self.sets.qhat(alpha, m))
-        return self.sets.sets_at(probs, q), bool(np.any(np.isinf(q)))
+            q = np.asarray(self.sets.qhat(alpha, m))
+            cached = self._qhats[key] = (q, bool(np.any(np.isinf(q))))
+        return self.sets.sets_at(probs, cached[0], checked), cached[1]
 
     def accepts(self, probs: np.ndarray, scores: np.ndarray, risk: float) -> np.ndarray:
         """``(B,)`` bool: the rule of target ``risk`` (certified at build time) on probabilities ``(B, C)`` and

@@ -369,42 +369,53 @@ class Runtime(abc.ABC):
                                status=422)  # fmt: skip
 
     def _guarantees(self, results: list[ItemResult], query: Query) -> None:
-        """Each result's OOD p-value and flag at the request's level, prediction set and risk decision; the drift
-        test and the guarantees' metrics updated."""
+        """Each result's OOD p-value and flag at the request's level, prediction set and risk decision. The drift
+        test and the guarantees' metrics need none of the answer: they are updated after it (:meth:`_record`)."""
         g = self.guarantees
         assert g is not None
-        scores = np.asarray([r.ood_score for r in results], dtype=np.float64)
-        p = g.p_values(scores)
+        scores = [r.ood_score for r in results]
         ood_alpha = g.ood_alpha if query.ood_alpha is None else query.ood_alpha
-        flags = p <= ood_alpha
-        sets = accept = None
         alpha = g.alpha if query.alpha is None else query.alpha
         risk = g.risk if query.risk is None else query.risk
-        below = False
-        if self.sets_hold(query):
-            probs = np.stack([r.probs for r in results]).astype(np.float64)  # (B, C)
-            sets, below = g.prediction_sets(probs, alpha)
-            accept = g.accepts(probs, scores, risk)
+        probs = None
+        if self.sets_hold(query):  # (B, C) float64
+            probs = (results[0].probs[None, :] if len(results) == 1 else np.stack([r.probs for r in results]))
+            probs = probs.astype(np.float64, copy=False)
+        p_list, sets, below, accepted = g.answer(scores, probs, alpha, risk)
         for i, r in enumerate(results):
-            r.p_value, r.ood_alpha, r.ood_flag = float(p[i]), ood_alpha, bool(flags[i])
-            if sets is not None and accept is not None:
+            r.p_value, r.ood_alpha, r.ood_flag = p_list[i], ood_alpha, p_list[i] <= ood_alpha
+            if sets is not None and accepted is not None:
                 r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, below
-                r.accept, r.risk = bool(accept[i]), risk
-        if query.monitor and self.drift is not None:
-            self.drift.add(outlier_oriented(scores, g.metric))
-        if self.metrics is not None:
-            p_hist = self._child("ood_p_value")
-            for v in p:
-                p_hist.observe(float(v))
-            if sets is not None and accept is not None:
-                size_hist = self._child("set_size")
-                for n_labels in sets.sum(axis=1).tolist():
-                    size_hist.observe(n_labels)
-                n_acc = int(accept.sum())
-                if n_acc:
-                    self._child("selective", str(risk), "true").inc(n_acc)
-                if len(accept) - n_acc:
-                    self._child("selective", str(risk), "false").inc(len(accept) - n_acc)
+                r.accept, r.risk = accepted[i], risk
+        record = (scores if query.monitor else None, p_list, sets, accepted, risk)
+        try:  # after the answer: the loop runs it once this request's task yields (while the model runs others)
+            asyncio.get_running_loop().call_soon(self._record, *record)
+        except RuntimeError:  # no event loop (a direct call): now
+            self._record(*record)
+
+    def _record(self, scores: list[float] | None, p: list[float], sets: np.ndarray | None,
+                accepted: list[bool] | None, risk: float) -> None:  # fmt: skip
+        """The drift test fed (``scores``: None for the server's own warm-up and probe inputs) and the guarantees'
+        metrics: p-values, set sizes, accept decisions."""
+        g = self.guarantees
+        if g is None:
+            return
+        if scores is not None and self.drift is not None:
+            self.drift.add(outlier_oriented(np.asarray(scores, dtype=np.float64), g.metric))
+        if self.metrics is None:
+            return
+        p_hist = self._child("ood_p_value")
+        for v in p:
+            p_hist.observe(v)
+        if sets is not None and accepted is not None:
+            size_hist = self._child("set_size")
+            for n_labels in sets.sum(axis=1).tolist():
+                size_hist.observe(n_labels)
+            n_acc = sum(accepted)
+            if n_acc:
+                self._child("selective", str(risk), "true").inc(n_acc)
+            if len(accepted) - n_acc:
+                self._child("selective", str(risk), "false").inc(len(accepted) - n_acc)
 
     def _child(self, metric: str, *labels: str) -> Any:
         """The metric ``metric`` of this model with the further ``labels`` (prometheus_client's lookup costs

@@ -200,3 +200,25 @@ def test_open_inference_protocol_outputs_and_parameters(g_client, g_artifact):
         assert r.status_code == 422 and list(bad)[0] in r.json()["error"], r.text
     r = g_client.post("/v2/models/tiny-g/infer", json={**body, "parameters": {"risk": 0.3}})
     assert r.status_code == 422 and "[0.05, 0.5]" in r.json()["error"]
+
+
+@pytest.mark.parametrize("mondrian", [False, True])
+def test_the_per_request_path_computes_what_the_array_functions_compute(g_artifact, mondrian):
+    """Guarantees.answer (Python scalars, no checks: the served path) gives the p-values, sets and accept decisions
+    of p_values / prediction_sets / accepts, ties and NaN scores included."""
+    from dataclasses import replace
+
+    from service.guarantees import load_guarantees
+
+    g = load_guarantees(g_artifact, json.loads((g_artifact / "manifest.json").read_text()))
+    g = replace(g, mondrian=mondrian)
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(len(TINY_LABELS)), size=64)
+    scores = np.concatenate([rng.uniform(0, 1, 60), -g.ood_scores[:3], [np.nan]])  # calibration values: ties
+    for alpha in (0.1, 0.3):
+        for risk in sorted(g.rules):
+            p, sets, below, accept = g.answer(scores.tolist(), probs, alpha, risk)
+            np.testing.assert_array_equal(np.asarray(p), g.p_values(scores))
+            ref_sets, ref_below = g.prediction_sets(probs, alpha)
+            assert np.array_equal(sets, ref_sets) and below == ref_below
+            assert accept == g.accepts(probs, scores, risk).tolist()
