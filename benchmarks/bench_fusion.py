@@ -25,7 +25,7 @@ Methods:
                       (service.ood.ensemble_scores, Mahalanobis on statistics of the layout's shape): the
                       served flag's cost, reported as hydra_ood / hydra
     hydra_ood_layers  hydra_ood plus the pooled features of the first blocks (with_layer_features) and the
-                      mahalanobis_layers score over all of them (the largest candidate of
+                      mahalanobis_layers score over three of them (the largest candidate of
                       offline.ood_fit.layer_candidates): the cost of the layer score,
                       reported as hydra_ood_layers / hydra
     single_bf16_weights, hydra_bf16_weights
@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.harness import cpu_name  # noqa: E402,F401 (the CPU named in every result; recipe.py and others import it here)
 from offline.families import get_adapter  # noqa: E402
 from offline.fusion import fuse  # noqa: E402
+from offline.ood_fit import MAX_SCORE_LAYERS  # noqa: E402
 from service.backends import cast_gemm_weights, cpu_bf16_flags  # noqa: E402
 from service.fused import CPU_MAX_ROWS  # noqa: E402
 from service.ood import GaussianStats, LayerStats, OODStats, ensemble_scores  # noqa: E402
@@ -128,7 +129,8 @@ def build(layout: str, members: int, keep: int, seed: int = 0) -> dict[str, Any]
     fused, _ = fuse(adapter, pruned)
     # a deep ensemble: M dense models of the same layout (weights differ; cost is what matters)
     dense = [base] + [_dense(layout, seed + s) for s in range(1, members)]
-    classes, layers = fused.cfg["num_classes"], len(heads) - 1  # the layer score's largest candidate: every block
+    # the layer score's largest candidate (offline.ood_fit.layer_candidates): at most MAX_SCORE_LAYERS blocks
+    classes, layers = fused.cfg["num_classes"], min(len(heads) - 1, MAX_SCORE_LAYERS)
     return {"base": base, "pruned": pruned, "fused": fused, "dense": dense, "make_input": make_input, "run": run,
             "ood_stats": random_ood_stats(members, classes, fused.dim, seed),
             "ood_layer_stats": random_ood_stats(members, classes, fused.dim, seed, layers)}  # fmt: skip
