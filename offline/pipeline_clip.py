@@ -92,7 +92,7 @@ from .export import ONNX_OPSET, bf16_agreement, export_checked
 from .families.clip import CLIPAdapter, split_heads
 from .foreign import foreign_images
 from .fusion import fuse
-from .guarantees import GUARANTEES_FILE, CalibrationOutputs, fit_guarantees
+from .guarantees import GUARANTEES_FILE, CalibrationOutputs, evaluate_guarantees, fit_guarantees
 from .ood_fit import (
     LAYERS,
     background_stats,
@@ -451,7 +451,7 @@ def finish_zero_shot(
             cal, scores = calibrate_label_free(cfg, cal.temperature, image_feature_runs(fused, pre, data, val, test,
                                                                                         ood_test))  # fmt: skip
             served = served_label_free(cal, scores)
-        guarantees = zero_shot_guarantees(cfg, fused_fn, cal, data, pre, prompts_, val, scores)
+        guarantees, served_outs = zero_shot_guarantees(cfg, fused_fn, cal, data, pre, prompts_, val, scores)
         val_y = torch.cat([y for _, y in val])
         T_single = fit_temperature(collect_logits(single, val), val_y) if cfg.calibration.temperature else 1.0
     timer.lap("calibration")
@@ -466,6 +466,12 @@ def finish_zero_shot(
     metric = cal.metric if cal.metric in SUMMARY_SCORES else "msp"  # the main rows' score: a probability score
     rows, plots = evaluate(methods, sets, data.test.labels, ood_kinds, metric, latency)  # image side per call
     timer.lap("evaluation")
+    report = None
+    if guarantees is not None:
+        with progress_stage("guarantees (drift simulations)"):
+            report = zero_shot_guarantees_report(cfg, methods["hydra"], cal, torch.cat([y for _, y in test]),
+                                                 served_outs, scores)  # fmt: skip
+        timer.lap("guarantees (drift simulations)")
 
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     if cal.stats is not None:
@@ -496,6 +502,8 @@ def finish_zero_shot(
              "temperature_single_ts": T_single, "ood_threshold": cal.threshold, "ood_score": cal.metric,
              "timings_s": timer.times, "ood_val_flagged": cal.ood_val_flagged,
              "base_zero_shot_val_acc": base_desc.get("lit", {}).get("val_zero_shot_accuracy")}  # fmt: skip
+    if report is not None:
+        extra["guarantees_report"] = report
     if served is not None:
         extra.update(ood_candidates=cal.candidates, ood_selected=cal.selected or cal.metric, served_flag=served)
         if cal.layer_ids is not None:
@@ -585,22 +593,42 @@ def calibrate_label_free(
 def zero_shot_guarantees(
     cfg: BuildConfig, fused_fn: Callable[[Batch], torch.Tensor], cal: Calibration, data: Any, pre: ImagePreprocessor,
     prompts_: Batch, val: list, scores: dict[str, dict[str, np.ndarray]] | None,
-) -> Any:  # fmt: skip
+) -> tuple[Any, dict[str, CalibrationOutputs]]:  # fmt: skip
     """The guarantees of a zero-shot model on the calibration split: sets and risk rules for the build's labels and
-    template, OOD p-values of the served score (label-free unless a probability score is forced); None without a
-    calibration split."""
+    template, OOD p-values of the served score (label-free unless a probability score is forced); ``(None, {})``
+    without a calibration split. Also returns the served outputs on ``calibration`` and ``val`` (the report's)."""
     if data.calibration is None:
-        return None
+        return None, {}
     cal_batches = eval_batches(pre, data.calibration.inputs, data.calibration.labels, extra=prompts_)[0]
+    outs = {name: zero_shot_outputs(collect_logits(fused_fn, batches), torch.cat([y for _, y in batches]), cal,
+                                    scores, name) for name, batches in (("calibration", cal_batches), ("val", val))}
+    fitted = fit_guarantees(cfg.guarantees, outs["calibration"], outs["val"], cal.metric, cal.threshold,
+                            data.splits.get("id", {}).get("calibration", {}), label_free=scores is not None)
+    return fitted, outs  # fmt: skip
 
-    def outputs(batches: list, name: str) -> CalibrationOutputs:
-        s = summarize(collect_logits(fused_fn, batches), cal.temperature)
-        score = scores[name][cal.selected] if scores is not None else s[cal.metric].double().numpy()
-        return CalibrationOutputs(s["probs"].double().numpy(), torch.cat([y for _, y in batches]).numpy(), score)
 
-    return fit_guarantees(cfg.guarantees, outputs(cal_batches, "calibration"), outputs(val, "val"), cal.metric,
-                          cal.threshold, data.splits.get("id", {}).get("calibration", {}),
-                          label_free=scores is not None)  # fmt: skip
+def zero_shot_outputs(logits: torch.Tensor, labels: torch.Tensor, cal: Calibration,
+                      scores: dict[str, dict[str, np.ndarray]] | None, name: str) -> CalibrationOutputs:  # fmt: skip
+    """The served answer on one set: probabilities of the build's labels at the served temperature, the served OOD
+    score (``scores[name]``: the label-free score; None: the probability score of ``logits``), the labels."""
+    s = summarize(logits, cal.temperature)
+    score = scores[name][cal.selected] if scores is not None else s[cal.metric].double().numpy()
+    return CalibrationOutputs(s["probs"].double().numpy(), labels.numpy(), np.asarray(score, dtype=np.float64))
+
+
+def zero_shot_guarantees_report(cfg: BuildConfig, hydra: Method, cal: Calibration, test_labels: torch.Tensor,
+                                served: dict[str, CalibrationOutputs],
+                                scores: dict[str, dict[str, np.ndarray]] | None) -> dict[str, Any]:  # fmt: skip
+    """The report's guarantees section of a zero-shot build (:func:`offline.guarantees.evaluate_guarantees`), for
+    the served model alone: the build's labels and template, its served score on the calibration split, ID test and
+    each OOD test set. (Single and the members have no label-free statistics of their own to compare like with
+    like.)"""
+    outs = dict(served)
+    outs["test"] = zero_shot_outputs(hydra.runs["test"][0], test_labels, cal, scores, "test")
+    for name, run in hydra.runs.items():
+        if name.startswith("ood:"):
+            outs[name] = zero_shot_outputs(run[0], torch.zeros(len(run[0]), dtype=torch.int64), cal, scores, name)
+    return evaluate_guarantees(cfg.guarantees, {"hydra": outs}, {"hydra": cal.threshold}, cal.metric)
 
 
 def served_label_free(cal: Calibration, scores: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:

@@ -43,6 +43,7 @@ def synthetic_data() -> Data:
         ood_val={"noise": noise_val, "blank": blank[:8]},
         ood_test={"noise": (noise_test, "far"), "blank": (blank, "far")},
         splits={"setting": "synthetic", "id": {"train": {"size": 64}}},
+        calibration=Split(*_images(60, 5)),
     )
 
 
@@ -131,3 +132,15 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
         assert manifest["zero_shot"]["logit_scale"] == pytest.approx(float(base.logit_scale.exp()), rel=1e-6)
     report = json.loads((out / "report.json").read_text())
     assert {r["method"] for r in report["rows"]} >= {"single", "single_ts", "hydra"}
+    # the guarantees, fitted on the calibration split, and the report's tables of them on ID test and OOD test
+    g = manifest["guarantees"]
+    assert g["conformal"]["min_alpha"] == pytest.approx(1 / 61) and g["ood"]["label_free"] is True
+    hydra = report["extra"]["guarantees_report"]["methods"]["hydra"]
+    assert hydra["calibration_size"] == 60
+    for cell in hydra["coverage"].values():  # sets of the 3 labels; alpha 0.01 < 1/61: every label
+        assert 0.0 <= cell["mean_size"] <= 3.0 and 0.0 <= cell["coverage"] <= 1.0
+    assert hydra["coverage"]["0.01"]["mean_size"] == 3.0
+    assert set(hydra["p_values"]["0.05"]["recall"]) == {"noise", "blank"}
+    assert {r["risk"] for r in hydra["selective"]} == set(cfg.guarantees.risks)
+    assert set(hydra["drift"]["runs"]) == {"noise", "blank"}
+    assert "## Guarantees (calibration split)" in (out / "report.md").read_text()
