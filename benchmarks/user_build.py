@@ -8,9 +8,9 @@ checkpoint in the standard layout (1000-class head, random weights: the arithmet
 folder of 180 RGB photos-like images of 48 to 320 pixels in 3 classes (JPEG and PNG). The build: the model at
 224 px, 150 base fine-tuning steps, Taylor scoring, M = 3 members of 20 steps each, ONNX export; the build's own
 ``build.precision`` (``auto`` unless ``--precision``). ``--rerun`` builds again into a fresh folder and compares
-``model.safetensors``; ``--resume`` stops a build during base training (SIGKILL after ``--kill-after`` seconds)
-and completes it with the same command, then compares. Writes ``<out>/user_build.json`` with the machine, the
-wall time and every stage's time from the manifest.
+``model.safetensors``; ``--resume`` stops a build during base training with SIGKILL (5 s after its first
+checkpoint, or after ``--kill-after`` seconds), completes it with the same command and compares. Writes
+``<out>/user_build.json`` with the machine, the wall time and every stage's time from the manifest.
 """
 
 from __future__ import annotations
@@ -88,12 +88,17 @@ def config(folder: Path, ckpt: Path, precision: str) -> dict:
 
 
 def run_build(cfg_path: Path, out: Path, kill_after: float | None = None) -> float:
-    """``offline/build.py`` as a user runs it (stderr to a file); the wall time; SIGKILL after ``kill_after`` s."""
+    """``offline/build.py`` as a user runs it (stderr to a file); the wall time; SIGKILL after ``kill_after`` s, or
+    (``kill_after == 0``) 5 s after the first training checkpoint (``state-*.pt``) appears under ``out``."""
     cmd = [sys.executable, str(ROOT / "offline" / "build.py"), "--config", str(cfg_path), "--out", str(out),
            "--progress-every", "30"]  # fmt: skip
     t0 = time.perf_counter()
     with open(out.parent / f"{out.name}.log", "a") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stderr=log, stdout=log)
+        if kill_after == 0:  # wait for a checkpoint to resume from, then a little into the next steps
+            while proc.poll() is None and not any(out.rglob("state-*.pt")):
+                time.sleep(1.0)
+            kill_after = 5.0
         try:
             proc.wait(timeout=kill_after)
         except subprocess.TimeoutExpired:
@@ -115,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
     ap.add_argument("--rerun", action="store_true", help="build again and compare the weights bit for bit")
     ap.add_argument("--resume", action="store_true", help="kill a build during base training, resume, compare")
-    ap.add_argument("--kill-after", type=float, default=60.0)
+    ap.add_argument("--kill-after", type=float, default=0.0,
+                    help="seconds before the SIGKILL; 0 (default): 5 s after the first training checkpoint is saved")
     ap.add_argument("--tag", default=None, help="name of this run in the results (default: the precision)")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="user-build-"))
@@ -138,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             run_build(cfg_path, work / "b")
             result["rerun_identical"] = sha256(work / "b" / "model.safetensors") == result["model_sha256"]
         if args.resume:
-            run_build(cfg_path, work / "c", kill_after=args.kill_after)
-            killed = sorted(p.name for p in (work / "c").rglob("*") if p.is_file())
+            killed_at = run_build(cfg_path, work / "c", kill_after=args.kill_after)
+            killed = sorted(p.name for p in (work / "c").rglob("state-*.pt"))
             run_build(cfg_path, work / "c")
-            result["resume"] = {"killed_after_s": args.kill_after, "checkpoints_left": len(killed),
+            result["resume"] = {"killed_after_s": round(killed_at, 1), "checkpoints_left": killed,
                                 "identical": sha256(work / "c" / "model.safetensors") == result["model_sha256"]}
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
