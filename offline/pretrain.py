@@ -186,9 +186,10 @@ def load_spec(cfg: PretrainConfig) -> dict[str, Any]:
     architecture without its training-only settings, and timm's ``pretrained_cfg_overlay`` saying that the weights
     have the six-class head and the demo's input (28x28 grey, its mean and std), so timm keeps the head."""
     arch = {k: v for k, v in cfg.arch.items() if k not in ("num_classes", "drop_path_rate")}
-    overlay = {"num_classes": int(cfg.arch.get("num_classes", 6)),
-               "input_size": [int(cfg.arch.get("in_chans", 1)), int(cfg.arch["img_size"]), int(cfg.arch["img_size"])],
-               "mean": list(GRAY_MEAN), "std": list(GRAY_STD), "crop_pct": 1.0, "interpolation": "bilinear"}  # fmt: skip
+    size = int(cfg.arch["img_size"])
+    overlay = {"num_classes": int(cfg.arch.get("num_classes", 6)), "input_size": [int(cfg.arch.get("in_chans", 1)),
+               size, size], "mean": list(GRAY_MEAN), "std": list(GRAY_STD), "crop_pct": 1.0,
+               "interpolation": "bilinear"}  # fmt: skip
     return {"base.source": f"timm:{cfg.timm}", "base.arch": {**arch, "pretrained_cfg_overlay": overlay}}
 
 
