@@ -25,6 +25,9 @@ from offline.config import BuildConfig, ConfigError, add_arguments, load_config,
 from offline.progress import DEFAULT_EVERY  # noqa: E402
 from offline.progress import set_enabled as set_progress  # noqa: E402
 from offline.progress import set_every as set_progress_every  # noqa: E402
+
+# the command's own flags: every other flag is a config override (``--hydra.members 5``)
+NOT_OVERRIDES = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")
 from service.logs import json_formatter  # noqa: E402
 
 # family -> the pipeline that builds it
@@ -118,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--progress-every must be > 0 seconds, got {args.progress_every}")
         set_progress_every(args.progress_every)
         configure_logging(args.log_format)
-        skip = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")
-        cfg = load_config(args.config, overrides_from_args(args, skip=skip))
+        cfg = load_config(args.config, overrides_from_args(args, skip=NOT_OVERRIDES))
         out = Path(args.out)
         if out.exists() and not resumable_only(out) and not args.force and args.stage in (None, "finish"):
             raise ConfigError(f"--out {out} is not empty; pass --force to overwrite")

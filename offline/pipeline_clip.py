@@ -466,12 +466,8 @@ def finish_zero_shot(
     metric = cal.metric if cal.metric in SUMMARY_SCORES else "msp"  # the main rows' score: a probability score
     rows, plots = evaluate(methods, sets, data.test.labels, ood_kinds, metric, latency)  # image side per call
     timer.lap("evaluation")
-    report = None
-    if guarantees is not None:
-        with progress_stage("guarantees (drift simulations)"):
-            report = zero_shot_guarantees_report(cfg, methods["hydra"], cal, torch.cat([y for _, y in test]),
-                                                 served_outs, scores)  # fmt: skip
-        timer.lap("guarantees (drift simulations)")
+    report = None if guarantees is None else zero_shot_guarantees_report(
+        cfg, methods["hydra"], cal, torch.cat([y for _, y in test]), served_outs, scores, timer)
 
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     if cal.stats is not None:
@@ -617,8 +613,8 @@ def zero_shot_outputs(logits: torch.Tensor, labels: torch.Tensor, cal: Calibrati
 
 
 def zero_shot_guarantees_report(cfg: BuildConfig, hydra: Method, cal: Calibration, test_labels: torch.Tensor,
-                                served: dict[str, CalibrationOutputs],
-                                scores: dict[str, dict[str, np.ndarray]] | None) -> dict[str, Any]:  # fmt: skip
+                                served: dict[str, CalibrationOutputs], scores: dict[str, dict[str, np.ndarray]] | None,
+                                timer: Timer) -> dict[str, Any]:  # fmt: skip
     """The report's guarantees section of a zero-shot build (:func:`offline.guarantees.evaluate_guarantees`), for
     the served model alone: the build's labels and template, its served score on the calibration split, ID test and
     each OOD test set. (Single and the members have no label-free statistics of their own to compare like with
@@ -628,7 +624,10 @@ def zero_shot_guarantees_report(cfg: BuildConfig, hydra: Method, cal: Calibratio
     for name, run in hydra.runs.items():
         if name.startswith("ood:"):
             outs[name] = zero_shot_outputs(run[0], torch.zeros(len(run[0]), dtype=torch.int64), cal, scores, name)
-    return evaluate_guarantees(cfg.guarantees, {"hydra": outs}, {"hydra": cal.threshold}, cal.metric)
+    with progress_stage("guarantees (drift simulations)"):
+        report = evaluate_guarantees(cfg.guarantees, {"hydra": outs}, {"hydra": cal.threshold}, cal.metric)
+    timer.lap("guarantees (drift simulations)")
+    return report
 
 
 def served_label_free(cal: Calibration, scores: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:

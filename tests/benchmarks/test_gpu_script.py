@@ -35,11 +35,11 @@ def test_it_runs_the_cuda_tests_a_cuda_build_and_both_benchmarks(commands):
 
 
 def test_the_build_command_is_a_valid_cuda_build(commands):
-    from offline.build import parse_args
+    from offline.build import NOT_OVERRIDES, parse_args
     from offline.config import load_config, overrides_from_args
 
     args = parse_args(_program(commands, "offline/build.py"))
-    over = overrides_from_args(args, skip=("config", "out", "force", "no_progress", "stage", "member"))
+    over = overrides_from_args(args, skip=NOT_OVERRIDES)
     assert over["build.device"] == "cuda"
     cfg = load_config(ROOT / args.config, {**over, "build.device": "cpu"})  # this machine may have no GPU
     assert cfg.build.precision == "auto" and cfg.build.workers == 4
