@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/user_build.py --out benchmarks/results/user_build
     .venv/bin/python benchmarks/user_build.py --rerun --resume     # and check the artifact bit for bit
+    .venv/bin/python benchmarks/user_build.py --resume --against <a recorded model_sha256> --tag resume
 
 The user's model and data, generated (seeded) so that anyone can rerun it: a timm ``vit_tiny_patch16_224``
 checkpoint in the standard layout (1000-class head, random weights: the arithmetic is a pretrained one's), and a
@@ -123,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-after", type=float, default=0.0,
                     help="seconds before the SIGKILL; 0 (default): 5 s after the first training checkpoint is saved")
     ap.add_argument("--tag", default=None, help="name of this run in the results (default: the precision)")
+    ap.add_argument("--against", default=None, metavar="SHA256",
+                    help="with --resume: compare the resumed build with this recorded model.safetensors hash "
+                         "instead of building the reference first (a recorded run's model_sha256)")
     args = ap.parse_args(argv)
+    if args.against and not (args.resume and not args.rerun):
+        ap.error("--against goes with --resume alone")
     work = Path(tempfile.mkdtemp(prefix="user-build-"))
     try:
         folder = make_folder(work / "photos")
@@ -132,14 +138,17 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg_path = work / "build.yaml"
         cfg_path.write_text(yaml.safe_dump(config(folder, ckpt, args.precision)))
-        wall = run_build(cfg_path, work / "a")
-        manifest = json.loads((work / "a" / "manifest.json").read_text())
         result = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform()},
                   "precision": args.precision, "resolved_precision": resolve_precision(args.precision,
-                                                                                        torch.device("cpu")),
-                  "wall_s": round(wall, 1), "stages_s": manifest["build"]["timings_s"],
-                  "model_sha256": sha256(work / "a" / "model.safetensors"),
-                  "test_accuracy": manifest["metrics"].get("hydra", {}).get("acc")}  # fmt: skip
+                                                                                        torch.device("cpu"))}
+        if args.against:  # the reference is a recorded run's
+            result["model_sha256"] = args.against
+        else:
+            wall = run_build(cfg_path, work / "a")
+            manifest = json.loads((work / "a" / "manifest.json").read_text())
+            result.update(wall_s=round(wall, 1), stages_s=manifest["build"]["timings_s"],
+                          model_sha256=sha256(work / "a" / "model.safetensors"),
+                          test_accuracy=manifest["metrics"].get("hydra", {}).get("acc"))  # fmt: skip
         if args.rerun:
             run_build(cfg_path, work / "b")
             result["rerun_identical"] = sha256(work / "b" / "model.safetensors") == result["model_sha256"]
