@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from service.backends import cpu_name  # the CPU named in every result
+
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # loopback only, always
 
@@ -250,17 +252,6 @@ def open_artifact(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, 
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     artifact = tiny_artifact(tmp, args.tiny) if args.tiny else args.artifact.resolve()
     return artifact, json.loads((artifact / "manifest.json").read_text())
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine() -> dict[str, Any]:

@@ -39,6 +39,7 @@ import yaml
 from safetensors.torch import save_file
 
 from service.artifact import file_sha256
+from service.backends import cpu_name
 
 from . import data as data_mod
 from .train import GRAY_MEAN, GRAY_STD, TrainConfig, accuracy, make_batches, train_base_vit
@@ -171,7 +172,7 @@ def pretrain(cfg: PretrainConfig, out: Path, checkpoint_dir: Path, command: str)
         "test_accuracy": {"fp32_weights": round(acc_fp32, 4), "stored_weights": round(acc_stored, 4),
                           "images": "the 6,000 ID images of the Fashion-MNIST test file (reported, not chosen on)"},
         "seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.platform(), "processor": _cpu_name(),
+        "torch": torch.__version__, "machine": platform.platform(), "processor": cpu_name(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "load": load_spec(cfg),
     }  # fmt: skip
@@ -193,14 +194,6 @@ def load_spec(cfg: PretrainConfig) -> dict[str, Any]:
     return {"base.source": f"timm:{cfg.timm}", "base.arch": {**arch, "pretrained_cfg_overlay": overlay}}
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ the model's first output as a float32 CPU tensor, member logits ``(B, M, C)``.
 from __future__ import annotations
 
 import logging
+import platform
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,18 @@ def cpu_bf16_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> list[str] | None:
             flags = set(line.split(":", 1)[-1].split())
             return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
     return None
+
+
+def cpu_name(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU's model name (Linux ``model name``), else what ``platform`` knows: the machine named in every
+    measurement (benchmarks, the backbone's record)."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cpu_has_native_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:

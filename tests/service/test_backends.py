@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from service.backends import (
     TorchBackend,
     TorchScriptBackend,
     cpu_has_native_bf16,
+    cpu_name,
     resolve_plan,
 )
 from service.models import load_model
@@ -87,6 +90,13 @@ def test_cpu_bf16_flags(tmp_path, flags, native):
     p.write_text(f"processor\t: 0\nvendor_id\t: X\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
     assert cpu_has_native_bf16(p) is native
     assert cpu_has_native_bf16(tmp_path / "missing") is False
+
+
+def test_cpu_name(tmp_path):
+    p = tmp_path / "cpuinfo"
+    p.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: AMD EPYC 9654 96-Core Processor\n")
+    assert cpu_name(p) == "AMD EPYC 9654 96-Core Processor"
+    assert cpu_name(tmp_path / "missing") == (platform.processor() or platform.machine())
 
 
 @pytest.mark.parametrize("family", ["vit", "bert"])
