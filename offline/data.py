@@ -43,11 +43,11 @@ from .outliers import CORRUPTIONS, corrupted
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
-FASHION_CLASSES = [
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt", "Sandal", "Sneaker", "Bag", "Ankle boot",
+FASHION_CLASSES = [  # the data set's documented label order (pinned to torchvision's list in the tests)
+    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
 ]
-FASHION_ID_CLASSES = (0, 1, 2, 3, 4, 5)  # clothing in distribution ...
-FASHION_OOD_CLASSES = (6, 7, 8, 9)  # ... footwear and bags held out as near-OOD
+FASHION_ID_CLASSES = (0, 1, 2, 3, 4, 6)  # the six garments in distribution ...
+FASHION_OOD_CLASSES = (5, 7, 8, 9)  # ... footwear (Sandal, Sneaker, Ankle boot) and Bag held out as near-OOD
 FASHION_FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
     "train_labels": "train-labels-idx1-ubyte.gz",
@@ -348,7 +348,8 @@ def fashion_mnist_setting(
     max_train: int, max_val: int, max_test: int, max_ood: int, seed: int, max_fit: int | None = None,
     max_calibration: int = 0,
 ) -> Data:  # fmt: skip
-    """Fashion-MNIST with classes 0-5 in distribution and 6-9 as near-OOD; digits and noise as far-OOD.
+    """Fashion-MNIST: the six garments (0-4, 6) in distribution, footwear and bags (5, 7-9) near-OOD, digits and noise
+    far-OOD.
 
     Train and val come from the official train file (disjoint), test from the test file;
     near-OOD val / test from the held-out classes of the train / test files. Train is drawn from the train
@@ -617,8 +618,12 @@ def _check_image(path: Path) -> str:
     try:
         with Image.open(path) as im:
             im.verify()
+        with Image.open(path) as im:
+            mode = im.mode
     except Exception as e:  # PIL raises several types for bad files
         raise ValueError(f"{path}: not a readable image ({type(e).__name__}: {e})") from e
+    if mode == "F":  # the server refuses them too (415): what float pixel values mean is not in the file
+        raise ValueError(f"{path}: floating-point pixels (mode F) are not accepted; save it as 8- or 16-bit")
     return str(path)
 
 

