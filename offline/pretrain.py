@@ -143,6 +143,18 @@ def test_accuracy(model: torch.nn.Module) -> float:
     return accuracy(model, lambda m, b: m(b["pixel_values"]), batches)
 
 
+def test_per_class(model: torch.nn.Module) -> dict[str, float]:
+    """Top-1 accuracy per ID class on the test file's ID images, keyed by the data set's own class name."""
+    x, y = test_images()
+    batches = make_batches(x, y, 500, kind="image", mean=list(GRAY_MEAN), std=list(GRAY_STD), size=[28, 28],
+                           channels=1)  # fmt: skip
+    model.eval()
+    with torch.no_grad():
+        pred = torch.cat([model(b["pixel_values"]).argmax(-1) for b, _ in batches]).numpy()
+    names = [data_mod.FASHION_CLASSES[c] for c in data_mod.FASHION_ID_CLASSES]
+    return {name: round(float(np.mean(pred[y == i] == i)), 4) for i, name in enumerate(names)}
+
+
 def pretrain(cfg: PretrainConfig, out: Path, checkpoint_dir: Path, command: str) -> dict[str, Any]:
     """Train the backbone of ``cfg`` (resumable in ``checkpoint_dir``), write its weights and record into ``out``;
     the record."""
@@ -164,12 +176,14 @@ def pretrain(cfg: PretrainConfig, out: Path, checkpoint_dir: Path, command: str)
         for k, p in model.state_dict().items():
             p.copy_(state[k].float())
     acc_stored = test_accuracy(model)
+    per_class = test_per_class(model)
     record = {
         "name": cfg.name, "command": command, "config": cfg.to_dict(), "data": data_rec,
         "seed": cfg.train.seed, "steps": cfg.train.steps,
         "params": int(sum(p.numel() for p in model.parameters())),
         "file": weights.name, "bytes": weights.stat().st_size, "sha256": file_sha256(weights),
         "test_accuracy": {"fp32_weights": round(acc_fp32, 4), "stored_weights": round(acc_stored, 4),
+                          "per_class_stored_weights": per_class,
                           "images": "the 6,000 ID images of the Fashion-MNIST test file (reported, not chosen on)"},
         "seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "machine": platform.platform(), "processor": cpu_name(),
