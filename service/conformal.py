@@ -325,6 +325,20 @@ class SetCalibrator:
 
 
 # ----------------------------------------------------------------------------- OOD p-values
+def keep_top(sets: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(sets, filled)``: prediction sets ``(B, C)`` bool with the most probable label of ``probs (B, C)`` put into
+    every empty set, and ``(B,)`` which sets were empty. A superset of a conformal set covers the true label at least
+    as often, so the guarantee holds unchanged; an empty set (no label passes the threshold: at a large ``alpha``,
+    or an input unlike any class) would otherwise answer nothing a caller can act on. The server and the build's
+    report both serve and measure these sets."""
+    filled = ~sets.any(axis=1)
+    if filled.any():
+        sets = sets.copy()
+        rows = np.flatnonzero(filled)
+        sets[rows, np.asarray(probs)[rows].argmax(axis=1)] = True
+    return sets, filled
+
+
 def ood_p_values(scores: np.ndarray | torch.Tensor, sorted_cal: np.ndarray) -> np.ndarray:
     """Conformal p-values ``(B,)`` of outlier scores ``(B,)`` against ID calibration scores ``(n,)`` sorted ascending.
 

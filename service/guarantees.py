@@ -30,11 +30,11 @@ import numpy as np
 from safetensors.torch import load_file
 
 from .artifact import ArtifactError
-from .conformal import SetCalibrator, ood_p_values
+from .conformal import SetCalibrator, keep_top, ood_p_values
 from .drift import DriftMonitor
 from .uncertainty import OOD_METRICS
 
-__all__ = ["GUARANTEES_FILE", "Guarantees", "load_guarantees", "outlier_oriented"]
+__all__ = ["GUARANTEES_FILE", "Answer", "Guarantees", "load_guarantees", "outlier_oriented"]
 
 GUARANTEES_FILE = "guarantees.safetensors"
 QHAT_CACHE = 256  # set thresholds kept per model (distinct alpha levels requested)
@@ -44,6 +44,18 @@ def outlier_oriented(scores: np.ndarray, metric: str) -> np.ndarray:
     """``scores`` of the OOD score ``metric`` with higher = more OOD (MSP, where higher = in distribution, negated)."""
     s = np.asarray(scores, dtype=np.float64)
     return -s if OOD_METRICS[metric] else s
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's guarantees (:meth:`Guarantees.answer`); the set fields are None when the request gets no sets
+    or risk rules (zero-shot with other labels)."""
+
+    p_values: list[float]  # (B,) conformal OOD p-values
+    sets: np.ndarray | None = None  # (B, C) bool, never empty
+    below_min_alpha: bool = False
+    filled: np.ndarray | None = None  # (B,) bool: the set was empty at alpha and holds the prediction alone
+    accepts: list[bool] | None = None  # (B,) the risk rule's decisions
 
 
 @dataclass(frozen=True)
@@ -75,23 +87,37 @@ class Guarantees:
         object.__setattr__(self, "_sign", -1.0 if OOD_METRICS[self.metric] else 1.0)
         object.__setattr__(self, "_cut", self._sign * float(self.ood_threshold))
 
-    def answer(
-        self, scores: list[float], probs: np.ndarray | None, alpha: float, risk: float
-    ) -> tuple[list[float], np.ndarray | None, bool, list[bool] | None]:  # fmt: skip
-        """One request's guarantees: ``(p-values, sets (B, C) or None, below_min_alpha, accepts or None)`` of served
-        scores ``(B,)`` and the ensemble's probabilities ``(B, C)`` float64 (None: no sets or risk rules for this
-        request). The same numbers as :meth:`p_values`, :meth:`prediction_sets` and :meth:`accepts`."""
+    def answer(self, scores: list[float], probs: np.ndarray | None, alpha: float, risk: float) -> Answer:
+        """One request's guarantees (:class:`Answer`) of served scores ``(B,)`` and the ensemble's probabilities
+        ``(B, C)`` float64 (None: no sets or risk rules for this request). The same numbers as :meth:`p_values`,
+        :meth:`prediction_sets` and :meth:`accepts`."""
         n, cal, sign = len(self._cal), self._cal, self._sign
         oriented = [sign * s for s in scores]
         p = [(1.0 + n - bisect.bisect_left(cal, o)) / (n + 1.0) if o == o else math.nan for o in oriented]
         if probs is None:
-            return p, None, False, None
-        sets, below = self.prediction_sets(probs, alpha, checked=True)
+            return Answer(p)
+        sets, below, filled = self.prediction_sets(probs, alpha, checked=True)
         lam = self.rules[risk]
         if lam is None:
-            return p, sets, below, [False] * len(scores)
+            return Answer(p, sets, below, filled, [False] * len(scores))
         conf = probs.max(axis=1).tolist()
-        return p, sets, below, [o <= self._cut and c >= lam for o, c in zip(oriented, conf, strict=True)]
+        accepts = [o <= self._cut and c >= lam for o, c in zip(oriented, conf, strict=True)]
+        return Answer(p, sets, below, filled, accepts)
+
+    def flag_threshold(self, ood_alpha: float) -> float | None:
+        """The served score's threshold of the OOD flag at ``ood_alpha``: ``p_value <= ood_alpha`` exactly when the
+        score is above it (MSP: below it), so ``ood.threshold`` is the rule the flag applies. None when no score is
+        flagged at this level (``ood_alpha < 1 / (n + 1)``).
+
+        With ``c = #{s_i >= s}``, ``p = (1 + c) / (n + 1)`` is at most ``ood_alpha`` iff ``c <= k``, the largest such
+        count, iff the outlier-oriented score is above the ``(n - k)``-th smallest calibration score."""
+        n = len(self._cal)
+        k = math.floor(ood_alpha * (n + 1)) - 1  # the same float expression as the p-value, checked both ways
+        while k + 1 < n and (2.0 + k) / (n + 1.0) <= ood_alpha:
+            k += 1
+        while k >= 0 and (1.0 + k) / (n + 1.0) > ood_alpha:
+            k -= 1
+        return None if k < 0 else self._sign * self._cal[n - k - 1]
 
     @property
     def n(self) -> int:
@@ -110,10 +136,12 @@ class Guarantees:
 
     def prediction_sets(
         self, probs: np.ndarray, alpha: float, mondrian: bool | None = None, checked: bool = False
-    ) -> tuple[np.ndarray, bool]:  # fmt: skip
-        """``(sets (B, C) bool, below_min_alpha)``: the conformal sets of ``probs (B, C)`` at ``alpha``;
-        ``below_min_alpha`` when ``alpha`` is below what the split supports (for some class, with Mondrian sets):
-        no finite threshold exists there, so those labels are always in (marginal: every set is every label)."""
+    ) -> tuple[np.ndarray, bool, np.ndarray]:  # fmt: skip
+        """``(sets (B, C) bool, below_min_alpha, filled (B,))``: the conformal sets of ``probs (B, C)`` at ``alpha``,
+        never empty (:func:`~service.conformal.keep_top`: ``filled`` marks the sets that were empty and got the
+        prediction); ``below_min_alpha`` when ``alpha`` is below what the split supports (for some class, with
+        Mondrian sets): no finite threshold exists there, so those labels are always in (marginal: every set is every
+        label)."""
         m = self.mondrian if mondrian is None else mondrian
         key = (float(alpha), bool(m))
         cached = self._qhats.get(key)
@@ -122,7 +150,8 @@ class Guarantees:
                 self._qhats.clear()
             q = np.asarray(self.sets.qhat(alpha, m))
             cached = self._qhats[key] = (q, bool(np.any(np.isinf(q))))
-        return self.sets.sets_at(probs, cached[0], checked), cached[1]
+        sets, filled = keep_top(self.sets.sets_at(probs, cached[0], checked), probs)
+        return sets, cached[1], filled
 
     def accepts(self, probs: np.ndarray, scores: np.ndarray, risk: float) -> np.ndarray:
         """``(B,)`` bool: the rule of target ``risk`` (certified at build time) on probabilities ``(B, C)`` and

@@ -145,6 +145,8 @@ class ImagePreprocessor:
         (what a training loop may keep and normalise per batch: :meth:`normalize` of it is :meth:`to_tensor`)."""
         if im.mode == "P" or im.mode == "PA":
             im = im.convert("RGBA")
+        if im.mode.startswith("I") or im.mode == "F":
+            im = _eight_bit(im)
         if im.mode != self.mode:
             im = im.convert(self.mode)
         arr = np.asarray(self._resized(im), dtype=np.uint8)  # (H, W) or (H, W, C)
@@ -174,6 +176,8 @@ class ImagePreprocessor:
         """Encoded image bytes -> ``(C, H, W)`` float32."""
         try:
             return self.to_tensor(self.decode(data, where))
+        except UnsupportedMediaType as e:
+            raise UnsupportedMediaType(f"{where}: {e.message}" if not e.message.startswith(where) else e.message) from e
         except ServiceError:
             raise
         except Exception as e:  # Pillow internals on odd files (exotic modes, broken EXIF): the input's fault
@@ -191,6 +195,19 @@ class ImagePreprocessor:
             buf, format="PNG"
         )
         return buf.getvalue()
+
+
+def _eight_bit(im: Image.Image) -> Image.Image:
+    """A 16-bit greyscale image (PNG's ``I;16`` modes, or ``I`` with values in 0..65535) -> ``L``, scaled
+    ``round(v / 257)`` so that 65535 is white: Pillow's ``convert("L")`` clips every value above 255 to white and
+    turns a 16-bit photo into a silhouette. Anything else (32-bit integers beyond 16 bits, floats) is refused with a
+    415: what its values mean is not in the file."""
+    arr = np.asarray(im)
+    if im.mode.startswith("I;16") or (im.mode == "I" and arr.size and arr.min() >= 0 and arr.max() <= 65535):
+        eight = np.round(arr.astype(np.float64) / 257.0).astype(np.uint8)  # (H, W)
+        return Image.fromarray(eight)  # uint8 (H, W): mode L
+    raise UnsupportedMediaType(f"{im.mode} images ({'floating point' if im.mode == 'F' else '32-bit integer'} "
+                               "pixels) are not accepted; send 8- or 16-bit JPEG, PNG or WebP")
 
 
 class TextPreprocessor:

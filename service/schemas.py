@@ -254,24 +254,31 @@ class Uncertainty(BaseModel):
 
 class OOD(BaseModel):
     flag: bool = Field(description="true when flagged OOD: p_value <= alpha (models with a calibration split), "
-                       "else the score past the threshold")
+                       "else the score past the threshold; either way exactly when the score is past `threshold` "
+                       "(above it; below it for msp)")
     score: float = Field(description="the served score of this input")
     metric: Literal[OOD_SCORES] = Field(description="the served score's name")  # type: ignore[valid-type]
-    threshold: float = Field(description="the score's threshold fitted on validation data (tpr of ID inputs pass)")
+    threshold: float | None = Field(description="the threshold the flag applied: with a p-value, the score at which "
+                                    "p_value <= alpha at this request's level; else the build's threshold fitted on "
+                                    "validation data. Absent: no score is flagged at this level (alpha < 1 / (n + 1))")
     p_value: float | None = Field(None, description="conformal p-value of the score against the calibration split's "
                                   "ID scores: (1 + #{s_i >= s}) / (n + 1)")
     alpha: float | None = Field(None, description="the level the flag used (the request's ood_alpha or the model's)")
+    reason: str | None = Field(None, description="only when flagged: the rule that fired, with its numbers")
     scores: dict[str, float] | None = Field(None, description="only with return_scores: every score computed")
 
 
 class ConformalSet(BaseModel):
     alpha: float = Field(description="miscoverage: the set holds the true label with probability >= 1 - alpha")
-    set: list[str] = Field(description="the labels of the set, most probable first (may be empty at a large alpha)")
+    set: list[str] = Field(description="the labels of the set, most probable first; never empty (see filled)")
     size: int
     method: Literal["lac", "aps", "raps"] = Field(description="the nonconformity score")
     mondrian: bool = Field(description="class-conditional: coverage >= 1 - alpha for every class")
     below_min_alpha: bool = Field(description="alpha is below 1 / (n + 1) of the calibration split (for some "
                                   "class, with mondrian): those labels are always in; marginal sets hold every label")
+    filled: bool = Field(False, description="no label passed the set's threshold at this alpha (the input is unlike "
+                         "the calibration inputs of every class), so the set is the prediction alone: sets are never "
+                         "empty, and a superset covers at least as often, so the guarantee holds")
 
 
 class Selective(BaseModel):
@@ -279,7 +286,12 @@ class Selective(BaseModel):
     risk: float = Field(description="the target: among accepted in-distribution inputs at most this error rate, "
                         "with probability >= 1 - delta over the calibration draw")
     certified: bool = Field(description="false: no rule met this target on the calibration split (accepts nothing)")
-    threshold: float | None = Field(None, description="the rule's confidence threshold (with the OOD threshold)")
+    threshold: float | None = Field(None, description="the rule's confidence threshold: accepted inputs have "
+                                    "confidence >= it (null: not certified)")
+    ood_threshold: float | None = Field(None, description="the rule's OOD cut, calibrated with it: accepted inputs "
+                                        "have an OOD score at most it (at least it for msp). It is the build's "
+                                        "validation threshold, not the flag's level: an unflagged input can be past it")
+    reason: str | None = Field(None, description="only when not accepted: which of the rule's conditions failed")
 
 
 class MemberPrediction(BaseModel):

@@ -88,9 +88,11 @@ class ItemResult:
     # the guarantees (models with a calibration split; Runtime.outcome sets them for the request's levels)
     p_value: float | None = None  # conformal OOD p-value; ood_flag is then p_value <= ood_alpha
     ood_alpha: float | None = None
-    prediction_set: np.ndarray | None = None  # (C,) bool
+    flag_threshold: float | None = None  # the score threshold equivalent to p_value <= ood_alpha (None: never)
+    prediction_set: np.ndarray | None = None  # (C,) bool, never empty
     set_alpha: float | None = None
     below_min_alpha: bool = False
+    set_filled: bool = False  # no label passed the set's threshold: the set is the prediction alone
     accept: bool | None = None  # the risk rule of target ``risk``
     risk: float | None = None
 
@@ -184,15 +186,49 @@ def build_predictions(
             top_k=[TopK(label=labels[j], prob=float(r.probs[j])) for j in order],
             uncertainty=Uncertainty(msp=r.msp, entropy=r.entropy, expected_entropy=r.expected_entropy,
                                     mutual_information=r.mutual_information, disagreement=r.disagreement),
-            ood=OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=threshold, p_value=r.p_value,
-                    alpha=r.ood_alpha, scores=_all_scores(r) if return_scores else None),
+            ood=_ood(r, metric, threshold, return_scores),
             conformal=_conformal(r, labels, guarantees),
-            selective=None if r.accept is None or guarantees is None else Selective(
-                accept=r.accept, risk=r.risk, certified=guarantees.rules[r.risk] is not None,
-                threshold=guarantees.rules[r.risk]),
+            selective=_selective(r, metric, guarantees),
             members=members,
         ))  # fmt: skip
     return out
+
+
+def _ood(r: ItemResult, metric: str, threshold: float, return_scores: bool) -> OOD:
+    """The answer's OOD block: ``threshold`` is the rule the flag applied (with a p-value, the score threshold of
+    ``p_value <= alpha`` at the request's level; else the build's), and a flagged input says why."""
+    past = "below" if OOD_METRICS[metric] else "above"
+    if r.p_value is None:
+        cut: float | None = threshold
+        reason = f"the {metric} score {r.ood_score:.4g} is {past} the threshold {threshold:.4g}" if r.ood_flag else None
+    else:
+        cut = r.flag_threshold
+        reason = (f"p-value {r.p_value:.4g} <= alpha {r.ood_alpha:g}: the {metric} score {r.ood_score:.4g} is {past} "
+                  f"{cut:.4g}, the threshold at this level" if r.ood_flag and cut is not None else None)  # fmt: skip
+    return OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=cut, p_value=r.p_value,
+               alpha=r.ood_alpha, reason=reason, scores=_all_scores(r) if return_scores else None)  # fmt: skip
+
+
+def _selective(r: ItemResult, metric: str, g: Guarantees | None) -> Selective | None:
+    """The risk rule's decision, both its thresholds, and why an input is not accepted."""
+    if r.accept is None or g is None or r.risk is None:
+        return None
+    lam = g.rules[r.risk]
+    reason = None
+    if lam is None:
+        reason = f"no rule met the risk target {r.risk:g} on the calibration split: nothing is accepted at it"
+    elif not r.accept:
+        why = []
+        past = not (r.ood_score >= g.ood_threshold if OOD_METRICS[metric] else r.ood_score <= g.ood_threshold)
+        if past:
+            side = "below" if OOD_METRICS[metric] else "above"
+            why.append(f"the {metric} score {r.ood_score:.4g} is {side} the rule's OOD cut {g.ood_threshold:.4g}")
+        conf = float(r.probs[r.prediction])
+        if conf < lam:
+            why.append(f"confidence {conf:.4g} is below the rule's threshold {lam:.4g}")
+        reason = "; ".join(why)
+    return Selective(accept=r.accept, risk=r.risk, certified=lam is not None, threshold=lam,
+                     ood_threshold=g.ood_threshold, reason=reason)  # fmt: skip
 
 
 def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> ConformalSet | None:
@@ -201,7 +237,7 @@ def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> Confor
         return None
     idx = [int(j) for j in np.argsort(-r.probs, kind="stable") if r.prediction_set[j]]
     return ConformalSet(alpha=r.set_alpha, set=[labels[j] for j in idx], size=len(idx), method=g.sets.method,
-                        mondrian=g.mondrian, below_min_alpha=r.below_min_alpha)  # fmt: skip
+                        mondrian=g.mondrian, below_min_alpha=r.below_min_alpha, filled=r.set_filled)  # fmt: skip
 
 
 def _all_scores(r: ItemResult) -> dict[str, float]:
@@ -381,11 +417,14 @@ class Runtime(abc.ABC):
         if self.sets_hold(query):  # (B, C) float64
             probs = (results[0].probs[None, :] if len(results) == 1 else np.stack([r.probs for r in results]))
             probs = probs.astype(np.float64, copy=False)
-        p_list, sets, below, accepted = g.answer(scores, probs, alpha, risk)
+        ans = g.answer(scores, probs, alpha, risk)
+        p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
+        cut = g.flag_threshold(ood_alpha)
         for i, r in enumerate(results):
-            r.p_value, r.ood_alpha, r.ood_flag = p_list[i], ood_alpha, p_list[i] <= ood_alpha
-            if sets is not None and accepted is not None:
-                r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, below
+            r.p_value, r.ood_alpha, r.ood_flag, r.flag_threshold = p_list[i], ood_alpha, p_list[i] <= ood_alpha, cut
+            if sets is not None and accepted is not None and ans.filled is not None:
+                r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, ans.below_min_alpha
+                r.set_filled = bool(ans.filled[i])
                 r.accept, r.risk = accepted[i], risk
         record = (scores if query.monitor else None, p_list, sets, accepted, risk)
         try:  # after the answer: the loop runs it once this request's task yields (while the model runs others)

@@ -50,7 +50,8 @@ def _direct(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
     msp = s["msp"].double().numpy()
     p = (1 + (cal[None, :] >= -msp[:, None]).sum(1)) / (len(cal) + 1)
     sets = SetCalibrator.from_tensors(t)
-    return {"probs": s["probs"].double().numpy(), "msp": msp, "p": p, "calibrator": sets}
+    return {"probs": s["probs"].double().numpy(), "msp": msp, "p": p, "calibrator": sets,
+            "calibrator_ood": set(cal.tolist())}
 
 
 def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_artifact):
@@ -64,7 +65,9 @@ def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_ar
     for i, p in enumerate(r.json()["predictions"]):
         assert p["ood"]["p_value"] == pytest.approx(want["p"][i], abs=1e-12)
         assert p["ood"]["alpha"] == 0.05 and p["ood"]["flag"] == (want["p"][i] <= 0.05)
-        assert p["ood"]["threshold"] == CUT and p["ood"]["metric"] == "msp"  # today's fields keep their meaning
+        thr = p["ood"]["threshold"]  # the rule the flag applied at this level: p <= 0.05 iff msp below it
+        assert thr is not None and -thr in want["calibrator_ood"] and p["ood"]["metric"] == "msp"
+        assert p["ood"]["flag"] == (p["ood"]["score"] < thr) and (p["ood"].get("reason") is not None) == p["ood"]["flag"]
         c = p["conformal"]
         expected = want["calibrator"].sets(want["probs"][i : i + 1], 0.1)[0]
         assert c["alpha"] == 0.1 and c["method"] == "lac" and c["mondrian"] is False
@@ -73,8 +76,9 @@ def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_ar
         order = [TINY_LABELS[j] for j in np.argsort(-want["probs"][i], kind="stable")]
         assert c["set"] == [lab for lab in order if lab in c["set"]]  # most probable first
         sel = p["selective"]
-        assert sel == {"accept": bool(want["msp"][i] >= CUT and want["msp"][i] >= lam), "risk": 0.5,
-                       "certified": True, "threshold": lam}  # fmt: skip
+        accept = bool(want["msp"][i] >= CUT and want["msp"][i] >= lam)
+        assert sel.pop("reason", None) is None if accept else "below" in sel.pop("reason")
+        assert sel == {"accept": accept, "risk": 0.5, "certified": True, "threshold": lam, "ood_threshold": CUT}
 
 
 def test_the_request_chooses_the_levels(g_client, g_artifact):
@@ -87,7 +91,8 @@ def test_the_request_chooses_the_levels(g_client, g_artifact):
     tiny = g_client.post("/predict", json={"image": img, "alpha": 0.001}).json()["predictions"][0]["conformal"]
     assert tiny["below_min_alpha"] is True and sorted(tiny["set"]) == sorted(TINY_LABELS)  # below 1 / (300 + 1)
     strict = g_client.post("/predict", json={"image": img, "risk": 0.05}).json()["predictions"][0]["selective"]
-    assert strict == {"accept": False, "risk": 0.05, "certified": False}  # not met on the calibration split
+    assert strict.pop("reason").startswith("no rule met the risk target 0.05")
+    assert strict == {"accept": False, "risk": 0.05, "certified": False, "ood_threshold": CUT}  # not met on the split
     form = g_client.post("/predict", files=[("file", ("a.png", png(noise_images(1, seed=8)[0]), "image/png"))],
                          data={"alpha": "0.6", "risk": "0.05"})  # fmt: skip
     assert form.status_code == 200, form.text
@@ -217,8 +222,9 @@ def test_the_per_request_path_computes_what_the_array_functions_compute(g_artifa
     scores = np.concatenate([rng.uniform(0, 1, 60), -g.ood_scores[:3], [np.nan]])  # calibration values: ties
     for alpha in (0.1, 0.3):
         for risk in sorted(g.rules):
-            p, sets, below, accept = g.answer(scores.tolist(), probs, alpha, risk)
-            np.testing.assert_array_equal(np.asarray(p), g.p_values(scores))
-            ref_sets, ref_below = g.prediction_sets(probs, alpha)
-            assert np.array_equal(sets, ref_sets) and below == ref_below
-            assert accept == g.accepts(probs, scores, risk).tolist()
+            ans = g.answer(scores.tolist(), probs, alpha, risk)
+            np.testing.assert_array_equal(np.asarray(ans.p_values), g.p_values(scores))
+            ref_sets, ref_below, ref_filled = g.prediction_sets(probs, alpha)
+            assert np.array_equal(ans.sets, ref_sets) and ans.below_min_alpha == ref_below
+            assert np.array_equal(ans.filled, ref_filled)
+            assert ans.accepts == g.accepts(probs, scores, risk).tolist()

@@ -152,3 +152,32 @@ def test_shorter_crop_is_timms_evaluation_transform(size):
     got = pre.to_tensor(im)
     assert got.shape == want.shape == (3, 224, 224)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_sixteen_bit_png_is_scaled_not_clipped(channels):
+    """A 16-bit greyscale PNG gives the pixels of its 8-bit rendering (v / 257): Pillow's convert("L") would clip
+    every value above 255 to white and turn the image into a silhouette."""
+    import io
+
+    deep = (np.arange(256, dtype=np.uint16).reshape(16, 16) * 257).astype(np.uint16)  # 0..65535
+    deep[0, 0], deep[0, 1] = 128, 65534  # between the 8-bit levels: rounded
+    buf = io.BytesIO()
+    Image.fromarray(deep).save(buf, format="PNG")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode == "I;16"
+    pre = ImagePreprocessor({**GREY, "channels": channels, "mean": [0.5], "std": [0.25]}, 10_000)
+    x, ref = pre(buf.getvalue()), pre(png(np.round(deep / 257).astype(np.uint8)))
+    torch.testing.assert_close(x, ref, rtol=0, atol=0)
+    assert float(x.std()) > 0.5  # the gradient survives (clipped, it would be nearly all white)
+
+
+def test_float_pixels_are_refused_with_415():
+    from service.preprocess import _eight_bit
+
+    im = Image.fromarray(np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8))
+    assert im.mode == "F"
+    with pytest.raises(UnsupportedMediaType, match="floating point"):
+        _eight_bit(im)
+    wide = Image.fromarray(np.full((4, 4), 70_000, dtype=np.int32))
+    with pytest.raises(UnsupportedMediaType, match="32-bit integer"):
+        _eight_bit(wide)

@@ -30,7 +30,7 @@ def test_answer_is_the_response_model_and_members_only_when_asked():
             assert ("members" in p) is members
             assert len(p["top_k"]) == len(LABELS)  # clamped to the label count
             assert p["label"] == LABELS[r.prediction] and p["confidence"] == pytest.approx(float(r.probs.max()))
-            assert list(p["ood"]) == ["flag", "score", "metric", "threshold"]
+            assert list(p["ood"]) == ["flag", "score", "metric", "threshold"] + (["reason"] if r.ood_flag else [])
             if members:
                 assert len(p["members"]) == 4
 
