@@ -450,6 +450,7 @@ def finish(
 
     title = f"{cfg.name}: Hydra ({strategy['name']}, M={cfg.hydra.members})"
     extra = {**report_extra(cal, extra.pop("served"), data, timer), **extra}
+    plots["class_names"] = list(data.class_names)  # the per-class table and confusion matrix, by name
     return write_artifact(out, manifest, rows, {name: kind for name, (_, kind) in data.ood_test.items()}, plots,
                           title, extra)  # fmt: skip
 

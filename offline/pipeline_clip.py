@@ -505,6 +505,7 @@ def finish_zero_shot(
         if cal.layer_ids is not None:
             extra["ood_layers"] = list(cal.layer_ids)
     title = f"{cfg.name}: zero-shot Hydra ({strategy['name']}, M={len(members)})"
+    plots["class_names"] = list(data.class_names)  # the per-class table and confusion matrix, by name
     return write_artifact(out, manifest, rows, ood_kinds, plots, title, extra)
 
 

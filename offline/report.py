@@ -40,7 +40,8 @@ OOD_KEYS = ("auroc", "fpr95", "aupr_in", "aupr_out")
 PLOT_FILES = ("reliability.png", "ood_hist_msp.png", "ood_hist_mi.png", "member_accuracy.png")
 SERVED_PLOT = "ood_hist_served.png"  # only when ``plots["served"]`` is given
 # ``extra`` keys with a section of their own (not repeated in the build facts)
-SECTION_KEYS = ("ood_candidates", "ood_selected", "ood_forced", "served_flag", "no_ood_data", "guarantees_report")
+SECTION_KEYS = ("ood_candidates", "ood_selected", "ood_forced", "served_flag", "no_ood_data", "guarantees_report",
+                "per_class")
 # the order of OOD score columns; scores not listed follow in the order they appear
 SCORE_ORDER = ("msp", "max_logit", "energy", "entropy", "mutual_information", "mahalanobis",
                "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")  # fmt: skip
@@ -404,6 +405,40 @@ def _guarantees_section(extra: Mapping[str, Any]) -> list[str]:
     return md
 
 
+def per_class(labels: np.ndarray, member_probs: np.ndarray, names: Sequence[str]) -> dict[str, Any]:
+    """Accuracy per class and the confusion matrix of the ensemble prediction ``mean_m member_probs (N, M, C)``
+    against ``labels (N,)``, keyed by the class ``names`` (in logit order): ``{"accuracy": {name: fraction},
+    "support": {name: count}, "confusion": [[count]] (rows: true class, columns: predicted)}``."""
+    pred = np.asarray(member_probs).mean(axis=1).argmax(axis=-1)  # (N,)
+    y = np.asarray(labels)
+    c = len(names)
+    conf = np.zeros((c, c), dtype=np.int64)
+    np.add.at(conf, (y, pred), 1)
+    support = conf.sum(axis=1)
+    acc = {n: (float(conf[i, i] / support[i]) if support[i] else None) for i, n in enumerate(names)}
+    return {"accuracy": acc, "support": {n: int(support[i]) for i, n in enumerate(names)},
+            "confusion": conf.tolist()}  # fmt: skip
+
+
+def _per_class_section(doc: Mapping[str, Any]) -> list[str]:
+    """Accuracy per class for every method, then Hydra's (else the first method's) confusion matrix, by the data's
+    own class names."""
+    pc = doc.get("per_class") or {}
+    if not pc:
+        return []
+    names = list(next(iter(pc.values()))["accuracy"])
+    methods = list(pc)
+    md = ["", "## Per class (ID test, by the data's class names)", "",
+          "Accuracy % of each method's prediction on the test images of each class (n: test images of it).", ""]
+    body = [[n, str(pc[methods[0]]["support"][n])] + [_pct(pc[m]["accuracy"][n]) for m in methods] for n in names]
+    md += _table(["class", "n", *methods], body)
+    shown = "hydra" if "hydra" in pc else methods[0]
+    md += ["", f"### Confusion matrix ({shown}; rows: true class, columns: predicted)", ""]
+    conf = pc[shown]["confusion"]
+    md += _table(["true \\ predicted", *names], [[n, *(str(v) for v in conf[i])] for i, n in enumerate(names)])
+    return md + [""]
+
+
 def _build_section(extra: dict, plots: list[str]) -> list[str]:
     """Build facts as a (nested) list (less what has a section of its own), then the plots, if any."""
     md = ["## Build", ""]
@@ -428,6 +463,7 @@ def _markdown(rows: list[dict], ood_kinds: dict[str, str], title: str, extra: di
         md += ["", "## OOD detection", "", "This build had no OOD data: no OOD detection results.", ""]
     else:
         md += _ood_section(rows, ood_kinds, score) + _scores_section(rows, ood_kinds, served)
+    md += _per_class_section(extra)
     md += _selection_section(extra) + _served_flag_section(extra, ood_kinds) + _guarantees_section(extra)
     md += _build_section(extra, plots)
     return "\n".join(md) + "\n"
@@ -608,6 +644,22 @@ def _plot_member_accuracy(path: Path, rows: list[dict]) -> None:
     fig.savefig(path)
 
 
+def _plot_confusion(path: Path, method: str, pc: Mapping[str, Any]) -> None:
+    """The confusion matrix of ``method`` on ID test (rows: true class, columns: predicted), counts in the cells."""
+    names = list(pc["accuracy"])
+    conf = np.asarray(pc["confusion"])
+    fig = _figure(1.0 + 0.7 * len(names), 0.8 + 0.6 * len(names))
+    ax = fig.subplots()
+    ax.imshow(conf, cmap="Blues")
+    for (i, j), v in np.ndenumerate(conf):
+        ax.text(j, i, str(v), ha="center", va="center", fontsize=7,
+                color="white" if v > conf.max() / 2 else "black")  # fmt: skip
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set(xlabel="predicted", ylabel="true class", title=f"{method}: confusion matrix (ID test)")
+    fig.savefig(path)
+
+
 def _write_plots(out: Path, rows: list[dict], ood_kinds: dict[str, str], plots: dict, extra: dict) -> list[str]:
     labels = np.asarray(plots["labels"])
     pdir = out / "plots"
@@ -630,6 +682,10 @@ def _write_plots(out: Path, rows: list[dict], ood_kinds: dict[str, str], plots: 
     if rows and all("acc" in r for r in rows):
         _plot_member_accuracy(pdir / "member_accuracy.png", rows)
         written.append("plots/member_accuracy.png")
+    if pc := extra.get("per_class"):
+        shown = "hydra" if "hydra" in pc else next(iter(pc))
+        _plot_confusion(pdir / "confusion.png", shown, pc[shown])
+        written.append("plots/confusion.png")
     if served := plots.get("served"):
         flag = extra.get("served_flag") or {}
         flag = flag if flag.get("score") == served["score"] else {}
@@ -718,6 +774,10 @@ def write_report(out: Path, rows: list[dict], ood_kinds: dict[str, str], plots: 
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    names = plots.get("class_names")
+    if names:  # per method, on the ID test set, by name
+        extra = {**extra, "per_class": {r["method"]: per_class(plots["labels"], plots[r["method"]]["member_probs_id"],
+                                                               names) for r in rows if r["method"] in plots}}
     written = _write_plots(out, rows, ood_kinds, plots, extra)
     doc = {"title": title, "ood_kinds": ood_kinds, "rows": rows, "extra": extra, "plots": written}
     (out / "report.json").write_text(json.dumps(_jsonable(doc), indent=2, allow_nan=False) + "\n")

@@ -230,3 +230,28 @@ def test_write_report_mixed_temperatures_forced_score_no_ood_data(tmp_path, repo
     assert "| Method | T | Params |" in md and "| hydra | 1.5 |" in md
     assert "This build had no OOD data" in md and "## OOD detection (score:" not in md
     assert "`mahalanobis` is served because the build config forces it" in md
+
+
+def test_per_class_accuracy_and_confusion_by_name(tmp_path, report_inputs):
+    """Known answers (a hand-made case), the confusion matrix against scikit-learn's, and the report's section and
+    plot by the class names given."""
+    from sklearn.metrics import confusion_matrix
+
+    from offline.report import per_class
+
+    probs = np.array([[[0.9, 0.1]], [[0.2, 0.8]], [[0.6, 0.4]], [[0.3, 0.7]], [[0.4, 0.6]]])  # (5, 1, 2)
+    got = per_class(np.array([0, 0, 1, 1, 1]), probs, ["Shirt", "Sandal"])
+    assert got == {"accuracy": {"Shirt": 0.5, "Sandal": 2 / 3}, "support": {"Shirt": 2, "Sandal": 3},
+                   "confusion": [[1, 1], [1, 2]]}  # fmt: skip
+
+    rows, ood_kinds, plots, extra = report_inputs
+    names = ["T-shirt/top", "Trouser", "Pullover", "Shirt"]
+    write_report(tmp_path, rows, ood_kinds, {**plots, "class_names": names}, "t", extra)
+    doc = json.loads((tmp_path / "report.json").read_text())
+    hydra = doc["extra"]["per_class"]["hydra"]
+    pred = plots["hydra"]["member_probs_id"].mean(1).argmax(-1)
+    assert hydra["confusion"] == confusion_matrix(plots["labels"], pred, labels=range(4)).tolist()
+    assert list(hydra["accuracy"]) == names
+    md = (tmp_path / "report.md").read_text()
+    assert "## Per class (ID test, by the data's class names)" in md and "| Shirt |" in md
+    assert "plots/confusion.png" in doc["plots"] and (tmp_path / "plots" / "confusion.png").is_file()
