@@ -28,7 +28,7 @@ from .runtimes import Query
 from .schemas import FormOptions, PredictRequest, ZeroShotRequest, check_limits
 from .settings import Settings
 
-__all__ = ["ParsedRequest", "parse_labels", "parse_request"]
+__all__ = ["ParsedRequest", "check_labels", "normalise_label", "parse_labels", "parse_request"]
 
 # the endpoint's task -> its JSON body, and the option fields its multipart form accepts besides `file`
 JSON_BODIES: dict[str, type[PredictRequest] | type[ZeroShotRequest]] = {
@@ -103,8 +103,8 @@ def from_json(req: PredictRequest | ZeroShotRequest, task: str) -> ParsedRequest
     if isinstance(req, ZeroShotRequest):
         # a single image is `image` in error messages, whichever of `image` / `images` carried it
         field = "images" if len(items) > 1 else "image"
-        query = Query(req.top_k, req.return_members, req.labels, req.template, req.return_scores, req.alpha,
-                      req.ood_alpha, req.risk)  # fmt: skip
+        query = Query(req.top_k, req.return_members, check_labels(req.labels), req.template, req.return_scores,
+                      req.alpha, req.ood_alpha, req.risk)  # fmt: skip
         return ParsedRequest(task, "image", field, items, True, req.model, query)
     field = next(k for k in ("text", "texts", "image", "images") if getattr(req, k) is not None)
     query = Query(req.top_k, req.return_members, return_scores=req.return_scores, alpha=req.alpha,
@@ -132,7 +132,7 @@ async def parse_multipart(request: Request, task: str, max_items: int) -> Parsed
         if task == "zero-shot":
             if opts.labels is None:
                 raise InvalidInput("labels: required; send two or more labels", status=422)
-            labels = opts.labels
+            labels = check_labels(opts.labels)
     except BaseException:
         await form.close()
         raise
@@ -184,3 +184,35 @@ def parse_labels(values: list[str]) -> list[str]:
             return parsed
         return [x.strip() for x in v.split(",")]
     return values
+
+
+def normalise_label(label: str) -> str:
+    """A zero-shot label as labels are compared for duplicates: case-folded, stripped, and every run of inner
+    whitespace one space (``"Dress"``, ``" dress "`` and ``"dress"`` are one label; so are ``"t-shirt  top"`` and
+    ``"T-shirt top"``)."""
+    return " ".join(label.casefold().split())
+
+
+def _shown(label: str) -> str:
+    return repr(label if len(label) <= 64 else label[:64] + "...")
+
+
+def check_labels(labels: list[str]) -> list[str]:
+    """A request's zero-shot labels, refused with 422 (the same on JSON, multipart and the Open Inference Protocol)
+    when fewer than two, or when two are the same label once normalised (:func:`normalise_label`): the message names
+    both. The limits (count, length, a visible character) are :func:`service.schemas.check_limits`' (400)."""
+    if len(labels) < 2:
+        raise InvalidInput(f"labels: {len(labels)} given; send 2 or more", status=422)
+    seen: dict[str, int] = {}
+    for i, label in enumerate(labels):
+        key = normalise_label(label)
+        if not key:  # blank: check_limits names it (empty label)
+            continue
+        j = seen.setdefault(key, i)
+        if j != i:
+            raise InvalidInput(
+                f"labels: duplicate labels: labels[{i}] {_shown(label)} is labels[{j}] {_shown(labels[j])} "
+                "(compared case-folded, stripped, inner whitespace collapsed); give each label once",
+                status=422,
+            )
+    return labels

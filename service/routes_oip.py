@@ -30,7 +30,7 @@ from .errors import InvalidInput, NotFound, NotReady, UnsupportedMediaType
 from .lifecycle import ServerState, not_ready_reason
 from .oip import HEADER_LENGTH, InferRequest, Tensor, decode_request, encode_answer
 from .pipeline import request_id, run_inference, server_state
-from .requests import ParsedRequest, media_type
+from .requests import ParsedRequest, check_labels, media_type
 from .runtimes import Outcome, Query, Runtime
 from .schemas import DEFAULT_TEMPLATE, check_template
 
@@ -200,14 +200,16 @@ def _query(rt: Runtime, tensors: dict[str, Tensor], params: dict[str, Any]) -> Q
                 f"model {rt.name!r} has no fixed labels: send the candidate labels as the input 'labels'"
             )
         return Query(top_k=1, **levels)
+    # the same mistakes as on /zero-shot, the same status (422): a template that is not one, too few or duplicate labels
     template = params.get("template", DEFAULT_TEMPLATE)
     if not isinstance(template, str):
-        raise InvalidInput("parameters.template: must be a string")
+        raise InvalidInput("parameters.template: must be a string", status=422)
     try:
         template = check_template(template)
     except ValueError as e:
-        raise InvalidInput(f"parameters.template: {e}") from None
-    return Query(top_k=1, labels=_texts(tensors["labels"], "[L]"), template=template, **levels)
+        raise InvalidInput(f"parameters.template: {e}", status=422) from None
+    labels = check_labels(_texts(tensors["labels"], "[L]"))
+    return Query(top_k=1, labels=labels, template=template, **levels)
 
 
 def parsed_request(rt: Runtime, req: InferRequest, tensors: dict[str, Tensor]) -> ParsedRequest:

@@ -224,9 +224,9 @@ def test_zero_shot_over_oip(zs_artifact: Path):  # noqa: F811 (the fixture)
         p = c.post("/predict", json={"image": b64(img), "top_k": 3}).json()["predictions"][0]
         assert fixed["probabilities"]["data"] == probs_of(p, ZS_LABELS).tolist()
         bad = {**body, "parameters": {"template": "no placeholder"}}
-        assert_oip_error(c.post("/v2/models/tiny-clip/infer", json=bad), 400, "parameters.template", "{label}")
+        assert_oip_error(c.post("/v2/models/tiny-clip/infer", json=bad), 422, "parameters.template", "{label}")
         dup = {"inputs": [body["inputs"][0], tensor("labels", ["cat", "cat"])]}
-        assert_oip_error(c.post("/v2/models/tiny-clip/infer", json=dup), 400, "duplicate labels")
+        assert_oip_error(c.post("/v2/models/tiny-clip/infer", json=dup), 422, "duplicate labels")
 
 
 # ----------------------------------------------------------------------------- errors

