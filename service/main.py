@@ -79,6 +79,8 @@ def create_app(settings: Settings | None = None) -> HydraApp:
         description="Uncertainty-aware inference with Hydra ensembles: predictions with MSP, entropy, "
         "mutual information, member disagreement and a calibrated OOD flag.",
         lifespan=lifespan(state),
+        docs_url=None,  # /docs is service.routes.install_docs': Swagger UI from the app itself, not from a CDN
+        redoc_url=None,  # ReDoc would load from a CDN, and no pinned package ships it
     )
     app.state.hydra = state
     state.metrics.ready.set_function(lambda: 1.0 if state.serving else 0.0)

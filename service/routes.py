@@ -9,17 +9,23 @@ Errors are domain exceptions mapped to the contract's body in :mod:`service.erro
 Inference Protocol's routes (``/v2``) are :mod:`service.routes_oip`.
 
 The route declarations carry the OpenAPI documentation: response models, the error
-answers of each route, and both request bodies (JSON and multipart) of the inference routes.
+answers of each route (the contract's body, also where FastAPI would declare its own:
+:func:`contract_openapi`), and both request bodies (JSON and multipart) of the inference routes.
+``/docs`` is Swagger UI with its files served by the app (:func:`install_docs`): it works offline.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
+from swagger_ui_bundle import swagger_ui_path
 
 from .errors import Forbidden, NotFound, NotReady
 from .lifecycle import not_ready_reason
@@ -28,6 +34,7 @@ from .pipeline import request_id, run_inference, server_state
 from .requests import parse_request
 from .schemas import (
     ERROR_RESPONSES,
+    TEMPLATE_PATTERN,
     HealthResponse,
     ModelsResponse,
     PredictRequest,
@@ -36,7 +43,14 @@ from .schemas import (
     ZeroShotRequest,
 )
 
-__all__ = ["infer", "install_routes", "json_answer"]
+__all__ = ["DOCS_ASSETS", "contract_openapi", "infer", "install_docs", "install_routes", "json_answer"]
+
+# Swagger UI's files, served by the app itself from the pinned swagger-ui-bundle package (no CDN: /docs works
+# offline): URL path under DOCS_ASSETS -> media type. A fixed list, each its own route: no request names a file.
+SWAGGER_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css",
+                  "favicon-32x32.png": "image/png"}  # fmt: skip
+DOCS_ASSETS = "/docs/assets"
+ERROR_REF = "#/components/schemas/ErrorResponse"
 
 
 async def infer(request: Request, task: str) -> Response:
@@ -66,6 +80,10 @@ def json_answer(answer: BaseModel) -> Response:
 def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any]) -> dict[str, Any]:
     """OpenAPI ``requestBody`` of an inference route: the JSON model, or a multipart form of ``file`` parts."""
     json_schema = json_model.model_json_schema()
+    # the guarantees' levels, as in JSON: a number in (0, 1) (a risk the model was not built with is 422)
+    levels = {k: {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1,
+                  "description": json_schema["properties"][k].get("description", "")}
+              for k in ("alpha", "ood_alpha", "risk")}  # fmt: skip
     form_schema = {
         "type": "object",
         "properties": {
@@ -73,6 +91,8 @@ def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any]) -> dict[
             "model": {"type": "string", "minLength": 1},
             "top_k": {"type": "integer", "minimum": 1, "default": 5},
             "return_members": {"type": "boolean", "default": False},
+            "return_scores": {"type": "boolean", "default": False},
+            **levels,
             **extra_fields,
         },
         "required": ["file"],
@@ -145,30 +165,109 @@ async def zero_shot(request: Request) -> Response:
     return await infer(request, "zero-shot")
 
 
+@functools.cache
+def _swagger_asset(name: str) -> bytes:
+    """One of :data:`SWAGGER_ASSETS`' files, read once (the bundle is about 1 MB)."""
+    return (swagger_ui_path / name).read_bytes()
+
+
+def _asset_handler(name: str, media_type: str) -> Any:
+    async def asset() -> Response:
+        return Response(_swagger_asset(name), media_type=media_type, headers={"Cache-Control": "public, max-age=86400"})
+
+    return asset
+
+
+async def swagger_ui(request: Request) -> HTMLResponse:
+    """FastAPI's Swagger UI page, its script, style sheet and icon from :data:`DOCS_ASSETS` (behind a proxy's
+    ``root_path`` too); no validator badge, which Swagger UI would fetch from outside."""
+    root = request.scope.get("root_path", "").rstrip("/")
+    return get_swagger_ui_html(
+        openapi_url=root + (request.app.openapi_url or "/openapi.json"), title=f"{request.app.title} - Swagger UI",
+        swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+        swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+        swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon-32x32.png",
+        swagger_ui_parameters={"validatorUrl": None},
+    )  # fmt: skip
+
+
+def install_docs(app: FastAPI) -> None:
+    """``GET /docs`` (Swagger UI, its assets served here) and the OpenAPI document with the contract's error body
+    (:func:`contract_openapi`). The app is made with ``docs_url=None`` (FastAPI's page loads its assets from a CDN)
+    and ``redoc_url=None`` (ReDoc has no pinned package to serve it from). Auth is the middleware's: with
+    ``HYDRA_API_KEY`` set, ``/docs`` and its assets need the key alike."""
+    app.get("/docs", include_in_schema=False)(swagger_ui)
+    for name, media_type in SWAGGER_ASSETS.items():
+        app.get(f"{DOCS_ASSETS}/{name}", include_in_schema=False)(_asset_handler(name, media_type))
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = contract_openapi(generate())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def contract_openapi(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's OpenAPI document with the contract's error body where FastAPI declares its own.
+
+    FastAPI gives every route with a parameter a 422 ``HTTPValidationError``; this server never sends that body
+    (:mod:`service.errors` answers validation errors with ``{"error": {"code", "message"}}``). Where a query
+    parameter or a body could fail validation the 422 becomes ``ErrorResponse``; where the only parameters are
+    strings in the path (``model_name``), which cannot fail, it goes. Then so do the unused schemas.
+    """
+    for path_item in schema.get("paths", {}).values():
+        for op in path_item.values():
+            responses = op.get("responses", {})
+            if "HTTPValidationError" not in json.dumps(responses.get("422", {})):
+                continue
+            params = [p for p in op.get("parameters", []) if p.get("in") != "path" or p.get("schema", {}).get(
+                "type") != "string"]  # fmt: skip
+            if params or "requestBody" in op:
+                description = ERROR_RESPONSES[422]["description"]
+                responses["422"] = {"description": description,
+                                    "content": {"application/json": {"schema": {"$ref": ERROR_REF}}}}  # fmt: skip
+            else:
+                del responses["422"]
+    components = schema.get("components", {}).get("schemas", {})
+    if "HTTPValidationError" not in json.dumps(schema.get("paths", {})):
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)  # only HTTPValidationError refers to it
+    return schema
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a route: the contract's error body (``ErrorResponse``) for each status it may answer."""
+    return {k: ERROR_RESPONSES[k] for k in codes}
+
+
 def install_routes(app: FastAPI) -> None:
     """Declare every route on ``app`` itself (not through an included router), so that ``app.routes`` lists each
-    path: the middleware labels the requests answered before routing by them, and deployment checks read them."""
+    path: the middleware labels the requests answered before routing by them, and deployment checks read them.
+    Each route declares the errors it may answer (401: the middleware's, on every route but the probes and metrics;
+    500: any unexpected failure), all with the contract's body; ``/docs`` and the document: :func:`install_docs`."""
     app.get("/healthz", response_model=HealthResponse, tags=["health"], summary="Alive")(healthz)
     app.get(
         "/readyz", response_model=ReadyResponse, tags=["health"], summary="Every model loaded and warmed up",
-        responses={503: ERROR_RESPONSES[503]},
+        responses=_errors(503),
     )(readyz)  # fmt: skip
     app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)(metrics)
     app.get(
         "/v1/models", response_model=ModelsResponse, tags=["models"], summary="Loaded models",
-        responses={401: ERROR_RESPONSES[401]},
+        responses=_errors(401, 500),
     )(models)  # fmt: skip
     app.get(
         "/v1/models/{model_name}/drift", tags=["models"],
         summary="The model's drift test: alarm, statistic, inputs seen",
-        responses={401: ERROR_RESPONSES[401], 404: ERROR_RESPONSES[404]},
+        responses=_errors(401, 404, 500),
     )(drift)  # fmt: skip
     app.post(
         "/v1/models/{model_name}/drift/reset", tags=["models"],
         summary="Start a fresh drift test (authenticated callers)",
-        responses={k: ERROR_RESPONSES[k] for k in (401, 403, 404)},
+        responses=_errors(401, 403, 404, 500),
     )(drift_reset)  # fmt: skip
-    errors = {k: ERROR_RESPONSES[k] for k in (400, 401, 413, 415, 422, 500, 503)}
+    errors = _errors(400, 401, 413, 415, 422, 500, 503)
     app.post(
         "/predict", response_model=PredictResponse, tags=["inference"], responses=errors,
         summary="Classify texts or images, with uncertainty and an OOD flag",
@@ -178,7 +277,9 @@ def install_routes(app: FastAPI) -> None:
         "/zero-shot", response_model=PredictResponse, tags=["inference"], responses=errors,
         summary="Classify images against labels given in the request (zero-shot model)",
         openapi_extra=body_doc(ZeroShotRequest, {
-            "labels": {"type": "string", "description": 'JSON list (["cat","dog"]), or one field per label'},
-            "template": {"type": "string", "default": "A photo of a {label}."},
+            "labels": {"type": "string", "description": 'JSON list (["cat","dog"]), one field per label, or one '
+                       "comma-separated field; two or more, distinct once case-folded and stripped"},
+            "template": {"type": "string", "default": "A photo of a {label}.", "pattern": TEMPLATE_PATTERN},
         }),
     )(zero_shot)  # fmt: skip
+    install_docs(app)
