@@ -10,10 +10,12 @@ compositions of ``offline.stages``. Every config value can be overridden by a fl
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,11 +90,50 @@ def resumable_only(out: Path) -> bool:
     return all(p.name == ".checkpoints" for p in out.iterdir())
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, whose errors are one line (what is wrong, exit status 2) instead of the usage of every flag."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n")
+
+
+def unknown_flags(parser: argparse.ArgumentParser, extras: list[str]) -> str:
+    """What ``parse_known_args`` left over, as one message: each unknown flag with the closest valid ones."""
+    flags = [e.split("=", 1)[0] for e in extras if e.startswith("-")]
+    if not flags:
+        return f"unexpected argument(s) {' '.join(extras)}; every option is a flag (--section.key VALUE)"
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    parts = []
+    for flag in flags:
+        close = closest_flags(flag, known)
+        parts.append(f"{flag} (did you mean {' or '.join(close)}?)" if close else flag)
+    return f"unknown flag{'s' if len(parts) > 1 else ''} {', '.join(parts)}"
+
+
+def closest_flags(flag: str, known: list[str], n: int = 3, cutoff: float = 0.8) -> list[str]:
+    """The ``n`` flags of ``known`` most like ``flag`` (difflib's ratio, at least ``cutoff``): the whole flag, or
+    its key alone at 0.9 of its ratio: ``--members`` finds ``--hydra.members`` (a section left out), while a shared
+    ``--hydra.`` alone does not make ``--hydra.lr`` look like ``--hydra.membres``."""
+
+    def key(f: str) -> str:
+        return f.lstrip("-").rsplit(".", 1)[-1]
+
+    def score(k: str) -> float:
+        return max(difflib.SequenceMatcher(None, flag, k).ratio(),
+                   0.9 * difflib.SequenceMatcher(None, key(flag), key(k)).ratio())  # fmt: skip
+
+    scored = sorted(((score(k), k) for k in known), key=lambda t: -t[0])
+    return [k for s, k in scored[:n] if s >= cutoff]
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command's parser: its own flags, then one ``--section.key`` flag per config value."""
+    parser = OneLineParser(
         prog="offline/build.py",
         description="Build a Hydra ensemble artifact (manifest, fused weights, exports, report) from a config.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        # flags in full: a prefix of a config key (--hydra.seed for --hydra.seeds) is a typo to name, not to guess
+        allow_abbrev=False,
     )
     parser.add_argument("--config", required=True, help="YAML config (examples in offline/configs/)")
     parser.add_argument("--out", required=True, help="artifact directory to write")
@@ -109,7 +150,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "member (with --member K; members fine-tune in parallel), finish; default: all of them")
     parser.add_argument("--member", type=int, default=None, help="the member --stage member fine-tunes (0..M-1)")
     add_arguments(parser)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; an unknown flag ends it in one line naming the flag and the closest valid ones (exit 2)."""
+    parser = make_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        parser.error(unknown_flags(parser, extras))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +140,9 @@ class ExportConfig:
 class ComputeConfig:
     # where training, head scoring, calibration and evaluation run: auto (CUDA when available) | cpu | cuda | cuda:<i>
     device: str = "auto"
-    precision: str = "auto"  # autocast of training and head scoring: auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16
+    # autocast of training and head scoring: auto (bf16 on CUDA and on a CPU with native bf16, i.e. avx512_bf16 or
+    # amx_bf16; fp32 on other CPUs, which emulate bf16 slowly: offline.compute.resolve_precision) | fp32 | bf16
+    precision: str = "auto"
     eval_precision: str = "fp32"  # autocast of calibration and evaluation: fp32 (what the fp32 server sees) | bf16
     workers: int = 0  # DataLoader processes decoding training batches (0 = the main process)
 
@@ -163,20 +167,28 @@ class BuildConfig:
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(BuildConfig)}
 
 
-def _field_comments(cls: type) -> dict[str, str]:
-    """The ``# comment`` after each field in the class source: the flag's help text."""
-    import inspect
+_FIELD = re.compile(r"(\w+)\s*:")  # a dataclass field's line: `name: type = default`
 
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in the class source, the flag's help text: the ``# comment`` after the field, else the
+    ``#`` lines right above it (a description too long for one line)."""
     out: dict[str, str] = {}
     try:
         src = inspect.getsource(cls)
     except OSError:
         return out
+    above: list[str] = []
     for line in src.splitlines():
         line = line.strip()
-        if ":" in line and "#" in line and not line.startswith("#"):
-            name = line.split(":", 1)[0].strip()
-            out[name] = line.split("#", 1)[1].strip()
+        if line.startswith("#"):
+            above.append(line.lstrip("#").strip())
+            continue
+        field_line = _FIELD.match(line)
+        if field_line:
+            after = line.split("#", 1)[1].strip() if "#" in line else ""
+            out[field_line.group(1)] = after or " ".join(above)
+        above = []
     return out
 
 
@@ -393,6 +405,11 @@ def check_budget(cfg: BuildConfig, heads_per_layer: list[int]) -> None:
         raise ConfigError(f"hydra.prune_total={h.prune_total} exceeds the model's {sum(heads_per_layer)} heads")
 
 
+def _help(comment: str, default: Any) -> str:
+    """A flag's help: its field's comment and the default (``%`` escaped: argparse formats help with it)."""
+    return f"{comment} (default: {json.dumps(default)})".replace("%", "%%")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One ``--section.key`` flag per config value, with its comment as help."""
     for sec, cls in _section_classes().items():
@@ -405,7 +422,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 dest=f"{sec}.{f.name}",
                 default=argparse.SUPPRESS,
                 metavar="VALUE",
-                help=f"{comments.get(f.name, '')} (default: {json.dumps(default)})",
+                help=_help(comments.get(f.name, ""), default),
             )
     comments = _field_comments(BuildConfig)
     for f in dataclasses.fields(BuildConfig):
@@ -416,7 +433,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=f.name,
             default=argparse.SUPPRESS,
             metavar="VALUE",
-            help=f"{comments.get(f.name, '')} (default: {json.dumps(f.default)})",
+            help=_help(comments.get(f.name, ""), f.default),
         )
 
 
