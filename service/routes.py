@@ -51,6 +51,8 @@ SWAGGER_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "
                   "favicon-32x32.png": "image/png"}  # fmt: skip
 DOCS_ASSETS = "/docs/assets"
 ERROR_REF = "#/components/schemas/ErrorResponse"
+# the documented /zero-shot request's image: an 8x8 grey PNG, base64
+EXAMPLE_IMAGE = "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAAAAADhZOFXAAAAEElEQVR42mNsYIAAJgaKGAAmCACQtTEKkQAAAABJRU5ErkJggg=="
 
 
 async def infer(request: Request, task: str) -> Response:
@@ -77,8 +79,9 @@ def json_answer(answer: BaseModel) -> Response:
     return Response(body, media_type="application/json")
 
 
-def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any]) -> dict[str, Any]:
-    """OpenAPI ``requestBody`` of an inference route: the JSON model, or a multipart form of ``file`` parts."""
+def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any], example: dict[str, Any]) -> dict[str, Any]:
+    """OpenAPI ``requestBody`` of an inference route: the JSON model (with a request that works: Swagger UI's
+    "Try it out" and schemathesis' examples send it), or a multipart form of ``file`` parts."""
     json_schema = json_model.model_json_schema()
     # the guarantees' levels, as in JSON: a number in (0, 1) (a risk the model was not built with is 422)
     levels = {k: {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1,
@@ -101,7 +104,8 @@ def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any]) -> dict[
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": json_schema}, "multipart/form-data": {"schema": form_schema}},
+            "content": {"application/json": {"schema": json_schema, "example": example},
+                        "multipart/form-data": {"schema": form_schema}},  # fmt: skip
         }
     }
 
@@ -271,7 +275,7 @@ def install_routes(app: FastAPI) -> None:
     app.post(
         "/predict", response_model=PredictResponse, tags=["inference"], responses=errors,
         summary="Classify texts or images, with uncertainty and an OOD flag",
-        openapi_extra=body_doc(PredictRequest, {}),
+        openapi_extra=body_doc(PredictRequest, {}, {"text": "I love this phone, best purchase ever", "top_k": 2}),
     )(predict)  # fmt: skip
     app.post(
         "/zero-shot", response_model=PredictResponse, tags=["inference"], responses=errors,
@@ -280,6 +284,6 @@ def install_routes(app: FastAPI) -> None:
             "labels": {"type": "string", "description": 'JSON list (["cat","dog"]), one field per label, or one '
                        "comma-separated field; two or more, distinct once case-folded and stripped"},
             "template": {"type": "string", "default": "A photo of a {label}.", "pattern": TEMPLATE_PATTERN},
-        }),
+        }, {"image": EXAMPLE_IMAGE, "labels": ["shirt", "dress", "coat"], "top_k": 2}),
     )(zero_shot)  # fmt: skip
     install_docs(app)
