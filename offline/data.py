@@ -348,8 +348,7 @@ def fashion_mnist_setting(
     max_train: int, max_val: int, max_test: int, max_ood: int, seed: int, max_fit: int | None = None,
     max_calibration: int = 0,
 ) -> Data:  # fmt: skip
-    """Fashion-MNIST: the six garments (0-4, 6) in distribution, footwear and bags (5, 7-9) near-OOD, digits and noise
-    far-OOD.
+    """Fashion-MNIST: the six garments (0-4, 6) in distribution, footwear and bags (5, 7-9) near-OOD, digits, noise far.
 
     Train and val come from the official train file (disjoint), test from the test file;
     near-OOD val / test from the held-out classes of the train / test files. Train is drawn from the train
