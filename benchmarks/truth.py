@@ -131,6 +131,19 @@ def exchangeable_images(manifest: dict[str, Any]) -> tuple[np.ndarray, np.ndarra
     return xtr[keep], ytr[keep]
 
 
+def calibration_images(manifest: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """The build's calibration split (redrawn from its recorded config), official labels: how the served model
+    does on the very images its guarantees were calibrated on, for comparison with the unused ones."""
+    from offline import data as data_mod
+
+    cfg = manifest["build"]["config"]["data"]
+    d = data_mod.fashion_mnist_setting(cfg["max_train"], cfg["max_val"], cfg["max_test"], cfg["max_ood"], cfg["seed"],
+                                       max_fit=cfg.get("max_fit"), max_calibration=cfg["max_calibration"])  # fmt: skip
+    assert d.calibration is not None
+    official = np.asarray(data_mod.FASHION_ID_CLASSES)
+    return d.calibration.inputs, official[d.calibration.labels]
+
+
 def _report_per_class(artifact: Path) -> dict[str, Any]:
     rep = json.loads((artifact / "report.json").read_text())
     return ((rep.get("extra") or {}).get("per_class") or {}).get("hydra") or {}
@@ -166,6 +179,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ex_x, ex_y = exchangeable_images(man["image"])
         ex = asyncio.run(_answers(port, "/predict", [_png(v) for v in ex_x], {"model": man["image"]["name"],
                                                                              "alpha": 0.1}, args.batch))  # fmt: skip
+        cal_x, cal_y = calibration_images(man["image"])
+        cal = asyncio.run(_answers(port, "/predict", [_png(v) for v in cal_x], {"model": man["image"]["name"],
+                                                                               "alpha": 0.1}, args.batch))  # fmt: skip
         foot = [i for i, t in enumerate(truth) if t not in garments]
         zs_mixed = asyncio.run(_answers(port, "/zero-shot", [images[i] for i in foot],
                                         {**zs_model, "labels": MIXED_WORDS}, args.batch))  # fmt: skip
@@ -180,6 +196,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "classifier": classifier_truth(cls, truth, garments),
         "classifier_report_per_class": _report_per_class(image).get("accuracy"),
         "classifier_exchangeable": classifier_truth(ex, [names[int(v)] for v in ex_y], garments),
+        "classifier_calibration_split": classifier_truth(cal, [names[int(v)] for v in cal_y], garments),
         "zero_shot": {
             "build_labels": zero_shot_truth(pick(zs_build, idx_id), pick(truth, idx_id),
                                             {g: g for g in build_labels}),
@@ -226,7 +243,7 @@ def checks(doc: dict[str, Any]) -> dict[str, bool]:
 
 def _markdown(doc: dict[str, Any]) -> str:
     c, zs, pct = doc["classifier"], doc["zero_shot"], lambda v: "–" if v is None else f"{100 * v:.1f}"
-    e = doc["classifier_exchangeable"]
+    e, k = doc["classifier_exchangeable"], doc["classifier_calibration_split"]
     rep = doc.get("classifier_report_per_class") or {}
     lines = [f"# Real test images by their true names ({doc['models']['image']}, {doc['models']['zeroshot']})", "",
              f"`{doc['command']}`", "", f"Machine: {doc['machine']['cpu']}. Truth: the IDX labels through "
@@ -249,7 +266,8 @@ def _markdown(doc: dict[str, Any]) -> str:
               f"accuracy {pct(e['accuracy'])} %, coverage at alpha 0.1 **{pct(e['coverage_alpha_0.1'])} %** (mean "
               f"size {e['mean_set_size']:.2f}), error among accepted at risk {e['risk_target']} "
               f"**{pct(e['accepted_error'])} %** ({pct(e['accept_rate'])} % accepted), flagged "
-              f"{pct(e['id_flagged'])} %.",
+              f"{pct(e['id_flagged'])} %. On the calibration split itself ({k['id_images']} images): accuracy "
+              f"{pct(k['accuracy'])} %, coverage {pct(k['coverage_alpha_0.1'])} %.",
               "", "## /zero-shot", "",
               "| class | build's labels % | user words % |", "|---|---:|---:|"]  # fmt: skip
     for g, v in zs["build_labels"]["per_class"].items():
