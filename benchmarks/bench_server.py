@@ -101,9 +101,9 @@ def raw_throughput(artifact: Path, plan: dict[str, str], body: dict[str, Any], b
     """The backend the server chose, alone: inputs/s of one forward pass at each batch size (median of runs)."""
     import torch
 
-    from service.artifact import load_manifest
-    from service.backends import Plan, load_backend
-    from service.preprocess import ImagePreprocessor, decode_base64, make_preprocessor
+    from service.core.artifact import load_manifest
+    from service.core.preprocess import ImagePreprocessor, decode_base64, make_preprocessor
+    from service.plan import Plan, load_backend
 
     if threads:
         torch.set_num_threads(threads)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
     if args.threads:
         env["HYDRA_THREADS"] = str(args.threads)
-    from service.backends import resolve_plan
+    from service.plan import resolve_plan
 
     # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
     plan = dict(zip(("backend", "device", "precision"), _plan_tuple(resolve_plan(

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/cache_outputs.py --artifact artifacts/default/text \\
         --out tests/fixtures/outputs/text-fast.npz
 
-Loads the artifact as the server does (``service.models.load_model``, its preprocessing, temperature and OOD
+Loads the artifact as the server does (``service.core.registry.load_model``, its preprocessing, temperature and OOD
 statistics) and runs it on the splits its build drew (the manifest's resolved config: the same data setting,
 sizes and seed): the calibration split, ID validation and test, and each OOD test set. Saves per split the
 ensemble probabilities (float32 ``(N, C)``), the labels and the served OOD score (float64 ``(N,)``): what the
@@ -29,11 +29,11 @@ if str(ROOT) not in sys.path:
 from offline.config import load_config  # noqa: E402
 from offline.ood_fit import scores_np  # noqa: E402
 from offline.stages import EVAL_MAX_PIXELS, collect, eval_batches, load_data  # noqa: E402
-from service.artifact import load_manifest  # noqa: E402
-from service.models import load_model  # noqa: E402
-from service.ood import ood_from_tensors  # noqa: E402
-from service.preprocess import make_preprocessor  # noqa: E402
-from service.uncertainty import summarize  # noqa: E402
+from service.core.artifact import load_manifest  # noqa: E402
+from service.core.ood import ood_from_tensors  # noqa: E402
+from service.core.preprocess import make_preprocessor  # noqa: E402
+from service.core.registry import load_model  # noqa: E402
+from service.core.uncertainty import summarize  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends import cpu_name  # the CPU named in every result
+from service.core.hardware import cpu_name  # the CPU named in every result
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # loopback only, always

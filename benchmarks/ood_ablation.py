@@ -64,7 +64,7 @@ from offline.stages import (  # noqa: E402
     load_data,
     with_features,
 )
-from service.preprocess import make_preprocessor  # noqa: E402
+from service.core.preprocess import make_preprocessor  # noqa: E402
 
 SCRATCH = "offline/configs/image-fast.yaml"  # overridden to the from-scratch base below
 SCRATCH_BASE = {"base.source": "train-vit", "base.preset": "vit_fast", "base.path": None, "base.arch": {},

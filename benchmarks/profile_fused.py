@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks import bench_fusion  # noqa: E402
-from service.fused import CPU_MAX_ROWS  # noqa: E402
+from service.core.fused import CPU_MAX_ROWS  # noqa: E402
 
 
 def main() -> None:
@@ -69,7 +69,7 @@ def profile_onnx(models: dict, args: argparse.Namespace) -> None:
 
     from benchmarks.cost import _ImageLogits, _TextLogits
     from offline.export import export_onnx
-    from service.backends import onnx_session
+    from service.core.backends import onnx_session
 
     x = models["make_input"](args.batch)
     wrap = _ImageLogits if "pixel_values" in x else _TextLogits

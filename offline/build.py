@@ -30,7 +30,7 @@ from offline.progress import set_every as set_progress_every  # noqa: E402
 
 # the command's own flags: every other flag is a config override (``--hydra.members 5``)
 NOT_OVERRIDES = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")
-from service.logs import json_formatter  # noqa: E402
+from service.core.jsonlog import json_formatter  # noqa: E402
 
 # family -> the pipeline that builds it
 PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {

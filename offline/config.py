@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from service.artifact import OOD_SCORES as SERVED_SCORES
+from service.core.artifact import OOD_SCORES as SERVED_SCORES
 
 from .compute import DEVICES, PRECISIONS, resolve_device
 
@@ -32,7 +32,7 @@ OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD v
 ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information", "mahalanobis", "mahalanobis_layers")
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
-CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.conformal.SCORES)
+CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.core.conformal.SCORES)
 
 
 class ConfigError(ValueError):

@@ -19,7 +19,7 @@ Heads are scored jointly over both towers (flat layer index: vision layers, then
 the vision tower only (the towers' Taylor scales differ, as the paper notes).
 
 Artifact (``docs/artifact.md``) — files: ``manifest.json``, ``model.safetensors`` (the fused
-``service.fused_clip.FusedCLIP``), ``image_encoder.ts``, ``text_encoder.ts``, ``image_encoder.onnx``,
+``service.core.fused_clip.FusedCLIP``), ``image_encoder.ts``, ``text_encoder.ts``, ``image_encoder.onnx``,
 ``text_encoder.onnx``, ``tokenizer/`` (Hugging Face tokenizer, ``AutoTokenizer.from_pretrained``), and
 ``report.md``, ``report.json``, ``plots/*.png``. The manifest::
 
@@ -48,12 +48,12 @@ Artifact (``docs/artifact.md``) — files: ``manifest.json``, ``model.safetensor
                            "inputs": {"image": [...], "text": [...]},  # graph inputs actually present
                            "max_abs_diff": {...}, "tolerance": float, "opset": 17}},
       "precision": {"bf16": {...}}, "metrics": {method: headline numbers}, "data": {...}, "build": {...},
-      "files": {...}  # added by service.artifact.write_manifest
+      "files": {...}  # added by service.core.artifact.write_manifest
     }
 
 Serving: embed the labels' prompts once with the text encoder, ``(L, M, D)``; per request embed the
 images, ``(B, M, D)``; member logits ``(B, M, L) = logit_scale · einsum("bmd,lmd->bml")``
-(``+ logit_bias``), divided by ``uncertainty.temperature``, then ``service.uncertainty.summarize``.
+(``+ logit_bias``), divided by ``uncertainty.temperature``, then ``service.core.uncertainty.summarize``.
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer, CLIPTokenizer
 
-from service.artifact import Manifest, build_manifest, file_sha256
-from service.fused_clip import zero_shot_logits
-from service.ood import ood_tensors
-from service.preprocess import ImagePreprocessor
-from service.uncertainty import SUMMARY_SCORES, summarize
+from service.core.artifact import Manifest, build_manifest, file_sha256
+from service.core.fused_clip import zero_shot_logits
+from service.core.ood import ood_tensors
+from service.core.preprocess import ImagePreprocessor
+from service.core.uncertainty import SUMMARY_SCORES, summarize
 
 from . import lit
 from .calibration import fit_temperature
@@ -140,7 +140,7 @@ from .stages import (
 )
 from .train import TrainConfig
 
-OOD_FILE = "ood.safetensors"  # the label-free OOD statistics (service.ood.ood_tensors)
+OOD_FILE = "ood.safetensors"  # the label-free OOD statistics (service.core.ood.ood_tensors)
 
 log = logging.getLogger("hydra.build")
 

@@ -38,8 +38,8 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from service.artifact import file_sha256
-from service.backends import cpu_name
+from service.core.artifact import file_sha256
+from service.core.hardware import cpu_name
 
 from . import data as data_mod
 from .train import GRAY_MEAN, GRAY_STD, TrainConfig, accuracy, make_batches, train_base_vit

@@ -21,18 +21,18 @@ model, not the HTTP handling, is what the clients wait for.
 
 One worker thread per model runs the batches, so the event loop keeps
 answering. The queue is bounded (``max_queue`` inputs): beyond it
-:meth:`Batcher.submit` raises :class:`~service.errors.Overloaded` at once.
+:meth:`Batcher.submit` raises :class:`~service.core.errors.Overloaded` at once.
 
 If a batch raises, the requests in it are retried one by one, so that one bad
 input fails only its own request; requests that still fail get
-:class:`~service.errors.InternalError` (500) and the batcher keeps serving.
+:class:`~service.core.errors.InternalError` (500) and the batcher keeps serving.
 
 Health: a batch in which no request could be run (its retries included) is a
 failed batch. After ``unhealthy_after`` failed batches in a row the batcher is
 unhealthy (``healthy`` False, ``on_health(False)``) until a batch runs again
 (``on_health(True)``); it keeps accepting requests meanwhile, so a request or
 the runtime's probe batch can bring it back. Errors the run function raises as
-client errors (a :class:`~service.errors.ServiceError` below 500) do not count.
+client errors (a :class:`~service.core.errors.ServiceError` below 500) do not count.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InternalError, NotReady, Overloaded, ServiceError
+from .core.errors import InternalError, NotReady, Overloaded, ServiceError
 from .metrics import Metrics
 
 __all__ = ["FILL_RULES", "Batcher", "BatchResult"]

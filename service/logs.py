@@ -21,9 +21,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from pythonjsonlogger.core import RESERVED_ATTRS
-from pythonjsonlogger.json import JsonFormatter
-
+from .core.jsonlog import json_formatter
 from .settings import Settings
 
 __all__ = [
@@ -34,7 +32,6 @@ __all__ = [
     "RequestContextFilter",
     "access_log_enabled",
     "configure_logging",
-    "json_formatter",
     "log_access",
     "log_predictions",
     "request_context",
@@ -70,15 +67,6 @@ class RequestContextFilter(logging.Filter):
         if not hasattr(record, "trace_id"):
             record.trace_id = TRACE_ID.get()
         return True
-
-
-def json_formatter() -> logging.Formatter:
-    """One JSON object per record: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message`` and every ``extra``
-    field of the record (``request_id`` and ``trace_id`` with :class:`RequestContextFilter`)."""
-    return JsonFormatter(
-        "%(levelname)s %(name)s %(message)s", rename_fields={"levelname": "level", "name": "logger"}, timestamp="time",
-        reserved_attrs=[*RESERVED_ATTRS, "color_message"],  # uvicorn's message with terminal colours: left out
-    )  # fmt: skip
 
 
 class _HydraHandler(logging.StreamHandler):

@@ -10,7 +10,7 @@ same header, and ``Content-Type: application/octet-stream``.
 
 This module turns bytes into :class:`Tensor` s and back (:func:`decode_request`, :func:`encode_answer`); what the
 tensors mean for a model (names, shapes, which output holds what) is :mod:`service.routes_oip`. Errors raise
-:class:`~service.errors.InvalidInput` naming the tensor at fault.
+:class:`~service.core.errors.InvalidInput` naming the tensor at fault.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import InvalidInput, validate_json_body
+from .core.errors import InvalidInput
+from .errors import validate_json_body
 
 __all__ = [
     "HEADER_LENGTH",

@@ -23,7 +23,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .errors import InvalidInput, UnsupportedMediaType, format_validation_errors, validate_json_body
+from .core.errors import InvalidInput, UnsupportedMediaType
+from .errors import format_validation_errors, validate_json_body
 from .runtimes import Query
 from .schemas import FormOptions, PredictRequest, ZeroShotRequest, check_limits
 from .settings import Settings

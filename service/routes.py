@@ -27,7 +27,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 from swagger_ui_bundle import swagger_ui_path
 
-from .errors import Forbidden, NotFound, NotReady
+from .core.errors import Forbidden, NotFound, NotReady
 from .lifecycle import not_ready_reason
 from .metrics import CONTENT_TYPE_LATEST
 from .pipeline import request_id, run_inference, server_state

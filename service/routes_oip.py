@@ -26,7 +26,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from .errors import InvalidInput, NotFound, NotReady, UnsupportedMediaType
+from .core.errors import InvalidInput, NotFound, NotReady, UnsupportedMediaType
 from .lifecycle import ServerState, not_ready_reason
 from .oip import HEADER_LENGTH, InferRequest, Tensor, decode_request, encode_answer
 from .pipeline import request_id, run_inference, server_state

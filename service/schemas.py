@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .artifact import OOD_SCORES
-from .errors import InvalidInput
+from .core.artifact import OOD_SCORES
+from .core.errors import InvalidInput
 
 __all__ = [
     "DEFAULT_TEMPLATE",

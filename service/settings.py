@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     http: Literal["auto", "h11", "httptools"] = "auto"
     # auto = CUDA when available, else CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # auto = onnx on CPU when exported and fp32, torch eager otherwise (see service/backends.py)
+    # auto = onnx on CPU when exported and fp32, torch eager otherwise (see service/plan.py)
     backend: Literal["auto", "torch", "torchscript", "onnx", "aoti"] = "auto"
     # auto = bf16 on CUDA, bf16 on CPUs with native bf16 when the build recorded bf16 agrees, else fp32
     precision: Literal["auto", "fp32", "bf16"] = "auto"

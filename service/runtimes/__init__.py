@@ -2,7 +2,7 @@
 
 :func:`open_runtime` reads and verifies an artifact (manifest, every file's size and
 sha256) and returns the runtime of its ``task``, found in :data:`RUNTIMES`, with its
-backend chosen (:mod:`service.backends`) but not loaded; :meth:`Runtime.load` then reads
+backend chosen (:mod:`service.plan`) but not loaded; :meth:`Runtime.load` then reads
 the weights (:func:`load_runtime` does both).
 
 * :mod:`.base`: the :class:`Runtime` base (batcher, health, the answer as the response models);
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..artifact import ArtifactError, load_manifest, verify_files
+from ..core.artifact import ArtifactError, load_manifest, verify_files
 from ..metrics import Metrics
 from ..settings import Settings
 from .base import ItemResult, Outcome, Query, Runtime, build_predictions, summarize_rows
@@ -47,7 +47,7 @@ RUNTIMES: dict[str, type[Runtime]] = {"classification": ClassifierRuntime, "zero
 def open_runtime(root: str | Path, settings: Settings, metrics: Metrics | None = None) -> Runtime:
     """Read and verify the artifact at ``root`` (manifest, every file's size and sha256) and check the settings
     against it, without loading the model (:meth:`Runtime.load`). Raises :class:`ArtifactError` naming the file,
-    :class:`~service.backends.BackendConfigError` for settings that cannot serve it."""
+    :class:`~service.core.backends.BackendConfigError` for settings that cannot serve it."""
     root = Path(root)
     if not root.is_dir():
         raise ArtifactError(f"{root}: artifact directory does not exist (HYDRA_ARTIFACTS)")

@@ -32,15 +32,16 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..artifact import ArtifactError, artifact_version
-from ..backends import Plan
 from ..batching import Batcher, BatchResult
-from ..drift import DriftFeed, DriftMonitor
-from ..errors import InvalidInput
-from ..guarantees import Guarantees, load_guarantees, outlier_oriented
+from ..core.artifact import ArtifactError, artifact_version
+from ..core.drift import DriftFeed, DriftMonitor
+from ..core.errors import InvalidInput
+from ..core.guarantees import Guarantees, load_guarantees, outlier_oriented
+from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
+from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
+from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 from ..metrics import Metrics
-from ..ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
-from ..preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
+from ..plan import Plan
 from ..schemas import (
     DEFAULT_TEMPLATE,
     OOD,
@@ -54,7 +55,6 @@ from ..schemas import (
     Uncertainty,
 )
 from ..settings import Settings
-from ..uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 
 __all__ = [
     "ItemResult",
@@ -129,8 +129,8 @@ def summarize_rows(
     """Member logits ``(B, M, C)`` (and features ``(B, M, D)``, layer features ``(B, M, L-1, d)``) -> one
     :class:`ItemResult` per input.
 
-    The uncertainty comes from :mod:`service.uncertainty`; with the artifact's OOD statistics ``stats`` every
-    score of :func:`service.ood.ensemble_scores` is computed too, and ``metric`` may name any of them.
+    The uncertainty comes from :mod:`service.core.uncertainty`; with the artifact's OOD statistics ``stats`` every
+    score of :func:`service.core.ood.ensemble_scores` is computed too, and ``metric`` may name any of them.
     """
     s = summarize(logits, temperature)
     all_scores = (ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features)
@@ -318,7 +318,7 @@ class Runtime(abc.ABC):
             raise ArtifactError(f"{root}: uncertainty.temperature must be > 0, got {self.temperature}")
         self.plan: Plan | None = None
         self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
-        # the drift test, fed from the request path in chunks (service.drift.DriftFeed: the statistic is that of
+        # the drift test, fed from the request path in chunks (service.core.drift.DriftFeed: the statistic is that of
         # every score fed at once; /metrics may lag by up to 63 inputs or a second)
         self.drift = (DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics)
                       if self.guarantees is not None else None)  # fmt: skip
@@ -359,7 +359,7 @@ class Runtime(abc.ABC):
     def resolve(self) -> None:
         """Check the settings against the artifact before loading (cheap; e.g. set ``self.plan``).
 
-        Raises :class:`~service.backends.BackendConfigError` for a backend / device / precision that cannot
+        Raises :class:`~service.core.backends.BackendConfigError` for a backend / device / precision that cannot
         serve it, so that a bad configuration refuses start-up before the port is bound. Default: nothing.
         """
         return None
@@ -370,7 +370,7 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     def prepare(self, raw: Sequence[str] | Sequence[bytes], field: str, *, base64_encoded: bool) -> list[Any]:
-        """Decode and preprocess the inputs of one request (raises :class:`~service.errors.InvalidInput` & co.
+        """Decode and preprocess the inputs of one request (raises :class:`~service.core.errors.InvalidInput` & co.
         naming the input). Runs on the event loop or in a request thread: one bad input fails only its request."""
 
     @abc.abstractmethod

@@ -1,6 +1,6 @@
 """The classifier runtime (``task: classification``): images (vit) or texts (bert) over the artifact's labels.
 
-The backend (torch eager, TorchScript or ONNX Runtime; :func:`service.backends.resolve_plan`
+The backend (torch eager, TorchScript or ONNX Runtime; :func:`service.plan.resolve_plan`
 picks it with the device and precision) maps a collated batch to member logits
 ``(B, M, C)``; :func:`~service.runtimes.base.summarize_rows` turns them into the
 uncertainty of each input and :meth:`~service.runtimes.base.Runtime.respond` into the answer.
@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..artifact import ArtifactError
-from ..backends import Backend, BackendConfigError, Plan, load_backend, resolve_plan
+from ..core.artifact import ArtifactError
+from ..core.backends import Backend, BackendConfigError
+from ..core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
 from ..metrics import Metrics
-from ..preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
+from ..plan import Plan, load_backend, resolve_plan
 from ..settings import Settings
 from .base import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
 

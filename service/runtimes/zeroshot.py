@@ -1,6 +1,6 @@
 """The zero-shot runtime (``task: zero-shot``, family ``clip``): images against labels given per request.
 
-The artifact (``offline/pipeline_clip.py``) holds a fused :class:`service.fused_clip.FusedCLIP`. Serving:
+The artifact (``offline/pipeline_clip.py``) holds a fused :class:`service.core.fused_clip.FusedCLIP`. Serving:
 
 * text side: the prompts ``template.format(label=...)`` -> text embeddings ``(L, M, D)``, computed once per
   ``(labels, template)`` and kept in a bounded LRU cache (:class:`TextCache`); the manifest's fixed ``labels``
@@ -13,7 +13,7 @@ The artifact (``offline/pipeline_clip.py``) holds a fused :class:`service.fused_
   embeddings (and its image tower's layer features) against the ID images, whatever the request's labels
   (``mahalanobis`` / ``mahalanobis_layers``); older artifacts flag on a probability score of the logits.
 
-Backend: torch eager only (:func:`service.backends.resolve_plan` with ``eager_only``: fp32 on CPU, bf16
+Backend: torch eager only (:func:`service.plan.resolve_plan` with ``eager_only``: fp32 on CPU, bf16
 autocast on CUDA or with ``HYDRA_PRECISION=bf16``).
 """
 
@@ -31,13 +31,13 @@ import anyio
 import torch
 from prometheus_client import Counter
 
-from ..artifact import ArtifactError
-from ..backends import resolve_plan
-from ..errors import InvalidInput
-from ..fused_clip import FusedCLIP, zero_shot_logits
+from ..core.artifact import ArtifactError
+from ..core.errors import InvalidInput
+from ..core.fused_clip import FusedCLIP, zero_shot_logits
+from ..core.preprocess import ImagePreprocessor, TextPreprocessor
+from ..core.registry import load_model
 from ..metrics import Metrics
-from ..models import load_model
-from ..preprocess import ImagePreprocessor, TextPreprocessor
+from ..plan import resolve_plan
 from ..schemas import DEFAULT_TEMPLATE
 from ..settings import Settings
 from .base import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows

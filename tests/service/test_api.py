@@ -17,13 +17,13 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.artifact import load_manifest
+from service.core.artifact import load_manifest
+from service.core.registry import load_model
+from service.core.uncertainty import ood_flag, ood_score, summarize
 from service.main import create_app
-from service.models import load_model
-from service.uncertainty import ood_flag, ood_score, summarize
 from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
+from tests.service.core.test_preprocess import huge_png_header
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for
-from tests.service.test_preprocess import huge_png_header
 
 TEXTS = ["I love this phone", "terrible service, never again", "the match ended in a draw", "stocks fell sharply today"]
 

@@ -7,17 +7,11 @@ import platform
 import pytest
 import torch
 
-from service.artifact import load_manifest
-from service.backends import (
-    BackendConfigError,
-    OnnxBackend,
-    TorchBackend,
-    TorchScriptBackend,
-    cpu_has_native_bf16,
-    cpu_name,
-    resolve_plan,
-)
-from service.models import load_model
+from service.core.artifact import load_manifest
+from service.core.backends import BackendConfigError, OnnxBackend, TorchBackend, TorchScriptBackend
+from service.core.hardware import cpu_has_native_bf16, cpu_name
+from service.core.registry import load_model
+from service.plan import resolve_plan
 from tests.fixtures.tiny_artifact import example_inputs
 
 
@@ -124,9 +118,9 @@ def test_bf16_backend_stores_gemm_weights_in_bf16_with_the_same_outputs(family):
     bit those of bf16 autocast over the fp32 model; norms and embeddings stay fp32."""
     import copy
 
-    from service.backends import TorchBackend
-    from service.fused import tiny_config
-    from service.models import build_model
+    from service.core.backends import TorchBackend
+    from service.core.fused import tiny_config
+    from service.core.registry import build_model
 
     torch.manual_seed(0)
     model = build_model(tiny_config(family)).eval()

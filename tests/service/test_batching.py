@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from service.batching import Batcher
-from service.errors import InternalError, NotReady, Overloaded
+from service.core.errors import InternalError, NotReady, Overloaded
 from service.metrics import Metrics
 
 

@@ -1,4 +1,4 @@
-"""Answers with guarantees (service/guarantees.py, docs/api.md "Guarantees"): prediction sets, OOD p-values and the
+"""Answers with guarantees (service/core/guarantees.py, docs/api.md "Guarantees"): prediction sets, OOD p-values and the
 flag at the request's level, the risk rule's decision, their request parameters and errors, and the metrics; the
 same numbers as the builder's code on the same inputs."""
 
@@ -14,11 +14,11 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
-from service.conformal import SetCalibrator, keep_top
+from service.core.conformal import SetCalibrator, keep_top
+from service.core.preprocess import ImagePreprocessor
+from service.core.registry import load_model
+from service.core.uncertainty import summarize
 from service.main import create_app
-from service.models import load_model
-from service.preprocess import ImagePreprocessor
-from service.uncertainty import summarize
 from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for
 
@@ -215,7 +215,7 @@ def test_the_per_request_path_computes_what_the_array_functions_compute(g_artifa
     of p_values / prediction_sets / accepts, ties and NaN scores included."""
     from dataclasses import replace
 
-    from service.guarantees import load_guarantees
+    from service.core.guarantees import load_guarantees
 
     g = load_guarantees(g_artifact, json.loads((g_artifact / "manifest.json").read_text()))
     g = replace(g, mondrian=mondrian)

@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from service import settings as settings_module
-from service.artifact import ArtifactError, artifact_version, load_manifest, write_manifest
-from service.logs import RequestContextFilter, configure_logging, json_formatter
+from service.core.artifact import ArtifactError, artifact_version, load_manifest, write_manifest
+from service.core.jsonlog import json_formatter
+from service.logs import RequestContextFilter, configure_logging
 from service.main import create_app
 from service.settings import Settings
 from service.tracing import request_id, trace_id

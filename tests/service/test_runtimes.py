@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from service.backends import BackendConfigError, resolve_plan
+from service.core.backends import BackendConfigError
+from service.plan import resolve_plan
 from service.runtimes import RUNTIMES, ClassifierRuntime, CLIPZeroShotRuntime, build_predictions, summarize_rows
 from service.schemas import PredictResponse, Timing
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from service.uncertainty import entropy, ood_flag, ood_score, summarize
+from service.core.uncertainty import entropy, ood_flag, ood_score, summarize
 
 BIG = 50.0  # a logit gap that makes a member's softmax one-hot to float precision
 
@@ -73,7 +73,7 @@ def test_ood_flag_directions():
     s = summarize(torch.zeros(1, 2, 3))
     assert ood_score(s, "entropy") is s["entropy"]
     assert ood_flag(scores, "mahalanobis", 0.5).tolist() == [False, False, True]  # an outlier score: high -> OOD
-    with pytest.raises(ValueError, match="not a summary field"):  # energy comes from service.ood, not a summary
+    with pytest.raises(ValueError, match="not a summary field"):  # energy comes from service.core.ood, not a summary
         ood_score(s, "energy")
     with pytest.raises(ValueError, match="unknown OOD score"):
         ood_flag(scores, "nope", 0.5)

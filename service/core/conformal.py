@@ -3,7 +3,7 @@
 Pure statistics on float64 numpy arrays (torch only to store a calibrator in a safetensors file). The builder fits
 the statistics on a calibration split the model never trained on; the server applies them per request. Every
 guarantee below holds over the draw of that split and assumes the calibration points and the served inputs are
-exchangeable (e.g. i.i.d. from one distribution): a drifted stream voids them, which :mod:`service.drift` watches.
+exchangeable (e.g. i.i.d. from one distribution): a drifted stream voids them, which :mod:`service.core.drift` watches.
 
 **Prediction sets** (split conformal, Vovk et al. 2005; Angelopoulos & Bates 2021). A nonconformity score
 ``s(x, y)`` says how badly label ``y`` fits input ``x``; on ``n`` calibration points the true-label scores are
@@ -35,7 +35,7 @@ probabilities are counted together (``p_j >= p_y`` above, and the rank counts ti
 enter or leave a set together and the score does not depend on label order. Without ties the scores, ``qhat`` and
 sets are exactly MAPIE's (1.6: ``lac``; the non-randomised APS/RAPS cumulated scores with fixed ``k_reg``, ``lam``
 and ``include_last_label=False``, where MAPIE puts the top label into a set that would be empty), which
-``tests/service/test_conformal.py`` checks.
+``tests/service/core/test_conformal.py`` checks.
 
 **OOD p-values** (conformal outlier detection, Bates et al. 2023): for an outlier score (higher = more OOD) and
 ``n`` ID calibration scores, ``p(s) = (1 + #{i: s_i >= s}) / (n + 1)``. For an ID test input exchangeable with

@@ -58,7 +58,7 @@ time to a false alarm, not its probability.) Everything is computed in log space
 
 Measured (scores uniform, 5,000 calibration scores, ``delta = 0.01``; delay = inputs after the change until the
 alarm; the drift draws 30 % of the inputs uniformly between the calibration 95th percentile and the top of the ID
-range, the weakest such shift, and 70 % from the ID distribution; ``tests/service/test_drift.py`` reruns smaller
+range, the weakest such shift, and 70 % from the ID distribution; ``tests/service/core/test_drift.py`` reruns smaller
 versions):
 
 * false alarms within 10,000 ID inputs: 0.5 % (20 of 4,000 runs of the martingale on i.i.d. uniform p-values,

@@ -194,8 +194,8 @@ def stats_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "gaussian
 
 
 # ----------------------------------------------------------------------------- the served scores
-# Every score the server can serve and its direction: service.uncertainty.OOD_METRICS (True: higher = in
-# distribution, MSP only). The probability scores come from service.uncertainty.summarize, the next two from the
+# Every score the server can serve and its direction: service.core.uncertainty.OOD_METRICS (True: higher = in
+# distribution, MSP only). The probability scores come from service.core.uncertainty.summarize, the next two from the
 # members' logits; the last three need the members' penultimate features and the artifact's Gaussian statistics.
 HIGHER_IS_ID = OOD_METRICS
 FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")
@@ -294,7 +294,7 @@ def ensemble_scores(
     """Every score :data:`HIGHER_IS_ID` names that the inputs allow, one value per input ``(B,)``, float64.
 
     ``msp``, ``entropy``, ``mutual_information`` are the ensemble's (``summary``: a
-    :func:`service.uncertainty.summarize` of the same logits, computed here when not given); the per-member scores
+    :func:`service.core.uncertainty.summarize` of the same logits, computed here when not given); the per-member scores
     are combined by the mean of their standardised values (:func:`combine`, with ``stats.norms``);
     ``mahalanobis_mi`` adds the standardised mutual information to the combined Mahalanobis score, so an input
     the members disagree on counts as more foreign than its distance alone says; ``mahalanobis_energy`` adds the

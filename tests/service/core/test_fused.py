@@ -1,4 +1,4 @@
-"""The fused runtime (service/fused.py) against a naive per-member reference written from the same weights.
+"""The fused runtime (service/core/fused.py) against a naive per-member reference written from the same weights.
 
 The reference runs each member alone with explicit softmax attention, its own
 LayerNorm affine and its own (or the shared) MLP, so it checks the fast paths of
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.fused import GroupedLinear, MemberLayerNorm, tiny_config
-from service.models import build_model
+from service.core.fused import GroupedLinear, MemberLayerNorm, tiny_config
+from service.core.registry import build_model
 
 ACTS = {
     "gelu": F.gelu,

@@ -2,7 +2,7 @@
 
 This is the runtime half of the project: the offline builder (``offline/fusion.py``)
 writes a config dict plus a safetensors state dict, and the server rebuilds the
-model from them with :func:`service.models.load_model`. Only torch is imported here.
+model from them with :func:`service.core.registry.load_model`. Only torch is imported here.
 
 Layout (see ``benchmarks/bench_fusion.py`` and its results): the residual
 streams of the M members are one tensor ``(M, B*T, d)`` (members, batch ×
@@ -420,12 +420,12 @@ class FusedClassifier(nn.Module):
         self.first_token_readout = first_token_readout
         self.cpu_max_rows = CPU_MAX_ROWS  # eager CPU passes split larger batches (see CPU_MAX_ROWS)
         # True: forward returns (logits, features), the members' penultimate features (the input of each member's
-        # classifier head, ``(B, M, D)``) for the feature-space OOD scores (service.ood); set before tracing
+        # classifier head, ``(B, M, D)``) for the feature-space OOD scores (service.core.ood); set before tracing
         self.with_features = False
         # True (with ``with_features``, and a model of 2 or more layers): a third output, the layer features
         # ``(B, M, L-1, d)``: every block's output but the last's, pooled over each sequence's tokens (the mean;
         # text: over its real tokens), per member. Low-level shifts (noise, blank frames) show in the early layers
-        # long before they reach the last feature; the multi-layer OOD scores (service.ood) read them
+        # long before they reach the last feature; the multi-layer OOD scores (service.core.ood) read them
         self.with_layer_features = False
 
     @property

@@ -21,7 +21,7 @@ __all__ = ["OOD_METRICS", "SUMMARY_SCORES", "entropy", "summarize", "ood_score",
 
 # Every OOD score an artifact can serve, and whether a higher value means "more in-distribution" (MSP only; the
 # others are outlier scores). The first three are fields of :func:`summarize`; the others are computed from the
-# members' logits and penultimate features by :mod:`service.ood`.
+# members' logits and penultimate features by :mod:`service.core.ood`.
 OOD_METRICS: dict[str, bool] = {
     "msp": True,
     "entropy": False,

@@ -1,4 +1,4 @@
-"""OOD scores (service/ood.py): known answers, and the same numbers as pytorch-ood on the same features."""
+"""OOD scores (service/core/ood.py): known answers, and the same numbers as pytorch-ood on the same features."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from pytorch_ood.detector import RMD, EnergyBased, Mahalanobis, MaxLogit
 
-from service.ood import (
+from service.core.ood import (
     GaussianStats,
     combine,
     energy,
@@ -99,8 +99,8 @@ def test_distances_keep_their_digits_in_float32_features():
 
 
 def test_ensemble_scores_without_statistics_are_the_probability_scores():
-    from service.ood import ensemble_scores
-    from service.uncertainty import summarize
+    from service.core.ood import ensemble_scores
+    from service.core.uncertainty import summarize
 
     logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0]]])  # two members that disagree
     s = ensemble_scores(logits, None, None)
@@ -110,7 +110,7 @@ def test_ensemble_scores_without_statistics_are_the_probability_scores():
 
 
 def test_ood_statistics_round_trip_and_combination():
-    from service.ood import GaussianStats, OODStats, ensemble_scores, fit_norms, ood_from_tensors, ood_tensors
+    from service.core.ood import GaussianStats, OODStats, ensemble_scores, fit_norms, ood_from_tensors, ood_tensors
 
     M, C, D = 2, 3, 4
     g = GaussianStats(torch.zeros(M, C, D, dtype=torch.float64), torch.eye(D, dtype=torch.float64).repeat(M, 1, 1),

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from service.artifact import (
+from service.core.artifact import (
     ArtifactError,
     ImagePreprocessing,
     TextPreprocessing,

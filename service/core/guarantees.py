@@ -138,7 +138,7 @@ class Guarantees:
         self, probs: np.ndarray, alpha: float, mondrian: bool | None = None, checked: bool = False
     ) -> tuple[np.ndarray, bool, np.ndarray]:  # fmt: skip
         """``(sets (B, C) bool, below_min_alpha, filled (B,))``: the conformal sets of ``probs (B, C)`` at ``alpha``,
-        never empty (:func:`~service.conformal.keep_top`: ``filled`` marks the sets that were empty and got the
+        never empty (:func:`~service.core.conformal.keep_top`: ``filled`` marks the sets that were empty and got the
         prediction); ``below_min_alpha`` when ``alpha`` is below what the split supports (for some class, with
         Mondrian sets): no finite threshold exists there, so those labels are always in (marginal: every set is every
         label)."""
@@ -164,7 +164,7 @@ class Guarantees:
         return eligible & (probs.max(axis=1) >= lam)
 
     def monitor(self) -> DriftMonitor:
-        """A fresh drift alarm whose reference is the calibration split's scores (:mod:`service.drift`)."""
+        """A fresh drift alarm whose reference is the calibration split's scores (:mod:`service.core.drift`)."""
         return DriftMonitor(self.ood_scores, delta=self.drift_delta, bins=self.drift_bins, seed=0,
                             edges=self.drift_edges)  # fmt: skip
 

@@ -4,8 +4,8 @@ M pruned copies of one OpenCLIP model run as one model: the image encoder gives
 ``(B, M, D)`` and the text encoder ``(L, M, D)`` L2-normalised embeddings in one pass
 each; member m's zero-shot logits are ``exp(logit_scale) · image[:, m] · text[:, m]ᵀ``
 (``+ logit_bias`` for SigLIP-style models), so :meth:`FusedCLIP.forward` returns
-``(B, M, L)`` logits: the shape ``service.uncertainty.summarize`` takes. Only torch is
-imported here; the blocks are the shared ones of :mod:`service.fused` (activations
+``(B, M, L)`` logits: the shape ``service.core.uncertainty.summarize`` takes. Only torch is
+imported here; the blocks are the shared ones of :mod:`service.core.fused` (activations
 ``(M, N*T, d)``, per-member attention, shared or per-member MLP, zero-padded heads).
 
 Config (written by ``offline/families/clip.py::CLIPAdapter.to_fused``)::
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service.fused import FusedEncoder, GroupedLinear, MemberLayerNorm, stack_members
+from service.core.fused import FusedEncoder, GroupedLinear, MemberLayerNorm, stack_members
 
 __all__ = ["FusedCLIP", "FusedCLIPVision", "FusedCLIPText", "FusedHFText", "zero_shot_logits"]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from service.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
-from service.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
+from service.core.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
+from service.core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from tests.service.helpers import b64, png
 
 GREY = {"type": "image", "size": [16, 16], "mean": [0.5], "std": [0.25], "interpolation": "bilinear", "channels": 1}
@@ -172,7 +172,7 @@ def test_sixteen_bit_png_is_scaled_not_clipped(channels):
 
 
 def test_float_pixels_are_refused_with_415():
-    from service.preprocess import _eight_bit
+    from service.core.preprocess import _eight_bit
 
     im = Image.fromarray(np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8))
     assert im.mode == "F"

@@ -1,9 +1,9 @@
 """The fused-model registry: every fused architecture by its config's ``arch``, built or loaded from an artifact.
 
 The offline builder writes a config dict (``arch`` names the class) and a safetensors state dict;
-:func:`load_model` rebuilds the model from them. The architectures live in :mod:`service.fused`
-(``vit``, ``bert``) and :mod:`service.fused_clip` (``clip``, the dual encoder, built from the layers of
-:mod:`service.fused`); this module is the one place that knows them all, so the model modules import
+:func:`load_model` rebuilds the model from them. The architectures live in :mod:`service.core.fused`
+(``vit``, ``bert``) and :mod:`service.core.fused_clip` (``clip``, the dual encoder, built from the layers of
+:mod:`service.core.fused`); this module is the one place that knows them all, so the model modules import
 only downwards (``fused_clip -> fused``).
 """
 

@@ -1,4 +1,4 @@
-"""Conformal sets, OOD p-values and selective risk control (service/conformal.py).
+"""Conformal sets, OOD p-values and selective risk control (service/core/conformal.py).
 
 Known answers, the same scores, quantiles and sets as MAPIE on the same probabilities, and the guarantees checked by
 simulation. The simulations are seeded (the same numbers every run); each compares a Monte-Carlo mean with its bound
@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from scipy.stats import binom
 from sklearn.base import BaseEstimator, ClassifierMixin
 
-from service.conformal import (
+from service.core.conformal import (
     SCORES,
     SetCalibrator,
     binomial_cdf,

@@ -65,8 +65,8 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-# the OOD scores a threshold can be calibrated on (service.uncertainty.OOD_METRICS, service.ood compute them; a test
-# holds the two lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
+# the OOD scores a threshold can be calibrated on (.uncertainty.OOD_METRICS, .ood compute them; a test holds the two
+# lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
 OOD_SCORES = ("msp", "entropy", "mutual_information", "energy", "max_logit", "mahalanobis", "relative_mahalanobis",
               "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")  # fmt: skip
 LOGIT_SCORES = ("energy", "max_logit")  # need the artifact's OOD statistics (ood block)
@@ -172,7 +172,7 @@ class BaseModelInfo(_OpenRecord):
 
 
 class ModelSpec(_OpenRecord):
-    """The fused model: its config (``service.models.build_model``), weights file and input/output names."""
+    """The fused model: its config (``service.core.registry.build_model``), weights file and input/output names."""
 
     config: dict[str, Any]  # the fused architecture; ``arch`` picks the class
     weights: str = "model.safetensors"  # safetensors file inside the artifact
@@ -232,7 +232,7 @@ class OODCandidate(_OpenRecord):
 class OODSpec(_OpenRecord):
     """The OOD statistics the server scores with (``file``: safetensors) and how the served score was chosen."""
 
-    file: str = "ood.safetensors"  # Gaussian statistics and per-member score norms (service.ood.ood_tensors)
+    file: str = "ood.safetensors"  # Gaussian statistics and per-member score norms (service.core.ood.ood_tensors)
     scores: list[Literal[OOD_SCORES]]  # every score the server computes for this artifact  # type: ignore[valid-type]
     selected: Literal[OOD_SCORES]  # the served one (also uncertainty.ood_score)  # type: ignore[valid-type]
     forced: bool = False  # true: set by the config (calibration.ood_score), not selected on validation data

@@ -1,4 +1,4 @@
-"""The drift alarm (service/drift.py): known answers for the p-values and the martingale, exactness of the p-values
+"""The drift alarm (service/core/drift.py): known answers for the p-values and the martingale, exactness of the p-values
 under the null, and the false-alarm rate and detection delay by simulation.
 
 The simulations are seeded. A false-alarm rate is compared with ``delta`` plus 4 binomial standard errors of a rate
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from scipy.stats import kstest
 
-from service.drift import DriftFeed, DriftMonitor, change_weights, mixture_log_martingale, tail_bets
+from service.core.drift import DriftFeed, DriftMonitor, change_weights, mixture_log_martingale, tail_bets
 
 Z = 4.0
 BETS = tail_bets((0.01, 0.05, 0.2), (0.1, 0.3, 0.6))
@@ -237,7 +237,7 @@ def test_drift_feed_gives_the_statistic_of_feeding_every_score_at_once(monkeypat
     reference = DriftMonitor(cal, delta=0.01, bins=256, seed=5)
     reference.update(stream)
     clock = [0.0]
-    monkeypatch.setattr("service.drift.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("service.core.drift.time.monotonic", lambda: clock[0])
     updates: list[int] = []
     feed = DriftFeed(DriftMonitor(cal, delta=0.01, bins=256, seed=5), every=64, max_delay_s=1.0,
                      on_update=lambda m: updates.append(m.count))  # fmt: skip
