@@ -32,8 +32,8 @@ Methods:
                       copies of single / hydra with their matrix weights stored in bf16, as the server keeps them
                       in bf16 (service.core.backends.cast_gemm_weights; same outputs under bf16 autocast)
 
-    python benchmarks/bench_fusion.py --layout vit_b16 --batches 1 4 16 32 --precisions fp32 bf16
-    python benchmarks/bench_fusion.py --layout bert_base --batches 1 8 --precisions fp32 bf16
+    python -m benchmarks.bench_fusion --layout vit_b16 --batches 1 4 16 32 --precisions fp32 bf16
+    python -m benchmarks.bench_fusion --layout bert_base --batches 1 8 --precisions fp32 bf16
 
 Results go to ``benchmarks/results/fusion_<layout>.txt`` (the printed tables, with
 the command line) and ``.json`` (one row per method, batch and precision).
@@ -57,19 +57,17 @@ from typing import Any
 # as the server runs (service/main.py): large activations on transparent huge pages; set before torch allocates
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import torch  # noqa: E402
+import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.harness import cpu_name  # noqa: E402,F401 (the CPU named in every result; recipe.py and others import it here)
-from offline.families import get_adapter  # noqa: E402
-from offline.fusion import fuse  # noqa: E402
-from offline.ood_fit import MAX_SCORE_LAYERS  # noqa: E402
-from service.core.backends import cast_gemm_weights  # noqa: E402
-from service.core.fused import CPU_MAX_ROWS  # noqa: E402
-from service.core.hardware import cpu_bf16_flags  # noqa: E402
-from service.core.ood import GaussianStats, LayerStats, OODStats, ensemble_scores  # noqa: E402
+from benchmarks.harness import cpu_name  # noqa: F401 (the CPU named in every result; recipe.py and others import it here)
+from offline.families import get_adapter
+from offline.fusion import fuse
+from offline.ood_fit import MAX_SCORE_LAYERS
+from service.core.backends import cast_gemm_weights
+from service.core.fused import CPU_MAX_ROWS
+from service.core.hardware import cpu_bf16_flags
+from service.core.ood import GaussianStats, LayerStats, OODStats, ensemble_scores
 
 METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble", "hydra_ood",
            "hydra_ood_layers",

@@ -13,8 +13,8 @@ of their means is taken per repetition (paired: both see the same machine state)
 the median of the paired ratios, the time of ``_guarantees`` inside the answers (right after the model, where it
 runs) and alone. Target: <= 1.01.
 
-    python benchmarks/guarantee_cost.py --artifact artifacts/default/text
-    python benchmarks/guarantee_cost.py --artifact artifacts/default/image --repeats 15
+    python -m benchmarks.guarantee_cost --artifact artifacts/default/text
+    python -m benchmarks.guarantee_cost --artifact artifacts/default/image --repeats 15
 
 Writes ``benchmarks/results/guarantee_cost/<name>.json``. Nothing else should run on the machine meanwhile.
 """
@@ -31,10 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the server's OpenMP setting (service.main), before torch
 
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
 
 
 async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     result, rt = asyncio.run(run(args))
     name = rt.name
     doc = {
-        "command": "python benchmarks/guarantee_cost.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.guarantee_cost " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name, "backend": rt.describe().get("backend"), "precision": rt.describe().get("precision"),
         "batch": 1, **result, "machine": harness.machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

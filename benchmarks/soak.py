@@ -5,8 +5,8 @@ settings, warms it up with a short burst, then keeps ``--clients`` keep-alive cl
 for ``--minutes``. Every ``--sample-s`` seconds it reads the server's resident memory from ``/proc`` and the
 requests answered so far; every request's latency and answer are kept.
 
-    python benchmarks/soak.py --artifact artifacts/default/text                    # 30 min, 32 clients
-    python benchmarks/soak.py --tiny bert --minutes 2 --warmup-minutes 0.5         # a short check
+    python -m benchmarks.soak --artifact artifacts/default/text                    # 30 min, 32 clients
+    python -m benchmarks.soak --tiny bert --minutes 2 --warmup-minutes 0.5         # a short check
 
 The checks (the soak's targets):
 
@@ -37,9 +37,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
-
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
 
 
 class Record:
@@ -211,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     checks["exit_status_0_on_sigterm"] = exit_status == 0
     shown = artifact.relative_to(harness.ROOT) if artifact.is_relative_to(harness.ROOT) else artifact
     result = {
-        "command": "python benchmarks/soak.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.soak " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name,
         "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(shown),
         "clients": args.clients, "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,

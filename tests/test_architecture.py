@@ -62,3 +62,16 @@ def test_the_layer_contracts_list_every_server_module():
     for source in (("service.core",), ("offline",)):
         listed = {m for m in by_source[source] if m.startswith("service.")}
         assert listed == server_modules(), source
+
+
+def test_the_installed_commands_name_the_documented_entry_points():
+    """``hydra-build`` and ``hydra-serve`` (``[project.scripts]``) run what ``python offline/build.py`` and
+    ``python -m service`` run."""
+    import importlib
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"hydra-build": "offline.build:main", "hydra-serve": "service.__main__:main"}
+    for target in scripts.values():
+        module, _, name = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), name))
