@@ -103,7 +103,7 @@ def raw_throughput(artifact: Path, plan: dict[str, str], body: dict[str, Any], b
 
     from service.core.artifact import load_manifest
     from service.core.preprocess import ImagePreprocessor, decode_base64, make_preprocessor
-    from service.plan import Plan, load_backend
+    from service.runtime.plan import Plan, load_backend
 
     if threads:
         torch.set_num_threads(threads)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
     if args.threads:
         env["HYDRA_THREADS"] = str(args.threads)
-    from service.plan import resolve_plan
+    from service.runtime.plan import resolve_plan
 
     # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
     plan = dict(zip(("backend", "device", "precision"), _plan_tuple(resolve_plan(

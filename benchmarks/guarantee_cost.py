@@ -37,7 +37,8 @@ from benchmarks import harness
 
 
 async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-    from service.runtimes.base import Query
+    from service.api.answers import predict_response
+    from service.runtime.interface import Query
 
     g, drift = rt.guarantees, rt.drift
     query = Query(top_k=1)
@@ -45,7 +46,7 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
     async def one(on: bool) -> float:
         rt.guarantees, rt.drift = (g, drift) if on else (None, None)
         t = time.perf_counter()
-        await rt.answer(prepared, query, t0=t)
+        predict_response(rt, await rt.outcome(prepared, query), query, t, "")
         return time.perf_counter() - t
 
     async def block(first: bool) -> tuple[float, float]:
@@ -80,7 +81,7 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
     rt._guarantees = timed
     t = time.perf_counter()
     for _ in range(args.block * 10):
-        await rt.answer(prepared, query, t0=time.perf_counter())
+        predict_response(rt, await rt.outcome(prepared, query), query, time.perf_counter(), "")
     answer_ms = (time.perf_counter() - t) * 1000 / (args.block * 10)
     in_path_ms = spent[0] * 1000 / spent[1]
     del rt._guarantees
@@ -106,7 +107,7 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
 
 async def run(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     from service.metrics import Metrics
-    from service.runtimes import load_runtime
+    from service.runtime import load_runtime
     from service.settings import Settings
 
     rt = load_runtime(args.artifact, Settings(artifacts=[str(args.artifact)]), Metrics())

@@ -35,7 +35,7 @@ from .core.artifact import ArtifactError
 from .core.backends import BackendConfigError
 from .core.errors import InvalidInput, NotReady
 from .metrics import Metrics
-from .runtimes import Runtime, open_runtime
+from .runtime import Runtime, open_runtime
 from .settings import Settings
 
 __all__ = [

@@ -4,7 +4,7 @@ and the prediction lines (docs/api.md, "Logs").
 * :func:`configure_logging` (``python -m service``) installs one handler on the root logger: human-readable text
   (the default) or one JSON object per line, formatted by python-json-logger's ``JsonFormatter``. Its
   :class:`RequestContextFilter` adds the request ID and trace ID of the request being answered (context variables
-  set by :class:`service.middleware.RequestContext`) to every record, so a JSON line logged while answering a
+  set by :class:`service.api.middleware.RequestContext`) to every record, so a JSON line logged while answering a
   request carries them.
 * :func:`log_access`: one line per request on ``hydra.access``, at INFO with JSON logs (at DEBUG with text logs,
   where uvicorn's own access log serves at that level).
@@ -37,7 +37,7 @@ __all__ = [
     "request_context",
 ]
 
-# the request being answered (None outside requests): set by service.middleware.RequestContext
+# the request being answered (None outside requests): set by service.api.middleware.RequestContext
 REQUEST_ID: ContextVar[str | None] = ContextVar("hydra_request_id", default=None)
 TRACE_ID: ContextVar[str | None] = ContextVar("hydra_trace_id", default=None)
 

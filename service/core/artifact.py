@@ -65,6 +65,7 @@ __all__ = [
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+DEFAULT_TEMPLATE = "A photo of a {label}."  # the zero-shot prompt when neither the artifact nor a request names one
 # the OOD scores a threshold can be calibrated on (.uncertainty.OOD_METRICS, .ood compute them; a test holds the two
 # lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
 OOD_SCORES = ("msp", "entropy", "mutual_information", "energy", "max_logit", "mahalanobis", "relative_mahalanobis",
@@ -326,7 +327,7 @@ class Bf16Check(_OpenRecord):
 class ZeroShotSpec(_Record):
     """Zero-shot serving: the prompt template and the model's logit scale (exp'd) and bias."""
 
-    template: str = "A photo of a {label}."
+    template: str = DEFAULT_TEMPLATE
     logit_scale: float
     logit_bias: float | None = None
     embed_dim: PositiveInt

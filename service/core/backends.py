@@ -3,7 +3,7 @@
 Every backend maps a dict of input tensors (the manifest's ``model.inputs``) to the model's outputs as float32
 CPU tensors, member logits ``(B, M, C)`` first. The server serves through them; the builder checks each export
 against eager through the same classes (one ONNX session, one TorchScript loader), which is why they live in the
-core. Which backend serves an artifact is the server's choice: :mod:`service.plan`.
+core. Which backend serves an artifact is the server's choice: :mod:`service.runtime.plan`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the machine is: the CPU's name and its native bf16 support (Linux ``/proc/cpuinfo``; a fallback elsewhere).
 
-Facts, not policy: the server's plan (:mod:`service.plan`) and the builder's compute choice read them, and every
+Facts, not policy: the server's plan (:mod:`service.runtime.plan`) and the builder's compute choice read them, and every
 measurement names the CPU it ran on. The file to read is a parameter, so tests pass their own.
 """
 

@@ -13,7 +13,7 @@ from offline.config import load_config
 from service.core.artifact import load_manifest
 from service.core.backends import BackendConfigError
 from service.main import create_app
-from service.plan import resolve_plan
+from service.runtime.plan import resolve_plan
 from tests.service.helpers import settings_for
 
 from .conftest import ticket_build

@@ -17,6 +17,7 @@ import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from service.api import v1
 from service.core.artifact import load_manifest
 from service.core.registry import load_model
 from service.core.uncertainty import ood_flag, ood_score, summarize
@@ -280,7 +281,7 @@ def test_unexpected_exception_in_a_handler_is_a_contract_500(artifacts, monkeypa
         raise ValueError("internal detail /etc/shadow")
 
     with TestClient(app, raise_server_exceptions=False) as c:
-        monkeypatch.setattr("service.requests.check_limits", broken)
+        monkeypatch.setattr("service.api.requests.check_limits", broken)
         r = c.post("/predict", json={"image": b64(png(3))})
     assert_error(r, 500, "internal")
     assert "shadow" not in r.text
@@ -292,8 +293,7 @@ def test_answer_is_the_built_response_serialised_once(artifacts, monkeypatch):
     non-finite float, which JSON cannot hold (pydantic would write null), is a 500 ``internal``, never a null."""
     app = create_app(settings_for(artifacts["vit"]))
     with TestClient(app, raise_server_exceptions=False) as c:
-        rt = app.state.hydra.runtimes["tiny-vit"]
-        respond, built = rt.respond, []
+        respond, built = v1.predict_response, []
 
         def keep(*args, edit=lambda answer: None, **kwargs):
             answer = respond(*args, **kwargs)
@@ -301,16 +301,17 @@ def test_answer_is_the_built_response_serialised_once(artifacts, monkeypatch):
             built.append(answer)
             return answer
 
-        monkeypatch.setattr(rt, "respond", keep)
+        monkeypatch.setattr(v1, "predict_response", keep)
         r = c.post("/predict", json={"image": b64(png(5)), "top_k": 2})
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
         assert r.json() == built[-1].model_dump(exclude_none=True) and "members" not in r.json()["predictions"][0]
         assert "null" not in r.text and int(r.headers["content-length"]) == len(r.content)
-        monkeypatch.setattr(rt, "respond", lambda *a, **k: keep(*a, edit=lambda x: setattr(x, "id", "null"), **k))
+        null_id = lambda x: setattr(x, "id", "null")
+        monkeypatch.setattr(v1, "predict_response", lambda *a, **k: keep(*a, edit=null_id, **k))
         r = c.post("/predict", json={"image": b64(png(5))})
         assert r.status_code == 200 and r.json() == built[-1].model_dump(exclude_none=True) and r.json()["id"] == "null"
         nan = lambda x: setattr(x.predictions[0].uncertainty, "entropy", float("nan"))
-        monkeypatch.setattr(rt, "respond", lambda *a, **k: keep(*a, edit=nan, **k))
+        monkeypatch.setattr(v1, "predict_response", lambda *a, **k: keep(*a, edit=nan, **k))
         assert_error(c.post("/predict", json={"image": b64(png(5))}), 500, "internal")
 
 

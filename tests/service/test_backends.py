@@ -11,7 +11,7 @@ from service.core.artifact import load_manifest
 from service.core.backends import BackendConfigError, OnnxBackend, TorchBackend, TorchScriptBackend
 from service.core.hardware import cpu_has_native_bf16, cpu_name
 from service.core.registry import load_model
-from service.plan import resolve_plan
+from service.runtime.plan import resolve_plan
 from tests.fixtures.tiny_artifact import example_inputs
 
 

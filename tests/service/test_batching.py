@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import pytest
 
-from service.batching import Batcher
 from service.core.errors import InternalError, NotReady, Overloaded
 from service.metrics import Metrics
+from service.runtime.batching import Batcher
 
 
 def run(coro):

@@ -24,8 +24,8 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+from service.api.schemas import ModelsResponse, PredictResponse
 from service.main import create_app
-from service.schemas import ModelsResponse, PredictResponse
 from tests.fixtures.tiny_artifact import make_tiny_artifact, make_tiny_clip_artifact
 from tests.service.helpers import settings_for
 

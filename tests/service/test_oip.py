@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from service.api.oip import DEFAULT_OUTPUTS, OUTPUTS
 from service.main import create_app
-from service.routes_oip import DEFAULT_OUTPUTS, OUTPUTS
-from service.runtimes import ClassifierRuntime
+from service.runtime import ClassifierRuntime
 from tests.fixtures.tiny_artifact import TINY_LABELS
 from tests.service.helpers import b64, hold_warmup, noise_images, png, settings_for
 from tests.service.test_zeroshot import LABELS as ZS_LABELS

@@ -7,10 +7,11 @@ import json
 import pytest
 import torch
 
+from service.api.answers import build_predictions
+from service.api.schemas import PredictResponse, Timing
 from service.core.backends import BackendConfigError
-from service.plan import resolve_plan
-from service.runtimes import RUNTIMES, ClassifierRuntime, CLIPZeroShotRuntime, build_predictions, summarize_rows
-from service.schemas import PredictResponse, Timing
+from service.runtime import RUNTIMES, ClassifierRuntime, CLIPZeroShotRuntime, summarize_rows
+from service.runtime.plan import resolve_plan
 
 LABELS = ["cat", "dog", "ship"]
 

@@ -1,4 +1,4 @@
-"""The zero-shot runtime (service/runtimes/zeroshot.py) behind /zero-shot and /predict, on a tiny random fused CLIP."""
+"""The zero-shot runtime (service/runtime/zeroshot.py) behind /zero-shot and /predict, on a tiny random fused CLIP."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from service.core.preprocess import ImagePreprocessor, TextPreprocessor
 from service.core.registry import build_model
 from service.core.uncertainty import summarize
 from service.main import create_app
-from service.runtimes import RUNTIMES, CLIPZeroShotRuntime, TextCache
+from service.runtime import RUNTIMES, CLIPZeroShotRuntime, TextCache
 from tests.fixtures.tiny_artifact import CLIP_PREP, make_tiny_clip_artifact
 from tests.service.helpers import assert_error, b64, settings_for
 

@@ -2,7 +2,7 @@
 
 :func:`open_runtime` reads and verifies an artifact (manifest, every file's size and
 sha256) and returns the runtime of its ``task``, found in :data:`RUNTIMES`, with its
-backend chosen (:mod:`service.plan`) but not loaded; :meth:`Runtime.load` then reads
+backend chosen (:mod:`service.runtime.plan`) but not loaded; :meth:`Runtime.load` then reads
 the weights (:func:`load_runtime` does both).
 
 * :mod:`.base`: the :class:`Runtime` base (batcher, health, the answer as the response models);
@@ -20,8 +20,8 @@ from pathlib import Path
 from ..core.artifact import ArtifactError, load_manifest, verify_files
 from ..metrics import Metrics
 from ..settings import Settings
-from .base import ItemResult, Outcome, Query, Runtime, build_predictions, summarize_rows
 from .classifier import ClassifierRuntime
+from .interface import ItemResult, Outcome, Query, Runtime, summarize_rows
 from .zeroshot import CLIPZeroShotRuntime, TextCache, text_cache_counter
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "Query",
     "Runtime",
     "TextCache",
-    "build_predictions",
     "load_runtime",
     "open_runtime",
     "summarize_rows",

@@ -46,8 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from .core.errors import InternalError, NotReady, Overloaded, ServiceError
-from .metrics import Metrics
+from ..core.errors import InternalError, NotReady, Overloaded, ServiceError
+from ..metrics import Metrics
 
 __all__ = ["FILL_RULES", "Batcher", "BatchResult"]
 

@@ -26,11 +26,11 @@ from typing import Any
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .core.errors import InvalidInput, PayloadTooLarge, ServiceError, Unauthorized
+from ..core.errors import InvalidInput, PayloadTooLarge, ServiceError, Unauthorized
+from ..lifecycle import ServerState
+from ..logs import InferenceNote, access_log_enabled, log_access, request_context
+from ..tracing import REQUEST_ID_HEADER, request_id, trace_id
 from .errors import error_response
-from .lifecycle import ServerState
-from .logs import InferenceNote, access_log_enabled, log_access, request_context
-from .tracing import REQUEST_ID_HEADER, request_id, trace_id
 
 __all__ = ["GuardMiddleware", "PUBLIC_PATHS", "RequestContext", "endpoint_label"]
 

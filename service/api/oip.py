@@ -9,9 +9,9 @@ preprocessed); exactly one of them. A zero-shot model also takes ``labels`` (BYT
 request parameter ``template``; without ``labels`` it answers over its fixed labels. Outputs: see :data:`OUTPUTS`;
 ``member_probabilities`` only when asked for by name in ``outputs``.
 
-``infer`` runs the same path as ``/predict`` (:func:`service.pipeline.run_inference`: the same limits, model
+``infer`` runs the same path as ``/predict`` (:func:`service.api.dataplane.run_inference`: the same limits, model
 choice, batcher and metrics; auth is the middleware's). Errors are the protocol's ``{"error": "..."}``
-(:func:`service.errors.error_response` under ``/v2``). The routes are left out of ``/openapi.json``: the protocol
+(:func:`service.api.errors.error_response` under ``/v2``). The routes are left out of ``/openapi.json``: the protocol
 documents them.
 """
 
@@ -26,13 +26,14 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from .core.errors import InvalidInput, NotFound, NotReady, UnsupportedMediaType
-from .lifecycle import ServerState, not_ready_reason
-from .oip import HEADER_LENGTH, InferRequest, Tensor, decode_request, encode_answer
-from .pipeline import request_id, run_inference, server_state
+from ..core.artifact import DEFAULT_TEMPLATE
+from ..core.errors import InvalidInput, NotFound, NotReady, UnsupportedMediaType
+from ..lifecycle import ServerState, not_ready_reason
+from ..runtime import Outcome, Query, Runtime
+from .dataplane import request_id, run_inference, server_state
+from .oip_codec import HEADER_LENGTH, InferRequest, Tensor, decode_request, encode_answer
 from .requests import ParsedRequest, check_labels, media_type
-from .runtimes import Outcome, Query, Runtime
-from .schemas import DEFAULT_TEMPLATE, check_template
+from .schemas import check_template
 
 __all__ = ["DEFAULT_OUTPUTS", "EXTENSIONS", "OUTPUTS", "install_oip_routes", "model_metadata"]
 

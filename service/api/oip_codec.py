@@ -9,7 +9,7 @@ little-endian length, then the bytes; numbers little-endian). Outputs are sent t
 same header, and ``Content-Type: application/octet-stream``.
 
 This module turns bytes into :class:`Tensor` s and back (:func:`decode_request`, :func:`encode_answer`); what the
-tensors mean for a model (names, shapes, which output holds what) is :mod:`service.routes_oip`. Errors raise
+tensors mean for a model (names, shapes, which output holds what) is :mod:`service.api.oip`. Errors raise
 :class:`~service.core.errors.InvalidInput` naming the tensor at fault.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from .core.errors import InvalidInput
+from ..core.errors import InvalidInput
 from .errors import validate_json_body
 
 __all__ = [

@@ -1,19 +1,18 @@
-"""What every runtime shares: the :class:`Runtime` base, per-input uncertainty and the answer's building.
+"""What every runtime shares: the :class:`Runtime` base, what it is asked (:class:`Query`) and what it answers
+(:class:`Outcome`: per-input uncertainty, :class:`ItemResult`).
 
 A runtime is one loaded artifact behind one batcher: the request side decodes and
 preprocesses the inputs (:meth:`Runtime.prepare`), the worker thread runs the model
-on a batch (``_run``), :meth:`Runtime.outcome` turns the member logits ``(B, M, C)``
-of one request into one :class:`ItemResult` per input (an :class:`Outcome`), and
-:meth:`Runtime.respond` into the ``/predict`` or ``/zero-shot`` answer (the Open Inference
-Protocol builds its tensors from the same outcome). The answer is built as the response
-models of :mod:`service.schemas` (:class:`PredictResponse` and its parts), so the body the
-client gets and the schema the API documents (docs/api.md) are one thing.
+on a batch (``_run``), and :meth:`Runtime.outcome` turns the member logits ``(B, M, C)``
+of one request into one :class:`ItemResult` per input (an :class:`Outcome`). A runtime knows
+nothing of HTTP: each protocol builds its own body from the outcome (:mod:`service.api.answers`
+for ``/predict`` and ``/zero-shot``, :mod:`service.api.oip` for the Open Inference Protocol).
 
 Health lives here too: after ``HYDRA_UNREADY_AFTER_FAILURES`` failed batches in a row a
 runtime is not ``healthy`` (``/readyz`` 503) and runs a probe batch every
 ``HYDRA_PROBE_INTERVAL_S`` seconds until one succeeds.
 
-This module knows no concrete runtime; :mod:`service.runtimes` holds the registry.
+This module knows no concrete runtime; :mod:`service.runtime` holds the registry.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import abc
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,36 +30,23 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..batching import Batcher, BatchResult
-from ..core.artifact import ArtifactError, artifact_version
+from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, artifact_version
 from ..core.drift import DriftFeed, DriftMonitor
 from ..core.errors import InvalidInput
-from ..core.guarantees import Guarantees, load_guarantees, outlier_oriented
+from ..core.guarantees import load_guarantees, outlier_oriented
 from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 from ..metrics import Metrics
-from ..plan import Plan
-from ..schemas import (
-    DEFAULT_TEMPLATE,
-    OOD,
-    ConformalSet,
-    MemberPrediction,
-    Prediction,
-    PredictResponse,
-    Selective,
-    Timing,
-    TopK,
-    Uncertainty,
-)
 from ..settings import Settings
+from .batching import Batcher, BatchResult
+from .plan import Plan
 
 __all__ = [
     "ItemResult",
     "Outcome",
     "Query",
     "Runtime",
-    "build_predictions",
     "load_ood_stats",
     "preprocess_images",
     "summarize_rows",
@@ -152,98 +137,6 @@ def summarize_rows(
         for i, r in enumerate(out):
             r.scores = {k: float(v[i]) for k, v in per_input.items()}
     return out
-
-
-def build_predictions(
-    results: list[ItemResult],
-    labels: list[str],
-    *,
-    top_k: int,
-    return_members: bool,
-    metric: str,
-    threshold: float,
-    return_scores: bool = False,
-    guarantees: Guarantees | None = None,
-) -> list[Prediction]:
-    """The ``predictions`` of an answer (docs/api.md), one per input; ``top_k`` is clamped to ``len(labels)``.
-
-    ``members`` is set only when asked for; ``conformal`` and ``selective`` when the results carry them (models with
-    a calibration split, ``guarantees``); the answer is serialised without the unset (None) fields.
-    """
-    k = max(1, min(int(top_k), len(labels)))
-    out = []
-    for r in results:
-        order = np.argsort(-r.probs, kind="stable")[:k]
-        members = None
-        if return_members:
-            idx = r.member_probs.argmax(-1)  # (M,) each member's own prediction
-            members = [MemberPrediction(label=labels[int(j)], confidence=float(r.member_probs[m, j]))
-                       for m, j in enumerate(idx)]  # fmt: skip
-        out.append(Prediction(
-            label=labels[r.prediction],
-            label_index=r.prediction,
-            confidence=float(r.probs[r.prediction]),
-            top_k=[TopK(label=labels[j], prob=float(r.probs[j])) for j in order],
-            uncertainty=Uncertainty(msp=r.msp, entropy=r.entropy, expected_entropy=r.expected_entropy,
-                                    mutual_information=r.mutual_information, disagreement=r.disagreement),
-            ood=_ood(r, metric, threshold, return_scores),
-            conformal=_conformal(r, labels, guarantees),
-            selective=_selective(r, metric, guarantees),
-            members=members,
-        ))  # fmt: skip
-    return out
-
-
-def _ood(r: ItemResult, metric: str, threshold: float, return_scores: bool) -> OOD:
-    """The answer's OOD block: ``threshold`` is the rule the flag applied (with a p-value, the score threshold of
-    ``p_value <= alpha`` at the request's level; else the build's), and a flagged input says why."""
-    past = "below" if OOD_METRICS[metric] else "above"
-    if r.p_value is None:
-        cut: float | None = threshold
-        reason = f"the {metric} score {r.ood_score:.4g} is {past} the threshold {threshold:.4g}" if r.ood_flag else None
-    else:
-        cut = r.flag_threshold
-        reason = (f"p-value {r.p_value:.4g} <= alpha {r.ood_alpha:g}: the {metric} score {r.ood_score:.4g} is {past} "
-                  f"{cut:.4g}, the threshold at this level" if r.ood_flag and cut is not None else None)  # fmt: skip
-    return OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=cut, p_value=r.p_value,
-               alpha=r.ood_alpha, reason=reason, scores=_all_scores(r) if return_scores else None)  # fmt: skip
-
-
-def _selective(r: ItemResult, metric: str, g: Guarantees | None) -> Selective | None:
-    """The risk rule's decision, both its thresholds, and why an input is not accepted."""
-    if r.accept is None or g is None or r.risk is None:
-        return None
-    lam = g.rules[r.risk]
-    reason = None
-    if lam is None:
-        reason = f"no rule met the risk target {r.risk:g} on the calibration split: nothing is accepted at it"
-    elif not r.accept:
-        why = []
-        past = not (r.ood_score >= g.ood_threshold if OOD_METRICS[metric] else r.ood_score <= g.ood_threshold)
-        if past:
-            side = "below" if OOD_METRICS[metric] else "above"
-            why.append(f"the {metric} score {r.ood_score:.4g} is {side} the rule's OOD cut {g.ood_threshold:.4g}")
-        conf = float(r.probs[r.prediction])
-        if conf < lam:
-            why.append(f"confidence {conf:.4g} is below the rule's threshold {lam:.4g}")
-        reason = "; ".join(why)
-    return Selective(accept=r.accept, risk=r.risk, certified=lam is not None, threshold=lam,
-                     ood_threshold=g.ood_threshold, reason=reason)  # fmt: skip
-
-
-def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> ConformalSet | None:
-    """The answer's prediction set, its labels most probable first."""
-    if r.prediction_set is None or g is None or r.set_alpha is None:
-        return None
-    idx = [int(j) for j in np.argsort(-r.probs, kind="stable") if r.prediction_set[j]]
-    return ConformalSet(alpha=r.set_alpha, set=[labels[j] for j in idx], size=len(idx), method=g.sets.method,
-                        mondrian=g.mondrian, below_min_alpha=r.below_min_alpha, filled=r.set_filled)  # fmt: skip
-
-
-def _all_scores(r: ItemResult) -> dict[str, float]:
-    """Every OOD score of one input: the probability scores always, the others when the artifact has statistics."""
-    base = {"msp": r.msp, "entropy": r.entropy, "mutual_information": r.mutual_information}
-    return {**base, **(r.scores or {})}
 
 
 def preprocess_images(
@@ -495,10 +388,6 @@ class Runtime(abc.ABC):
                 "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)), "inputs": d.count,
                 "alarm_at": d.alarm_at, "delta": self.guarantees.drift_delta}  # fmt: skip
 
-    async def answer(self, prepared: list[Any], query: Query, *, t0: float, request_id: str = "") -> PredictResponse:
-        """Prepared inputs of one request -> its answer; ``t0`` is when the request arrived (``total_ms``)."""
-        return self.respond(await self.outcome(prepared, query), query, t0, request_id)
-
     @abc.abstractmethod
     async def warmup(self) -> None:
         """One batch through the full path (preprocess, batcher, backend, uncertainty)."""
@@ -577,26 +466,6 @@ class Runtime(abc.ABC):
         return {"calibration_size": g.n, "method": g.sets.method, "alpha": g.alpha, "min_alpha": g.min_alpha,
                 "mondrian": g.mondrian, "ood_alpha": g.ood_alpha, "risk": g.risk, "delta": g.delta,
                 "risks": {str(k): v for k, v in sorted(g.rules.items())}, "drift": self.drift_state()}  # fmt: skip
-
-    def respond(self, out: Outcome, query: Query, t0: float, request_id: str) -> PredictResponse:
-        """The answer to one request (``/predict``, ``/zero-shot``): its results over their labels, with timings."""
-        predictions = build_predictions(
-            out.results, out.labels, top_k=query.top_k, return_members=query.return_members,
-            metric=self.ood_metric, threshold=self.ood_threshold, return_scores=query.return_scores,
-            guarantees=self.guarantees,
-        )  # fmt: skip
-        # total_ms last: it covers building the answer too
-        return PredictResponse(
-            id=request_id, model=self.name, model_version=self.version, predictions=predictions,
-            timing=self._timing(out.batch, t0),
-        )  # fmt: skip
-
-    def _timing(self, res: BatchResult, t0: float) -> Timing:
-        return Timing(
-            queue_ms=round(res.queue_s * 1000, 3),
-            inference_ms=round(res.inference_s * 1000, 3),
-            total_ms=round((time.perf_counter() - t0) * 1000, 3),
-        )
 
     def _count(self, results: list[ItemResult]) -> None:
         if self.metrics is not None:

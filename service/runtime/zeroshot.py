@@ -7,13 +7,13 @@ The artifact (``offline/pipeline_clip.py``) holds a fused :class:`service.core.f
   with ``zero_shot.template`` are embedded at load (they serve ``/predict``);
 * image side: images go through the batcher like ``/predict``: one ``(M, D)`` embedding per image;
 * per request: member logits ``(B, M, L) = logit_scale * einsum("bmd,lmd->bml") (+ logit_bias)``, then
-  :func:`~service.runtimes.base.summarize_rows` (manifest temperature, OOD metric and threshold) and the
+  :func:`~service.runtime.interface.summarize_rows` (manifest temperature, OOD metric and threshold) and the
   answer over the request's labels, in the request's order.
 * the OOD flag: artifacts with label-free statistics (manifest ``ood.label_free``) score each image's
   embeddings (and its image tower's layer features) against the ID images, whatever the request's labels
   (``mahalanobis`` / ``mahalanobis_layers``); older artifacts flag on a probability score of the logits.
 
-Backend: torch eager only (:func:`service.plan.resolve_plan` with ``eager_only``: fp32 on CPU, bf16
+Backend: torch eager only (:func:`service.runtime.plan.resolve_plan` with ``eager_only``: fp32 on CPU, bf16
 autocast on CUDA or with ``HYDRA_PRECISION=bf16``).
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,16 +30,15 @@ import anyio
 import torch
 from prometheus_client import Counter
 
-from ..core.artifact import ArtifactError
+from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError
 from ..core.errors import InvalidInput
 from ..core.fused_clip import FusedCLIP, zero_shot_logits
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor
 from ..core.registry import load_model
 from ..metrics import Metrics
-from ..plan import resolve_plan
-from ..schemas import DEFAULT_TEMPLATE
 from ..settings import Settings
-from .base import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
+from .interface import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
+from .plan import resolve_plan
 
 __all__ = ["CLIPZeroShotRuntime", "TextCache", "TEXT_CACHE_SIZE", "text_cache_counter"]
 
@@ -233,7 +231,7 @@ class CLIPZeroShotRuntime(Runtime):
         # without fixed labels: two placeholder labels, which also warms the text encoder
         labels = None if self._fixed is not None else ["a", "b"]
         query = Query(top_k=1, return_members=True, labels=labels, template=self.template, monitor=False)
-        await self.answer(prepared, query, t0=time.perf_counter(), request_id="warmup")
+        await self.outcome(prepared, query)
         self.ready = True
 
     async def probe(self) -> None:

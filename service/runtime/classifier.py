@@ -1,15 +1,14 @@
 """The classifier runtime (``task: classification``): images (vit) or texts (bert) over the artifact's labels.
 
-The backend (torch eager, TorchScript or ONNX Runtime; :func:`service.plan.resolve_plan`
+The backend (torch eager, TorchScript or ONNX Runtime; :func:`service.runtime.plan.resolve_plan`
 picks it with the device and precision) maps a collated batch to member logits
-``(B, M, C)``; :func:`~service.runtimes.base.summarize_rows` turns them into the
-uncertainty of each input and :meth:`~service.runtimes.base.Runtime.respond` into the answer.
+``(B, M, C)``; :func:`~service.runtime.interface.summarize_rows` turns them into the
+uncertainty of each input (an :class:`~service.runtime.interface.Outcome`; the API builds the answer).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,9 @@ from ..core.artifact import ArtifactError
 from ..core.backends import Backend, BackendConfigError
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
 from ..metrics import Metrics
-from ..plan import Plan, load_backend, resolve_plan
 from ..settings import Settings
-from .base import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
+from .interface import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
+from .plan import Plan, load_backend, resolve_plan
 
 __all__ = ["ClassifierRuntime"]
 
@@ -105,7 +104,7 @@ class ClassifierRuntime(Runtime):
     async def warmup(self) -> None:
         prepared = self.prepare([self.pre.example()], "warmup", base64_encoded=False)
         query = Query(top_k=1, return_members=True, monitor=False)  # not traffic: kept out of the drift test
-        await self.answer(prepared, query, t0=time.perf_counter(), request_id="warmup")
+        await self.outcome(prepared, query)
         self.ready = True
 
     async def probe(self) -> None:

@@ -6,7 +6,7 @@ are checked by :func:`check_limits` right after parsing. ``top_k`` must be >= 1;
 above the number of labels it is clamped to it (so the default 5 works for any model).
 
 Responses: the runtimes build each answer as :class:`PredictResponse` and its parts
-(:func:`service.runtimes.base.build_predictions`), validated when built, so the body a
+(:func:`service.runtime.interface.build_predictions`), validated when built, so the body a
 client gets and the schema the OpenAPI document shows cannot drift apart.
 """
 
@@ -18,11 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .core.artifact import OOD_SCORES
-from .core.errors import InvalidInput
+from ..core.artifact import DEFAULT_TEMPLATE, OOD_SCORES
+from ..core.errors import InvalidInput
 
 __all__ = [
-    "DEFAULT_TEMPLATE",
     "PredictRequest",
     "ZeroShotRequest",
     "FormOptions",
@@ -42,8 +41,6 @@ __all__ = [
     "check_limits",
     "check_template",
 ]
-
-DEFAULT_TEMPLATE = "A photo of a {label}."
 
 _STRICT = ConfigDict(extra="forbid", str_strip_whitespace=False)
 

@@ -1,8 +1,8 @@
 """The one inference path every inference endpoint shares (``/predict``, ``/zero-shot``, the Open Inference
-Protocol's ``infer``): a parsed request (:class:`~service.requests.ParsedRequest`) -> check the configured limits
+Protocol's ``infer``): a parsed request (:class:`~service.api.requests.ParsedRequest`) -> check the configured limits
 -> pick the model (:func:`service.lifecycle.pick`) -> prepare the inputs (decode, preprocess) -> run them through
-the model's batcher (:meth:`service.runtimes.Runtime.outcome`). Each endpoint parses its own body and shapes its
-own answer from the :class:`~service.runtimes.Outcome`; what happens in between is here, once.
+the model's batcher (:meth:`service.runtime.Runtime.outcome`). Each endpoint parses its own body and shapes its
+own answer from the :class:`~service.runtime.Outcome`; what happens in between is here, once.
 
 The request's access line gets the model, its version, the number of inputs, of OOD-flagged inputs and the largest
 mutual information (:class:`~service.logs.InferenceNote`); with ``HYDRA_LOG_PREDICTIONS`` every prediction is logged.
@@ -15,11 +15,11 @@ from typing import Any
 import anyio
 from fastapi import Request
 
-from .lifecycle import ServerState, pick
-from .logs import InferenceNote, log_predictions
+from ..lifecycle import ServerState, pick
+from ..logs import InferenceNote, log_predictions
+from ..runtime import Outcome, Runtime
+from ..tracing import request_id as new_request_id
 from .requests import ParsedRequest
-from .runtimes import Outcome, Runtime
-from .tracing import request_id as new_request_id
 
 __all__ = ["INLINE_BYTES", "prepare_inputs", "request_id", "run_inference", "server_state"]
 
@@ -33,7 +33,7 @@ def server_state(request: Request) -> ServerState:
 
 
 def request_id(request: Request) -> str:
-    """The request's ID (:class:`service.middleware.RequestContext`; a new one if the request bypassed it)."""
+    """The request's ID (:class:`service.api.middleware.RequestContext`; a new one if the request bypassed it)."""
     rid = request.scope.get("hydra.request_id")
     if rid is None:
         rid = request.scope["hydra.request_id"] = new_request_id(None)

@@ -1,12 +1,12 @@
 """The HTTP routes (docs/api.md): health, readiness, metrics, the model list, ``/predict`` and ``/zero-shot``.
 
 Handlers are thin. The two inference endpoints share one path, :func:`infer`: parse the
-body (:mod:`service.requests`), then the inference path every endpoint shares
-(:func:`service.pipeline.run_inference`: limits -> model -> inputs -> batcher). The answer is a
-:class:`~service.schemas.PredictResponse` (:meth:`service.runtimes.Runtime.respond`), sent
+body (:mod:`service.api.requests`), then the inference path every endpoint shares
+(:func:`service.api.dataplane.run_inference`: limits -> model -> inputs -> batcher). The answer is a
+:class:`~service.api.schemas.PredictResponse` (:func:`service.api.answers.predict_response`), sent
 without its unset fields, serialised by pydantic-core and not validated again (:func:`json_answer`).
-Errors are domain exceptions mapped to the contract's body in :mod:`service.errors`. The Open
-Inference Protocol's routes (``/v2``) are :mod:`service.routes_oip`.
+Errors are domain exceptions mapped to the contract's body in :mod:`service.api.errors`. The Open
+Inference Protocol's routes (``/v2``) are :mod:`service.api.oip`.
 
 The route declarations carry the OpenAPI documentation: response models, the error
 answers of each route (the contract's body, also where FastAPI would declare its own:
@@ -27,10 +27,11 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 from swagger_ui_bundle import swagger_ui_path
 
-from .core.errors import Forbidden, NotFound, NotReady
-from .lifecycle import not_ready_reason
-from .metrics import CONTENT_TYPE_LATEST
-from .pipeline import request_id, run_inference, server_state
+from ..core.errors import Forbidden, NotFound, NotReady
+from ..lifecycle import not_ready_reason
+from ..metrics import CONTENT_TYPE_LATEST
+from .answers import predict_response
+from .dataplane import request_id, run_inference, server_state
 from .requests import parse_request
 from .schemas import (
     ERROR_RESPONSES,
@@ -60,7 +61,7 @@ async def infer(request: Request, task: str) -> Response:
     t0 = request.scope.get("hydra.t0", time.perf_counter())
     parsed = await parse_request(request, task, server_state(request).settings.max_items)
     rt, out = await run_inference(request, parsed)
-    answer = rt.respond(out, parsed.query, t0, request_id(request))
+    answer = predict_response(rt, out, parsed.query, t0, request_id(request))
     return json_answer(answer)
 
 
@@ -217,7 +218,7 @@ def contract_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     """FastAPI's OpenAPI document with the contract's error body where FastAPI declares its own.
 
     FastAPI gives every route with a parameter a 422 ``HTTPValidationError``; this server never sends that body
-    (:mod:`service.errors` answers validation errors with ``{"error": {"code", "message"}}``). Where a query
+    (:mod:`service.api.errors` answers validation errors with ``{"error": {"code", "message"}}``). Where a query
     parameter or a body could fail validation the 422 becomes ``ErrorResponse``; where the only parameters are
     strings in the path (``model_name``), which cannot fail, it goes. Then so do the unused schemas.
     """

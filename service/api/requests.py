@@ -2,7 +2,7 @@
 
 Both inference endpoints take the same two media types (docs/api.md): ``application/json``
 (any ``+json`` type too), validated by the endpoint's pydantic model of
-:mod:`service.schemas` (unknown fields refused by name), with images as base64; and
+:mod:`service.api.schemas` (unknown fields refused by name), with images as base64; and
 ``multipart/form-data``, with images as ``file`` parts and the options as form fields.
 Anything else is 415 ``unsupported_media_type``. Whichever way a request came,
 :func:`parse_request` gives the same :class:`ParsedRequest`, so the rest of the path
@@ -23,11 +23,11 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .core.errors import InvalidInput, UnsupportedMediaType
+from ..core.errors import InvalidInput, UnsupportedMediaType
+from ..runtime import Query
+from ..settings import Settings
 from .errors import format_validation_errors, validate_json_body
-from .runtimes import Query
 from .schemas import FormOptions, PredictRequest, ZeroShotRequest, check_limits
-from .settings import Settings
 
 __all__ = ["ParsedRequest", "check_labels", "normalise_label", "parse_labels", "parse_request"]
 
@@ -201,7 +201,7 @@ def _shown(label: str) -> str:
 def check_labels(labels: list[str]) -> list[str]:
     """A request's zero-shot labels, refused with 422 (the same on JSON, multipart and the Open Inference Protocol)
     when fewer than two, or when two are the same label once normalised (:func:`normalise_label`): the message names
-    both. The limits (count, length, a visible character) are :func:`service.schemas.check_limits`' (400)."""
+    both. The limits (count, length, a visible character) are :func:`service.api.schemas.check_limits`' (400)."""
     if len(labels) < 2:
         raise InvalidInput(f"labels: {len(labels)} given; send 2 or more", status=422)
     seen: dict[str, int] = {}
