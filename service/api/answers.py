@@ -8,6 +8,7 @@ Protocol builds its tensors from the same outcome (:mod:`service.api.oip`).
 from __future__ import annotations
 
 import time
+from typing import Literal, cast
 
 import numpy as np
 
@@ -136,7 +137,8 @@ def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> Confor
     if r.prediction_set is None or g is None or r.set_alpha is None:
         return None
     idx = [int(j) for j in np.argsort(-r.probs, kind="stable") if r.prediction_set[j]]
-    return ConformalSet(alpha=r.set_alpha, set=[labels[j] for j in idx], size=len(idx), method=g.sets.method,
+    method = cast(Literal["lac", "aps", "raps"], g.sets.method)  # SetCalibrator accepts these alone
+    return ConformalSet(alpha=r.set_alpha, set=[labels[j] for j in idx], size=len(idx), method=method,
                         mondrian=g.mondrian, below_min_alpha=r.below_min_alpha, filled=r.set_filled)  # fmt: skip
 
 

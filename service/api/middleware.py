@@ -42,7 +42,7 @@ def endpoint_label(scope: Scope) -> str:
     """The route path of a request (``/v2/models/{model_name}/infer``), also when it was answered before routing
     (401, 413); ``unmatched`` when no route takes its path."""
     route = scope.get("route")
-    if getattr(route, "path", None):
+    if route is not None and getattr(route, "path", None):
         return route.path
     for r in getattr(scope.get("app"), "routes", ()):
         matched, _ = r.matches(scope)

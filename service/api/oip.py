@@ -179,9 +179,9 @@ def _pixels(rt: Runtime, t: Tensor) -> list[torch.Tensor]:
     return list(torch.from_numpy(np.array(t.data, dtype=np.float32)).unbind(0))  # B x (C, H, W)
 
 
-def _levels(params: dict[str, Any]) -> dict[str, float]:
+def _levels(params: dict[str, Any]) -> dict[str, Any]:
     """The guarantees' levels a request sets (parameters ``alpha``, ``ood_alpha``, ``risk``): numbers in (0, 1)."""
-    out = {}
+    out: dict[str, Any] = {}
     for key in LEVELS:
         if key in params:
             v = params[key]

@@ -185,7 +185,8 @@ def _from_binary(t: TensorIn, chunk: bytes, count: int) -> np.ndarray:
 
 def _split_bytes(name: str, chunk: bytes) -> list[bytes]:
     """Binary BYTES: each element is a 4-byte little-endian length followed by that many bytes."""
-    out, i = [], 0
+    out: list[bytes] = []
+    i = 0
     while i < len(chunk):
         if i + 4 > len(chunk):
             raise InvalidInput(f"{name}: binary BYTES data ends inside an element's length")

@@ -17,6 +17,7 @@ import string
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.config import JsonDict
 
 from ..core.artifact import DEFAULT_TEMPLATE, OOD_SCORES
 from ..core.errors import InvalidInput
@@ -45,7 +46,8 @@ __all__ = [
 _STRICT = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
 # OpenAPI: exactly one of the given properties is present and not null (null is read as absent)
-_ONE_OF = lambda *names: {"oneOf": [{"required": [n], "properties": {n: {"not": {"type": "null"}}}} for n in names]}
+def _one_of(*names: str) -> JsonDict:
+    return {"oneOf": [{"required": [n], "properties": {n: {"not": {"type": "null"}}}} for n in names]}
 # OpenAPI: what check_template accepts: text, {{ and }}, and at least one bare {label}
 TEMPLATE_PATTERN = r"^(?:[^{}]|\{\{|\}\}|\{label\})*\{label\}(?:[^{}]|\{\{|\}\}|\{label\})*$"
 # a character that is not whitespace, a control (Cc) or an invisible format character (zero-width, bidi marks, BOM):
@@ -107,7 +109,7 @@ class _Options(BaseModel):
 class PredictRequest(_Options):
     """JSON body of ``POST /predict``: exactly one of ``text``, ``texts``, ``image``, ``images``."""
 
-    model_config = ConfigDict(**_STRICT, json_schema_extra=_ONE_OF("text", "texts", "image", "images"))
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_one_of("text", "texts", "image", "images"))
 
     text: str | None = Field(None, min_length=1, description="one text")
     texts: list[str] | None = Field(None, min_length=1, description="several texts, one prediction each")
@@ -140,7 +142,7 @@ class PredictRequest(_Options):
 class ZeroShotRequest(_Options):
     """JSON body of ``POST /zero-shot``: ``image`` or ``images`` against ``labels``."""
 
-    model_config = ConfigDict(**_STRICT, json_schema_extra=_ONE_OF("image", "images"))
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_one_of("image", "images"))
 
     image: str | None = Field(None, min_length=1, description="one image: base64 or data URL")
     images: list[str] | None = Field(None, min_length=1, description="several images")

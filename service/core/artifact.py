@@ -22,7 +22,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -63,7 +63,7 @@ __all__ = [
     "write_manifest",
 ]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION: Final = 1
 MANIFEST = "manifest.json"
 DEFAULT_TEMPLATE = "A photo of a {label}."  # the zero-shot prompt when neither the artifact nor a request names one
 # the OOD scores a threshold can be calibrated on (.uncertainty.OOD_METRICS, .ood compute them; a test holds the two
@@ -152,7 +152,7 @@ class Uncertainty(_Record):
     """How answers are calibrated: the ensemble's temperature and the OOD flag's score and threshold."""
 
     temperature: float = Field(gt=0)  # member logits are divided by it before the softmax
-    ood_score: Literal[OOD_SCORES]  # the score the flag thresholds  # type: ignore[valid-type]
+    ood_score: Literal[OOD_SCORES]  # type: ignore[valid-type]  # the score the flag thresholds (a tuple's names)
     ood_threshold: float  # inputs past it are flagged (below it for msp, above it otherwise)
     tpr: float = Field(0.95, gt=0, le=1)  # share of ID validation inputs the threshold lets through
 
@@ -183,7 +183,7 @@ class ModelSpec(_OpenRecord):
     # the graph's outputs in order: member logits, then (artifacts with feature scores) the members' penultimate
     # features (B, M, D), then (artifacts serving mahalanobis_layers) the layer features (B, M, L-1, d); the
     # TorchScript and ONNX exports carry the same outputs
-    outputs: list[Literal["logits", "features", "layer_features"]] = Field(default_factory=lambda: ["logits"])
+    outputs: list[Literal["logits", "features", "layer_features"]] = ["logits"]  # pydantic copies the default
 
     @field_validator("outputs")
     @classmethod
@@ -234,8 +234,8 @@ class OODSpec(_OpenRecord):
     """The OOD statistics the server scores with (``file``: safetensors) and how the served score was chosen."""
 
     file: str = "ood.safetensors"  # Gaussian statistics and per-member score norms (service.core.ood.ood_tensors)
-    scores: list[Literal[OOD_SCORES]]  # every score the server computes for this artifact  # type: ignore[valid-type]
-    selected: Literal[OOD_SCORES]  # the served one (also uncertainty.ood_score)  # type: ignore[valid-type]
+    scores: list[Literal[OOD_SCORES]]  # type: ignore[valid-type]  # every score the server computes for this artifact
+    selected: Literal[OOD_SCORES]  # type: ignore[valid-type]  # the served one (also uncertainty.ood_score)
     forced: bool = False  # true: set by the config (calibration.ood_score), not selected on validation data
     candidates: dict[str, OODCandidate] = Field(default_factory=dict)  # every candidate's validation figures
     fit: dict[str, Any] | None = None  # which ID inputs the statistics were fitted on (provenance)

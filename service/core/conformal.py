@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -289,7 +289,7 @@ class SetCalibrator:
         """Prediction sets ``(B, C)`` bool for ``probs (B, C)`` at a threshold :meth:`qhat` returned; ``checked``:
         ``probs`` is already a finite, non-negative float64 ``(B, C)`` array (a model's softmax: the per-request
         path skips the checks, which cost more than the set at batch 1)."""
-        p = probs if checked else _probs(probs)
+        p = cast(np.ndarray, probs) if checked else _probs(probs)
         if p.shape[1] != self.num_classes:
             raise ValueError(f"probs have {p.shape[1]} classes, the calibrator {self.num_classes}")
         return _label_scores(p, self.method, self.k_reg, self.lam) <= qhat
@@ -336,7 +336,7 @@ def keep_top(sets: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarra
         sets = sets.copy()
         rows = np.flatnonzero(filled)
         sets[rows, np.asarray(probs)[rows].argmax(axis=1)] = True
-    return sets, filled
+    return sets, np.asarray(filled)
 
 
 def ood_p_values(scores: np.ndarray | torch.Tensor, sorted_cal: np.ndarray) -> np.ndarray:

@@ -128,7 +128,7 @@ def tail_bets(levels: Sequence[float], fractions: Sequence[float]) -> tuple[np.n
     if r.ndim != 1 or r.size == 0 or not np.all((r > 0) & (r < 1)):
         raise ValueError(f"fractions must be a non-empty list of numbers in (0, 1), got {fractions!r}")
     cc, rr = np.meshgrid(c, r, indexing="ij")
-    cc, rr = cc.ravel(), rr.ravel()
+    cc, rr = cc.ravel(), rr.ravel()  # type: ignore[assignment]  # (levels * fractions,)
     return cc, np.log1p(rr * (1.0 / cc - 1.0)), np.log1p(-rr)
 
 

@@ -32,7 +32,7 @@ Parameter layout (what ``offline.families.base.fused_block_state`` writes):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +71,8 @@ def _quick_gelu_(x: torch.Tensor) -> torch.Tensor:
 # Activations of the MLP's hidden tensor, the largest activation in the model ((M*B*T, 4d)),
 # out of place and in place: in place saves allocating (and page-faulting) a second one.
 _ACTS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "gelu": (F.gelu, torch._C._nn.gelu_),
-    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), lambda x: torch._C._nn.gelu_(x, approximate="tanh")),
+    "gelu": (F.gelu, torch._C._nn.gelu_),  # type: ignore[attr-defined]  # in torch, not in its stubs
+    "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), lambda x: torch._C._nn.gelu_(x, approximate="tanh")),  # type: ignore[attr-defined]
     "quick_gelu": (lambda x: x * torch.sigmoid(1.702 * x), _quick_gelu_),
     "relu": (torch.relu, torch.relu_),
 }
@@ -190,8 +190,8 @@ class FusedAttention(nn.Module):
         self.head_dim = head_dim
         self.attn_dim = num_heads * head_dim
         if num_heads > 0:
-            self.qkv = GroupedLinear(members, dim, 3 * self.attn_dim, bias=qkv_bias)
-            self.proj = GroupedLinear(members, self.attn_dim, dim, bias=proj_bias)
+            self.qkv: GroupedLinear | None = GroupedLinear(members, dim, 3 * self.attn_dim, bias=qkv_bias)
+            self.proj: GroupedLinear | None = GroupedLinear(members, self.attn_dim, dim, bias=proj_bias)
         else:  # every member pruned every head of this layer: only the projection bias is left
             self.qkv = None
             self.proj = None
@@ -222,6 +222,7 @@ class FusedAttention(nn.Module):
             q, k, v = qkv.view(-1, seq_len, 3, H, hd).permute(2, 0, 3, 1, 4).unbind(0)  # (M*B, H, T, hd) each
         z = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal)  # (M*B, H, T|1, hd)
         z = z.transpose(1, 2).reshape(M, -1, A)  # (M, B*T or B, H*hd)
+        assert self.proj is not None  # set with qkv
         return self.proj(z, residual)
 
 
@@ -232,8 +233,8 @@ class FusedMLP(nn.Module):
         super().__init__()
         self.shared = shared
         if shared:
-            self.fc1 = nn.Linear(dim, hidden)
-            self.fc2 = nn.Linear(hidden, dim)
+            self.fc1: nn.Module = nn.Linear(dim, hidden)
+            self.fc2: nn.Module = nn.Linear(hidden, dim)
         else:
             self.fc1 = GroupedLinear(members, dim, hidden)
             self.fc2 = GroupedLinear(members, hidden, dim)
@@ -245,14 +246,15 @@ class FusedMLP(nn.Module):
         """``x (M, N, d) -> (M, N, d)``, plus ``residual (M, N, d)`` when given."""
         if not self.shared:
             return self.fc2(_activate(self.act, self.fc1(x)), residual)
+        fc1, fc2 = cast(nn.Linear, self.fc1), cast(nn.Linear, self.fc2)
         M, N, d = x.shape
         # one GEMM over every member's rows: (M*N, d) -> (M*N, hidden)
-        h = _activate(self.act, F.linear(x.reshape(M * N, d), self.fc1.weight, self.fc1.bias))
+        h = _activate(self.act, F.linear(x.reshape(M * N, d), fc1.weight, fc1.bias))
         if residual is not None and _residual_fusable(x):
             # (residual + bias) is a fresh tensor: the GEMM accumulates h @ W2^T into it in place
-            out = (residual.reshape(M * N, d) + self.fc2.bias).addmm_(h, self.fc2.weight.t())
+            out = (residual.reshape(M * N, d) + fc2.bias).addmm_(h, fc2.weight.t())
         else:
-            out = F.linear(h, self.fc2.weight, self.fc2.bias)
+            out = F.linear(h, fc2.weight, fc2.bias)
             if residual is not None:
                 out = residual.reshape(M * N, d) + out
         return out.view(M, N, d)
@@ -364,7 +366,7 @@ CPU_MAX_ROWS = 4096
 def _sub_batch(model: nn.Module, batch: int, tokens: int, device: torch.device) -> int:
     """Sequences per forward pass: ``batch`` (one pass) unless the model runs eagerly on CPU with more
     than ``model.cpu_max_rows`` member rows (0 disables); traced, scripted and exported graphs are one pass."""
-    max_rows = model.cpu_max_rows
+    max_rows: int = model.cpu_max_rows  # type: ignore[assignment]  # an int attribute of every fused model
     if (
         not max_rows
         or device.type != "cpu"
@@ -375,7 +377,8 @@ def _sub_batch(model: nn.Module, batch: int, tokens: int, device: torch.device) 
         or torch.compiler.is_exporting()  # torch.export, non-strict
     ):
         return batch
-    return max(1, min(batch, max_rows // (model.members * tokens)))
+    members: int = model.members  # type: ignore[assignment]  # an int attribute of every fused model
+    return max(1, min(batch, max_rows // (members * tokens)))
 
 
 # logits (B, M, C), or (logits, features (B, M, D)), or (logits, features, layer features (B, M, L-1, d))
@@ -391,8 +394,8 @@ def _in_sub_batches(model: nn.Module, run: Callable[..., Outputs], tokens: int, 
         return run(*inputs)
     parts = [run(*(t[i : i + step] for t in inputs)) for i in range(0, B, step)]
     if isinstance(parts[0], tuple):
-        return tuple(torch.cat(p) for p in zip(*parts, strict=True))  # type: ignore[return-value]
-    return torch.cat(parts)
+        return tuple(torch.cat(p) for p in zip(*parts, strict=True))
+    return torch.cat([p for p in parts if isinstance(p, torch.Tensor)])  # every part is one tensor here
 
 
 def stack_members(x: torch.Tensor, members: int) -> torch.Tensor:

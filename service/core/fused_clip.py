@@ -226,7 +226,7 @@ class FusedCLIP(nn.Module):
         self.visual = FusedCLIPVision(cfg["vision"], M, D, mlp)
         text_type = cfg["text"].get("type", "clip")
         if text_type == "clip":
-            self.text = FusedCLIPText(cfg["text"], M, D, mlp)
+            self.text: FusedCLIPText | FusedHFText = FusedCLIPText(cfg["text"], M, D, mlp)
         elif text_type == "hf-bert":
             self.text = FusedHFText(cfg["text"], M, D, mlp)
         else:

@@ -79,6 +79,10 @@ class Guarantees:
     # the set thresholds asked for so far, by (alpha, mondrian): a quantile of the sorted calibration scores is the
     # same for every request at one level, and computing it is most of a set's cost at batch 1
     _qhats: dict[tuple[float, bool], tuple[np.ndarray, bool]] = field(default_factory=dict, repr=False, compare=False)
+    # set by __post_init__ from the fields above
+    _cal: list[float] = field(init=False, repr=False, compare=False)
+    _sign: float = field(init=False, repr=False, compare=False)
+    _cut: float = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # the per-request path in Python scalars (a numpy call costs microseconds after the model ran): the sorted

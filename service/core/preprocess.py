@@ -104,7 +104,7 @@ class ImagePreprocessor:
         if not data:
             raise InvalidInput(f"{where}: empty image (0 bytes); send JPEG, PNG or WebP bytes")
         try:
-            im = Image.open(io.BytesIO(data), formats=list(ACCEPTED_IMAGE_FORMATS))
+            im: Image.Image = Image.open(io.BytesIO(data), formats=list(ACCEPTED_IMAGE_FORMATS))
         except Image.DecompressionBombError as e:  # Pillow's own guard, at twice our limit
             size = re.search(r"\((\d+) pixels\)", str(e))  # Pillow's message gives the image's pixel count
             raise PayloadTooLarge(
@@ -228,7 +228,7 @@ class TextPreprocessor:
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"{tok_dir}: tokenizer directory named by preprocessing.tokenizer is missing")
         self._fast = None
-        self._hf = None
+        self._hf: Any = None  # a transformers tokenizer (callable) when the fast one is absent
         if (tok_dir / "tokenizer.json").is_file():
             from tokenizers import Tokenizer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ..core.artifact import ArtifactError
 from ..core.backends import Backend, BackendConfigError
@@ -76,11 +76,11 @@ class ClassifierRuntime(Runtime):
                  self.plan.reason)  # fmt: skip
 
     # -- request side (event loop or a request thread): one bad input fails only its request
-    def prepare(self, raw: Sequence[str] | Sequence[bytes], field: str, *, base64_encoded: bool) -> list[Any]:
+    def prepare(self, raw: Sequence[str | bytes], field: str, *, base64_encoded: bool) -> list[Any]:
         """Images -> ``(C, H, W)`` tensors; texts -> token ids (raises naming the input)."""
         if isinstance(self.pre, ImagePreprocessor):
             return preprocess_images(self.pre, raw, field, base64_encoded=base64_encoded)
-        return self.pre.encode(list(raw))
+        return self.pre.encode(cast(list[str], list(raw)))  # a text model is sent texts
 
     # -- worker thread
     def _run(self, items: list[Any]) -> list[ItemResult]:

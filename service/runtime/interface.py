@@ -24,7 +24,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -140,7 +140,7 @@ def summarize_rows(
 
 
 def preprocess_images(
-    pre: ImagePreprocessor, raw: Sequence[str] | Sequence[bytes], field: str, *, base64_encoded: bool
+    pre: ImagePreprocessor, raw: Sequence[str | bytes], field: str, *, base64_encoded: bool
 ) -> list[torch.Tensor]:
     """Decode (base64 when sent in JSON) and preprocess the images of one request -> ``(C, H, W)`` tensors.
 
@@ -150,7 +150,7 @@ def preprocess_images(
     many = len(raw) > 1 or field.endswith("s")
     for i, x in enumerate(raw):
         where = f"{field}[{i}]" if many else field
-        data = decode_base64(x, where) if base64_encoded else x
+        data = decode_base64(cast(str, x), where) if base64_encoded else cast(bytes, x)  # JSON: text; else bytes
         out.append(pre(data, where))
     return out
 
@@ -262,7 +262,7 @@ class Runtime(abc.ABC):
         """Build the backend(s) and set ``self.plan`` (blocking: reads weights / exports)."""
 
     @abc.abstractmethod
-    def prepare(self, raw: Sequence[str] | Sequence[bytes], field: str, *, base64_encoded: bool) -> list[Any]:
+    def prepare(self, raw: Sequence[str | bytes], field: str, *, base64_encoded: bool) -> list[Any]:
         """Decode and preprocess the inputs of one request (raises :class:`~service.core.errors.InvalidInput` & co.
         naming the input). Runs on the event loop or in a request thread: one bad input fails only its request."""
 

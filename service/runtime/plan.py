@@ -59,6 +59,14 @@ def _export_file(manifest: dict[str, Any], kind: str) -> str | None:
     return exp.get("file") if isinstance(exp, dict) else None
 
 
+def _export_path(manifest: dict[str, Any], kind: str) -> str:
+    """The file of the export ``kind``, which the plan chose because it exists."""
+    file = _export_file(manifest, kind)
+    if file is None:
+        raise BackendConfigError(f"{manifest.get('name', '?')}: the artifact has no {kind} export")
+    return file
+
+
 def resolve_plan(
     manifest: dict[str, Any],
     *,
@@ -161,12 +169,12 @@ def load_backend(
     spec = manifest["model"]
     inputs = list(spec["inputs"])
     if plan.backend == "onnx":
-        return OnnxBackend(root / _export_file(manifest, "onnx"), inputs, plan.device, threads)
+        return OnnxBackend(root / _export_path(manifest, "onnx"), inputs, plan.device, threads)
     if plan.backend == "torchscript":
-        return TorchScriptBackend(root / _export_file(manifest, "torchscript"), inputs, plan.device, plan.precision)
+        return TorchScriptBackend(root / _export_path(manifest, "torchscript"), inputs, plan.device, plan.precision)
     if plan.backend == "aoti":
-        return AotiBackend(root / _export_file(manifest, "aoti"), inputs, plan.device)
-    model = load_model(root / spec["weights"], spec["config"], device=plan.device)
+        return AotiBackend(root / _export_path(manifest, "aoti"), inputs, plan.device)
+    model: Any = load_model(root / spec["weights"], spec["config"], device=plan.device)
     model.with_features = "features" in spec.get("outputs", ["logits"])  # as the exports were traced
     model.with_layer_features = "layer_features" in spec.get("outputs", ["logits"])
     return TorchBackend(model, inputs, plan.device, plan.precision)

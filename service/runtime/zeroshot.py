@@ -87,6 +87,8 @@ class TextCache:
 class CLIPZeroShotRuntime(Runtime):
     """A fused CLIP artifact: ``/zero-shot`` with any labels, ``/predict`` (images) with the manifest's labels."""
 
+    pre: ImagePreprocessor  # images only: the labels are text, embedded by the model
+
     task = "zero-shot"
 
     def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
@@ -174,7 +176,7 @@ class CLIPZeroShotRuntime(Runtime):
         return emb
 
     # -- request side
-    def prepare(self, raw: Sequence[str] | Sequence[bytes], field: str, *, base64_encoded: bool) -> list[Any]:
+    def prepare(self, raw: Sequence[str | bytes], field: str, *, base64_encoded: bool) -> list[Any]:
         """Decode and preprocess the images of one request -> ``(C, H, W)`` tensors (raises naming the input)."""
         return preprocess_images(self.pre, raw, field, base64_encoded=base64_encoded)
 
