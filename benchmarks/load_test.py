@@ -94,16 +94,10 @@ async def run_phase(
         while ph.sent < max_requests and time.perf_counter() < deadline:
             ph.sent += 1
             t0 = time.perf_counter()
-            try:
-                status, hdrs, data = await asyncio.wait_for(conn.request("POST", "/predict", body), timeout)
-            except asyncio.TimeoutError:  # noqa: UP041 (3.10: not the builtin)
-                ph.timeouts += 1
-                await conn.close()
+            answer = await conn.post_counted("/predict", body, timeout, ph)
+            if answer is None:
                 continue
-            except (OSError, ValueError, asyncio.IncompleteReadError):
-                ph.connection_errors += 1
-                await asyncio.sleep(0.05)
-                continue
+            status, hdrs, data = answer
             ms = (time.perf_counter() - t0) * 1000
             ph.answered += 1
             ph.by_status[str(status)] = ph.by_status.get(str(status), 0) + 1

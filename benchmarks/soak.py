@@ -62,16 +62,10 @@ async def soak(port: int, pid: int, body: bytes, args: argparse.Namespace) -> Re
         conn = harness.Connection(port)
         while time.perf_counter() < deadline:
             t = time.perf_counter()
-            try:
-                status, _, data = await asyncio.wait_for(conn.request("POST", "/predict", body), args.timeout)
-            except asyncio.TimeoutError:  # noqa: UP041 (3.10: not the builtin)
-                rec.timeouts += 1
-                await conn.close()
+            answer = await conn.post_counted("/predict", body, args.timeout, rec)
+            if answer is None:
                 continue
-            except (OSError, ValueError, asyncio.IncompleteReadError):
-                rec.connection_errors += 1
-                await asyncio.sleep(0.05)
-                continue
+            status, _, data = answer
             now = time.perf_counter()
             code = harness.error_code(status, data)
             rec.codes[code] = rec.codes.get(code, 0) + 1
