@@ -27,8 +27,10 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 __all__ = [
+    "DEFAULT_TEMPLATE",
     "FORMAT_VERSION",
     "MANIFEST",
+    "OOD_FILE",
     "OOD_SCORES",
     "ArtifactError",
     "BaseModelInfo",
@@ -65,6 +67,7 @@ __all__ = [
 
 FORMAT_VERSION: Final = 1
 MANIFEST = "manifest.json"
+OOD_FILE = "ood.safetensors"  # the OOD statistics (.ood.ood_tensors), when the artifact has them
 DEFAULT_TEMPLATE = "A photo of a {label}."  # the zero-shot prompt when neither the artifact nor a request names one
 # the OOD scores a threshold can be calibrated on (.uncertainty.OOD_METRICS, .ood compute them; a test holds the two
 # lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
@@ -233,7 +236,7 @@ class OODCandidate(_OpenRecord):
 class OODSpec(_OpenRecord):
     """The OOD statistics the server scores with (``file``: safetensors) and how the served score was chosen."""
 
-    file: str = "ood.safetensors"  # Gaussian statistics and per-member score norms (service.core.ood.ood_tensors)
+    file: str = OOD_FILE  # Gaussian statistics and per-member score norms (service.core.ood.ood_tensors)
     scores: list[Literal[OOD_SCORES]]  # type: ignore[valid-type]  # every score the server computes for this artifact
     selected: Literal[OOD_SCORES]  # type: ignore[valid-type]  # the served one (also uncertainty.ood_score)
     forced: bool = False  # true: set by the config (calibration.ood_score), not selected on validation data
