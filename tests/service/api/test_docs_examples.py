@@ -29,7 +29,7 @@ from service.main import create_app
 from tests.fixtures.tiny_artifact import make_tiny_artifact, make_tiny_clip_artifact
 from tests.service.helpers import settings_for
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", ROOT / "docs" / "api.md"]
 FASHION = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt"]
 TEXT, IMAGE, ZERO_SHOT = "tweets-minilm-fast", "fashion-vit-fast", "fashion-zeroshot-fast"
