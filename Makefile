@@ -44,6 +44,7 @@ test-all: data
 lint: install
 	$(VENV)/bin/ruff check service offline tests benchmarks deploy
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint --config deploy/hadolint.yaml Dockerfile deploy/build/Dockerfile
 
 # every GPU measurement in one go (CUDA tests, a CUDA build, cost and server benchmarks): benchmarks/gpu.sh

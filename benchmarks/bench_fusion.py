@@ -15,14 +15,14 @@ of them alike; ``paired`` ratios are the median over repetitions of
 Methods:
     single            one dense model
     member            one pruned member
-    hydra             the fused model (service.fused), as served: the last layer computes only the
+    hydra             the fused model (service.core.fused), as served: the last layer computes only the
                       first token, the only one the readout reads
     hydra_all_tokens  the fused model computing every token in every layer (the exact same
                       arithmetic as the members: the floor is its multiply-add ratio)
     hydra_unfused     the M pruned members run one after another
     deep_ensemble     M dense models run one after another
     hydra_ood         hydra returning its members' features too, plus every OOD score the server computes
-                      (service.ood.ensemble_scores, Mahalanobis on statistics of the layout's shape): the
+                      (service.core.ood.ensemble_scores, Mahalanobis on statistics of the layout's shape): the
                       served flag's cost, reported as hydra_ood / hydra
     hydra_ood_layers  hydra_ood plus the pooled features of the first blocks (with_layer_features) and the
                       mahalanobis_layers score over three of them (the largest candidate of
@@ -30,10 +30,10 @@ Methods:
                       reported as hydra_ood_layers / hydra
     single_bf16_weights, hydra_bf16_weights
                       copies of single / hydra with their matrix weights stored in bf16, as the server keeps them
-                      in bf16 (service.backends.cast_gemm_weights; same outputs under bf16 autocast)
+                      in bf16 (service.core.backends.cast_gemm_weights; same outputs under bf16 autocast)
 
-    python benchmarks/bench_fusion.py --layout vit_b16 --batches 1 4 16 32 --precisions fp32 bf16
-    python benchmarks/bench_fusion.py --layout bert_base --batches 1 8 --precisions fp32 bf16
+    python -m benchmarks.bench_fusion --layout vit_b16 --batches 1 4 16 32 --precisions fp32 bf16
+    python -m benchmarks.bench_fusion --layout bert_base --batches 1 8 --precisions fp32 bf16
 
 Results go to ``benchmarks/results/fusion_<layout>.txt`` (the printed tables, with
 the command line) and ``.json`` (one row per method, batch and precision).
@@ -57,18 +57,17 @@ from typing import Any
 # as the server runs (service/main.py): large activations on transparent huge pages; set before torch allocates
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-import torch  # noqa: E402
+import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.harness import cpu_name  # noqa: E402,F401 (the CPU named in every result; recipe.py and others import it here)
-from offline.families import get_adapter  # noqa: E402
-from offline.fusion import fuse  # noqa: E402
-from offline.ood_fit import MAX_SCORE_LAYERS  # noqa: E402
-from service.backends import cast_gemm_weights, cpu_bf16_flags  # noqa: E402
-from service.fused import CPU_MAX_ROWS  # noqa: E402
-from service.ood import GaussianStats, LayerStats, OODStats, ensemble_scores  # noqa: E402
+from benchmarks.harness import cpu_name  # noqa: F401 (the CPU named in every result; recipe.py and others import it here)
+from offline.families import get_adapter
+from offline.fusion import fuse
+from offline.ood_fit import MAX_SCORE_LAYERS
+from service.core.backends import cast_gemm_weights
+from service.core.fused import CPU_MAX_ROWS
+from service.core.hardware import cpu_bf16_flags
+from service.core.ood import GaussianStats, LayerStats, OODStats, ensemble_scores
 
 METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble", "hydra_ood",
            "hydra_ood_layers",
@@ -334,7 +333,7 @@ def main() -> None:
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-save", action="store_true", help="print only; do not write fusion_<layout>.txt/.json")
     ap.add_argument("--cpu-max-rows", type=int, default=CPU_MAX_ROWS,
-                    help="the fused model's CPU sub-batch size in member rows (0: one pass; see service/fused.py)")
+                    help="the fused model's CPU sub-batch size in member rows (0: one pass; see service/core/fused.py)")
     ap.add_argument(
         "--fresh", action="store_true", help="start the results file anew instead of merging these cells into it"
     )

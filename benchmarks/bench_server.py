@@ -8,8 +8,8 @@ same batch sizes (the backend the server chose, same threads, measured before
 and after the server ran, the better run kept). Target: at concurrency 32 the server delivers >= 80% of the raw
 model's best throughput. Writes ``benchmarks/results/server_<name>.json``.
 
-    python benchmarks/bench_server.py --artifact artifacts/default/image
-    python benchmarks/bench_server.py --tiny vit --requests 300     # a tiny random artifact, to check the script
+    python -m benchmarks.bench_server --artifact artifacts/default/image
+    python -m benchmarks.bench_server --tiny vit --requests 300     # a tiny random artifact, to check the script
 
 The clients (a minimal HTTP/1.1 client on asyncio streams, JSON bodies) run on
 the same machine as the server and take some CPU from it: on a 2-core machine
@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
 # the raw model runs under the server's OpenMP setting (the server sets it too), set before torch is imported
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def batch_stats(url: str) -> tuple[float, float]:
@@ -101,9 +101,9 @@ def raw_throughput(artifact: Path, plan: dict[str, str], body: dict[str, Any], b
     """The backend the server chose, alone: inputs/s of one forward pass at each batch size (median of runs)."""
     import torch
 
-    from service.artifact import load_manifest
-    from service.backends import Plan, load_backend
-    from service.preprocess import ImagePreprocessor, decode_base64, make_preprocessor
+    from service.core.artifact import load_manifest
+    from service.core.preprocess import ImagePreprocessor, decode_base64, make_preprocessor
+    from service.runtime.plan import Plan, load_backend
 
     if threads:
         torch.set_num_threads(threads)
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
     if args.threads:
         env["HYDRA_THREADS"] = str(args.threads)
-    from service.backends import resolve_plan
+    from service.runtime.plan import resolve_plan
 
     # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
     plan = dict(zip(("backend", "device", "precision"), _plan_tuple(resolve_plan(

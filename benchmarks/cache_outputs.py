@@ -1,9 +1,9 @@
 """A built model's outputs on its own data splits, cached for the guarantees' simulation tests.
 
-    .venv/bin/python benchmarks/cache_outputs.py --artifact artifacts/default/text \\
+    .venv/bin/python -m benchmarks.cache_outputs --artifact artifacts/default/text \\
         --out tests/fixtures/outputs/text-fast.npz
 
-Loads the artifact as the server does (``service.models.load_model``, its preprocessing, temperature and OOD
+Loads the artifact as the server does (``service.core.registry.load_model``, its preprocessing, temperature and OOD
 statistics) and runs it on the splits its build drew (the manifest's resolved config: the same data setting,
 sizes and seed): the calibration split, ID validation and test, and each OOD test set. Saves per split the
 ensemble probabilities (float32 ``(N, C)``), the labels and the served OOD score (float64 ``(N,)``): what the
@@ -15,26 +15,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from offline.config import load_config
+from offline.ood_fit import scores_np
+from offline.stages import EVAL_MAX_PIXELS, collect, eval_batches, load_data
+from service.core.artifact import load_manifest
+from service.core.ood import ood_from_tensors
+from service.core.preprocess import make_preprocessor
+from service.core.registry import load_model
+from service.core.uncertainty import summarize
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from offline.config import load_config  # noqa: E402
-from offline.ood_fit import scores_np  # noqa: E402
-from offline.stages import EVAL_MAX_PIXELS, collect, eval_batches, load_data  # noqa: E402
-from service.artifact import load_manifest  # noqa: E402
-from service.models import load_model  # noqa: E402
-from service.ood import ood_from_tensors  # noqa: E402
-from service.preprocess import make_preprocessor  # noqa: E402
-from service.uncertainty import summarize  # noqa: E402
-
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -170,7 +170,7 @@ def compiled_methods(models: Models, backend: str, folder: Path, progress: Calla
     backend classes. The Deep Ensemble is M loaded instances of the dense model's export, run one after another:
     M separate copies of the weights in memory, the cost of M different models of the layout."""
     from offline.export import export_aoti, export_onnx
-    from service.backends import AotiBackend, OnnxBackend
+    from service.core.backends import AotiBackend, OnnxBackend
 
     x = models["make_input"](2)
     names = list(x)
@@ -222,7 +222,7 @@ def _ort_matmul_seconds(n: int, repeats: int) -> float:
     import onnx
     from onnx import TensorProto, helper
 
-    from service.backends import onnx_session
+    from service.core.backends import onnx_session
 
     graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "mm",
                               [helper.make_tensor_value_info(k, TensorProto.FLOAT, [n, n]) for k in "ab"],

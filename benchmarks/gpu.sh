@@ -33,9 +33,9 @@ run "$PY" offline/build.py --config offline/configs/text-fast.yaml --out "$ART" 
     --build.device cuda --build.precision auto --build.workers 4
 run mkdir -p "$OUT/build-text-fast-cuda"
 run cp -r "$ART/manifest.json" "$ART/report.md" "$ART/report.json" "$ART/plots" "$OUT/build-text-fast-cuda/"
-run "$PY" benchmarks/run.py --only cost --layouts vit_b16 bert_base --devices cuda --precisions fp32 bf16 \
+run "$PY" -m benchmarks.run --only cost --layouts vit_b16 bert_base --devices cuda --precisions fp32 bf16 \
     --batches 1 4 32 --repeats 20 --out "$OUT" --no-readme
-run "$PY" benchmarks/bench_server.py --artifact "$ART" --device cuda --concurrency 1 8 32 \
+run "$PY" -m benchmarks.bench_server --artifact "$ART" --device cuda --concurrency 1 8 32 \
     --requests 2000 --duration 60 --out "$OUT/server-text-fast-cuda.json"
 run "$PY" -c "import json, torch; json.dump({'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__, 'cuda': torch.version.cuda}, open('$OUT/device.json', 'w'))"
 echo "results in $OUT"

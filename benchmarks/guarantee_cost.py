@@ -13,8 +13,8 @@ of their means is taken per repetition (paired: both see the same machine state)
 the median of the paired ratios, the time of ``_guarantees`` inside the answers (right after the model, where it
 runs) and alone. Target: <= 1.01.
 
-    python benchmarks/guarantee_cost.py --artifact artifacts/default/text
-    python benchmarks/guarantee_cost.py --artifact artifacts/default/image --repeats 15
+    python -m benchmarks.guarantee_cost --artifact artifacts/default/text
+    python -m benchmarks.guarantee_cost --artifact artifacts/default/image --repeats 15
 
 Writes ``benchmarks/results/guarantee_cost/<name>.json``. Nothing else should run on the machine meanwhile.
 """
@@ -31,14 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the server's OpenMP setting (service.main), before torch
 
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
 
 
 async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-    from service.runtimes.base import Query
+    from service.api.answers import predict_response
+    from service.runtime.interface import Query
 
     g, drift = rt.guarantees, rt.drift
     query = Query(top_k=1)
@@ -46,7 +46,7 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
     async def one(on: bool) -> float:
         rt.guarantees, rt.drift = (g, drift) if on else (None, None)
         t = time.perf_counter()
-        await rt.answer(prepared, query, t0=t)
+        predict_response(rt, await rt.outcome(prepared, query), query, t, "")
         return time.perf_counter() - t
 
     async def block(first: bool) -> tuple[float, float]:
@@ -81,7 +81,7 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
     rt._guarantees = timed
     t = time.perf_counter()
     for _ in range(args.block * 10):
-        await rt.answer(prepared, query, t0=time.perf_counter())
+        predict_response(rt, await rt.outcome(prepared, query), query, time.perf_counter(), "")
     answer_ms = (time.perf_counter() - t) * 1000 / (args.block * 10)
     in_path_ms = spent[0] * 1000 / spent[1]
     del rt._guarantees
@@ -107,7 +107,7 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
 
 async def run(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     from service.metrics import Metrics
-    from service.runtimes import load_runtime
+    from service.runtime import load_runtime
     from service.settings import Settings
 
     rt = load_runtime(args.artifact, Settings(artifacts=[str(args.artifact)]), Metrics())
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     result, rt = asyncio.run(run(args))
     name = rt.name
     doc = {
-        "command": "python benchmarks/guarantee_cost.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.guarantee_cost " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name, "backend": rt.describe().get("backend"), "precision": rt.describe().get("precision"),
         "batch": 1, **result, "machine": harness.machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from service.backends import cpu_name  # the CPU named in every result
+from service.core.hardware import cpu_name  # the CPU named in every result
 
 ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"  # loopback only, always
@@ -177,6 +177,22 @@ class Connection:
         if close or hdrs.get("connection", "").lower() == "close":
             await self.close()
         return status, hdrs, data
+
+    async def post_counted(
+        self, path: str, body: bytes, timeout: float, tally: Any
+    ) -> tuple[int, dict[str, str], bytes] | None:
+        """A POST answered within ``timeout`` seconds, else None: after a timeout (the connection closed; counted in
+        ``tally.timeouts``) or a connection error (``tally.connection_errors``, then a short pause), the load
+        clients' loop goes on to its next request."""
+        try:
+            return await asyncio.wait_for(self.request("POST", path, body), timeout)
+        except asyncio.TimeoutError:  # noqa: UP041 (3.10: not the builtin)
+            tally.timeouts += 1
+            await self.close()
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            tally.connection_errors += 1
+            await asyncio.sleep(0.05)
+        return None
 
     async def close(self) -> None:
         """Close the connection (the next request opens a new one)."""

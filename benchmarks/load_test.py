@@ -10,8 +10,8 @@ request may hang (``--timeout``) or go unanswered, and the server must stay
 ready. The server's RSS is read from ``/proc`` after warm-up and after the load;
 its growth must stay under ``--rss-bound-mb``.
 
-    python benchmarks/load_test.py --tiny vit                          # 16 clients 20 s, then 64 clients 30 s
-    python benchmarks/load_test.py --artifact artifacts/default/image --concurrency 8 64 --duration 20 40
+    python -m benchmarks.load_test --tiny vit                          # 16 clients 20 s, then 64 clients 30 s
+    python -m benchmarks.load_test --artifact artifacts/default/image --concurrency 8 64 --duration 20 40
 
 Writes ``benchmarks/results/load_<name>.json``; exits 1 when a check fails (lost
 or hung requests, 5xx other than overloaded, RSS growth over the bound, not
@@ -34,9 +34,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
-
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
 
 
 # ----------------------------------------------------------------------------- load phases
@@ -96,16 +94,10 @@ async def run_phase(
         while ph.sent < max_requests and time.perf_counter() < deadline:
             ph.sent += 1
             t0 = time.perf_counter()
-            try:
-                status, hdrs, data = await asyncio.wait_for(conn.request("POST", "/predict", body), timeout)
-            except asyncio.TimeoutError:  # noqa: UP041 (3.10: not the builtin)
-                ph.timeouts += 1
-                await conn.close()
+            answer = await conn.post_counted("/predict", body, timeout, ph)
+            if answer is None:
                 continue
-            except (OSError, ValueError, asyncio.IncompleteReadError):
-                ph.connection_errors += 1
-                await asyncio.sleep(0.05)
-                continue
+            status, hdrs, data = answer
             ms = (time.perf_counter() - t0) * 1000
             ph.answered += 1
             ph.by_status[str(status)] = ph.by_status.get(str(status), 0) + 1
@@ -201,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     checks["exit_status_0_on_sigterm"] = exit_status == 0
     log_tail = log_file.read_text(errors="replace").splitlines()[-20:]
     result = {
-        "command": "python benchmarks/load_test.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.load_test " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name,
         "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(artifact),
         "server_env": env,

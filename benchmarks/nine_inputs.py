@@ -7,7 +7,7 @@ mid-grey, a gradient, a checkerboard, a photo of a building, a photo of a flower
 the flag must not depend on the labels). Records each answer's label, confidence, OOD flag, score, threshold and
 p-value, prediction set and risk decision.
 
-    python benchmarks/nine_inputs.py --image artifacts/default/image --zeroshot artifacts/default/zeroshot
+    python -m benchmarks.nine_inputs --image artifacts/default/image --zeroshot artifacts/default/zeroshot
 
 Writes ``benchmarks/results/nine_inputs.json`` and ``nine_inputs.md``; exits 1 if an input is not flagged.
 """
@@ -27,9 +27,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
-
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
 
 OTHER_LABELS = ["cat", "car", "tree", "house", "person", "boat"]  # a request's own candidate labels
 
@@ -108,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         harness.stop_server(proc)
     flagged = {k: sum(bool(r[k]["flag"]) for r in rows) for k in ("predict", "zero_shot", "zero_shot_other_labels")}
-    command = "python benchmarks/nine_inputs.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.nine_inputs " + shlex.join(argv if argv is not None else sys.argv[1:])
     doc = {"command": command.strip(),
            "models": names, "other_labels": OTHER_LABELS, "flagged_of_9": flagged, "inputs": rows,
            "machine": harness.machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip

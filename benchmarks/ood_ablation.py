@@ -1,6 +1,6 @@
 """What collapses the last feature of the image models, and what the layer features and the backbone give back.
 
-    .venv/bin/python benchmarks/ood_ablation.py --out benchmarks/results/ood_ablation
+    .venv/bin/python -m benchmarks.ood_ablation --out benchmarks/results/ood_ablation
 
 The image-fast setting's base model, members and fused Hydra are built with the builder's own code
 (:mod:`offline.pipeline`, :mod:`offline.stages`) under a few variants, and every model's OOD scores are computed
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,17 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_fusion import cpu_name  # noqa: E402
-from offline.config import load_config  # noqa: E402
-from offline.families import get_adapter  # noqa: E402
-from offline.foreign import foreign_images  # noqa: E402
-from offline.fusion import fuse  # noqa: E402
-from offline.metrics import ood_metrics  # noqa: E402
-from offline.ood_fit import (  # noqa: E402
+from benchmarks.bench_fusion import cpu_name
+from offline.config import load_config
+from offline.families import get_adapter
+from offline.foreign import foreign_images
+from offline.fusion import fuse
+from offline.metrics import ood_metrics
+from offline.ood_fit import (
     candidate_scores,
     fit_layer_stats,
     fit_ood_stats,
@@ -52,8 +47,8 @@ from offline.ood_fit import (  # noqa: E402
     scores_np,
     select_score,
 )
-from offline.pipeline import load_base, scoring_batches  # noqa: E402
-from offline.stages import (  # noqa: E402
+from offline.pipeline import load_base, scoring_batches
+from offline.stages import (
     EVAL_MAX_PIXELS,
     Timer,
     build_members,
@@ -64,8 +59,9 @@ from offline.stages import (  # noqa: E402
     load_data,
     with_features,
 )
-from service.preprocess import make_preprocessor  # noqa: E402
+from service.core.preprocess import make_preprocessor
 
+ROOT = Path(__file__).resolve().parents[1]
 SCRATCH = "offline/configs/image-fast.yaml"  # overridden to the from-scratch base below
 SCRATCH_BASE = {"base.source": "train-vit", "base.preset": "vit_fast", "base.path": None, "base.arch": {},
                 "hydra.strategy": "circuit-avg"}  # the demo's base before the backbone  # fmt: skip

@@ -4,7 +4,7 @@ Same models as ``bench_fusion.py`` (random weights, the ViT-B/16 or BERT-base la
 call, then one profiled call per method. Used to find why the fused model lost to the deep
 ensemble at batch 32 in bf16 on a CPU with AMX (benchmarks/README.md, "A CPU with native bf16")::
 
-    python benchmarks/profile_fused.py --layout bert_base --batch 32 --precision bf16 --cpu-max-rows 0
+    python -m benchmarks.profile_fused --layout bert_base --batch 32 --precision bf16 --cpu-max-rows 0
 
 ``--backend onnx`` profiles the models' ONNX exports in ONNX Runtime instead (fp32; the server's session options
 with ORT's own profiler on): time per operator type, summed over the graph's nodes.
@@ -13,16 +13,12 @@ with ORT's own profiler on): time per operator type, summed over the graph's nod
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from benchmarks import bench_fusion  # noqa: E402
-from service.fused import CPU_MAX_ROWS  # noqa: E402
+from benchmarks import bench_fusion
+from service.core.fused import CPU_MAX_ROWS
 
 
 def main() -> None:
@@ -69,7 +65,7 @@ def profile_onnx(models: dict, args: argparse.Namespace) -> None:
 
     from benchmarks.cost import _ImageLogits, _TextLogits
     from offline.export import export_onnx
-    from service.backends import onnx_session
+    from service.core.backends import onnx_session
 
     x = models["make_input"](args.batch)
     wrap = _ImageLogits if "pixel_values" in x else _TextLogits

@@ -1,7 +1,7 @@
 """The members' recipe ablated through real builds: which lever makes the members disagree where they should.
 
-    .venv/bin/python benchmarks/recipe.py --config offline/configs/text-fast.yaml --out benchmarks/results/recipe/text
-    .venv/bin/python benchmarks/recipe.py --config offline/configs/image-fast.yaml \\
+    .venv/bin/python -m benchmarks.recipe --config offline/configs/text-fast.yaml --out benchmarks/results/recipe/text
+    .venv/bin/python -m benchmarks.recipe --config offline/configs/image-fast.yaml \\
         --out benchmarks/results/recipe/image --variants baseline bootstrap
 
 Each variant is one ``offline/build.py`` build of the config with a few ``hydra.*`` overrides (the levers of
@@ -32,14 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_fusion import cpu_name
+from offline.build import build
+from offline.config import load_config
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.bench_fusion import cpu_name  # noqa: E402
-from offline.build import build  # noqa: E402
-from offline.config import load_config  # noqa: E402
-
 # variant name -> config overrides (dotted keys, as offline/build.py's flags). Every variant names each lever it
 # relies on, so its meaning does not depend on the config's own defaults.
 _OWN = {"hydra.member_data": "bootstrap", "hydra.reinit_head": False}

@@ -1,9 +1,9 @@
 """Run every benchmark (quality, cost, ablations) and write ``benchmarks/results/`` and the README tables.
 
-    .venv/bin/python benchmarks/run.py --fast                  # smoke sizes, both settings, all parts
-    .venv/bin/python benchmarks/run.py                         # full sizes (hours on 2 CPU cores)
-    .venv/bin/python benchmarks/run.py --fast --only cost --layouts vit_b16 bert_base --batches 1 4
-    .venv/bin/python benchmarks/run.py --only quality --settings image
+    .venv/bin/python -m benchmarks.run --fast                  # smoke sizes, both settings, all parts
+    .venv/bin/python -m benchmarks.run                         # full sizes (hours on 2 CPU cores)
+    .venv/bin/python -m benchmarks.run --fast --only cost --layouts vit_b16 bert_base --batches 1 4
+    .venv/bin/python -m benchmarks.run --only quality --settings image
 
 Writes ``results/quality.json``, ``cost.json``, ``ablations.json`` (one row per measurement),
 ``summary.json`` (all of them in one file: machine, quality, cost, cost ratios, ablations, runs; its
@@ -32,15 +32,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the server runs (service/main.py); before torch allocates
 
+import numpy as np
+import torch
+
+from benchmarks import cost as cost_mod
+from benchmarks import quality as q
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks import cost as cost_mod  # noqa: E402
-from benchmarks import quality as q  # noqa: E402
-
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "benchmarks" / "README.md"
 BEGIN, END = "<!-- results:begin (written by benchmarks/run.py) -->", "<!-- results:end -->"
@@ -407,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    command = "python benchmarks/run.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+    command = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None
                                                                                else sys.argv[1:]))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)

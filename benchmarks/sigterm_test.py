@@ -22,8 +22,8 @@ it N times, a fresh server each time. Then it accounts for every request:
 
 Target: 0 resets (and broken) and 0 lost over 20 repetitions at 16 clients:
 
-    python benchmarks/sigterm_test.py --tiny vit --repeat 20 --load-seconds 3 --after-seconds 2
-    python benchmarks/sigterm_test.py --artifact artifacts/default/image --concurrency 32
+    python -m benchmarks.sigterm_test --tiny vit --repeat 20 --load-seconds 3 --after-seconds 2
+    python -m benchmarks.sigterm_test --artifact artifacts/default/image --concurrency 32
 
 Writes ``benchmarks/results/sigterm_<name>.json`` (every repetition and the totals); exits 1 when a check fails.
 """
@@ -44,9 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
-
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
 
 # the server's shutdown log line: "stopped: ... (N requests received, M answered)"
 SHUTDOWN_LINE = re.compile(r"\((\d+) requests received, (\d+) answered\)")
@@ -248,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
               "resets_0": totals["resets"] == 0, "lost_0": totals["lost"] == 0}  # fmt: skip
     passed = all(checks.values())
     result = {
-        "command": "python benchmarks/sigterm_test.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.sigterm_test " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name,
         "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(artifact),
         "concurrency": args.concurrency,

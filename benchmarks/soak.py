@@ -5,8 +5,8 @@ settings, warms it up with a short burst, then keeps ``--clients`` keep-alive cl
 for ``--minutes``. Every ``--sample-s`` seconds it reads the server's resident memory from ``/proc`` and the
 requests answered so far; every request's latency and answer are kept.
 
-    python benchmarks/soak.py --artifact artifacts/default/text                    # 30 min, 32 clients
-    python benchmarks/soak.py --tiny bert --minutes 2 --warmup-minutes 0.5         # a short check
+    python -m benchmarks.soak --artifact artifacts/default/text                    # 30 min, 32 clients
+    python -m benchmarks.soak --tiny bert --minutes 2 --warmup-minutes 0.5         # a short check
 
 The checks (the soak's targets):
 
@@ -37,9 +37,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
-
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
 
 
 class Record:
@@ -64,16 +62,10 @@ async def soak(port: int, pid: int, body: bytes, args: argparse.Namespace) -> Re
         conn = harness.Connection(port)
         while time.perf_counter() < deadline:
             t = time.perf_counter()
-            try:
-                status, _, data = await asyncio.wait_for(conn.request("POST", "/predict", body), args.timeout)
-            except asyncio.TimeoutError:  # noqa: UP041 (3.10: not the builtin)
-                rec.timeouts += 1
-                await conn.close()
+            answer = await conn.post_counted("/predict", body, args.timeout, rec)
+            if answer is None:
                 continue
-            except (OSError, ValueError, asyncio.IncompleteReadError):
-                rec.connection_errors += 1
-                await asyncio.sleep(0.05)
-                continue
+            status, _, data = answer
             now = time.perf_counter()
             code = harness.error_code(status, data)
             rec.codes[code] = rec.codes.get(code, 0) + 1
@@ -211,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     checks["exit_status_0_on_sigterm"] = exit_status == 0
     shown = artifact.relative_to(harness.ROOT) if artifact.is_relative_to(harness.ROOT) else artifact
     result = {
-        "command": "python benchmarks/soak.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.soak " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name,
         "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(shown),
         "clients": args.clients, "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,

@@ -18,7 +18,7 @@ Zero-shot (``/zero-shot``): the garments with the build's labels and with a user
 singular), accuracy per class; footwear and bags against the garment words: flagged or answered with low
 confidence; and the mixed list of a user who names some footwear too.
 
-    python benchmarks/truth.py --image artifacts/default/image --zeroshot artifacts/default/zeroshot
+    python -m benchmarks.truth --image artifacts/default/image --zeroshot artifacts/default/zeroshot
 
 Writes ``benchmarks/results/truth.json`` and ``truth.md``; exits 1 when a target of the issue is missed.
 """
@@ -40,9 +40,7 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's packages
-
-from benchmarks import harness  # noqa: E402 (after the path)
+from benchmarks import harness
 
 USER_WORDS = {"T-shirt/top": "t-shirt", "Trouser": "trouser", "Pullover": "pullover", "Dress": "dress",
               "Coat": "coat", "Shirt": "shirt"}  # a user's own label words for the six garments  # fmt: skip
@@ -297,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     doc = run(args)
     doc["checks"] = checks(doc)
-    doc["command"] = ("python benchmarks/truth.py " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
+    doc["command"] = ("python -m benchmarks.truth " + shlex.join(argv if argv is not None else sys.argv[1:])).strip()
     doc["machine"] = harness.machine()
     doc["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out = harness.write_result(doc, args.out, "truth.json")

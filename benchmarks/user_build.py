@@ -1,8 +1,8 @@
 """A user's image-folder build on CPU, timed stage by stage: the build a platform team runs first.
 
-    .venv/bin/python benchmarks/user_build.py --out benchmarks/results/user_build
-    .venv/bin/python benchmarks/user_build.py --rerun --resume     # and check the artifact bit for bit
-    .venv/bin/python benchmarks/user_build.py --resume --against <a recorded model_sha256> --tag resume
+    .venv/bin/python -m benchmarks.user_build --out benchmarks/results/user_build
+    .venv/bin/python -m benchmarks.user_build --rerun --resume     # and check the artifact bit for bit
+    .venv/bin/python -m benchmarks.user_build --resume --against <a recorded model_sha256> --tag resume
 
 The user's model and data, generated (seeded) so that anyone can rerun it: a timm ``vit_tiny_patch16_224``
 checkpoint in the standard layout (1000-class head, random weights: the arithmetic is a pretrained one's), and a
@@ -30,16 +30,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from benchmarks.bench_fusion import cpu_name
+from offline.compute import resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from benchmarks.bench_fusion import cpu_name  # noqa: E402
-from offline.compute import resolve_precision  # noqa: E402
-
 CLASSES = {"forest": (40, 160, 60), "sea": (30, 80, 200), "sand": (220, 190, 120)}
 IMAGES_PER_CLASS = 60
 

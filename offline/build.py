@@ -1,5 +1,8 @@
 """Build a Hydra artifact: ``python offline/build.py --config FILE --out DIR [--section.key VALUE ...]``.
 
+The same command, installed: ``hydra-build`` (``[project.scripts]`` in ``pyproject.toml``), or
+``python -m offline.build``.
+
 Thin entry point: configuration parsing and validation live in ``offline.config``;
 :func:`build` dispatches by family to the classifier pipeline (``offline.pipeline``:
 ``vit``, ``bert``) or the zero-shot one (``offline.pipeline_clip``: ``clip``), both
@@ -17,8 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if __name__ == "__main__" and not __package__:
+    # `python offline/build.py` (the documented command) runs this file as a script, its own folder first on the
+    # path: the repository goes there instead, so this checkout's packages are the ones imported (not an installed
+    # copy). The project's one path bootstrap: `hydra-build` and `python -m offline.build` need none.
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import torch  # noqa: E402
 
@@ -27,10 +33,10 @@ from offline.config import BuildConfig, ConfigError, add_arguments, load_config,
 from offline.progress import DEFAULT_EVERY  # noqa: E402
 from offline.progress import set_enabled as set_progress  # noqa: E402
 from offline.progress import set_every as set_progress_every  # noqa: E402
+from service.core.jsonlog import json_formatter  # noqa: E402
 
 # the command's own flags: every other flag is a config override (``--hydra.members 5``)
 NOT_OVERRIDES = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")
-from service.logs import json_formatter  # noqa: E402
 
 # family -> the pipeline that builds it
 PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {

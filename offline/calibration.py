@@ -1,9 +1,9 @@
 """Calibration on ID validation data: the ensemble's temperature, then the OOD threshold the server applies.
 
 Both numbers go into the manifest's ``uncertainty`` field. The threshold's
-pass/flag rule is exactly ``service.uncertainty.ood_flag``: with ``msp`` an
+pass/flag rule is exactly ``service.core.uncertainty.ood_flag``: with ``msp`` an
 input is flagged when its score is *below* the threshold; with every other score
-(entropy, mutual information and the outlier scores of ``service.ood``) when it is *above*.
+(entropy, mutual information and the outlier scores of ``service.core.ood``) when it is *above*.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from service.uncertainty import OOD_METRICS
+from service.core.uncertainty import OOD_METRICS
 
 __all__ = ["T_MIN", "T_MAX", "ensemble_nll", "fit_temperature", "calibrate_threshold"]
 
@@ -83,8 +83,8 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor) -> float:
 def calibrate_threshold(id_scores: np.ndarray, metric: str, tpr: float = 0.95) -> float:
     """OOD threshold such that a fraction ``tpr`` of the ID validation inputs pass (are not flagged).
 
-    The rule is ``service.uncertainty.ood_flag``'s: ``msp`` flags ``score < threshold``;
-    every other score (entropy, mutual information, and the outlier scores of ``service.ood``)
+    The rule is ``service.core.uncertainty.ood_flag``'s: ``msp`` flags ``score < threshold``;
+    every other score (entropy, mutual information, and the outlier scores of ``service.core.ood``)
     flags ``score > threshold``. With ``k =
     ceil(tpr · N)`` the threshold lies halfway between the ``k``-th and ``(k+1)``-th
     most in-distribution scores, so exactly ``k`` ID inputs pass when those differ
@@ -94,7 +94,7 @@ def calibrate_threshold(id_scores: np.ndarray, metric: str, tpr: float = 0.95) -
 
     Args:
         id_scores: ``(N,)`` scores of the ID validation inputs under ``metric``.
-        metric: a name of ``service.uncertainty.OOD_METRICS``.
+        metric: a name of ``service.core.uncertainty.OOD_METRICS``.
         tpr: fraction of ID inputs that must pass, in ``(0, 1]``.
     """
     if metric not in OOD_METRICS:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from service.backends import cpu_has_native_bf16
+from service.core.hardware import cpu_has_native_bf16
 
 DEVICES = ("auto", "cpu", "cuda")  # and cuda:<index>
 PRECISIONS = ("auto", "fp32", "bf16")

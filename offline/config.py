@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from service.artifact import OOD_SCORES as SERVED_SCORES
+from service.core.artifact import OOD_SCORES as SERVED_SCORES
 
 from .compute import DEVICES, PRECISIONS, resolve_device
 
@@ -32,7 +32,7 @@ OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD v
 ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information", "mahalanobis", "mahalanobis_layers")
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
-CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.conformal.SCORES)
+CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.core.conformal.SCORES)
 
 
 class ConfigError(ValueError):
@@ -223,19 +223,27 @@ def _merge(cfg: BuildConfig, data: dict[str, Any], origin: str) -> None:
             raise ConfigError(f"{origin}: unknown key '{key}'; known: {', '.join(known)}")
 
 
+def read_yaml_mapping(path: str | Path, error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """The YAML mapping in the file ``path`` (empty: ``{}``); ``error`` naming the file when it does not exist, is
+    not YAML or its top level is not a mapping. Every config file of the builder is read here."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"config file {p} does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise error(f"{p}: not valid YAML ({e})") from e
+    if not isinstance(data, dict):
+        raise error(f"{p}: the top level must be a mapping")
+    return data
+
+
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> BuildConfig:
     """Read a YAML config, apply dotted overrides (``{"hydra.members": 5}``), validate."""
     cfg = BuildConfig()
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML ({e})") from e
-        if not isinstance(data, dict):
-            raise ConfigError(f"{p}: the top level must be a mapping")
+        data = read_yaml_mapping(p)
         _merge(cfg, data, str(p))
     nested: dict[str, Any] = {}
     for dotted, value in (overrides or {}).items():

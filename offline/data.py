@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from service.artifact import file_sha256
+from service.core.artifact import file_sha256
 
 from .outliers import CORRUPTIONS, corrupted
 
@@ -871,7 +871,7 @@ def user_setting(
     }
     if image:
         splits["image"] = {"inputs": "file paths, decoded per batch at the model's size and colour by the "
-                                     "artifact's preprocessing (service/preprocess.py)"}
+                                     "artifact's preprocessing (service/core/preprocess.py)"}
 
     return Data("image" if image else "text", class_names, train, split(idx["val"]), split(idx["test"]),
                 ood_val, ood_test, splits, fit=fit, calibration=None if cal_idx is None else split(cal_idx))

@@ -2,9 +2,9 @@
 
 A build fails when an export differs from eager by more than the tolerance
 (:class:`ExportMismatch`). Exports are checked on the backend that will serve them: the
-server's own ONNX Runtime session (:func:`service.backends.onnx_session`, same options),
-TorchScript backend (:class:`service.backends.TorchScriptBackend`) and AOTInductor backend
-(:class:`service.backends.AotiBackend`). Inputs are passed by name as a dict; the order of
+server's own ONNX Runtime session (:func:`service.core.backends.onnx_session`, same options),
+TorchScript backend (:class:`service.core.backends.TorchScriptBackend`) and AOTInductor backend
+(:class:`service.core.backends.AotiBackend`). Inputs are passed by name as a dict; the order of
 the traced/ONNX inputs is the order of the model's ``forward`` signature
 (``FusedViT(pixel_values)``, ``FusedBert(input_ids, attention_mask)``).
 """
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from service.backends import AotiBackend, TorchScriptBackend, onnx_session
-from service.uncertainty import summarize
+from service.core.backends import AotiBackend, TorchScriptBackend, onnx_session
+from service.core.uncertainty import summarize
 
 __all__ = [
     "ExportMismatch",
@@ -167,7 +167,7 @@ def export_aoti(model: nn.Module, example_inputs: dict[str, torch.Tensor], path:
     The batch dimension (and, for text, the sequence dimension up to ``max_seq``) stays dynamic. The model is run
     eagerly once first (:func:`_settle`: shape-independent facts it caches, such as whether its members share a
     LayerNorm affine, are fixed before the graph is captured). The package runs fp32 on the device it was compiled
-    for; it is loaded by :class:`service.backends.AotiBackend`."""
+    for; it is loaded by :class:`service.core.backends.AotiBackend`."""
     model = model.eval()
     names = input_order(model, example_inputs)
     args = tuple(example_inputs[k].contiguous() for k in names)
@@ -308,7 +308,7 @@ def bf16_agreement(
 ) -> dict:
     """CPU bf16 autocast vs fp32 on validation batches: does serving in bf16 give the same answers?
 
-    Both runs' member logits ``(B, M, C)`` go through ``service.uncertainty.summarize``
+    Both runs' member logits ``(B, M, C)`` go through ``service.core.uncertainty.summarize``
     at ``temperature``. Returns ``{"argmax_agreement"`` (fraction of inputs whose
     ensemble prediction is the same), ``"max_abs_diff": {msp, entropy, mutual_information}``,
     ``"max_abs_logit_diff"``, ``"tolerance"`` (:data:`BF16_TOLERANCE`), ``"min_agreement"``,

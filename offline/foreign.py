@@ -20,7 +20,7 @@ matplotlib's ``get_sample_data`` (``grace_hopper.jpg``, ``Minduka_Present_Blue_P
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,11 +135,16 @@ def _constant(rng: np.random.Generator) -> list[ForeignImage]:
     return out
 
 
+def _canvases(n: int) -> Iterator[tuple[int, int, int, np.ndarray, np.ndarray]]:
+    """``(i, h, w, yy, xx)`` for ``n`` images: sizes in turn from SIZES, each with its pixel grid."""
+    for i in range(n):
+        h, w = SIZES[i % len(SIZES)]
+        yield (i, h, w, *_grid(h, w))
+
+
 def _gradient(rng: np.random.Generator) -> list[ForeignImage]:
     out = []
-    for i in range(24):
-        h, w = SIZES[i % len(SIZES)]
-        yy, xx = _grid(h, w)
+    for i, h, w, yy, xx in _canvases(24):
         if i % 3 == 2:  # radial
             cy, cx = rng.uniform(0, h), rng.uniform(0, w)
             g = np.hypot(yy - cy, xx - cx)
@@ -154,9 +159,7 @@ def _gradient(rng: np.random.Generator) -> list[ForeignImage]:
 
 def _pattern(rng: np.random.Generator) -> list[ForeignImage]:
     out = []
-    for i in range(32):
-        h, w = SIZES[i % len(SIZES)]
-        yy, xx = _grid(h, w)
+    for i, h, w, yy, xx in _canvases(32):
         scale = min(h, w)
         kind = i % 4
         if kind == 0:  # checkerboard, cells from 1/16 to 1/2 of the image
@@ -180,9 +183,7 @@ def _pattern(rng: np.random.Generator) -> list[ForeignImage]:
 
 def _texture(rng: np.random.Generator) -> list[ForeignImage]:
     out = []
-    for i in range(24):
-        h, w = SIZES[i % len(SIZES)]
-        yy, xx = _grid(h, w)
+    for i, h, w, yy, xx in _canvases(24):
         kind = i % 3
         if kind == 0:
             g = _smooth_noise(h, w, rng, octaves=int(rng.integers(2, 6)))

@@ -1,4 +1,4 @@
-"""Fuse structurally pruned members into one ``service.fused`` model (one forward pass, ``(B, M, C)`` logits)."""
+"""Fuse structurally pruned members into one ``service.core.fused`` model (one forward pass, ``(B, M, C)`` logits)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from service.models import build_model
+from service.core.registry import build_model
 
 from .families import FamilyAdapter
 

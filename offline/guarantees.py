@@ -2,23 +2,23 @@
 calibration split alone (:attr:`offline.data.Data.calibration`), which nothing else of the build touched.
 
 * **Prediction sets**: the served ensemble's probabilities (at its temperature) on the calibration split, their
-  true-label nonconformity scores sorted, marginal and per class (:class:`service.conformal.SetCalibrator`,
+  true-label nonconformity scores sorted, marginal and per class (:class:`service.core.conformal.SetCalibrator`,
   ``guarantees.method``): any ``alpha`` is served per request.
 * **OOD p-values**: the served OOD score of every calibration input, sorted (outlier-oriented: MSP negated);
   ``p = (1 + #{s_i >= s}) / (n + 1)`` per request, the flag ``p <= ood_alpha``.
 * **Answers with a risk bound**: per target risk ``eps`` (``guarantees.risks``), the confidence threshold of the
   rule "accept iff the OOD score passes the build's OOD threshold and the ensemble's confidence (MSP) is at least
   ``lam``", certified by Learn-then-Test with fixed-sequence testing and a binomial p-value on the calibration split
-  (:func:`service.conformal.selective_thresholds`). Both parts of the rule are fixed before the split is looked
+  (:func:`service.core.conformal.selective_thresholds`). Both parts of the rule are fixed before the split is looked
   at: the OOD threshold is the one fitted on validation data (``uncertainty.ood_threshold``), and the candidate
   ``lam`` are quantiles of the validation inputs' confidence, so the guarantee needs no assumption on the model:
   with probability at least ``1 - delta`` over the draw of the calibration split, the error rate among the
   accepted in-distribution inputs is at most ``eps`` (each target on its own).
 * **The drift alarm's reference**: the calibration scores are the alarm's initial bag; its bins' edges are
-  quantiles of the validation inputs' scores (fixed without the calibration scores: :mod:`service.drift`).
+  quantiles of the validation inputs' scores (fixed without the calibration scores: :mod:`service.core.drift`).
 
 Everything goes into ``guarantees.safetensors`` and the manifest's ``guarantees`` block
-(:class:`service.artifact.GuaranteesSpec`).
+(:class:`service.core.artifact.GuaranteesSpec`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from service.conformal import (
+from service.core.conformal import (
     SetCalibrator,
     binomial_p_value,
     keep_top,
@@ -38,16 +38,16 @@ from service.conformal import (
     ood_p_values,
     selective_thresholds,
 )
-from service.drift import DriftMonitor
-from service.guarantees import GUARANTEES_FILE, outlier_oriented
+from service.core.drift import DriftMonitor
+from service.core.guarantees import GUARANTEES_FILE, outlier_oriented
 
 __all__ = ["GUARANTEES_FILE", "CalibrationOutputs", "Fitted", "drift_edges", "evaluate_guarantees", "fit_guarantees",
            "grid_of"]
 
 GRID = 201  # candidate confidence thresholds: quantiles of the validation confidences at i / (GRID - 1)
 # a target's candidates start where the validation inputs' accept rate promises this many times the fewest accepted
-# calibration inputs at which the target can be certified at all (service.conformal.min_accepted): a first candidate
-# accepting fewer would end the fixed sequence at once
+# calibration inputs at which the target can be certified at all (service.core.conformal.min_accepted): a first
+# candidate accepting fewer would end the fixed sequence at once
 GRID_MARGIN = 1.25
 # ... and the first candidate is one the validation inputs certify with room to spare (p-value at most delta / 5 on
 # at least this many inputs): a start certified by a lucky handful of validation inputs fails on calibration

@@ -133,7 +133,7 @@ def init_image_tower(model: nn.Module, path: str | Path) -> dict[str, Any]:
     """
     from safetensors.torch import load_file
 
-    from service.artifact import file_sha256
+    from service.core.artifact import file_sha256
 
     path = Path(path)
     if not path.is_file():

@@ -23,7 +23,7 @@ integrates the PR curve with the trapezoid rule, which differs from it by a
 fraction of a percent on real curves.
 
 Uncertainty fields (MSP, entropy, mutual information, disagreement) come from
-``service.uncertainty.summarize``, the function the server answers with, so
+``service.core.uncertainty.summarize``, the function the server answers with, so
 build-time and serve-time numbers agree.
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
-from service.uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
+from service.core.uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
 
 __all__ = [
     "N_BINS",
@@ -164,7 +164,7 @@ def aece(probs: np.ndarray, labels: np.ndarray, n_bins: int = N_BINS) -> float:
 def uncertainty(probs: np.ndarray) -> dict[str, np.ndarray]:
     """Per-input uncertainty ``(N,)`` from member probabilities ``(N, M, C)``, as the server computes it.
 
-    ``service.uncertainty.summarize`` of ``log probs`` (softmax of a log-probability
+    ``service.core.uncertainty.summarize`` of ``log probs`` (softmax of a log-probability
     is the probability itself). Returns ``msp``, ``entropy``, ``expected_entropy``,
     ``mutual_information``, ``disagreement`` as float64 numpy arrays.
     """
@@ -176,7 +176,7 @@ def uncertainty(probs: np.ndarray) -> dict[str, np.ndarray]:
 
 def _metric_name(score: str) -> str:
     name = _ALIASES.get(score, score)
-    if name not in SUMMARY_SCORES:  # the probability scores; service.ood computes the others
+    if name not in SUMMARY_SCORES:  # the probability scores; service.core.ood computes the others
         raise ValueError(f"unknown OOD score {score!r} for probabilities; expected one of {SUMMARY_SCORES} (or 'mi')")
     return name
 

@@ -1,4 +1,4 @@
-"""The OOD stage of a build: statistics of :mod:`service.ood` fitted on ID features, the served score chosen on
+"""The OOD stage of a build: statistics of :mod:`service.core.ood` fitted on ID features, the served score chosen on
 the OOD validation sets, and every score's detection quality for the report.
 
 Per member: the class means of its penultimate features, and one covariance shared by
@@ -26,7 +26,7 @@ import torch
 from scipy.stats import spearmanr
 from sklearn.covariance import LedoitWolf
 
-from service.ood import (
+from service.core.ood import (
     GaussianStats,
     LayerStats,
     OODStats,
@@ -39,7 +39,7 @@ from service.ood import (
     member_scores,
     standardize,
 )
-from service.uncertainty import OOD_METRICS, ood_flag, summarize
+from service.core.uncertainty import OOD_METRICS, ood_flag, summarize
 
 from .calibration import calibrate_threshold
 from .metrics import ood_metrics
@@ -135,7 +135,7 @@ def fit_layer_stats(
     fit_layers: torch.Tensor, fit_labels: torch.Tensor, classes: int, val_layers: torch.Tensor,
     val_mahalanobis: torch.Tensor, ids: tuple[int, ...] | None = None,
 ) -> LayerStats:  # fmt: skip
-    """:class:`service.ood.LayerStats` of layers ``ids`` (default: all): a Gaussian per (member, layer) on the fit
+    """:class:`service.core.ood.LayerStats` of layers ``ids`` (default: all): a Gaussian per (member, layer) on the fit
     split's layer features ``(N, M, L-1, d)``, the pairs' and the columns' norms on ID validation (``val_layers``;
     ``val_mahalanobis (N',)``: the last feature's combined ``mahalanobis`` on the same inputs, column 0)."""
     ids = tuple(range(fit_layers.shape[2])) if ids is None else tuple(ids)
@@ -145,7 +145,7 @@ def fit_layer_stats(
     n = val_layers.shape[0]
     md = mahalanobis(val_layers[:, :, list(ids)].reshape(n, M * k, d), g)  # (N', M*K)
     pair_norms = fit_norms({"p": md})["p"]
-    per_layer = standardize(md, *pair_norms).view(n, M, k).mean(dim=1)  # (N', K), as service.ood.layer_scores
+    per_layer = standardize(md, *pair_norms).view(n, M, k).mean(dim=1)  # (N', K), as service.core.ood.layer_scores
     cols = torch.cat([val_mahalanobis.to(torch.float64).unsqueeze(1), per_layer.to(torch.float64)], dim=1)
     column_norms = (cols.mean(0), cols.std(0).clamp_min(1e-12))
     return LayerStats(ids, g, pair_norms, column_norms)
@@ -191,7 +191,7 @@ def with_layers(stats: OODStats, layers: LayerStats | None) -> OODStats:
 
 
 def scores_np(run: Run, stats: OODStats | None, T: float) -> dict:
-    """Every score of :func:`service.ood.ensemble_scores` of one run (logits, features, layer features) as float64
+    """Every score of :func:`service.core.ood.ensemble_scores` of one run (logits, features, layer features) as float64
     arrays ``(N,)``."""
     logits, features, layers = run
     return {k: v.double().numpy()
@@ -220,7 +220,8 @@ def background_stats(fit: torch.Tensor, val: torch.Tensor) -> OODStats:
 
 
 def label_free_scores(features: torch.Tensor, stats: OODStats) -> torch.Tensor:
-    """The combined ``mahalanobis`` ``(N,)`` of :func:`background_stats` (as :func:`service.ood.ensemble_scores`)."""
+    """The combined ``mahalanobis`` ``(N,)`` of :func:`background_stats` (as
+    :func:`service.core.ood.ensemble_scores`)."""
     assert stats.gaussians is not None
     return combine(mahalanobis(features, stats.gaussians), *stats.norms["mahalanobis"])
 
@@ -234,7 +235,7 @@ def candidate_scores(columns: np.ndarray, full: LayerStats, ids: tuple[int, ...]
 
 
 def flag_rate(scores: np.ndarray, metric: str, threshold: float) -> float:
-    """Share of ``scores`` the served rule flags (``service.uncertainty.ood_flag``; ``metric`` may be a candidate
+    """Share of ``scores`` the served rule flags (``service.core.uncertainty.ood_flag``; ``metric`` may be a candidate
     name, :func:`base_score`)."""
     flags = ood_flag(torch.from_numpy(np.asarray(scores, dtype=np.float64)), base_score(metric), threshold)
     return float(flags.float().mean())

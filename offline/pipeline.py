@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 from timm.data import resolve_data_config
 from torch import nn
 
-from service.artifact import Manifest, build_manifest, file_sha256
-from service.ood import ensemble_scores, ood_tensors
-from service.preprocess import make_preprocessor
-from service.uncertainty import SUMMARY_SCORES, ood_flag, summarize
+from service.core.artifact import OOD_FILE, Manifest, build_manifest, file_sha256
+from service.core.ood import ensemble_scores, ood_tensors
+from service.core.preprocess import make_preprocessor
+from service.core.uncertainty import SUMMARY_SCORES, ood_flag, summarize
 
 from . import train as train_mod
 from .calibration import calibrate_threshold
@@ -74,8 +74,6 @@ from .stages import (
     with_features,
     write_artifact,
 )
-
-OOD_FILE = "ood.safetensors"  # the OOD statistics (service.ood.ood_tensors)
 
 __all__ = ["STAGES", "base_checkpoint_dir", "build", "heads_of_base", "load_base", "scoring_batches"]
 

@@ -18,42 +18,13 @@ Heads are scored jointly over both towers (flat layer index: vision layers, then
 ``offline/families/clip.py``): circuits by zero-shot accuracy / MSP-AUROC / their average; Taylor on
 the vision tower only (the towers' Taylor scales differ, as the paper notes).
 
-Artifact (``docs/artifact.md``) — files: ``manifest.json``, ``model.safetensors`` (the fused
-``service.fused_clip.FusedCLIP``), ``image_encoder.ts``, ``text_encoder.ts``, ``image_encoder.onnx``,
-``text_encoder.onnx``, ``tokenizer/`` (Hugging Face tokenizer, ``AutoTokenizer.from_pretrained``), and
-``report.md``, ``report.json``, ``plots/*.png``. The manifest::
-
-    {
-      "format_version": 1, "name": str, "family": "clip", "task": "zero-shot",
-      "base_model": {"name", "source", "path", "sha256", "open_clip_config", "lit": {...} | absent},
-      "members": M,
-      "heads": [{"vision": [[kept base head indices] per vision layer], "text": [[...] per text layer]}, ...M],
-      "head_index": "<how the joint (layer, head) pairs of strategy.ranking are numbered>",
-      "strategy": {"name", "seeds", "budget", "pool", "ranking": [[joint layer, head], ...], ...},
-      "labels": [class names],          # the build's fixed label set, in logit order (for /predict)
-      "zero_shot": {"template": "A photo of a {label}.", "logit_scale": float (the multiplier, exp'd),
-                    "logit_bias": float | null, "embed_dim": D},
-      "preprocessing": {"type": "image", "size": [H, W], "mean": [3], "std": [3], "interpolation",
-                        "channels": 3, "resize": "direct",
-                        "text": {"max_length": int, "tokenizer": "tokenizer", "padding": "longest"}},
-      "uncertainty": {"temperature", "ood_score", "ood_threshold", "tpr"},
-      "model": {"config": <FusedCLIP config>, "weights": "model.safetensors",
-                "inputs": ["pixel_values", "input_ids", "attention_mask"], "output": "logits", "shape": "(B, M, L)",
-                "image_encoder": {"inputs": ["pixel_values"], "output": "image_embeds", "shape": "(B, M, D)"},
-                "text_encoder": {"inputs": ["input_ids", "attention_mask"], "output": "text_embeds",
-                                 "shape": "(L, M, D)"}},
-      "exports": {"torchscript": {"image": "image_encoder.ts", "text": "text_encoder.ts",
-                                  "max_abs_diff": {"image": float, "text": float}, "tolerance": float},
-                  "onnx": {"image": "image_encoder.onnx", "text": "text_encoder.onnx",
-                           "inputs": {"image": [...], "text": [...]},  # graph inputs actually present
-                           "max_abs_diff": {...}, "tolerance": float, "opset": 17}},
-      "precision": {"bf16": {...}}, "metrics": {method: headline numbers}, "data": {...}, "build": {...},
-      "files": {...}  # added by service.artifact.write_manifest
-    }
+Artifact: the zero-shot layout of ``docs/artifact.md``, which describes every file and manifest field: the fused
+``service.core.fused_clip.FusedCLIP`` weights, both encoders' TorchScript and ONNX exports, the tokenizer and the
+report. The manifest is built as ``service.core.artifact.Manifest``, whose validation is the format's.
 
 Serving: embed the labels' prompts once with the text encoder, ``(L, M, D)``; per request embed the
 images, ``(B, M, D)``; member logits ``(B, M, L) = logit_scale · einsum("bmd,lmd->bml")``
-(``+ logit_bias``), divided by ``uncertainty.temperature``, then ``service.uncertainty.summarize``.
+(``+ logit_bias``), divided by ``uncertainty.temperature``, then ``service.core.uncertainty.summarize``.
 """
 
 from __future__ import annotations
@@ -78,11 +49,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer, CLIPTokenizer
 
-from service.artifact import Manifest, build_manifest, file_sha256
-from service.fused_clip import zero_shot_logits
-from service.ood import ood_tensors
-from service.preprocess import ImagePreprocessor
-from service.uncertainty import SUMMARY_SCORES, summarize
+from service.core.artifact import OOD_FILE, Manifest, build_manifest, file_sha256
+from service.core.fused_clip import zero_shot_logits
+from service.core.ood import ood_tensors
+from service.core.preprocess import ImagePreprocessor
+from service.core.uncertainty import SUMMARY_SCORES, summarize
 
 from . import lit
 from .calibration import fit_temperature
@@ -139,8 +110,6 @@ from .stages import (
     write_artifact,
 )
 from .train import TrainConfig
-
-OOD_FILE = "ood.safetensors"  # the label-free OOD statistics (service.ood.ood_tensors)
 
 log = logging.getLogger("hydra.build")
 

@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from safetensors.torch import save_file
 
-from service.artifact import file_sha256
-from service.backends import cpu_name
+from service.core.artifact import file_sha256
+from service.core.hardware import cpu_name
 
 from . import data as data_mod
+from .config import read_yaml_mapping
 from .train import GRAY_MEAN, GRAY_STD, TrainConfig, accuracy, make_batches, train_base_vit
 
 __all__ = ["PretrainConfig", "load_pretrain_config", "main", "pretrain", "test_accuracy"]
@@ -96,13 +96,7 @@ class PretrainConfig:
 def load_pretrain_config(path: str | Path, steps: int | None = None) -> PretrainConfig:
     """The YAML config at ``path`` (``steps`` overrides ``train.steps``)."""
     p = Path(path)
-    if not p.is_file():
-        raise PretrainError(f"config file {p} does not exist")
-    try:
-        doc = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise PretrainError(f"{p}: not valid YAML ({e})") from e
-    doc = _dict(doc, str(p))
+    doc = read_yaml_mapping(p, PretrainError)
     if steps is not None:
         doc = {**doc, "train": {**_dict(doc.get("train", {}), "train"), "steps": steps}}
     return PretrainConfig(doc)

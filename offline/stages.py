@@ -12,7 +12,7 @@ Two kinds of batches exist on purpose:
   in-memory arrays with the training code's transforms; they feed Taylor gradients, circuit
   extraction and fine-tuning, where augmentation may differ from serving.
 * *evaluation* batches (:func:`eval_batches`) go through the server's own preprocessing
-  (:mod:`service.preprocess`, built from the manifest's ``preprocessing``): what the temperature,
+  (:mod:`service.core.preprocess`, built from the manifest's ``preprocessing``): what the temperature,
   the OOD threshold, the report and the export parity checks see is exactly what the server
   computes for the same input.
 
@@ -36,11 +36,11 @@ import torch
 from PIL import Image
 from torch import nn
 
-from service.artifact import Manifest, write_manifest
-from service.ood import OODStats
-from service.preprocess import ImagePreprocessor, TextPreprocessor
-from service.uncertainty import ood_flag, summarize
-from service.uncertainty import ood_score as ood_score_of
+from service.core.artifact import Manifest, write_manifest
+from service.core.ood import OODStats
+from service.core.preprocess import ImagePreprocessor, TextPreprocessor
+from service.core.uncertainty import ood_flag, summarize
+from service.core.uncertainty import ood_score as ood_score_of
 
 from . import data as data_mod
 from . import train as train_mod
@@ -585,7 +585,7 @@ def best_layers(candidates: dict[str, dict[str, Any]], selected: str) -> tuple[i
 
 
 def ood_flag_np(scores: np.ndarray, metric: str, threshold: float) -> np.ndarray:
-    """The served flag ``(N,)`` bool of scores ``(N,)`` (:func:`service.uncertainty.ood_flag`)."""
+    """The served flag ``(N,)`` bool of scores ``(N,)`` (:func:`service.core.uncertainty.ood_flag`)."""
     return ood_flag(torch.from_numpy(np.asarray(scores, dtype=np.float64)), metric, threshold).numpy()
 
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from service.errors import ServiceError
-from service.preprocess import ImagePreprocessor
+from service.core.errors import ServiceError
+from service.core.preprocess import ImagePreprocessor
 
 from .checkpoints import check_keys
 from .compute import Compute

@@ -31,11 +31,11 @@ from typing import Any
 import anyio
 import torch
 
-from .artifact import ArtifactError
-from .backends import BackendConfigError
-from .errors import InvalidInput, NotReady
+from .core.artifact import ArtifactError
+from .core.backends import BackendConfigError
+from .core.errors import InvalidInput, NotReady
 from .metrics import Metrics
-from .runtimes import Runtime, open_runtime
+from .runtime import Runtime, open_runtime
 from .settings import Settings
 
 __all__ = [

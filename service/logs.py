@@ -4,7 +4,7 @@ and the prediction lines (docs/api.md, "Logs").
 * :func:`configure_logging` (``python -m service``) installs one handler on the root logger: human-readable text
   (the default) or one JSON object per line, formatted by python-json-logger's ``JsonFormatter``. Its
   :class:`RequestContextFilter` adds the request ID and trace ID of the request being answered (context variables
-  set by :class:`service.middleware.RequestContext`) to every record, so a JSON line logged while answering a
+  set by :class:`service.api.middleware.RequestContext`) to every record, so a JSON line logged while answering a
   request carries them.
 * :func:`log_access`: one line per request on ``hydra.access``, at INFO with JSON logs (at DEBUG with text logs,
   where uvicorn's own access log serves at that level).
@@ -21,9 +21,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from pythonjsonlogger.core import RESERVED_ATTRS
-from pythonjsonlogger.json import JsonFormatter
-
+from .core.jsonlog import json_formatter
 from .settings import Settings
 
 __all__ = [
@@ -34,13 +32,12 @@ __all__ = [
     "RequestContextFilter",
     "access_log_enabled",
     "configure_logging",
-    "json_formatter",
     "log_access",
     "log_predictions",
     "request_context",
 ]
 
-# the request being answered (None outside requests): set by service.middleware.RequestContext
+# the request being answered (None outside requests): set by service.api.middleware.RequestContext
 REQUEST_ID: ContextVar[str | None] = ContextVar("hydra_request_id", default=None)
 TRACE_ID: ContextVar[str | None] = ContextVar("hydra_trace_id", default=None)
 
@@ -70,15 +67,6 @@ class RequestContextFilter(logging.Filter):
         if not hasattr(record, "trace_id"):
             record.trace_id = TRACE_ID.get()
         return True
-
-
-def json_formatter() -> logging.Formatter:
-    """One JSON object per record: ``time`` (ISO 8601, UTC), ``level``, ``logger``, ``message`` and every ``extra``
-    field of the record (``request_id`` and ``trace_id`` with :class:`RequestContextFilter`)."""
-    return JsonFormatter(
-        "%(levelname)s %(name)s %(message)s", rename_fields={"levelname": "level", "name": "logger"}, timestamp="time",
-        reserved_attrs=[*RESERVED_ATTRS, "color_message"],  # uvicorn's message with terminal colours: left out
-    )  # fmt: skip
 
 
 class _HydraHandler(logging.StreamHandler):

@@ -11,14 +11,14 @@ and ``ServerState.on_fatal`` is called (``python -m service`` then stops with a
 non-zero status, so that the orchestrator restarts it).
 
 Readiness also goes false while a model is unhealthy (``HYDRA_UNREADY_AFTER_FAILURES``
-failed batches in a row, until a probe batch succeeds; :class:`service.runtimes.Runtime`).
+failed batches in a row, until a probe batch succeeds; :class:`service.runtime.Runtime`).
 
-The app is assembled here from one module per concern: :mod:`service.middleware` (request
+The app is assembled here from one module per concern: :mod:`service.api.middleware` (request
 IDs and the access log, auth, body limit, request metrics), :mod:`service.lifecycle` (state,
-start-up, shutdown, model picking), :mod:`service.routes` (the HTTP API's handlers) and
-:mod:`service.routes_oip` (the Open Inference Protocol's), both over :mod:`service.pipeline`
+start-up, shutdown, model picking), :mod:`service.api.v1` (the HTTP API's handlers) and
+:mod:`service.api.oip` (the Open Inference Protocol's), both over :mod:`service.api.dataplane`
 (the one inference path), :mod:`service.tracing` (request IDs, trace context, OpenTelemetry
-with ``HYDRA_OTEL``) and :mod:`service.errors` (the error body). Handlers reach the loaded
+with ``HYDRA_OTEL``) and :mod:`service.api.errors` (the error body). Handlers reach the loaded
 models through ``request.app.state.hydra``.
 """
 
@@ -44,12 +44,12 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import install_error_handlers
+from .api.errors import install_error_handlers
+from .api.middleware import GuardMiddleware, RequestContext
+from .api.oip import install_oip_routes
+from .api.v1 import install_routes
 from .lifecycle import ServerState, lifespan
 from .metrics import Metrics
-from .middleware import GuardMiddleware, RequestContext
-from .routes import install_routes
-from .routes_oip import install_oip_routes
 from .settings import Settings
 from .tracing import instrument
 
@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None) -> HydraApp:
         description="Uncertainty-aware inference with Hydra ensembles: predictions with MSP, entropy, "
         "mutual information, member disagreement and a calibrated OOD flag.",
         lifespan=lifespan(state),
-        docs_url=None,  # /docs is service.routes.install_docs': Swagger UI from the app itself, not from a CDN
+        docs_url=None,  # /docs is service.api.v1.install_docs': Swagger UI from the app itself, not from a CDN
         redoc_url=None,  # ReDoc would load from a CDN, and no pinned package ships it
     )
     app.state.hydra = state

@@ -85,7 +85,7 @@ class Metrics:
             "hydra_selective_total", "Answers with a risk target, by whether the certified rule accepted them.",
             ["model", "risk", "accept"], registry=r,
         )  # fmt: skip
-        # registered by the first zero-shot model (service.runtimes.zeroshot.text_cache_counter): a server without
+        # registered by the first zero-shot model (service.runtime.zeroshot.text_cache_counter): a server without
         # one does not list it
         self.zero_shot_text_cache: Counter | None = None
 

@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     http: Literal["auto", "h11", "httptools"] = "auto"
     # auto = CUDA when available, else CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    # auto = onnx on CPU when exported and fp32, torch eager otherwise (see service/backends.py)
+    # auto = onnx on CPU when exported and fp32, torch eager otherwise (see service/runtime/plan.py)
     backend: Literal["auto", "torch", "torchscript", "onnx", "aoti"] = "auto"
     # auto = bf16 on CUDA, bf16 on CPUs with native bf16 when the build recorded bf16 agrees, else fp32
     precision: Literal["auto", "fp32", "bf16"] = "auto"
@@ -59,8 +59,8 @@ class Settings(BaseSettings):
     max_batch: int = Field(32, ge=1, le=4096)
     # longest wait of a queued input for others to join its batch (a lone client under low load does not wait)
     max_wait_ms: float = Field(20.0, ge=0.0, le=10_000.0)
-    # how full a batch waits to be under lower load (service/batching.py): in_system (the most inputs queued plus
-    # running in recent batch cycles) or recent (the largest recent batch)
+    # how full a batch waits to be under lower load (service/runtime/batching.py): in_system (the most inputs queued
+    # plus running in recent batch cycles) or recent (the largest recent batch)
     batch_fill: Literal["in_system", "recent"] = "in_system"
     # most inputs waiting per model; beyond it requests get 503 overloaded
     max_queue: int = Field(512, ge=1)

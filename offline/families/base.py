@@ -101,7 +101,7 @@ class FamilyAdapter:
         raise NotImplementedError
 
     def to_fused(self, members: Sequence[nn.Module], mlp: str = "shared") -> tuple[dict, dict[str, torch.Tensor]]:
-        """Fused config and state dict (for ``service.models.build_model``) of structurally pruned members.
+        """Fused config and state dict (for ``service.core.registry.build_model``) of structurally pruned members.
 
         Every member is checked first. The config's ``averaged_shared_params`` names the shared parameters
         the members disagree on (averaged by the fusion) with their largest difference.
@@ -299,7 +299,7 @@ def fused_block_state(
     mlp: str,
     report: dict[str, float],
 ) -> tuple[int, dict[str, torch.Tensor]]:
-    """State dict of one :class:`service.fused.FusedBlock` from M members' canonical layer weights.
+    """State dict of one :class:`service.core.fused.FusedBlock` from M members' canonical layer weights.
 
     Each ``layers[m]`` holds: ``qkv`` (Wq, Wk, Wv) ``(h*hd, d)`` each, ``qkv_bias`` (3 biases or None),
     ``proj_w`` ``(d, h*hd)``, ``proj_b`` ``(d,)``, ``ln1_w/ln1_b/ln2_w/ln2_b``, ``fc1_w/fc1_b/fc2_w/fc2_b``

@@ -463,7 +463,7 @@ class CLIPAdapter(FamilyAdapter):
     def fused_config(
         self, members: Sequence[nn.Module], mlp: str, report: dict[str, float], sd: dict[str, torch.Tensor]
     ) -> dict[str, Any]:
-        """The config of ``service.fused_clip.FusedCLIP`` (see :meth:`FamilyAdapter.to_fused`)."""
+        """The config of ``service.core.fused_clip.FusedCLIP`` (see :meth:`FamilyAdapter.to_fused`)."""
         ref = members[0]
         vcfg = _fuse_vision(members, mlp, report, sd)
         fuse_text = _fuse_hf_text if _is_hf_text(ref) else _fuse_clip_text

@@ -146,7 +146,7 @@ def test_outputs_merge_and_readme_block(tmp_path: Path):
     doc = run_mod.write_part(out, "quality", again, "setting", {"image"}, {"mode": "fast"})
     assert [(r["setting"], r["method"]) for r in doc["rows"]] == [("text", "single"), ("image", "single")]
     run_mod.write_part(out, "quality", rows, "setting", {"image"}, {"mode": "fast"})
-    summary = run_mod.write_outputs(out, readme, "python benchmarks/run.py --fast")
+    summary = run_mod.write_outputs(out, readme, "python -m benchmarks.run --fast")
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk["machine"] and on_disk["quality"] == summary["quality"]
     assert all(QUALITY_KEYS <= set(r) for r in on_disk["quality"])

@@ -21,15 +21,22 @@ def commands() -> list[list[str]]:
     return [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
 
 
+def _name(cmd: list[str]) -> str:
+    """The program a command runs: the script (``python offline/build.py``) or the module (``python -m x``)."""
+    if len(cmd) > 2 and cmd[1] == "-m":
+        return cmd[2]
+    return cmd[1] if len(cmd) > 1 else cmd[0]
+
+
 def _program(commands: list[list[str]], script: str) -> list[str]:
-    (cmd,) = [c for c in commands if len(c) > 1 and c[1] == script]
-    return cmd[2:]
+    (cmd,) = [c for c in commands if _name(c) == script]
+    return cmd[3:] if cmd[1] == "-m" else cmd[2:]
 
 
 def test_it_runs_the_cuda_tests_a_cuda_build_and_both_benchmarks(commands):
-    programs = [c[1] if len(c) > 1 else c[0] for c in commands]
-    assert "-m" in programs and any(c[1:4] == ["-m", "pytest", "-m"] and c[4] == "gpu" for c in commands)
-    for script in ("offline/build.py", "benchmarks/run.py", "benchmarks/bench_server.py"):
+    programs = [_name(c) for c in commands]
+    assert "pytest" in programs and any(c[1:4] == ["-m", "pytest", "-m"] and c[4] == "gpu" for c in commands)
+    for script in ("offline/build.py", "benchmarks.run", "benchmarks.bench_server"):
         assert script in programs, script
     assert "gpu" in (ROOT / "pyproject.toml").read_text()  # the marker pytest -m gpu selects
 
@@ -45,12 +52,12 @@ def test_the_build_command_is_a_valid_cuda_build(commands):
     assert cfg.build.precision == "auto" and cfg.build.workers == 4
 
 
-@pytest.mark.parametrize("script", ["benchmarks/run.py", "benchmarks/bench_server.py"])
+@pytest.mark.parametrize("script", ["benchmarks.run", "benchmarks.bench_server"])
 def test_the_benchmark_commands_parse(commands, script, monkeypatch):
     """Each program's parser takes the arguments (``--help`` last: every argument before it is checked first)."""
     import importlib
 
-    module = importlib.import_module(script.replace("/", ".").removesuffix(".py"))
+    module = importlib.import_module(script)
     with pytest.raises(SystemExit) as done:
         module.main([*_program(commands, script), "--help"])
     assert done.value.code == 0

@@ -10,9 +10,10 @@ from fastapi.testclient import TestClient
 
 from offline.build import build
 from offline.config import load_config
-from service.artifact import load_manifest
-from service.backends import BackendConfigError, resolve_plan
+from service.core.artifact import load_manifest
+from service.core.backends import BackendConfigError
 from service.main import create_app
+from service.runtime.plan import resolve_plan
 from tests.service.helpers import settings_for
 
 from .conftest import ticket_build

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from offline.build import main
-from service.artifact import load_manifest
+from service.core.artifact import load_manifest
 
 from .conftest import ticket_build
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offline.calibration import T_MAX, calibrate_threshold, ensemble_nll, fit_temperature
-from service.uncertainty import OOD_METRICS, ood_flag
+from service.core.uncertainty import OOD_METRICS, ood_flag
 
 
 def _passed(scores: np.ndarray, metric: str, threshold: float) -> int:

@@ -14,7 +14,7 @@ from offline.families import get_adapter
 from offline.families.clip import SlicedMultiheadAttention, split_heads
 from offline.fusion import fuse
 from offline.scoring import HiddenStateCache
-from service.models import load_model
+from service.core.registry import load_model
 
 EOT = 99  # the largest id of the tiny vocabulary, as <end_of_text> is in open_clip's
 # joint layers: 2 vision layers (4 heads), then 2 text layers (3 heads in CLIP, 4 in the HF tower);
@@ -280,7 +280,7 @@ def test_roundtrip_through_safetensors_and_build_model(kind, tmp_path):
     adapter = get_adapter("clip")
     fused, cfg = fuse(adapter, [adapter.prune_to(base, k) for k in keeps])
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, tmp_path / "model.safetensors")
-    loaded = load_model(tmp_path / "model.safetensors", cfg)  # service.models.build_model -> FusedCLIP
+    loaded = load_model(tmp_path / "model.safetensors", cfg)  # service.core.registry.build_model -> FusedCLIP
     assert type(loaded).__name__ == "FusedCLIP"
     with torch.no_grad():
         torch.testing.assert_close(loaded(**batch), fused(**batch), atol=0, rtol=0)

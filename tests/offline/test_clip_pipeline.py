@@ -10,8 +10,8 @@ import torch
 
 from offline.data import Data, Split
 from offline.families import get_adapter
-from service.artifact import file_sha256
-from service.models import load_model
+from service.core.artifact import file_sha256
+from service.core.registry import load_model
 
 CLASSES = ["square", "bar", "cross"]
 
@@ -78,7 +78,7 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
     from offline import pipeline_clip
     from offline.build import build
     from offline.config import load_config
-    from service.artifact import load_manifest, verify_files
+    from service.core.artifact import load_manifest, verify_files
 
     cfg_path, weights = tiny_checkpoint
     monkeypatch.setattr(pipeline_clip, "load_data", lambda cfg: synthetic_data())

@@ -16,9 +16,9 @@ from offline.export import (
     export_torchscript,
     input_order,
 )
-from service.backends import onnx_session
-from service.fused import tiny_config
-from service.models import build_model
+from service.core.backends import onnx_session
+from service.core.fused import tiny_config
+from service.core.registry import build_model
 
 TOL = 1e-4
 

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from offline.foreign import FOREIGN_KINDS, NINE_INPUTS, foreign_images, nine_inputs
-from service.preprocess import ImagePreprocessor
+from service.core.preprocess import ImagePreprocessor
 
 PREP = {"type": "image", "size": [28, 28], "mean": [0.286], "std": [0.353], "channels": 1, "resize": "direct"}
 

@@ -7,7 +7,7 @@ import torch
 
 from offline.families import get_adapter
 from offline.fusion import fuse
-from service.models import load_model
+from service.core.registry import load_model
 
 from .conftest import bert_batch, tiny_bert, tiny_vit
 

@@ -1,4 +1,4 @@
-"""Known answers for offline.metrics, and agreement with scikit-learn and service.uncertainty."""
+"""Known answers for offline.metrics, and agreement with scikit-learn and service.core.uncertainty."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 
 from offline import metrics as M
-from service.uncertainty import summarize
+from service.core.uncertainty import summarize
 from tests.offline.metric_keys import EVAL_OOD_SET_KEYS, EVAL_SCALAR_KEYS
 
 

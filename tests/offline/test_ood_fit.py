@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from sklearn.covariance import LedoitWolf
 
 from offline.ood_fit import fit_gaussians
-from service.ood import mahalanobis, stats_from_tensors, stats_tensors
+from service.core.ood import mahalanobis, stats_from_tensors, stats_tensors
 
 
 def _data(n: int = 3000, members: int = 2, dim: int = 4, seed: int = 0):
@@ -112,7 +112,7 @@ def test_relative_mahalanobis_cancels_outside_the_class_means_with_few_inputs_pe
     shrank the background covariance on its own: with about as many inputs as dimensions the two shrinkage
     intensities differed, far inputs got relative scores far *below* ID ones (AUROC 14-16 % on the text artifact),
     and this test failed."""
-    from service.ood import relative_mahalanobis
+    from service.core.ood import relative_mahalanobis
 
     g = torch.Generator().manual_seed(3)
     n, dim = 64, 48  # about as many inputs as dimensions, as 400 texts of 384 dimensions
@@ -140,7 +140,7 @@ def test_relative_mahalanobis_ranks_far_inputs_above_id_ones():
     chance), with as many fit inputs as dimensions: the regression test of the inverted score."""
     from sklearn.metrics import roc_auc_score
 
-    from service.ood import relative_mahalanobis
+    from service.core.ood import relative_mahalanobis
 
     g = torch.Generator().manual_seed(4)
     n, dim = 96, 64
@@ -200,7 +200,7 @@ def test_layer_candidates_equal_the_served_score_on_their_restricted_statistics(
 
 
 def test_layers_score_is_the_largest_standardised_column():
-    from service.ood import layers_max
+    from service.core.ood import layers_max
 
     last = torch.tensor([1.0, 0.0])
     layers = torch.tensor([[0.0, 3.0], [10.0, 2.0]])
@@ -211,7 +211,7 @@ def test_layers_score_is_the_largest_standardised_column():
 
 def test_layer_statistics_round_trip_and_shapes_are_checked(tmp_path):
     from offline.ood_fit import fit_layer_stats
-    from service.ood import LayerStats, layer_scores, layer_tensors, layers_from_tensors
+    from service.core.ood import LayerStats, layer_scores, layer_tensors, layers_from_tensors
 
     _, _, layers, y = _layer_data()
     st = fit_layer_stats(layers[:120], y[:120], 3, layers[120:], torch.zeros(120), ids=(1, 2))

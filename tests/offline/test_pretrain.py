@@ -25,7 +25,7 @@ from offline import data as data_mod
 from offline import pretrain as pt
 from offline import train as train_mod
 from offline.checkpoints import load_timm
-from service.artifact import file_sha256
+from service.core.artifact import file_sha256
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "offline" / "backbones" / "fashion-vit-s.json"

@@ -21,7 +21,7 @@ from offline.stages import (
     reinit_head,
     with_features,
 )
-from service.preprocess import ImagePreprocessor
+from service.core.preprocess import ImagePreprocessor
 
 
 def _cfg(**hydra):

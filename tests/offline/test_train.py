@@ -341,7 +341,7 @@ def test_decoded_images_are_cached_and_exactly_the_servers(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from service.preprocess import ImagePreprocessor
+    from service.core.preprocess import ImagePreprocessor
 
     paths = []
     for i in range(3):

@@ -12,11 +12,11 @@ from fastapi.testclient import TestClient
 
 from offline.build import build
 from offline.config import load_config
-from service.artifact import load_manifest
+from service.core.artifact import load_manifest
+from service.core.preprocess import make_preprocessor
+from service.core.registry import load_model
+from service.core.uncertainty import summarize
 from service.main import create_app
-from service.models import load_model
-from service.preprocess import make_preprocessor
-from service.uncertainty import summarize
 from tests.service.helpers import settings_for
 
 from .conftest import LABELS, ticket_build

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from service.__main__ import main
-from service.runtimes import ClassifierRuntime
+from service.runtime import ClassifierRuntime
 
 DELAY_S = float(os.environ.get("RELIABILITY_DELAY_S", "0.5"))
 # an all-white image after the tiny ViT's normalisation: (255 / 255 - 0.5) / 0.25

@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fastapi.testclient import TestClient
 
-from service.batching import Batcher
-from service.errors import InvalidInput
+from service.core.errors import InvalidInput
 from service.main import create_app
+from service.runtime.batching import Batcher
 from tests.service.helpers import b64, noise_images, png, settings_for
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from tests.service.core.test_preprocess import huge_png_header
 from tests.service.helpers import assert_error, b64, noise_images, png
-from tests.service.test_preprocess import huge_png_header
 
 NO_ZS_MODEL = "no zero-shot model is loaded"
 

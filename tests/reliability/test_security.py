@@ -17,8 +17,8 @@ import torch
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+import service.api.middleware
 import service.main
-import service.middleware
 from service.main import create_app
 from service.settings import Settings
 from tests.service.helpers import b64, png, settings_for
@@ -37,7 +37,7 @@ def test_key_compared_by_digest_in_constant_time(artifacts, monkeypatch):
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(service.middleware.hmac, "compare_digest", spy)
+    monkeypatch.setattr(service.api.middleware.hmac, "compare_digest", spy)
     app = create_app(settings_for(artifacts["vit"], api_key=KEY))
     c = TestClient(app)  # auth is checked before anything is loaded
     for token in ("x", KEY[:-1], KEY + "x", "y" * 5000, KEY.upper()):
@@ -47,7 +47,7 @@ def test_key_compared_by_digest_in_constant_time(artifacts, monkeypatch):
     # every comparison is of two SHA-256 digests: the time depends neither on the key's content nor on its length
     assert calls == [(32, 32)] * 6
     guard = app.middleware_stack
-    while not isinstance(guard, service.middleware.GuardMiddleware):
+    while not isinstance(guard, service.api.middleware.GuardMiddleware):
         guard = guard.app
     assert guard._key_digest == hashlib.sha256(KEY.encode()).digest()
     assert not [k for k, v in vars(guard).items() if v in (KEY, KEY.encode())]  # only the digest is kept

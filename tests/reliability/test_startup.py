@@ -15,7 +15,7 @@ from benchmarks.harness import free_port
 from service import __main__ as entry
 from service.lifecycle import StartupError
 from service.main import create_app
-from service.runtimes import ClassifierRuntime
+from service.runtime import ClassifierRuntime
 from tests.service.helpers import b64, hold_warmup, png, settings_for
 
 

@@ -15,8 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
-import resource, sys
-sys.path.insert(0, {root!r})
+import resource
 if {server}:
     import service.main  # noqa: F401  (first import: sets the allocator environment, then imports torch)
 import torch
@@ -34,8 +33,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def _faults(server: bool) -> int:
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    code = PROBE.format(root=str(ROOT), server=server)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    code = PROBE.format(server=server)
+    # run from the repository root: `python -c` imports from the working directory first
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=ROOT)
     return int(out.stdout.strip().splitlines()[-1])
 
 

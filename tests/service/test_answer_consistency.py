@@ -71,7 +71,7 @@ def test_every_field_follows_its_stated_rule(consistent_client):
 
 def test_flag_threshold_is_the_p_value_rule_exactly():
     """Against the p-value itself, with ties in the calibration scores and levels on and between the p-value grid."""
-    from service.guarantees import Guarantees
+    from service.core.guarantees import Guarantees
 
     rng = np.random.default_rng(3)
     for n, metric in itertools.product((1, 7, 50), ("msp", "energy")):

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from offline.guarantees import drift_edges, grid_of, target_grid
-from service.conformal import SetCalibrator, ood_p_values, selective_thresholds
-from service.drift import DriftMonitor
-from service.guarantees import outlier_oriented
+from service.core.conformal import SetCalibrator, ood_p_values, selective_thresholds
+from service.core.drift import DriftMonitor
+from service.core.guarantees import outlier_oriented
 
 OUTPUTS = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "outputs").glob("*.npz"))
 TOL = 4.0  # standard errors of a simulated mean

@@ -24,7 +24,7 @@ from benchmarks.harness import free_port
 from service.__main__ import freeze_startup_heap
 from service.lifecycle import StartupError
 from service.main import create_app
-from service.runtimes import ClassifierRuntime
+from service.runtime import ClassifierRuntime
 from service.settings import Settings
 from tests.service.helpers import b64, hold_warmup, png, settings_for
 

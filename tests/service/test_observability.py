@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from service import settings as settings_module
-from service.artifact import ArtifactError, artifact_version, load_manifest, write_manifest
-from service.logs import RequestContextFilter, configure_logging, json_formatter
+from service.core.artifact import ArtifactError, artifact_version, load_manifest, write_manifest
+from service.core.jsonlog import json_formatter
+from service.logs import RequestContextFilter, configure_logging
 from service.main import create_app
 from service.settings import Settings
 from service.tracing import request_id, trace_id
@@ -98,7 +99,7 @@ def test_every_answer_carries_the_request_id(client: TestClient, artifacts: dict
         def broken(*a, **kw):
             raise ValueError("boom")
 
-        monkeypatch.setattr("service.requests.check_limits", broken)
+        monkeypatch.setattr("service.api.requests.check_limits", broken)
         r = c.post("/predict", json={"image": b64(png(3))}, headers={"Authorization": "Bearer k", "X-Request-ID": "e"})
         assert_error(r, 500, "internal")
         assert r.headers["x-request-id"] == "e"  # answered by the error middleware, still tagged
@@ -176,7 +177,7 @@ def test_lines_logged_while_answering_carry_the_ids(artifacts, json_log: io.Stri
 
     app = create_app(settings_for(artifacts["vit"], log_format="json"))
     with TestClient(app, raise_server_exceptions=False) as c:
-        monkeypatch.setattr("service.requests.check_limits", broken)
+        monkeypatch.setattr("service.api.requests.check_limits", broken)
         headers = {"X-Request-ID": "err-1", "traceparent": TRACEPARENT}
         assert c.post("/predict", json={"image": b64(png(1))}, headers=headers).status_code == 500
     (err,) = [x for x in lines(json_log, "hydra.service") if x["message"].startswith("unhandled error")]

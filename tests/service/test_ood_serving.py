@@ -12,13 +12,13 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
 from offline.ood_fit import scores_np
-from service.artifact import OOD_SCORES, ArtifactError, load_manifest, parse_manifest
+from service.core.artifact import OOD_SCORES, ArtifactError, load_manifest, parse_manifest
+from service.core.ood import ood_from_tensors
+from service.core.preprocess import ImagePreprocessor, make_preprocessor
+from service.core.registry import load_model
+from service.core.uncertainty import OOD_METRICS
 from service.main import create_app
-from service.models import load_model
-from service.ood import ood_from_tensors
-from service.preprocess import ImagePreprocessor, make_preprocessor
-from service.runtimes.base import load_ood_stats
-from service.uncertainty import OOD_METRICS
+from service.runtime.interface import load_ood_stats
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for
 

@@ -1,4 +1,4 @@
-"""The zero-shot runtime (service/runtimes/zeroshot.py) behind /zero-shot and /predict, on a tiny random fused CLIP."""
+"""The zero-shot runtime (service/runtime/zeroshot.py) behind /zero-shot and /predict, on a tiny random fused CLIP."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from safetensors.torch import save_file
 
-from service.artifact import write_manifest
-from service.fused_clip import FusedCLIP, zero_shot_logits
+from service.core.artifact import write_manifest
+from service.core.fused_clip import FusedCLIP, zero_shot_logits
+from service.core.preprocess import ImagePreprocessor, TextPreprocessor
+from service.core.registry import build_model
+from service.core.uncertainty import summarize
 from service.main import create_app
-from service.models import build_model
-from service.preprocess import ImagePreprocessor, TextPreprocessor
-from service.runtimes import RUNTIMES, CLIPZeroShotRuntime, TextCache
-from service.uncertainty import summarize
+from service.runtime import RUNTIMES, CLIPZeroShotRuntime, TextCache
 from tests.fixtures.tiny_artifact import CLIP_PREP, make_tiny_clip_artifact
 from tests.service.helpers import assert_error, b64, settings_for
 
@@ -233,7 +233,7 @@ def zs_label_free(zs_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -
     import shutil
 
     from offline.ood_fit import background_stats, fit_layer_stats, label_free_scores, with_layers
-    from service.ood import ood_tensors
+    from service.core.ood import ood_tensors
 
     out = tmp_path_factory.mktemp("zs-lf") / "tiny-clip-lf"
     shutil.copytree(zs_artifact, out)
@@ -264,7 +264,7 @@ def test_label_free_flag_is_the_builders_and_ignores_the_labels(zs_label_free: P
     number the builder's code computes from the image tower's embeddings and layer features."""
     from safetensors.torch import load_file
 
-    from service.ood import ensemble_scores, ood_from_tensors
+    from service.core.ood import ensemble_scores, ood_from_tensors
 
     images = [rgb_png(7), rgb_png(8), bytes(_blank_png())]
     with TestClient(create_app(settings_for(zs_label_free))) as c:

@@ -1,0 +1,290 @@
+"""The HTTP routes (docs/api.md): health, readiness, metrics, the model list, ``/predict`` and ``/zero-shot``.
+
+Handlers are thin. The two inference endpoints share one path, :func:`infer`: parse the
+body (:mod:`service.api.requests`), then the inference path every endpoint shares
+(:func:`service.api.dataplane.run_inference`: limits -> model -> inputs -> batcher). The answer is a
+:class:`~service.api.schemas.PredictResponse` (:func:`service.api.answers.predict_response`), sent
+without its unset fields, serialised by pydantic-core and not validated again (:func:`json_answer`).
+Errors are domain exceptions mapped to the contract's body in :mod:`service.api.errors`. The Open
+Inference Protocol's routes (``/v2``) are :mod:`service.api.oip`.
+
+The route declarations carry the OpenAPI documentation: response models, the error
+answers of each route (the contract's body, also where FastAPI would declare its own:
+:func:`contract_openapi`), and both request bodies (JSON and multipart) of the inference routes.
+``/docs`` is Swagger UI with its files served by the app (:func:`install_docs`): it works offline.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel
+from swagger_ui_bundle import swagger_ui_path
+
+from ..core.errors import Forbidden, NotFound, NotReady
+from ..lifecycle import not_ready_reason
+from ..metrics import CONTENT_TYPE_LATEST
+from .answers import predict_response
+from .dataplane import request_id, run_inference, server_state
+from .requests import parse_request
+from .schemas import (
+    ERROR_RESPONSES,
+    TEMPLATE_PATTERN,
+    HealthResponse,
+    ModelsResponse,
+    PredictRequest,
+    PredictResponse,
+    ReadyResponse,
+    ZeroShotRequest,
+)
+
+__all__ = ["DOCS_ASSETS", "contract_openapi", "infer", "install_docs", "install_routes", "json_answer"]
+
+# Swagger UI's files, served by the app itself from the pinned swagger-ui-bundle package (no CDN: /docs works
+# offline): URL path under DOCS_ASSETS -> media type. A fixed list, each its own route: no request names a file.
+SWAGGER_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css",
+                  "favicon-32x32.png": "image/png"}  # fmt: skip
+DOCS_ASSETS = "/docs/assets"
+ERROR_REF = "#/components/schemas/ErrorResponse"
+# the documented /zero-shot request's image: an 8x8 grey PNG, base64
+EXAMPLE_IMAGE = "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAAAAADhZOFXAAAAEElEQVR42mNsYIAAJgaKGAAmCACQtTEKkQAAAABJRU5ErkJggg=="
+
+
+async def infer(request: Request, task: str) -> Response:
+    """Parse the body of ``/predict`` or ``/zero-shot`` -> the shared inference path -> the answer."""
+    t0 = request.scope.get("hydra.t0", time.perf_counter())
+    parsed = await parse_request(request, task, server_state(request).settings.max_items)
+    rt, out = await run_inference(request, parsed)
+    answer = predict_response(rt, out, parsed.query, t0, request_id(request))
+    return json_answer(answer)
+
+
+def json_answer(answer: BaseModel) -> Response:
+    """``answer`` as a JSON response, without its None fields (``members`` unless asked for, ...).
+
+    Validated when built, so serialised as is, in one call into pydantic-core (Rust) rather than through a dict of
+    Python objects and ``json.dumps``. With every None field left out, ``null`` can only be a non-finite float (which
+    pydantic writes as null): such an answer goes through ``json.dumps``, which refuses it (500 ``internal``) as
+    before. The bytes differ from ``json.dumps``' only in how some floats are spelt (``0.00001`` for ``1e-05``: the
+    same number).
+    """
+    body = answer.model_dump_json(exclude_none=True).encode()
+    if b"null" in body:  # rare (also a label or ID spelling "null"): the strict path decides
+        return JSONResponse(answer.model_dump(exclude_none=True))
+    return Response(body, media_type="application/json")
+
+
+def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any], example: dict[str, Any]) -> dict[str, Any]:
+    """OpenAPI ``requestBody`` of an inference route: the JSON model (with a request that works: Swagger UI's
+    "Try it out" and schemathesis' examples send it), or a multipart form of ``file`` parts."""
+    json_schema = json_model.model_json_schema()
+    # the guarantees' levels, as in JSON: a number in (0, 1) (a risk the model was not built with is 422)
+    levels = {k: {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1,
+                  "description": json_schema["properties"][k].get("description", "")}
+              for k in ("alpha", "ood_alpha", "risk")}  # fmt: skip
+    form_schema = {
+        "type": "object",
+        "properties": {
+            "file": {"type": "array", "items": {"type": "string", "format": "binary"}, "description": "image files"},
+            "model": {"type": "string", "minLength": 1},
+            "top_k": {"type": "integer", "minimum": 1, "default": 5},
+            "return_members": {"type": "boolean", "default": False},
+            "return_scores": {"type": "boolean", "default": False},
+            **levels,
+            **extra_fields,
+        },
+        "required": ["file"],
+        "additionalProperties": False,
+    }
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": json_schema, "example": example},
+                        "multipart/form-data": {"schema": form_schema}},  # fmt: skip
+        }
+    }
+
+
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+async def readyz(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    reason = not_ready_reason(state)
+    if reason is not None:
+        raise NotReady(reason)
+    return {"status": "ready", "models": list(state.runtimes)}
+
+
+async def metrics(request: Request) -> Response:
+    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> dict[str, Any]:
+    return {"models": [rt.describe() for rt in server_state(request).runtimes.values()]}
+
+
+def _runtime(request: Request, name: str) -> Any:
+    """The loaded model named ``name`` (404 naming the served ones)."""
+    state = server_state(request)
+    rt = state.runtimes.get(name)
+    if rt is None:
+        raise NotFound(f"unknown model {name[:64]!r}; served: {sorted(state.runtimes)}")
+    return rt
+
+
+async def drift(request: Request, model_name: str) -> dict[str, Any]:
+    """The model's drift test now (docs/api.md "Guarantees")."""
+    name = model_name
+    rt = _runtime(request, name)
+    state = rt.drift_state()
+    if state is None:
+        raise NotFound(f"model {name!r} has no drift test (it was built without a calibration split)")
+    return {"model": rt.name, **state}
+
+
+async def drift_reset(request: Request, model_name: str) -> dict[str, Any]:
+    """Start a fresh drift test after an investigation; only for an authenticated caller (``HYDRA_API_KEY``)."""
+    name = model_name
+    if not server_state(request).settings.api_key:
+        raise Forbidden("resetting a drift alarm needs an authenticated caller: start the server with HYDRA_API_KEY "
+                        "set and send Authorization: Bearer <key>")  # fmt: skip
+    rt = _runtime(request, name)
+    if rt.drift_state() is None:
+        raise NotFound(f"model {name!r} has no drift test (it was built without a calibration split)")
+    return rt.reset_drift()
+
+
+async def predict(request: Request) -> Response:
+    return await infer(request, "classification")
+
+
+async def zero_shot(request: Request) -> Response:
+    return await infer(request, "zero-shot")
+
+
+@functools.cache
+def _swagger_asset(name: str) -> bytes:
+    """One of :data:`SWAGGER_ASSETS`' files, read once (the bundle is about 1 MB)."""
+    return (swagger_ui_path / name).read_bytes()
+
+
+def _asset_handler(name: str, media_type: str) -> Any:
+    async def asset() -> Response:
+        return Response(_swagger_asset(name), media_type=media_type, headers={"Cache-Control": "public, max-age=86400"})
+
+    return asset
+
+
+async def swagger_ui(request: Request) -> HTMLResponse:
+    """FastAPI's Swagger UI page, its script, style sheet and icon from :data:`DOCS_ASSETS` (behind a proxy's
+    ``root_path`` too); no validator badge, which Swagger UI would fetch from outside."""
+    root = request.scope.get("root_path", "").rstrip("/")
+    return get_swagger_ui_html(
+        openapi_url=root + (request.app.openapi_url or "/openapi.json"), title=f"{request.app.title} - Swagger UI",
+        swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
+        swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
+        swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon-32x32.png",
+        swagger_ui_parameters={"validatorUrl": None},
+    )  # fmt: skip
+
+
+def install_docs(app: FastAPI) -> None:
+    """``GET /docs`` (Swagger UI, its assets served here) and the OpenAPI document with the contract's error body
+    (:func:`contract_openapi`). The app is made with ``docs_url=None`` (FastAPI's page loads its assets from a CDN)
+    and ``redoc_url=None`` (ReDoc has no pinned package to serve it from). Auth is the middleware's: with
+    ``HYDRA_API_KEY`` set, ``/docs`` and its assets need the key alike."""
+    app.get("/docs", include_in_schema=False)(swagger_ui)
+    for name, media_type in SWAGGER_ASSETS.items():
+        app.get(f"{DOCS_ASSETS}/{name}", include_in_schema=False)(_asset_handler(name, media_type))
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = contract_openapi(generate())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def contract_openapi(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's OpenAPI document with the contract's error body where FastAPI declares its own.
+
+    FastAPI gives every route with a parameter a 422 ``HTTPValidationError``; this server never sends that body
+    (:mod:`service.api.errors` answers validation errors with ``{"error": {"code", "message"}}``). Where a query
+    parameter or a body could fail validation the 422 becomes ``ErrorResponse``; where the only parameters are
+    strings in the path (``model_name``), which cannot fail, it goes. Then so do the unused schemas.
+    """
+    for path_item in schema.get("paths", {}).values():
+        for op in path_item.values():
+            responses = op.get("responses", {})
+            if "HTTPValidationError" not in json.dumps(responses.get("422", {})):
+                continue
+            params = [p for p in op.get("parameters", []) if p.get("in") != "path" or p.get("schema", {}).get(
+                "type") != "string"]  # fmt: skip
+            if params or "requestBody" in op:
+                description = ERROR_RESPONSES[422]["description"]
+                responses["422"] = {"description": description,
+                                    "content": {"application/json": {"schema": {"$ref": ERROR_REF}}}}  # fmt: skip
+            else:
+                del responses["422"]
+    components = schema.get("components", {}).get("schemas", {})
+    if "HTTPValidationError" not in json.dumps(schema.get("paths", {})):
+        components.pop("HTTPValidationError", None)
+        components.pop("ValidationError", None)  # only HTTPValidationError refers to it
+    return schema
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a route: the contract's error body (``ErrorResponse``) for each status it may answer."""
+    return {k: ERROR_RESPONSES[k] for k in codes}
+
+
+def install_routes(app: FastAPI) -> None:
+    """Declare every route on ``app`` itself (not through an included router), so that ``app.routes`` lists each
+    path: the middleware labels the requests answered before routing by them, and deployment checks read them.
+    Each route declares the errors it may answer (401: the middleware's, on every route but the probes and metrics;
+    500: any unexpected failure), all with the contract's body; ``/docs`` and the document: :func:`install_docs`."""
+    app.get("/healthz", response_model=HealthResponse, tags=["health"], summary="Alive")(healthz)
+    app.get(
+        "/readyz", response_model=ReadyResponse, tags=["health"], summary="Every model loaded and warmed up",
+        responses=_errors(503),
+    )(readyz)  # fmt: skip
+    app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)(metrics)
+    app.get(
+        "/v1/models", response_model=ModelsResponse, tags=["models"], summary="Loaded models",
+        responses=_errors(401, 500),
+    )(models)  # fmt: skip
+    app.get(
+        "/v1/models/{model_name}/drift", tags=["models"],
+        summary="The model's drift test: alarm, statistic, inputs seen",
+        responses=_errors(401, 404, 500),
+    )(drift)  # fmt: skip
+    app.post(
+        "/v1/models/{model_name}/drift/reset", tags=["models"],
+        summary="Start a fresh drift test (authenticated callers)",
+        responses=_errors(401, 403, 404, 500),
+    )(drift_reset)  # fmt: skip
+    errors = _errors(400, 401, 413, 415, 422, 500, 503)
+    app.post(
+        "/predict", response_model=PredictResponse, tags=["inference"], responses=errors,
+        summary="Classify texts or images, with uncertainty and an OOD flag",
+        openapi_extra=body_doc(PredictRequest, {}, {"text": "I love this phone, best purchase ever", "top_k": 2}),
+    )(predict)  # fmt: skip
+    app.post(
+        "/zero-shot", response_model=PredictResponse, tags=["inference"], responses=errors,
+        summary="Classify images against labels given in the request (zero-shot model)",
+        openapi_extra=body_doc(ZeroShotRequest, {
+            "labels": {"type": "string", "description": 'JSON list (["cat","dog"]), one field per label, or one '
+                       "comma-separated field; two or more, distinct once case-folded and stripped"},
+            "template": {"type": "string", "default": "A photo of a {label}.", "pattern": TEMPLATE_PATTERN},
+        }, {"image": EXAMPLE_IMAGE, "labels": ["shirt", "dress", "coat"], "top_k": 2}),
+    )(zero_shot)  # fmt: skip
+    install_docs(app)

@@ -1,0 +1,379 @@
+"""Out-of-distribution scores of the fused ensemble's outputs: pure functions, torch only.
+
+Shared by the builder (fitting the threshold, choosing the served score) and the
+server (every answer), so both compute exactly the same numbers. Every score here
+is an *outlier* score: higher means more likely out of distribution. The values
+follow pytorch-ood's definitions, so they can be checked against it:
+
+* ``energy``: ``-T · logsumexp(logits / T)`` per member (Liu et al. 2020).
+* ``max_logit``: ``-max_c logits`` per member (Hendrycks et al. 2022).
+* ``mahalanobis``: half the squared Mahalanobis distance of a member's penultimate
+  feature to its closest class mean, with one covariance shared by the classes
+  (Lee et al. 2018): ``0.5 · min_k (f - μ_k)ᵀ Σ⁻¹ (f - μ_k)``.
+* ``relative_mahalanobis``: the class distance minus the distance under one
+  background Gaussian of all ID features, which cancels directions every input
+  varies in (Ren et al. 2021; better on near-OOD): ``min_k d_k² - d_0²``.
+
+Per-member scores ``(B, M)`` are combined across members by the mean of their
+standardised values (each member's score minus its ID-validation mean, over its
+standard deviation), so members on different scales weigh the same.
+
+* ``mahalanobis_layers``: the Mahalanobis score on more than the last feature. The fused model
+  also returns every block's output but the last's, pooled over the tokens, per member
+  (``layer features (B, M, L-1, d)``); a class-conditional Gaussian is fitted per member and
+  selected layer like the last feature's. Per layer the members' standardised distances are
+  averaged; then the last feature's combined score and each selected layer's are standardised
+  once more on ID validation, and the input's score is the largest of them. Early layers see
+  low-level shifts (noise, blank frames, gradients, photographs) that the last feature, trained
+  to separate the classes, maps next to some class; the last feature sees semantic shifts
+  (other objects drawn like the classes) that early layers find typical. The maximum flags an
+  input that any of them finds foreign; the layers it reads are chosen at build time on
+  validation data (:class:`LayerStats` ``ids``).
+
+Statistics (class means, precisions) are fitted at build time on ID features and
+stored in the artifact; :class:`GaussianStats` holds them for scoring. The
+distances are computed in float64: ``Σ⁻¹`` of a 384-d feature has a large
+condition number, and float32 loses digits on the squared distances.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
+
+__all__ = [
+    "FEATURE_SCORES",
+    "LayerStats",
+    "layer_scores",
+    "layer_tensors",
+    "layers_from_tensors",
+    "layers_max",
+    "HIGHER_IS_ID",
+    "PER_MEMBER_SCORES",
+    "GaussianStats",
+    "OODStats",
+    "combine",
+    "energy",
+    "ensemble_scores",
+    "fit_norms",
+    "member_scores",
+    "ood_from_tensors",
+    "ood_tensors",
+    "mahalanobis",
+    "max_logit",
+    "relative_mahalanobis",
+    "quadratic_norms",
+    "squared_distances",
+    "standardize",
+    "stats_from_tensors",
+    "stats_tensors",
+]
+
+
+def energy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Energy ``(..., )`` of logits ``(..., C)``: ``-T · logsumexp(logits / T)`` (higher = more OOD)."""
+    return -temperature * torch.logsumexp(logits.float() / temperature, dim=-1)
+
+
+def max_logit(logits: torch.Tensor) -> torch.Tensor:
+    """Negated maximum logit ``(..., )`` of logits ``(..., C)`` (higher = more OOD)."""
+    return -logits.float().max(dim=-1).values
+
+
+@dataclass(frozen=True)
+class GaussianStats:
+    """Per-member class-conditional Gaussians with a shared covariance, plus one background Gaussian.
+
+    Shapes: ``means (M, C, D)``, ``precision (M, D, D)`` (inverse of the covariance shared by the classes),
+    ``background_mean (M, D)``, ``background_precision (M, D, D)``. Float64.
+    """
+
+    means: torch.Tensor
+    precision: torch.Tensor
+    background_mean: torch.Tensor
+    background_precision: torch.Tensor
+    mean_norms: torch.Tensor = field(init=False, repr=False)  # (M, C) μᵀPμ of the class means, derived
+    background_norms: torch.Tensor = field(init=False, repr=False)  # (M, 1) the same of the background mean
+
+    def __post_init__(self) -> None:
+        m, c, d = self.means.shape
+        expected = {"precision": (m, d, d), "background_mean": (m, d), "background_precision": (m, d, d)}
+        for name, shape in expected.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ValueError(f"GaussianStats.{name} has shape {got}, expected {shape} (means are {(m, c, d)})")
+        # μᵀPμ of every centre, computed once (M·K·D² multiply-adds; per request it would dominate the scores)
+        object.__setattr__(self, "mean_norms", quadratic_norms(self.means, self.precision))  # (M, C)
+        bg = self.background_mean.unsqueeze(1)
+        object.__setattr__(self, "background_norms", quadratic_norms(bg, self.background_precision))  # (M, 1)
+
+    @property
+    def members(self) -> int:
+        return int(self.means.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.means.shape[2])
+
+
+def squared_distances(
+    features: torch.Tensor, means: torch.Tensor, precision: torch.Tensor, mean_norms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Squared Mahalanobis distances ``(B, M, K)`` of member features ``(B, M, D)`` to ``K`` means per member.
+
+    Computed as ``fᵀPf - 2 μₖᵀPf + μₖᵀPμₖ``: one ``(D, D)`` product per input and member, whatever ``K``
+    (the direct ``(f - μₖ)ᵀP(f - μₖ)`` costs ``K`` of them: for 1,000 classes of a 768-d feature, 1.8 G
+    multiply-adds per input against 2.3 M here). Float64 keeps the cancellation exact to ~1e-10 relative.
+
+    Args:
+        features: ``(B, M, D)``, each member's feature of each input.
+        means: ``(M, K, D)``, per member ``K`` centres (class means, or one background mean with ``K = 1``).
+        precision: ``(M, D, D)``, per member the inverse covariance (symmetric).
+        mean_norms: ``(M, K)``, the ``μₖᵀPμₖ`` when already computed (:class:`GaussianStats` caches them).
+    """
+    if features.dim() != 3 or features.shape[1:] != (means.shape[0], means.shape[2]):
+        raise ValueError(f"features must be (B, M={means.shape[0]}, D={means.shape[2]}), got {tuple(features.shape)}")
+    f = features.to(torch.float64)
+    mu, p = means.to(torch.float64), precision.to(torch.float64)
+    pf = torch.einsum("bmd,mde->bme", f, p)  # (B, M, D)
+    f_norm = (f * pf).sum(-1, keepdim=True)  # (B, M, 1)
+    cross = torch.einsum("mkd,bmd->bmk", mu, pf)  # (B, M, K)
+    if mean_norms is None:
+        mean_norms = quadratic_norms(mu, p)
+    return (f_norm - 2.0 * cross + mean_norms.unsqueeze(0)).clamp_min(0.0)  # (B, M, K)
+
+
+def quadratic_norms(means: torch.Tensor, precision: torch.Tensor) -> torch.Tensor:
+    """``μₖᵀPμₖ`` ``(M, K)`` of means ``(M, K, D)`` under precisions ``(M, D, D)``, float64."""
+    mu = means.to(torch.float64)
+    return torch.einsum("mkd,mkd->mk", torch.einsum("mkd,mde->mke", mu, precision.to(torch.float64)), mu)
+
+
+def mahalanobis(features: torch.Tensor, stats: GaussianStats) -> torch.Tensor:
+    """Per-member Mahalanobis score ``(B, M)``: half the squared distance to the closest class mean."""
+    return 0.5 * squared_distances(features, stats.means, stats.precision, stats.mean_norms).min(dim=-1).values
+
+
+def relative_mahalanobis(features: torch.Tensor, stats: GaussianStats) -> torch.Tensor:
+    """Per-member relative Mahalanobis score ``(B, M)``: ``min_k d_k² - d_0²`` (d_0: background Gaussian)."""
+    d_k = squared_distances(features, stats.means, stats.precision, stats.mean_norms)  # (B, M, C)
+    bg = stats.background_mean.unsqueeze(1)  # (M, 1, D)
+    d_0 = squared_distances(features, bg, stats.background_precision, stats.background_norms)  # (B, M, 1)
+    return (d_k - d_0).min(dim=-1).values
+
+
+def standardize(scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """Per-member scores ``(B, M)`` standardised by each member's ID statistics ``mean (M,)``, ``std (M,)``."""
+    if scores.dim() != 2 or scores.shape[1] != mean.numel() or mean.shape != std.shape:
+        raise ValueError(f"scores (B, M) with mean and std (M,): got {tuple(scores.shape)}, {tuple(mean.shape)}")
+    return (scores.to(torch.float64) - mean.to(torch.float64)) / std.to(torch.float64).clamp_min(1e-12)
+
+
+def combine(scores: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """One score ``(B,)`` from per-member scores ``(B, M)``: the mean of the members' standardised scores."""
+    return standardize(scores, mean, std).mean(dim=1)
+
+
+STATS_KEYS = ("means", "precision", "background_mean", "background_precision")
+
+
+def stats_tensors(stats: GaussianStats, prefix: str = "gaussian.") -> dict[str, torch.Tensor]:
+    """The tensors of ``stats`` by name, for a safetensors file (``prefix`` + field name)."""
+    return {prefix + k: getattr(stats, k).contiguous() for k in STATS_KEYS}
+
+
+def stats_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "gaussian.") -> GaussianStats:
+    """:class:`GaussianStats` back from :func:`stats_tensors`' names (shapes checked)."""
+    missing = [prefix + k for k in STATS_KEYS if prefix + k not in tensors]
+    if missing:
+        raise ValueError(f"OOD statistics lack {missing}")
+    return GaussianStats(**{k: tensors[prefix + k].to(torch.float64) for k in STATS_KEYS})
+
+
+# ----------------------------------------------------------------------------- the served scores
+# Every score the server can serve and its direction: service.core.uncertainty.OOD_METRICS (True: higher = in
+# distribution, MSP only). The probability scores come from service.core.uncertainty.summarize, the next two from the
+# members' logits; the last three need the members' penultimate features and the artifact's Gaussian statistics.
+HIGHER_IS_ID = OOD_METRICS
+FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")
+PER_MEMBER_SCORES = ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """The statistics of ``mahalanobis_layers``: which layers it reads and their Gaussians and norms.
+
+    ``ids (K,)``: indices into the layer features' layer axis (block ``i``'s pooled output), ascending.
+    ``gaussians``: one :class:`GaussianStats` whose ``M·K`` "members" are (member, layer) pairs, member-major
+    (pair ``m·K + k`` is member ``m``'s layer ``ids[k]``). ``pair_norms``: mean and standard deviation ``(M·K,)`` of
+    each pair's Mahalanobis score on ID validation inputs. ``column_norms``: mean and standard deviation ``(K+1,)`` of
+    the combined columns on ID validation: column 0 the last feature's combined ``mahalanobis``, column ``1+k``
+    layer ``ids[k]``'s member mean of standardised scores.
+    """
+
+    ids: tuple[int, ...]
+    gaussians: GaussianStats
+    pair_norms: tuple[torch.Tensor, torch.Tensor]
+    column_norms: tuple[torch.Tensor, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        k = len(self.ids)
+        pairs = self.gaussians.members
+        if k == 0 or pairs % k:
+            raise ValueError(f"LayerStats: {pairs} (member, layer) Gaussians for {k} layers")
+        if any(t.shape != (pairs,) for t in self.pair_norms) or any(t.shape != (k + 1,) for t in self.column_norms):
+            raise ValueError(f"LayerStats norms must be ({pairs},) and ({k + 1},), got "
+                             f"{[tuple(t.shape) for t in (*self.pair_norms, *self.column_norms)]}")  # fmt: skip
+        if list(self.ids) != sorted(set(self.ids)) or min(self.ids) < 0:
+            raise ValueError(f"LayerStats.ids must be distinct, ascending and >= 0, got {list(self.ids)}")
+
+    @property
+    def members(self) -> int:
+        return self.gaussians.members // len(self.ids)
+
+
+@dataclass(frozen=True)
+class OODStats:
+    """What the scores need besides the model's outputs, fitted at build time and stored in the artifact.
+
+    ``gaussians``: the members' class-conditional Gaussians (None: no feature scores). ``norms``: per score, the
+    mean and standard deviation of its per-member values on ID validation inputs, ``(M,)`` each (``(1,)`` for
+    ``mutual_information``), which put members (and MI) on one scale before they are combined. ``layers``: the
+    statistics of ``mahalanobis_layers`` (None: the artifact does not serve it).
+    """
+
+    gaussians: GaussianStats | None
+    norms: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    layers: LayerStats | None = None
+
+
+def layer_scores(layer_features: torch.Tensor, stats: LayerStats) -> torch.Tensor:
+    """Each selected layer's combined score ``(B, K)`` from the layer features ``(B, M, L-1, d)``: per (member,
+    layer) the Mahalanobis score standardised by ``pair_norms``, the mean over members (not yet ``column_norms``)."""
+    B, M = layer_features.shape[:2]
+    k = len(stats.ids)
+    if M != stats.members or max(stats.ids) >= layer_features.shape[2]:
+        raise ValueError(f"layer features {tuple(layer_features.shape)} do not fit statistics of {stats.members} "
+                         f"members and layers {list(stats.ids)}")  # fmt: skip
+    f = layer_features[:, :, list(stats.ids)]  # (B, M, K, d)
+    md = mahalanobis(f.reshape(B, M * k, f.shape[-1]), stats.gaussians)  # (B, M*K)
+    return standardize(md, *stats.pair_norms).view(B, M, k).mean(dim=1)  # (B, K)
+
+
+def layers_max(
+    last: torch.Tensor, layers: torch.Tensor, column_norms: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """``mahalanobis_layers`` ``(B,)``: the largest of the last feature's combined score ``last (B,)`` and the
+    layers' ``layers (B, K)``, each column standardised by ``column_norms`` ``(K+1,)``."""
+    cols = torch.cat([last.to(torch.float64).unsqueeze(1), layers.to(torch.float64)], dim=1)  # (B, K+1)
+    return standardize(cols, *column_norms).max(dim=1).values
+
+
+def member_scores(
+    logits: torch.Tensor, features: torch.Tensor | None, stats: GaussianStats | None, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Per-member outlier scores ``(B, M)`` from member logits ``(B, M, C)`` and features ``(B, M, D)``.
+
+    ``energy`` and ``max_logit`` use the logits divided by ``temperature``; the Mahalanobis scores need
+    ``features`` and ``stats`` and are left out without them.
+    """
+    out = {"energy": energy(logits, temperature), "max_logit": max_logit(logits.float() / temperature)}
+    if features is not None and stats is not None:
+        out["mahalanobis"] = mahalanobis(features, stats)
+        out["relative_mahalanobis"] = relative_mahalanobis(features, stats)
+    return out
+
+
+def ensemble_scores(
+    logits: torch.Tensor, features: torch.Tensor | None, stats: OODStats | None, temperature: float = 1.0,
+    summary: dict[str, torch.Tensor] | None = None, layer_features: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Every score :data:`HIGHER_IS_ID` names that the inputs allow, one value per input ``(B,)``, float64.
+
+    ``msp``, ``entropy``, ``mutual_information`` are the ensemble's (``summary``: a
+    :func:`service.core.uncertainty.summarize` of the same logits, computed here when not given); the per-member scores
+    are combined by the mean of their standardised values (:func:`combine`, with ``stats.norms``);
+    ``mahalanobis_mi`` adds the standardised mutual information to the combined Mahalanobis score, so an input
+    the members disagree on counts as more foreign than its distance alone says; ``mahalanobis_energy`` adds the
+    combined energy (a feature-space distance and a logit-space score, in the spirit of ViM, Wang et al. 2022:
+    inputs far from the classes' features but given confident logits, and the reverse); ``mahalanobis_layers``
+    (with ``layer_features`` ``(B, M, L-1, d)`` and ``stats.layers``) the largest of the last feature's and the
+    selected layers' standardised scores (:func:`layers_max`). Without ``stats`` only the probability scores are
+    given.
+    """
+    s = summary if summary is not None else summarize(logits, temperature)
+    out = {k: s[k].to(torch.float64) for k in SUMMARY_SCORES}
+    if stats is None:
+        return out
+    per_member = member_scores(logits, features, stats.gaussians, temperature)
+    for name, values in per_member.items():
+        if name in stats.norms:
+            out[name] = combine(values, *stats.norms[name])
+    if "mahalanobis" in out and "mutual_information" in stats.norms:
+        mi = standardize(out["mutual_information"].unsqueeze(1), *stats.norms["mutual_information"]).squeeze(1)
+        out["mahalanobis_mi"] = out["mahalanobis"] + mi
+    if "mahalanobis" in out and "energy" in out:  # feature space and logit space: each catches what the other misses
+        out["mahalanobis_energy"] = out["mahalanobis"] + out["energy"]
+    if "mahalanobis" in out and stats.layers is not None and layer_features is not None:
+        out["mahalanobis_layers"] = layers_max(out["mahalanobis"], layer_scores(layer_features, stats.layers),
+                                               stats.layers.column_norms)  # fmt: skip
+    return out
+
+
+def fit_norms(scores: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per score, the per-member mean and standard deviation ``(M,)`` of ID scores ``(N, M)`` (``(N,)``: one)."""
+    out = {}
+    for name, values in scores.items():
+        v = values.to(torch.float64)
+        v = v.unsqueeze(1) if v.dim() == 1 else v
+        out[name] = (v.mean(0), v.std(0).clamp_min(1e-12))
+    return out
+
+
+def layer_tensors(stats: LayerStats, prefix: str = "layers.") -> dict[str, torch.Tensor]:
+    """The tensors of :class:`LayerStats` by name (``prefix`` + field), for a safetensors file."""
+    return {prefix + "ids": torch.tensor(stats.ids, dtype=torch.int64),
+            **stats_tensors(stats.gaussians, prefix + "gaussian."),
+            prefix + "pair_norms.mean": stats.pair_norms[0].contiguous(),
+            prefix + "pair_norms.std": stats.pair_norms[1].contiguous(),
+            prefix + "column_norms.mean": stats.column_norms[0].contiguous(),
+            prefix + "column_norms.std": stats.column_norms[1].contiguous()}  # fmt: skip
+
+
+def layers_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "layers.") -> LayerStats | None:
+    """:class:`LayerStats` back from :func:`layer_tensors`' names (None when there are none; shapes checked)."""
+    if prefix + "ids" not in tensors:
+        return None
+    f64 = lambda k: tensors[prefix + k].to(torch.float64)  # noqa: E731
+    try:
+        return LayerStats(
+            ids=tuple(int(i) for i in tensors[prefix + "ids"].tolist()),
+            gaussians=stats_from_tensors(tensors, prefix + "gaussian."),
+            pair_norms=(f64("pair_norms.mean"), f64("pair_norms.std")),
+            column_norms=(f64("column_norms.mean"), f64("column_norms.std")),
+        )
+    except KeyError as e:
+        raise ValueError(f"OOD statistics lack {e}") from e
+
+
+def ood_tensors(stats: OODStats) -> dict[str, torch.Tensor]:
+    """The tensors of ``stats`` by name, for the artifact's safetensors file."""
+    out = stats_tensors(stats.gaussians) if stats.gaussians is not None else {}
+    for name, (mean, std) in stats.norms.items():
+        out[f"norm.{name}.mean"] = mean.contiguous()
+        out[f"norm.{name}.std"] = std.contiguous()
+    if stats.layers is not None:
+        out.update(layer_tensors(stats.layers))
+    return out
+
+
+def ood_from_tensors(tensors: dict[str, torch.Tensor]) -> OODStats:
+    """:class:`OODStats` back from :func:`ood_tensors`' names."""
+    gaussians = stats_from_tensors(tensors) if any(k.startswith("gaussian.") for k in tensors) else None
+    names = {k.split(".")[1] for k in tensors if k.startswith("norm.")}
+    norms = {n: (tensors[f"norm.{n}.mean"].to(torch.float64), tensors[f"norm.{n}.std"].to(torch.float64))
+             for n in sorted(names)}  # fmt: skip
+    return OODStats(gaussians, norms, layers_from_tensors(tensors))

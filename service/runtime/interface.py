@@ -1,0 +1,476 @@
+"""What every runtime shares: the :class:`Runtime` base, what it is asked (:class:`Query`) and what it answers
+(:class:`Outcome`: per-input uncertainty, :class:`ItemResult`).
+
+A runtime is one loaded artifact behind one batcher: the request side decodes and
+preprocesses the inputs (:meth:`Runtime.prepare`), the worker thread runs the model
+on a batch (``_run``), and :meth:`Runtime.outcome` turns the member logits ``(B, M, C)``
+of one request into one :class:`ItemResult` per input (an :class:`Outcome`). A runtime knows
+nothing of HTTP: each protocol builds its own body from the outcome (:mod:`service.api.answers`
+for ``/predict`` and ``/zero-shot``, :mod:`service.api.oip` for the Open Inference Protocol).
+
+Health lives here too: after ``HYDRA_UNREADY_AFTER_FAILURES`` failed batches in a row a
+runtime is not ``healthy`` (``/readyz`` 503) and runs a probe batch every
+``HYDRA_PROBE_INTERVAL_S`` seconds until one succeeds.
+
+This module knows no concrete runtime; :mod:`service.runtime` holds the registry.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, cast
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, artifact_version
+from ..core.drift import DriftFeed, DriftMonitor
+from ..core.errors import InvalidInput
+from ..core.guarantees import load_guarantees, outlier_oriented
+from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
+from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
+from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
+from ..metrics import Metrics
+from ..settings import Settings
+from .batching import Batcher, BatchResult
+from .plan import Plan
+
+__all__ = [
+    "ItemResult",
+    "Outcome",
+    "Query",
+    "Runtime",
+    "load_ood_stats",
+    "preprocess_images",
+    "summarize_rows",
+]
+
+log = logging.getLogger("hydra.runtime")
+
+
+@dataclass
+class ItemResult:
+    """Uncertainty of one input, from its member logits ``(M, C)``."""
+
+    probs: np.ndarray  # (C,) ensemble probabilities
+    member_probs: np.ndarray  # (M, C)
+    prediction: int
+    msp: float
+    entropy: float
+    expected_entropy: float
+    mutual_information: float
+    disagreement: float
+    ood_score: float
+    ood_flag: bool
+    scores: dict[str, float] | None = None  # every OOD score computed for this input (return_scores)
+    # the guarantees (models with a calibration split; Runtime.outcome sets them for the request's levels)
+    p_value: float | None = None  # conformal OOD p-value; ood_flag is then p_value <= ood_alpha
+    ood_alpha: float | None = None
+    flag_threshold: float | None = None  # the score threshold equivalent to p_value <= ood_alpha (None: never)
+    prediction_set: np.ndarray | None = None  # (C,) bool, never empty
+    set_alpha: float | None = None
+    below_min_alpha: bool = False
+    set_filled: bool = False  # no label passed the set's threshold: the set is the prediction alone
+    accept: bool | None = None  # the risk rule of target ``risk``
+    risk: float | None = None
+
+
+@dataclass
+class Outcome:
+    """One request through the model: a result per input, in order, over ``labels``, and its batch timings."""
+
+    results: list[ItemResult]
+    labels: list[str]  # the model's own labels, or a zero-shot request's
+    batch: BatchResult
+
+
+@dataclass(frozen=True)
+class Query:
+    """What a request asks of a runtime besides its inputs."""
+
+    top_k: int = 5
+    return_members: bool = False
+    # zero-shot: the request's candidate labels and prompt template; None: the model's own labels (/predict)
+    labels: list[str] | None = None
+    template: str = DEFAULT_TEMPLATE
+    return_scores: bool = False  # add every OOD score computed to the answer
+    alpha: float | None = None  # the prediction sets' miscoverage (None: the model's default)
+    ood_alpha: float | None = None  # the OOD flag's level (None: the model's default)
+    risk: float | None = None  # the risk target of selective.accept (None: the model's default)
+    monitor: bool = True  # feed the drift test (False: the server's own warm-up and probe inputs)
+
+
+def summarize_rows(
+    logits: torch.Tensor, temperature: float, metric: str, threshold: float, features: torch.Tensor | None = None,
+    stats: OODStats | None = None, layer_features: torch.Tensor | None = None,
+) -> list[ItemResult]:  # fmt: skip
+    """Member logits ``(B, M, C)`` (and features ``(B, M, D)``, layer features ``(B, M, L-1, d)``) -> one
+    :class:`ItemResult` per input.
+
+    The uncertainty comes from :mod:`service.core.uncertainty`; with the artifact's OOD statistics ``stats`` every
+    score of :func:`service.core.ood.ensemble_scores` is computed too, and ``metric`` may name any of them.
+    """
+    s = summarize(logits, temperature)
+    all_scores = (ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features)
+                  if stats is not None else None)  # fmt: skip
+    score = all_scores[metric] if all_scores is not None else ood_score(s, metric)  # float64 with statistics
+    flag = ood_flag(score, metric, threshold)
+    probs = s["probs"].numpy()  # (B, C)
+    mp = s["member_probs"].numpy()  # (B, M, C)
+    # one Python list per column (B,), in ItemResult's order: a float per input, not a tensor element each
+    names = ("prediction", "msp", "entropy", "expected_entropy", "mutual_information", "disagreement")
+    cols = [s[k].tolist() for k in names]
+    rows = zip(probs, mp, *cols, score.tolist(), flag.tolist(), strict=True)
+    out = [
+        ItemResult(p, m, int(pred), msp, ent, exp_ent, mi, dis, float(sc), bool(fl))
+        for p, m, pred, msp, ent, exp_ent, mi, dis, sc, fl in rows
+    ]
+    if all_scores is not None:
+        per_input = {k: v.tolist() for k, v in all_scores.items()}
+        for i, r in enumerate(out):
+            r.scores = {k: float(v[i]) for k, v in per_input.items()}
+    return out
+
+
+def preprocess_images(
+    pre: ImagePreprocessor, raw: Sequence[str | bytes], field: str, *, base64_encoded: bool
+) -> list[torch.Tensor]:
+    """Decode (base64 when sent in JSON) and preprocess the images of one request -> ``(C, H, W)`` tensors.
+
+    Errors name the input: ``field`` for one image sent as a single value, ``field[i]`` otherwise.
+    """
+    out = []
+    many = len(raw) > 1 or field.endswith("s")
+    for i, x in enumerate(raw):
+        where = f"{field}[{i}]" if many else field
+        data = decode_base64(cast(str, x), where) if base64_encoded else cast(bytes, x)  # JSON: text; else bytes
+        out.append(pre(data, where))
+    return out
+
+
+def load_ood_stats(root: Path, manifest: dict[str, Any]) -> OODStats | None:
+    """The artifact's OOD statistics (manifest ``ood``; None without it), checked against the model's shape: class
+    Gaussians of a classifier, or (``ood.label_free``, zero-shot) one Gaussian of the ID images per member."""
+    spec = manifest.get("ood")
+    if spec is None:
+        return None
+    try:
+        stats = ood_from_tensors(load_file(str(root / spec["file"])))
+    except (OSError, ValueError, KeyError) as e:
+        raise ArtifactError(f"{root / spec['file']}: unreadable OOD statistics ({e})") from e
+    missing = [s for s in spec["scores"] if s in PER_MEMBER_SCORES and s not in stats.norms]
+    if missing:
+        raise ArtifactError(f"{root / spec['file']}: no norms for the scores {missing} the manifest lists")
+    if "mahalanobis_layers" in spec["scores"]:
+        if stats.layers is None or list(stats.layers.ids) != list(spec.get("layers") or []):
+            raise ArtifactError(f"{root / spec['file']}: the layer statistics of mahalanobis_layers do not match "
+                                f"ood.layers {spec.get('layers')}")  # fmt: skip
+        if stats.layers.members != int(manifest["members"]):
+            raise ArtifactError(f"{root / spec['file']}: layer statistics for {stats.layers.members} members, the "
+                                f"model has {manifest['members']}")  # fmt: skip
+    g = stats.gaussians
+    classes = 1 if spec.get("label_free") else len(manifest["labels"])  # zero-shot: one Gaussian of ID images
+    if g is not None and (g.members != int(manifest["members"]) or g.means.shape[1] != classes):
+        raise ArtifactError(f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
+                            f"classes, the model has {manifest['members']} and {classes}")  # fmt: skip
+    return stats
+
+
+class Runtime(abc.ABC):
+    """One loaded artifact behind one batcher. Subclasses set ``task`` and implement the abstract methods."""
+
+    task: ClassVar[str]
+    pre: ImagePreprocessor | TextPreprocessor  # the inputs' decoding and preprocessing (set by the subclass)
+
+    def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.settings = settings
+        self.metrics = metrics
+        self.name: str = manifest["name"]
+        try:
+            self.version: str = artifact_version(manifest)
+        except ArtifactError as e:
+            raise ArtifactError(f"{root}: {e}") from None
+        self.family: str = manifest["family"]
+        self.members: int = int(manifest["members"])
+        unc = manifest["uncertainty"]
+        self.temperature = float(unc["temperature"])
+        self.ood_metric = str(unc["ood_score"])
+        self.ood_threshold = float(unc["ood_threshold"])
+        if self.ood_metric not in OOD_METRICS:
+            raise ArtifactError(f"{root}: uncertainty.ood_score {self.ood_metric!r} is not in {sorted(OOD_METRICS)}")
+        if not self.temperature > 0:
+            raise ArtifactError(f"{root}: uncertainty.temperature must be > 0, got {self.temperature}")
+        self.plan: Plan | None = None
+        self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
+        # the drift test, fed from the request path in chunks (service.core.drift.DriftFeed: the statistic is that of
+        # every score fed at once; /metrics may lag by up to 63 inputs or a second)
+        self.drift = (DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics)
+                      if self.guarantees is not None else None)  # fmt: skip
+        self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
+        if self.guarantees is not None and metrics is not None:
+            metrics.drift_alarm.labels(self.name).set(0)
+            metrics.drift_statistic.labels(self.name).set(0.0)
+            metrics.drift_threshold.labels(self.name).set(float(np.log10(1 / self.guarantees.drift_delta)))
+        self.batcher = Batcher(
+            self.name, self._run, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000,
+            max_queue=settings.max_queue, metrics=metrics, unhealthy_after=settings.unready_after_failures,
+            on_health=self._health_changed, fill=settings.batch_fill,
+        )  # fmt: skip
+        self.ready = False
+        self._prober: asyncio.Task | None = None
+
+    @property
+    @abc.abstractmethod
+    def modality(self) -> str:
+        """``image`` or ``text``: the inputs this runtime takes."""
+
+    @property
+    def image_shape(self) -> tuple[int, int, int] | None:
+        """``(C, H, W)`` of one preprocessed image for an image model (``pixel_values``), None for a text model."""
+        pre = self.pre
+        return (pre.channels, *pre.size) if isinstance(pre, ImagePreprocessor) else None
+
+    @property
+    def labels(self) -> list[str]:
+        """The artifact's own labels (the classes of ``/predict``)."""
+        return list(self.manifest.get("labels") or [])
+
+    def answers(self, task: str) -> bool:
+        """Whether this runtime answers the endpoint of ``task`` (``classification``: ``/predict``,
+        ``zero-shot``: ``/zero-shot``). Default: its own task only."""
+        return task == self.task
+
+    def resolve(self) -> None:
+        """Check the settings against the artifact before loading (cheap; e.g. set ``self.plan``).
+
+        Raises :class:`~service.core.backends.BackendConfigError` for a backend / device / precision that cannot
+        serve it, so that a bad configuration refuses start-up before the port is bound. Default: nothing.
+        """
+        return None
+
+    @abc.abstractmethod
+    def load(self) -> None:
+        """Build the backend(s) and set ``self.plan`` (blocking: reads weights / exports)."""
+
+    @abc.abstractmethod
+    def prepare(self, raw: Sequence[str | bytes], field: str, *, base64_encoded: bool) -> list[Any]:
+        """Decode and preprocess the inputs of one request (raises :class:`~service.core.errors.InvalidInput` & co.
+        naming the input). Runs on the event loop or in a request thread: one bad input fails only its request."""
+
+    @abc.abstractmethod
+    def _run(self, items: list[Any]) -> list[Any]:
+        """Worker thread: prepared inputs (at most ``max_batch``) -> one result per input."""
+
+    @abc.abstractmethod
+    async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
+        """Prepared inputs of one request -> its results, through the batcher."""
+
+    async def outcome(self, prepared: list[Any], query: Query) -> Outcome:
+        """Prepared inputs of one request -> its results, counted in ``hydra_predictions_total``; with guarantees,
+        the request's sets, p-values and risk decisions, and the drift test fed."""
+        self.check_query(query)
+        out = await self._outcome(prepared, query)
+        if self.guarantees is not None:
+            self._guarantees(out.results, query)
+        self._count(out.results)
+        return out
+
+    def sets_hold(self, query: Query) -> bool:
+        """Whether the prediction sets and risk rules hold for this request (the calibration's labels)."""
+        return True
+
+    def check_query(self, query: Query) -> None:
+        """Refuse levels the model cannot serve (422 naming the value and what is accepted)."""
+        g = self.guarantees
+        if query.risk is not None and (g is None or query.risk not in g.rules):
+            targets = sorted(g.rules) if g is not None else []
+            raise InvalidInput(f"risk: {query.risk} is not a target this model was built with; available: "
+                               f"{targets if targets else 'none (the model has no calibration split)'}",
+                               status=422)  # fmt: skip
+
+    def _guarantees(self, results: list[ItemResult], query: Query) -> None:
+        """Each result's OOD p-value and flag at the request's level, prediction set and risk decision. The drift
+        test and the guarantees' metrics need none of the answer: they are updated after it (:meth:`_record`)."""
+        g = self.guarantees
+        assert g is not None
+        scores = [r.ood_score for r in results]
+        ood_alpha = g.ood_alpha if query.ood_alpha is None else query.ood_alpha
+        alpha = g.alpha if query.alpha is None else query.alpha
+        risk = g.risk if query.risk is None else query.risk
+        probs = None
+        if self.sets_hold(query):  # (B, C) float64
+            probs = (results[0].probs[None, :] if len(results) == 1 else np.stack([r.probs for r in results]))
+            probs = probs.astype(np.float64, copy=False)
+        ans = g.answer(scores, probs, alpha, risk)
+        p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
+        cut = g.flag_threshold(ood_alpha)
+        for i, r in enumerate(results):
+            r.p_value, r.ood_alpha, r.ood_flag, r.flag_threshold = p_list[i], ood_alpha, p_list[i] <= ood_alpha, cut
+            if sets is not None and accepted is not None and ans.filled is not None:
+                r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, ans.below_min_alpha
+                r.set_filled = bool(ans.filled[i])
+                r.accept, r.risk = accepted[i], risk
+        record = (scores if query.monitor else None, p_list, sets, accepted, risk)
+        try:  # after the answer: the loop runs it once this request's task yields (while the model runs others)
+            asyncio.get_running_loop().call_soon(self._record, *record)
+        except RuntimeError:  # no event loop (a direct call): now
+            self._record(*record)
+
+    def _record(self, scores: list[float] | None, p: list[float], sets: np.ndarray | None,
+                accepted: list[bool] | None, risk: float) -> None:  # fmt: skip
+        """The drift test fed (``scores``: None for the server's own warm-up and probe inputs) and the guarantees'
+        metrics: p-values, set sizes, accept decisions."""
+        g = self.guarantees
+        if g is None:
+            return
+        if scores is not None and self.drift is not None:
+            self.drift.add(outlier_oriented(np.asarray(scores, dtype=np.float64), g.metric))
+        if self.metrics is None:
+            return
+        p_hist = self._child("ood_p_value")
+        for v in p:
+            p_hist.observe(v)
+        if sets is not None and accepted is not None:
+            size_hist = self._child("set_size")
+            for n_labels in sets.sum(axis=1).tolist():
+                size_hist.observe(n_labels)
+            n_acc = sum(accepted)
+            if n_acc:
+                self._child("selective", str(risk), "true").inc(n_acc)
+            if len(accepted) - n_acc:
+                self._child("selective", str(risk), "false").inc(len(accepted) - n_acc)
+
+    def _child(self, metric: str, *labels: str) -> Any:
+        """The metric ``metric`` of this model with the further ``labels`` (prometheus_client's lookup costs
+        microseconds a call, so each child is looked up once)."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            assert self.metrics is not None
+            child = self._children[key] = getattr(self.metrics, metric).labels(self.name, *labels)
+        return child
+
+    def _drift_metrics(self, monitor: DriftMonitor) -> None:
+        """The drift gauges after the test advanced."""
+        if self.metrics is not None:
+            self._child("drift_alarm").set(1 if monitor.alarm else 0)
+            self._child("drift_statistic").set(monitor.log10_statistic)
+            self._child("drift_inputs").set(monitor.count)
+
+    def reset_drift(self) -> dict[str, Any]:
+        """Start a fresh drift test (after an investigation): the alarm cleared, the statistic back to 1."""
+        if self.drift is None:
+            raise InvalidInput(f"model {self.name!r} has no drift test (it was built without a calibration split)",
+                               status=409)  # fmt: skip
+        before = self.drift_state()
+        self.drift.reset()
+        if self.metrics is not None:
+            self.metrics.drift_alarm.labels(self.name).set(0)
+            self.metrics.drift_statistic.labels(self.name).set(0.0)
+            self.metrics.drift_inputs.labels(self.name).set(0)
+        return {"model": self.name, "before": before, "after": self.drift_state()}
+
+    def drift_state(self) -> dict[str, Any] | None:
+        """The drift test now: alarm, log10 statistic, its alarm level, inputs seen, where it alarmed."""
+        if self.drift is None or self.guarantees is None:
+            return None
+        d = self.drift.flush()  # the buffered inputs first: the state of every input served
+        return {"alarm": d.alarm, "log10_statistic": d.log10_statistic,
+                "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)), "inputs": d.count,
+                "alarm_at": d.alarm_at, "delta": self.guarantees.drift_delta}  # fmt: skip
+
+    @abc.abstractmethod
+    async def warmup(self) -> None:
+        """One batch through the full path (preprocess, batcher, backend, uncertainty)."""
+
+    @property
+    def healthy(self) -> bool:
+        """False after ``HYDRA_UNREADY_AFTER_FAILURES`` failed batches in a row, until a batch runs again."""
+        return self.batcher.healthy
+
+    async def probe(self) -> None:
+        """One batch through the model while it is unhealthy (default: :meth:`warmup`)."""
+        await self.warmup()
+
+    def start(self) -> None:
+        """Start the batcher's worker (after :meth:`load`)."""
+        self.batcher.start()
+        if self.metrics is not None:
+            self.metrics.model_healthy.labels(self.name).set(1)
+
+    async def close(self) -> None:
+        """Stop probing, answer what is queued, stop the worker."""
+        self.ready = False
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+        await self.batcher.close()
+
+    def _health_changed(self, healthy: bool) -> None:
+        """Batcher callback (event loop): start probing when the model fails, stop when it runs again."""
+        if self.metrics is not None:
+            self.metrics.model_healthy.labels(self.name).set(1 if healthy else 0)
+        if not healthy and (self._prober is None or self._prober.done()):
+            loop = asyncio.get_running_loop()
+            self._prober = loop.create_task(self._probe_until_healthy(), name=f"probe-{self.name}")
+
+    async def _probe_until_healthy(self) -> None:
+        interval = self.settings.probe_interval_s
+        log.error("%s: not ready; a probe batch runs every %.3g s until one succeeds", self.name, interval)
+        while not self.batcher.healthy and self.batcher.running:
+            await asyncio.sleep(interval)
+            if self.batcher.healthy or not self.batcher.running:
+                break
+            try:
+                await self.probe()
+            except Exception as e:  # the batcher logged the cause; keep probing
+                log.warning("%s: probe batch failed (%s); next in %.3g s", self.name, type(e).__name__, interval)
+        if self.batcher.healthy:
+            log.warning("%s: ready again", self.name)
+
+    def describe(self) -> dict[str, Any]:
+        """The ``/v1/models`` entry."""
+        plan = self.plan
+        return {
+            "name": self.name,
+            "version": self.version,
+            "family": self.family,
+            "task": self.task,
+            "modality": self.modality,
+            "members": self.members,
+            "labels": self.labels,
+            "backend": plan.backend if plan else "none",
+            "device": plan.device if plan else "none",
+            "precision": plan.precision if plan else "none",
+            "max_batch": self.settings.max_batch,
+            "uncertainty": {"temperature": self.temperature, "ood_score": self.ood_metric,
+                            "ood_threshold": self.ood_threshold, "tpr": self.manifest["uncertainty"].get("tpr")},
+            "guarantees": self._describe_guarantees(),
+        }  # fmt: skip
+
+    def _describe_guarantees(self) -> dict[str, Any] | None:
+        """What a client may ask for: the defaults, the certified risk targets, the smallest alpha; the drift test."""
+        g = self.guarantees
+        if g is None:
+            return None
+        return {"calibration_size": g.n, "method": g.sets.method, "alpha": g.alpha, "min_alpha": g.min_alpha,
+                "mondrian": g.mondrian, "ood_alpha": g.ood_alpha, "risk": g.risk, "delta": g.delta,
+                "risks": {str(k): v for k, v in sorted(g.rules.items())}, "drift": self.drift_state()}  # fmt: skip
+
+    def _count(self, results: list[ItemResult]) -> None:
+        if self.metrics is not None:
+            n_ood = sum(r.ood_flag for r in results)
+            if n_ood:
+                self.metrics.predictions.labels(self.name, "true").inc(n_ood)
+            if len(results) - n_ood:
+                self.metrics.predictions.labels(self.name, "false").inc(len(results) - n_ood)
