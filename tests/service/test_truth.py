@@ -7,7 +7,7 @@ name for that image (torchvision's class list indexed by the IDX file's label, n
 per-class accuracy must match the backbone record's within sampling error: a swapped or shifted class list fails
 it at once (the swapped Sandal / Shirt list answered real shirts "Shirt" 0 times in 89).
 
-The same check on the default artifacts, every test image: ``python benchmarks/truth.py``.
+The same check on the default artifacts, every test image: ``python -m benchmarks.truth``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from offline import data as data_mod
 from offline.checkpoints import load_timm
 from offline.families import get_adapter
 from offline.fusion import fuse
-from service.artifact import ImagePreprocessing, build_manifest, write_manifest
+from service.core.artifact import ImagePreprocessing, build_manifest, write_manifest
 from service.main import create_app
 from tests.service.helpers import b64, png, settings_for
 
