@@ -113,33 +113,24 @@ def zero_shot_truth(preds: list[dict], truth: list[str], words: dict[str, str]) 
     return {"accuracy": _rate([p["label"] == words[t] for p, t in zip(preds, truth, strict=True)]), "per_class": per}
 
 
-def exchangeable_images(manifest: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """The train file's reserved images that the build left unused (in none of its validation, fit and calibration
-    splits; no model trained on them): drawn like the calibration split, so exchangeable with it, where the test
-    file is not. ``(images (N, 28, 28) uint8, official labels (N,))``, garments only."""
-    from offline import data as data_mod
-
-    cfg = manifest["build"]["config"]["data"]
-    d = data_mod.fashion_mnist_setting(cfg["max_train"], cfg["max_val"], cfg["max_test"], cfg["max_ood"], cfg["seed"],
-                                       max_fit=cfg.get("max_fit"), max_calibration=cfg["max_calibration"])  # fmt: skip
-    used = {x.tobytes() for split in (d.val, d.fit, d.calibration) if split is not None for x in split.inputs}
-    xtr, ytr, _, _ = data_mod.read_fashion(data_mod.fashion_dir())
-    _, reserved = data_mod.fashion_pools(ytr)
-    keep = np.asarray([i for i in reserved if xtr[i].tobytes() not in used])
-    return xtr[keep], ytr[keep]
-
-
-def calibration_images(manifest: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-    """The build's calibration split (redrawn from its recorded config), official labels: how the served model
-    does on the very images its guarantees were calibrated on, for comparison with the unused ones."""
+def reserved_images(manifest: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The build's own reserved images, its data setting redrawn once from its recorded config: ``calibration`` (the
+    split its guarantees were calibrated on) and ``unused`` (the train file's reserved images in none of its
+    validation, fit and calibration splits, no model trained on them: drawn like the calibration split, so
+    exchangeable with it, where the test file is not). Each ``(images (N, 28, 28) uint8, official labels (N,))``,
+    garments only."""
     from offline import data as data_mod
 
     cfg = manifest["build"]["config"]["data"]
     d = data_mod.fashion_mnist_setting(cfg["max_train"], cfg["max_val"], cfg["max_test"], cfg["max_ood"], cfg["seed"],
                                        max_fit=cfg.get("max_fit"), max_calibration=cfg["max_calibration"])  # fmt: skip
     assert d.calibration is not None
+    used = {x.tobytes() for split in (d.val, d.fit, d.calibration) for x in split.inputs}
+    xtr, ytr, _, _ = data_mod.read_fashion(data_mod.fashion_dir())
+    _, reserved = data_mod.fashion_pools(ytr)
+    keep = np.asarray([i for i in reserved if xtr[i].tobytes() not in used])
     official = np.asarray(data_mod.FASHION_ID_CLASSES)
-    return d.calibration.inputs, official[d.calibration.labels]
+    return {"calibration": (d.calibration.inputs, official[d.calibration.labels]), "unused": (xtr[keep], ytr[keep])}
 
 
 def _report_per_class(artifact: Path) -> dict[str, Any]:
@@ -174,12 +165,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         zs_build = asyncio.run(_answers(port, "/zero-shot", images, {**zs_model, "labels": build_labels}, args.batch))
         user = [USER_WORDS[g] for g in build_labels]
         zs_user = asyncio.run(_answers(port, "/zero-shot", images, {**zs_model, "labels": user}, args.batch))
-        ex_x, ex_y = exchangeable_images(man["image"])
-        ex = asyncio.run(_answers(port, "/predict", [_png(v) for v in ex_x], {"model": man["image"]["name"],
-                                                                             "alpha": 0.1}, args.batch))  # fmt: skip
-        cal_x, cal_y = calibration_images(man["image"])
-        cal = asyncio.run(_answers(port, "/predict", [_png(v) for v in cal_x], {"model": man["image"]["name"],
-                                                                               "alpha": 0.1}, args.batch))  # fmt: skip
+        reserved = reserved_images(man["image"])
+        ex_x, ex_y = reserved["unused"]
+        cal_x, cal_y = reserved["calibration"]
+        ex, cal = (asyncio.run(_answers(port, "/predict", [_png(v) for v in x], {"model": man["image"]["name"],
+                                                                                "alpha": 0.1}, args.batch))
+                   for x in (ex_x, cal_x))  # fmt: skip
         foot = [i for i, t in enumerate(truth) if t not in garments]
         zs_mixed = asyncio.run(_answers(port, "/zero-shot", [images[i] for i in foot],
                                         {**zs_model, "labels": MIXED_WORDS}, args.batch))  # fmt: skip
