@@ -69,9 +69,18 @@ from service.core.fused import CPU_MAX_ROWS
 from service.core.hardware import cpu_bf16_flags
 from service.core.ood import GaussianStats, LayerStats, OODStats, ensemble_scores
 
-METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble", "hydra_ood",
-           "hydra_ood_layers",
-           "single_bf16_weights", "hydra_bf16_weights")
+METHODS = (
+    "single",
+    "member",
+    "hydra",
+    "hydra_all_tokens",
+    "hydra_unfused",
+    "deep_ensemble",
+    "hydra_ood",
+    "hydra_ood_layers",
+    "single_bf16_weights",
+    "hydra_bf16_weights",
+)
 DEFAULT_METHODS = METHODS[:-4]  # the others are asked for with --methods
 LAYOUTS = {  # heads kept per member by default, batch sizes by default
     "vit_b16": {"keep": 8, "batches": [1, 4, 16, 32]},
@@ -130,9 +139,16 @@ def build(layout: str, members: int, keep: int, seed: int = 0) -> dict[str, Any]
     dense = [base] + [_dense(layout, seed + s) for s in range(1, members)]
     # the layer score's largest candidate (offline.ood_fit.layer_candidates): at most MAX_SCORE_LAYERS blocks
     classes, layers = fused.cfg["num_classes"], min(len(heads) - 1, MAX_SCORE_LAYERS)
-    return {"base": base, "pruned": pruned, "fused": fused, "dense": dense, "make_input": make_input, "run": run,
-            "ood_stats": random_ood_stats(members, classes, fused.dim, seed),
-            "ood_layer_stats": random_ood_stats(members, classes, fused.dim, seed, layers)}  # fmt: skip
+    return {
+        "base": base,
+        "pruned": pruned,
+        "fused": fused,
+        "dense": dense,
+        "make_input": make_input,
+        "run": run,
+        "ood_stats": random_ood_stats(members, classes, fused.dim, seed),
+        "ood_layer_stats": random_ood_stats(members, classes, fused.dim, seed, layers),
+    }
 
 
 def random_ood_stats(members: int, classes: int, dim: int, seed: int, layers: int = 0) -> OODStats:
@@ -142,15 +158,22 @@ def random_ood_stats(members: int, classes: int, dim: int, seed: int, layers: in
 
     def gaussians(n: int) -> GaussianStats:
         eye = torch.eye(dim, dtype=torch.float64).expand(n, dim, dim).clone()
-        return GaussianStats(torch.randn(n, classes, dim, generator=g, dtype=torch.float64), eye,
-                             torch.zeros(n, dim, dtype=torch.float64), eye)  # fmt: skip
+        return GaussianStats(
+            torch.randn(n, classes, dim, generator=g, dtype=torch.float64),
+            eye,
+            torch.zeros(n, dim, dtype=torch.float64),
+            eye,
+        )
 
     def norm(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
 
     norms = {k: norm(members) for k in ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")}
-    layer_stats = (LayerStats(tuple(range(layers)), gaussians(members * layers), norm(members * layers),
-                              norm(layers + 1)) if layers else None)  # fmt: skip
+    layer_stats = (
+        LayerStats(tuple(range(layers)), gaussians(members * layers), norm(members * layers), norm(layers + 1))
+        if layers
+        else None
+    )
     return OODStats(gaussians(members), {**norms, "mutual_information": norm(1)}, layer_stats)
 
 
@@ -283,9 +306,7 @@ def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[d
     for prec, b in keys:
         row = [cells.get((prec, b, k)) for k in names]
         have = [r for r in row if r is not None]
-        lat = " ".join(
-            f"{r['wall_ms_min']:>10.1f} / {r['wall_ms_median']:>8.1f}" if r else f"{'-':>21}" for r in row
-        )
+        lat = " ".join(f"{r['wall_ms_min']:>10.1f} / {r['wall_ms_median']:>8.1f}" if r else f"{'-':>21}" for r in row)
         dense = cells[(prec, b, "deep_ensemble")]
         first = True
         for k in ("hydra", "hydra_all_tokens", "hydra_unfused"):
@@ -306,16 +327,20 @@ def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[d
             if r is not None and (prec, b, ref) in cells:  # relative to the same model with fp32 weights
                 wall = _ratios(r["wall_ms"], cells[(prec, b, ref)]["wall_ms"])
                 cpu = _ratios(r["cpu_ms"], cells[(prec, b, ref)]["cpu_ms"])
-                lines.append(" " * (17 + len(lat)) + f"   {k[:6] + '/bf16w':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
-                             f"{cpu[0]:>8.3f}, {cpu[1]:.3f}")  # fmt: skip
+                lines.append(
+                    " " * (17 + len(lat)) + f"   {k[:6] + '/bf16w':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
+                    f"{cpu[0]:>8.3f}, {cpu[1]:.3f}"
+                )
         for ood_name in ("hydra_ood", "hydra_ood_layers"):  # the served scores' cost: relative to hydra
             ood = cells.get((prec, b, ood_name))
             if ood is None:
                 continue
             wall = _ratios(ood["wall_ms"], cells[(prec, b, "hydra")]["wall_ms"])
             cpu = _ratios(ood["cpu_ms"], cells[(prec, b, "hydra")]["cpu_ms"])
-            lines.append(" " * (17 + len(lat)) + f"   {ood_name + '/hydra':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
-                         f"{cpu[0]:>8.3f}, {cpu[1]:.3f}")  # fmt: skip
+            lines.append(
+                " " * (17 + len(lat)) + f"   {ood_name + '/hydra':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
+                f"{cpu[0]:>8.3f}, {cpu[1]:.3f}"
+            )
     return lines
 
 
@@ -332,8 +357,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-save", action="store_true", help="print only; do not write fusion_<layout>.txt/.json")
-    ap.add_argument("--cpu-max-rows", type=int, default=CPU_MAX_ROWS,
-                    help="the fused model's CPU sub-batch size in member rows (0: one pass; see service/core/fused.py)")
+    ap.add_argument(
+        "--cpu-max-rows",
+        type=int,
+        default=CPU_MAX_ROWS,
+        help="the fused model's CPU sub-batch size in member rows (0: one pass; see service/core/fused.py)",
+    )
     ap.add_argument(
         "--fresh", action="store_true", help="start the results file anew instead of merging these cells into it"
     )
@@ -345,10 +374,17 @@ def main() -> None:
     names = [m for m in METHODS if m in {*args.methods, "hydra", "deep_ensemble"}]
     command = f"python {shlex.join(['benchmarks/bench_fusion.py', *sys.argv[1:]])}"
     meta = {
-        "layout": args.layout, "members": args.members, "keep": keep, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu": cpu_name(), "cpu_bf16": cpu_bf16(), "commands": [command],
-        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""), "cpu_max_rows": args.cpu_max_rows,
-    }  # fmt: skip
+        "layout": args.layout,
+        "members": args.members,
+        "keep": keep,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "cpu_bf16": cpu_bf16(),
+        "commands": [command],
+        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        "cpu_max_rows": args.cpu_max_rows,
+    }
 
     path = Path(args.out_dir) / f"fusion_{args.layout}.json"
     if path.exists() and not (args.fresh or args.no_save):  # fail before minutes of timing, not after
@@ -387,13 +423,23 @@ def main() -> None:
                 wall, cpu = times[k]["wall"], times[k]["cpu"]
                 cell.append(
                     {
-                        "layout": args.layout, "method": k, "batch": b, "device": "cpu", "precision": prec,
-                        "threads": torch.get_num_threads(), "repeats": args.repeats,
-                        "wall_ms_min": min(wall), "wall_ms_median": statistics.median(wall), "wall_ms": wall,
-                        "cpu_ms": cpu, "load_before": load_before, "load_after": load_after, "command": command,
+                        "layout": args.layout,
+                        "method": k,
+                        "batch": b,
+                        "device": "cpu",
+                        "precision": prec,
+                        "threads": torch.get_num_threads(),
+                        "repeats": args.repeats,
+                        "wall_ms_min": min(wall),
+                        "wall_ms_median": statistics.median(wall),
+                        "wall_ms": wall,
+                        "cpu_ms": cpu,
+                        "load_before": load_before,
+                        "load_after": load_after,
+                        "command": command,
                         **macs[k],
                     }
-                )  # fmt: skip
+                )
             rows += cell
             print("\n".join(render(meta, macs, cell)[n_head:]), flush=True)
     if args.no_save:
@@ -423,8 +469,10 @@ def check_mergeable(old: dict[str, Any], new: dict[str, Any], path: Path) -> Non
     """
     diff = {k: (old.get(k), new[k]) for k in MERGE_KEYS if old.get(k) != new[k]}
     if diff:
-        raise SystemExit(f"{path} was measured under other settings {diff} (file, now): "
-                         "pass --out-dir for a separate file or --fresh to replace it")
+        raise SystemExit(
+            f"{path} was measured under other settings {diff} (file, now): "
+            "pass --out-dir for a separate file or --fresh to replace it"
+        )
 
 
 def cpu_bf16() -> str:

@@ -136,12 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     name = rt.name
     doc = {
         "command": "python -m benchmarks.guarantee_cost " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "name": name, "backend": rt.describe().get("backend"), "precision": rt.describe().get("precision"),
-        "batch": 1, **result, "machine": harness.machine(),
+        "name": name,
+        "backend": rt.describe().get("backend"),
+        "precision": rt.describe().get("precision"),
+        "batch": 1,
+        **result,
+        "machine": harness.machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }  # fmt: skip
-    out = harness.write_result(doc, args.out or harness.ROOT / "benchmarks/results/guarantee_cost" / f"{name}.json",
-                               f"{name}.json")  # fmt: skip
+    }
+    out = harness.write_result(
+        doc, args.out or harness.ROOT / "benchmarks/results/guarantee_cost" / f"{name}.json", f"{name}.json"
+    )
     print(
         f"{name} batch 1 on {harness.cpu_name()}: with {doc['with_ms']} ms, without {doc['without_ms']} ms; "
         f"with/without min/min {doc['ratio_min_over_min']}, median of paired ratios {doc['ratio_median_paired']}; "

@@ -146,8 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     name = manifest["name"]
     body = json.dumps(harness.payload(manifest)).encode()
     items = min(args.max_queue, 64)  # HYDRA_MAX_QUEUE must be >= HYDRA_MAX_ITEMS
-    env = {"HYDRA_MAX_QUEUE": str(args.max_queue), "HYDRA_MAX_ITEMS": str(items),
-           "HYDRA_MAX_BATCH": str(args.max_batch), "HYDRA_LOG_LEVEL": "warning"}  # fmt: skip
+    env = {
+        "HYDRA_MAX_QUEUE": str(args.max_queue),
+        "HYDRA_MAX_ITEMS": str(items),
+        "HYDRA_MAX_BATCH": str(args.max_batch),
+        "HYDRA_LOG_LEVEL": "warning",
+    }
     if args.threads:
         env["HYDRA_THREADS"] = str(args.threads)
     port = harness.free_port()
@@ -170,10 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             peak_during = max(peak_during, harness.rss_mb(proc.pid)["rss"])
             s = ph.summary()
             phases.append(s)
-            print(f"  {c:2d} clients {s['wall_s']:5.1f} s: sent {s['sent']}, answered {s['answered']}, "
-                  f"{s['throughput_rps']:.1f} ok/s, p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, "
-                  f"errors {s['errors_by_code'] or 0}, timeouts {s['timeouts']}, "
-                  f"connection errors {s['connection_errors']}", flush=True)  # fmt: skip
+            print(
+                f"  {c:2d} clients {s['wall_s']:5.1f} s: sent {s['sent']}, answered {s['answered']}, "
+                f"{s['throughput_rps']:.1f} ok/s, p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, "
+                f"errors {s['errors_by_code'] or 0}, timeouts {s['timeouts']}, "
+                f"connection errors {s['connection_errors']}",
+                flush=True,
+            )
         rss["after"] = harness.rss_mb(proc.pid)
         rss["peak_sampled"] = peak_during
         rss["growth"] = round(rss["after"]["rss"] - rss["before"]["rss"], 1)
@@ -219,10 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = harness.write_result(result, args.out, f"load_{name}.json")
     t = result["totals"]
-    print(f"sent {t['sent']}, answered {t['answered']} ({t['ok']} ok), errors {t['errors_by_code']}, "
-          f"timeouts {t['timeouts']}, connection errors {t['connection_errors']}, lost {t['lost']}; RSS "
-          f"{rss.get('before', {}).get('rss')} -> {rss.get('after', {}).get('rss')} MiB (growth {rss.get('growth')}, "
-          f"bound {args.rss_bound_mb}); server exit status {exit_status}")  # fmt: skip
+    print(
+        f"sent {t['sent']}, answered {t['answered']} ({t['ok']} ok), errors {t['errors_by_code']}, "
+        f"timeouts {t['timeouts']}, connection errors {t['connection_errors']}, lost {t['lost']}; RSS "
+        f"{rss.get('before', {}).get('rss')} -> {rss.get('after', {}).get('rss')} MiB (growth {rss.get('growth')}, "
+        f"bound {args.rss_bound_mb}); server exit status {exit_status}"
+    )
     harness.print_checks(checks)
     print(f"wrote {out}")
     tmp.cleanup()

@@ -110,35 +110,80 @@ class Spec:
 
     def key(self) -> dict[str, Any]:
         """What a cached base model depends on."""
-        return {"setting": self.setting, "preset": self.preset, "sizes": self.sizes, "base_steps": self.base_steps,
-                "max_length": self.max_length if self.family == "bert" else None, "data_seed": self.data_seed}
+        return {
+            "setting": self.setting,
+            "preset": self.preset,
+            "sizes": self.sizes,
+            "base_steps": self.base_steps,
+            "max_length": self.max_length if self.family == "bert" else None,
+            "data_seed": self.data_seed,
+        }
 
 
 def setting_spec(setting: str, fast: bool) -> Spec:
     """The benchmark recipe of ``setting`` (``text`` | ``image``); ``fast`` is the smoke size (minutes on 2 cores)."""
     if setting == "image":
         if fast:
-            return Spec("image", "fast", "vit", "fashion-mnist", "vit_fast",
-                        {"max_train": 6000, "max_val": 400, "max_test": 1000, "max_ood": 400},
-                        prune_per_layer=2, calib_samples=128, finetune_steps=40, base_steps=300,
-                        ablation_prune=(1, 2, 3))
+            return Spec(
+                "image",
+                "fast",
+                "vit",
+                "fashion-mnist",
+                "vit_fast",
+                {"max_train": 6000, "max_val": 400, "max_test": 1000, "max_ood": 400},
+                prune_per_layer=2,
+                calib_samples=128,
+                finetune_steps=40,
+                base_steps=300,
+                ablation_prune=(1, 2, 3),
+            )
         # a ViT trained here from scratch (the full image build's recipe before the repository's pretrained backbone;
         # the committed results are of this recipe): bases of independent seeds make the Deep Ensemble baseline
-        return Spec("image", "full", "vit", "fashion-mnist", "vit_full",
-                    {"max_train": 36000, "max_val": 1000, "max_test": 6000, "max_ood": 1797},
-                    prune_per_layer=2, calib_samples=512, finetune_steps=300, base_steps=1200,
-                    ablation_prune=(1, 2, 3))
+        return Spec(
+            "image",
+            "full",
+            "vit",
+            "fashion-mnist",
+            "vit_full",
+            {"max_train": 36000, "max_val": 1000, "max_test": 6000, "max_ood": 1797},
+            prune_per_layer=2,
+            calib_samples=512,
+            finetune_steps=300,
+            base_steps=1200,
+            ablation_prune=(1, 2, 3),
+        )
     if setting == "text":
         if fast:
-            return Spec("text", "fast", "bert", "tweets", "bert_fast",
-                        {"max_train": 2000, "max_val": 300, "max_test": 600, "max_ood": 300},
-                        prune_per_layer=6, calib_samples=32, finetune_steps=20, base_steps=60, max_length=32,
-                        ablation_prune=(6, 9))
+            return Spec(
+                "text",
+                "fast",
+                "bert",
+                "tweets",
+                "bert_fast",
+                {"max_train": 2000, "max_val": 300, "max_test": 600, "max_ood": 300},
+                prune_per_layer=6,
+                calib_samples=32,
+                finetune_steps=20,
+                base_steps=60,
+                max_length=32,
+                ablation_prune=(6, 9),
+            )
         # the recipe of offline/configs/text-full-{taylor,circuit}.yaml (the build's full text setting)
-        return Spec("text", "full", "bert", "tweets", "bert_full",
-                    {"max_train": 20000, "max_val": 1000, "max_test": 2000, "max_ood": 1000},
-                    prune_per_layer=6, calib_samples=512, finetune_steps=150, base_steps=400, max_length=64,
-                    circuit_samples=64, ablation_prune=(3, 6, 9))
+        return Spec(
+            "text",
+            "full",
+            "bert",
+            "tweets",
+            "bert_full",
+            {"max_train": 20000, "max_val": 1000, "max_test": 2000, "max_ood": 1000},
+            prune_per_layer=6,
+            calib_samples=512,
+            finetune_steps=150,
+            base_steps=400,
+            max_length=64,
+            circuit_samples=64,
+            ablation_prune=(3, 6, 9),
+        )
     raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS}")
 
 
@@ -172,19 +217,33 @@ class Context:
         return np.asarray(self.data.test.labels)
 
 
-def build_config(spec: Spec, strategy: str = "taylor", seeds: Sequence[int] | None = None,
-                 members: int | None = None, prune_per_layer: int | None = None) -> BuildConfig:
+def build_config(
+    spec: Spec,
+    strategy: str = "taylor",
+    seeds: Sequence[int] | None = None,
+    members: int | None = None,
+    prune_per_layer: int | None = None,
+) -> BuildConfig:
     """The builder's config equivalent of ``spec`` (what ``offline.pipeline``'s functions read)."""
     m = members if members is not None else spec.members
     return BuildConfig(
         name=f"bench-{spec.setting}",
         family=spec.family,
-        base=BaseModelConfig(source="train-vit" if spec.family == "vit" else "minilm", preset=spec.preset,
-                             steps=spec.base_steps, max_length=spec.max_length),
+        base=BaseModelConfig(
+            source="train-vit" if spec.family == "vit" else "minilm",
+            preset=spec.preset,
+            steps=spec.base_steps,
+            max_length=spec.max_length,
+        ),
         data=DataConfig(setting=spec.data_setting, seed=spec.data_seed, **spec.sizes),
-        hydra=HydraConfig(members=m, strategy=strategy, seeds=list(seeds) if seeds is not None else None,
-                          prune_per_layer=spec.prune_per_layer if prune_per_layer is None else prune_per_layer,
-                          calib_samples=spec.calib_samples, finetune_steps=spec.finetune_steps),
+        hydra=HydraConfig(
+            members=m,
+            strategy=strategy,
+            seeds=list(seeds) if seeds is not None else None,
+            prune_per_layer=spec.prune_per_layer if prune_per_layer is None else prune_per_layer,
+            calib_samples=spec.calib_samples,
+            finetune_steps=spec.finetune_steps,
+        ),
     )
 
 
@@ -194,8 +253,15 @@ def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) 
     data = load_data(cfg)
     adapter = get_adapter(spec.family)
     if spec.family == "vit":
-        prep = {"type": "image", "size": [28, 28], "mean": [FASHION_MEAN], "std": [FASHION_STD],
-                "interpolation": "bilinear", "channels": 1, "resize": "direct"}
+        prep = {
+            "type": "image",
+            "size": [28, 28],
+            "mean": [FASHION_MEAN],
+            "std": [FASHION_STD],
+            "interpolation": "bilinear",
+            "channels": 1,
+            "resize": "direct",
+        }
         tok = None
     else:
         from transformers import AutoTokenizer
@@ -217,9 +283,23 @@ def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) 
     cache = Path(cache_dir) / f"{spec.setting}-{spec.preset}-{_hash(spec.key())}"
     cache.mkdir(parents=True, exist_ok=True)
     (cache / "spec.json").write_text(json.dumps(spec.key(), indent=1))
-    return Context(spec, cfg, adapter, data, prep, tok, calib, [b for b, _ in val_circ],
-                   torch.cat([y for _, y in val_circ]), [b for b, _ in ood_circ], test, ood_test, kinds, cache,
-                   progress)
+    return Context(
+        spec,
+        cfg,
+        adapter,
+        data,
+        prep,
+        tok,
+        calib,
+        [b for b, _ in val_circ],
+        torch.cat([y for _, y in val_circ]),
+        [b for b, _ in ood_circ],
+        test,
+        ood_test,
+        kinds,
+        cache,
+        progress,
+    )
 
 
 # ----------------------------------------------------------------------------- models (cached)
@@ -272,14 +352,28 @@ def base_model(ctx: Context, seed: int) -> nn.Module:
     t0 = time.perf_counter()
     if ctx.spec.family == "vit":
         arch = {**train_mod.PRESETS[ctx.spec.preset]["arch"], "num_classes": len(d.class_names)}
-        model = train_mod.train_base_vit(d.train.inputs, d.train.labels, d.val.inputs, d.val.labels, arch, tcfg,
-                                         checkpoint_dir=shared)
+        model = train_mod.train_base_vit(
+            d.train.inputs, d.train.labels, d.val.inputs, d.val.labels, arch, tcfg, checkpoint_dir=shared
+        )
     else:
-        model = train_mod.finetune_bert(_new_base(ctx, seed), ctx.tok, d.train.inputs, d.train.labels, d.val.inputs,
-                                        d.val.labels, tcfg, max_length=ctx.spec.max_length, checkpoint_dir=shared)
+        model = train_mod.finetune_bert(
+            _new_base(ctx, seed),
+            ctx.tok,
+            d.train.inputs,
+            d.train.labels,
+            d.val.inputs,
+            d.val.labels,
+            tcfg,
+            max_length=ctx.spec.max_length,
+            checkpoint_dir=shared,
+        )
     save_model(model, str(path))
-    info = {**getattr(model, train_mod.TRAIN_LOG_ATTR, {}), "seconds_total": round(time.perf_counter() - t0, 1),
-            "train": asdict(tcfg), "builder_checkpoint": str(shared) if shared else None}
+    info = {
+        **getattr(model, train_mod.TRAIN_LOG_ATTR, {}),
+        "seconds_total": round(time.perf_counter() - t0, 1),
+        "train": asdict(tcfg),
+        "builder_checkpoint": str(shared) if shared else None,
+    }
     path.with_suffix(".json").write_text(json.dumps(info, indent=1, default=str))
     return model.eval()
 
@@ -292,10 +386,28 @@ def circuit_order(ctx: Context, base: nn.Module, base_seed: int, prune_per_layer
     if path.is_file():
         return [tuple(x) for x in json.loads(path.read_text())["ranking"]]
     t0 = time.perf_counter()
-    res = circuit_ranking(ctx.adapter, base, ctx.val_id, ctx.val_y, ctx.val_ood, score="avg", budget=sum(caps),
-                          max_per_layer=caps, progress=ctx.progress)
-    path.write_text(json.dumps({"ranking": res.ranking, "scores": res.scores, "base_score": res.base_score,
-                                "caps": caps, "seconds": round(time.perf_counter() - t0, 1)}))
+    res = circuit_ranking(
+        ctx.adapter,
+        base,
+        ctx.val_id,
+        ctx.val_y,
+        ctx.val_ood,
+        score="avg",
+        budget=sum(caps),
+        max_per_layer=caps,
+        progress=ctx.progress,
+    )
+    path.write_text(
+        json.dumps(
+            {
+                "ranking": res.ranking,
+                "scores": res.scores,
+                "base_score": res.base_score,
+                "caps": caps,
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
     return [tuple(x) for x in res.ranking]
 
 
@@ -303,8 +415,9 @@ def finetune(ctx: Context, member: nn.Module, base_seed: int, ft_seed: int, desc
     """Fine-tune a pruned member like the builder does (``finetune_member``); its checkpoint doubles as the cache."""
     if ctx.spec.finetune_steps <= 0:
         return member.eval()
-    tcfg = _train_config(ctx.spec, "finetune", ft_seed, ctx.progress, steps=ctx.spec.finetune_steps,
-                         unfreeze=ctx.cfg.hydra.unfreeze)
+    tcfg = _train_config(
+        ctx.spec, "finetune", ft_seed, ctx.progress, steps=ctx.spec.finetune_steps, unfreeze=ctx.cfg.hydra.unfreeze
+    )
     ident = {"base": base_seed, "heads": ctx.adapter.kept_heads(member)}
     # progress bars do not change the member: the key holds run.py's default (True) whatever --quiet says
     folder = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=True))})
@@ -312,8 +425,9 @@ def finetune(ctx: Context, member: nn.Module, base_seed: int, ft_seed: int, desc
     legacy = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=False))})
     if legacy.is_dir() and not folder.exists():
         legacy.rename(folder)
-    return train_mod.finetune_member(ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg,
-                                     checkpoint_dir=folder, desc=desc).eval()
+    return train_mod.finetune_member(
+        ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg, checkpoint_dir=folder, desc=desc
+    ).eval()
 
 
 def pruned_members(
@@ -348,8 +462,10 @@ def pruned_members(
         members = [ctx.adapter.prune_to(base, k) for k in keeps]
     else:
         raise ValueError(f"unknown strategy {strategy!r}; expected taylor, circ or circ-top")
-    return [finetune(ctx, m, base_seed, fs, f"{strategy} member (prune seed {ps}, ft seed {fs})")
-            for m, ps, fs in zip(members, pruning_seeds, ft_seeds, strict=True)]
+    return [
+        finetune(ctx, m, base_seed, fs, f"{strategy} member (prune seed {ps}, ft seed {fs})")
+        for m, ps, fs in zip(members, pruning_seeds, ft_seeds, strict=True)
+    ]
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -383,12 +499,22 @@ def _params(models: Sequence[nn.Module]) -> int:
 
 
 def _row(ctx: Context, method: str, seed: int, logits, ood_logits, **extra: Any) -> dict[str, Any]:
-    return {"setting": ctx.spec.setting, "method": method, "seed": seed, "mode": ctx.spec.mode,
-            **metrics_row(ctx, logits, ood_logits), **extra}
+    return {
+        "setting": ctx.spec.setting,
+        "method": method,
+        "seed": seed,
+        "mode": ctx.spec.mode,
+        **metrics_row(ctx, logits, ood_logits),
+        **extra,
+    }
 
 
-def run_setting(ctx: Context, hydra_seeds: Sequence[int] = (0, 1, 2), ensemble_seeds: Sequence[int] = (0, 1, 2),
-                methods: Sequence[str] = METHODS) -> list[dict[str, Any]]:
+def run_setting(
+    ctx: Context,
+    hydra_seeds: Sequence[int] = (0, 1, 2),
+    ensemble_seeds: Sequence[int] = (0, 1, 2),
+    methods: Sequence[str] = METHODS,
+) -> list[dict[str, Any]]:
     """Every quality row of one setting (see the module docstring for what each method is)."""
     ad, spec, M = ctx.adapter, ctx.spec, ctx.spec.members
     rows: list[dict[str, Any]] = []
@@ -402,26 +528,52 @@ def run_setting(ctx: Context, hydra_seeds: Sequence[int] = (0, 1, 2), ensemble_s
     if "deep_ensemble" in methods and len(bases) > 1:
         lg = torch.cat([base_out[s][0] for s in ensemble_seeds], 1)
         ol = {n: torch.cat([base_out[s][1][n] for s in ensemble_seeds], 1) for n in ctx.ood_test}
-        rows.append(_row(ctx, "deep_ensemble", 0, lg, ol, params=_params(list(bases.values())),
-                         base_seeds=list(ensemble_seeds)))
+        rows.append(
+            _row(ctx, "deep_ensemble", 0, lg, ol, params=_params(list(bases.values())), base_seeds=list(ensemble_seeds))
+        )
     if "mc_dropout" in methods:
         mc = mc_dropout_model(base, spec.mc_p)
         S = max(spec.mc_samples)
         torch.manual_seed(0)
         lg, ol = logits_of(ctx, lambda b: torch.stack([ad.forward(mc, b) for _ in range(S)], 1))  # (B, S, C)
         for k in spec.mc_samples:
-            rows.append(_row(ctx, "mc_dropout", 0, lg[:, :k], {n: v[:, :k] for n, v in ol.items()}, samples=k,
-                             params=_params([base]),
-                             dropout_p=spec.mc_p if spec.family == "vit" else "model's own (0.1)"))
+            rows.append(
+                _row(
+                    ctx,
+                    "mc_dropout",
+                    0,
+                    lg[:, :k],
+                    {n: v[:, :k] for n, v in ol.items()},
+                    samples=k,
+                    params=_params([base]),
+                    dropout_p=spec.mc_p if spec.family == "vit" else "model's own (0.1)",
+                )
+            )
     b0 = ensemble_seeds[0]
     if "taylor" in methods:
         (m,) = pruned_members(ctx, base, b0, "taylor", [0], [0])
-        rows.append(_row(ctx, "taylor", 0, *logits_of(ctx, lambda b: ad.forward(m, b)), params=_params([m]),
-                         heads=ad.kept_heads(m)))
+        rows.append(
+            _row(
+                ctx,
+                "taylor",
+                0,
+                *logits_of(ctx, lambda b: ad.forward(m, b)),
+                params=_params([m]),
+                heads=ad.kept_heads(m),
+            )
+        )
     if "circavg" in methods:
         (m,) = pruned_members(ctx, base, b0, "circ-top", [0], [0])
-        rows.append(_row(ctx, "circavg", 0, *logits_of(ctx, lambda b: ad.forward(m, b)), params=_params([m]),
-                         heads=ad.kept_heads(m)))
+        rows.append(
+            _row(
+                ctx,
+                "circavg",
+                0,
+                *logits_of(ctx, lambda b: ad.forward(m, b)),
+                params=_params([m]),
+                heads=ad.kept_heads(m),
+            )
+        )
     for method, strategy in (("hydra_taylor", "taylor"), ("hydra_circ", "circ")):
         if method not in methods:
             continue
@@ -437,8 +589,7 @@ def hydra_row(ctx: Context, method: str, seed: int, members: Sequence[nn.Module]
     ad = ctx.adapter
     fused, _ = fuse(ad, members)
     lg, ol = logits_of(ctx, lambda b: fused(**b))
-    row = _row(ctx, method, seed, lg, ol, params=_params([fused]), heads=[ad.kept_heads(m) for m in members],
-               **extra)
+    row = _row(ctx, method, seed, lg, ol, params=_params([fused]), heads=[ad.kept_heads(m) for m in members], **extra)
     ul = logits_of(ctx, lambda b: torch.stack([ad.forward(m, b) for m in members], 1))
     u = metrics_row(ctx, *ul)
     row["unfused"] = {k: u[k] for k in ("acc", "nll", "ece", "mi_id", "mi_ood")} | {"ood_avg": u["ood_avg"]}
@@ -469,10 +620,18 @@ def run_ablations(ctx: Context, strategy: str = "taylor") -> list[dict[str, Any]
         add("members", M, pruned_members(ctx, base, 0, strategy, list(range(M)), [0] * M))
     for r in spec.ablation_prune:
         kept = f"{H[0] - r}/{H[0]}"
-        add("heads_kept", kept, pruned_members(ctx, base, 0, strategy, [0, 1, 2], [0, 0, 0], prune_per_layer=r),
-            prune_per_layer=r)
-    variants = {"none": ([0, 0, 0], [0, 0, 0]), "order": ([0, 0, 0], [0, 1, 2]),
-                "pruning": ([0, 1, 2], [0, 0, 0]), "both": ([0, 1, 2], [0, 1, 2])}
+        add(
+            "heads_kept",
+            kept,
+            pruned_members(ctx, base, 0, strategy, [0, 1, 2], [0, 0, 0], prune_per_layer=r),
+            prune_per_layer=r,
+        )
+    variants = {
+        "none": ([0, 0, 0], [0, 0, 0]),
+        "order": ([0, 0, 0], [0, 1, 2]),
+        "pruning": ([0, 1, 2], [0, 0, 0]),
+        "both": ([0, 1, 2], [0, 1, 2]),
+    }
     for name, (ps, fs) in variants.items():
         add("diversity", name, pruned_members(ctx, base, 0, strategy, ps, fs), pruning_seeds=ps, ft_seeds=fs)
     return rows

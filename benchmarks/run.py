@@ -43,10 +43,18 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "benchmarks" / "README.md"
 BEGIN, END = "<!-- results:begin (written by benchmarks/run.py) -->", "<!-- results:end -->"
 PARTS = ("quality", "cost", "ablations")
-METHOD_NAMES = {"single": "Single", "deep_ensemble": "Deep Ensemble", "mc_dropout": "MC Dropout",
-                "taylor": "Taylor-pruned single", "circavg": "CircAvg-pruned single", "hydra_taylor": "Hydra (Taylor)",
-                "hydra_circ": "Hydra (Circ)", "member": "one pruned member", "hydra": "Hydra fused",
-                "hydra_unfused": "Hydra unfused", }
+METHOD_NAMES = {
+    "single": "Single",
+    "deep_ensemble": "Deep Ensemble",
+    "mc_dropout": "MC Dropout",
+    "taylor": "Taylor-pruned single",
+    "circavg": "CircAvg-pruned single",
+    "hydra_taylor": "Hydra (Taylor)",
+    "hydra_circ": "Hydra (Circ)",
+    "member": "one pruned member",
+    "hydra": "Hydra fused",
+    "hydra_unfused": "Hydra unfused",
+}
 log = logging.getLogger("hydra.bench")
 
 
@@ -60,8 +68,10 @@ def machine() -> str:
         mem = float("nan")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {gpu}; {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}; load average {load:.1f} at start")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, {gpu}; {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}, torch {torch.__version__}; load average {load:.1f} at start"
+    )
 
 
 # ----------------------------------------------------------------------------- json files
@@ -140,22 +150,37 @@ def quality_tables(rows: Sequence[dict], runs: dict) -> list[str]:
     out = []
     for setting, rs, meta in _sections(rows, "setting", q.SETTINGS, runs):
         sets = {n: v["kind"] for n, v in rs[0]["ood"].items()}
-        out += [f"#### Quality, {setting} setting ({meta.get('mode', '?')} mode)", "",
-                f"Sizes: {json.dumps(meta.get('sizes', {}))}; OOD sets: "
-                + ", ".join(f"{n} ({k})" for n, k in sets.items())
-                + ". Percent; NLL in nats; mean ± std over seeds where there are several (n = seeds). "
-                  "OOD: MSP score, OOD positive, near / far = mean over the sets of that kind.", "",
-                "| method | n | Acc ↑ | NLL ↓ | Brier ↓ | ECE ↓ | aECE ↓ | near AUROC ↑ | near FPR95 ↓ "
-                "| near AUPR-in ↑ | far AUROC ↑ | far FPR95 ↓ | far AUPR-in ↑ | MI ID | MI OOD | DI ID | DI OOD |",
-                "|" + "---|" * 17]
+        out += [
+            f"#### Quality, {setting} setting ({meta.get('mode', '?')} mode)",
+            "",
+            f"Sizes: {json.dumps(meta.get('sizes', {}))}; OOD sets: "
+            + ", ".join(f"{n} ({k})" for n, k in sets.items())
+            + ". Percent; NLL in nats; mean ± std over seeds where there are several (n = seeds). "
+            "OOD: MSP score, OOD positive, near / far = mean over the sets of that kind.",
+            "",
+            "| method | n | Acc ↑ | NLL ↓ | Brier ↓ | ECE ↓ | aECE ↓ | near AUROC ↑ | near FPR95 ↓ "
+            "| near AUPR-in ↑ | far AUROC ↑ | far FPR95 ↓ | far AUPR-in ↑ | MI ID | MI OOD | DI ID | DI OOD |",
+            "|" + "---|" * 17,
+        ]
         for label, g in _group(rs):
-            cells = [label, str(len(g)), _cell([r["acc"] for r in g]), _cell([r["nll"] for r in g], 1, 3),
-                     _cell([r["brier"] for r in g], 1, 3), _cell([r["ece"] for r in g]), _cell([r["aece"] for r in g])]
+            cells = [
+                label,
+                str(len(g)),
+                _cell([r["acc"] for r in g]),
+                _cell([r["nll"] for r in g], 1, 3),
+                _cell([r["brier"] for r in g], 1, 3),
+                _cell([r["ece"] for r in g]),
+                _cell([r["aece"] for r in g]),
+            ]
             for kind in ("near", "far"):
                 for m in ("auroc", "fpr95", "aupr_in"):
                     cells.append(_cell([q.by_kind(r, kind, m) for r in g]))
-            cells += [_cell([r["mi_id"] for r in g], 1, 4), _cell([r["mi_ood"] for r in g], 1, 4),
-                      _cell([r["disagreement_id"] for r in g]), _cell([r["disagreement_ood"] for r in g])]
+            cells += [
+                _cell([r["mi_id"] for r in g], 1, 4),
+                _cell([r["mi_ood"] for r in g], 1, 4),
+                _cell([r["disagreement_id"] for r in g]),
+                _cell([r["disagreement_ood"] for r in g]),
+            ]
             out.append("| " + " | ".join(cells) + " |")
         out += [""] + per_set_table(rs) + [""] + target_lines(rs) + [""]
     return out
@@ -176,6 +201,7 @@ def _avg_auroc(r: dict) -> float:
 
 def target_lines(rows: Sequence[dict]) -> list[str]:
     """The issue's quality targets, checked on these rows (AUROC averaged over all OOD sets)."""
+
     def mean_of(method: str, f) -> float:
         return q.mean_std([f(r) for r in rows if r["method"] == method])[0]
 
@@ -201,33 +227,52 @@ def target_lines(rows: Sequence[dict]) -> list[str]:
 
 def cost_tables(rows: Sequence[dict], runs: dict) -> list[str]:
     out = []
-    ratio = {(r["layout"], r["device"], r["backend"], r["precision"], r["batch"], r["method"]): r
-             for r in cost_mod.ratios(rows, "single")}
-    to_de = {(r["layout"], r["device"], r["backend"], r["precision"], r["batch"], r["method"]): r
-             for r in cost_mod.ratios(rows, "deep_ensemble")}
+    ratio = {
+        (r["layout"], r["device"], r["backend"], r["precision"], r["batch"], r["method"]): r
+        for r in cost_mod.ratios(rows, "single")
+    }
+    to_de = {
+        (r["layout"], r["device"], r["backend"], r["precision"], r["batch"], r["method"]): r
+        for r in cost_mod.ratios(rows, "deep_ensemble")
+    }
     for layout, rs, meta in _sections(rows, "layout", cost_mod.LAYOUTS, runs):
         first = {r["method"]: r for r in rs}
-        out += [f"#### Cost, {layout} ({rs[0]['members']} members, {rs[0]['keep']} heads kept per layer; "
-                f"{rs[0].get('device_name', '')}; {rs[0]['repeats']} interleaved repeats; "
-                f"{meta.get('mode', '?')} mode)",
-                "", "| method | params (M) | GMAC / input | params / Single | MACs / Single |", "|---|---|---|---|---|"]
+        out += [
+            f"#### Cost, {layout} ({rs[0]['members']} members, {rs[0]['keep']} heads kept per layer; "
+            f"{rs[0].get('device_name', '')}; {rs[0]['repeats']} interleaved repeats; "
+            f"{meta.get('mode', '?')} mode)",
+            "",
+            "| method | params (M) | GMAC / input | params / Single | MACs / Single |",
+            "|---|---|---|---|---|",
+        ]
         for m in cost_mod.METHODS:
             if m in first:
                 r, s1 = first[m], first["single"]
-                out.append(f"| {METHOD_NAMES.get(m, m)} | {r['params'] / 1e6:.1f} | {r['macs'] / 1e9:.3f} | "
-                           f"{r['params'] / s1['params']:.2f} | {r['macs'] / s1['macs']:.2f} |")
-        out += ["", "Latency, ms (min / median); ratios min / median, within one backend; Hydra's GFLOPS and its "
-                "share of the machine's matmul peak measured in the same run (when recorded).", "",
-                "| device | backend | precision | batch | "
-                + " | ".join(METHOD_NAMES.get(m, m) for m in cost_mod.METHODS)
-                + " | Hydra / Single | Hydra / Deep Ensemble | Hydra GFLOPS (peak share) |",
-                "|" + "---|" * (4 + len(cost_mod.METHODS) + 3)]
-        keys = sorted({(r["device"], r.get("backend", "eager"), r["precision"], r["batch"]) for r in rs},
-                      key=lambda k: (k[0], cost_mod.BACKENDS.index(k[1]), k[2], k[3]))
+                out.append(
+                    f"| {METHOD_NAMES.get(m, m)} | {r['params'] / 1e6:.1f} | {r['macs'] / 1e9:.3f} | "
+                    f"{r['params'] / s1['params']:.2f} | {r['macs'] / s1['macs']:.2f} |"
+                )
+        out += [
+            "",
+            "Latency, ms (min / median); ratios min / median, within one backend; Hydra's GFLOPS and its "
+            "share of the machine's matmul peak measured in the same run (when recorded).",
+            "",
+            "| device | backend | precision | batch | "
+            + " | ".join(METHOD_NAMES.get(m, m) for m in cost_mod.METHODS)
+            + " | Hydra / Single | Hydra / Deep Ensemble | Hydra GFLOPS (peak share) |",
+            "|" + "---|" * (4 + len(cost_mod.METHODS) + 3),
+        ]
+        keys = sorted(
+            {(r["device"], r.get("backend", "eager"), r["precision"], r["batch"]) for r in rs},
+            key=lambda k: (k[0], cost_mod.BACKENDS.index(k[1]), k[2], k[3]),
+        )
         for dev, be, prec, b in keys:
             cells = [dev, be, prec, str(b)]
-            cell = {x["method"]: x for x in rs
-                    if (x["device"], x.get("backend", "eager"), x["precision"], x["batch"]) == (dev, be, prec, b)}
+            cell = {
+                x["method"]: x
+                for x in rs
+                if (x["device"], x.get("backend", "eager"), x["precision"], x["batch"]) == (dev, be, prec, b)
+            }
             for m in cost_mod.METHODS:
                 r = cell.get(m)
                 cells.append("–" if r is None else f"{r['latency_ms_min']:.1f} / {r['latency_ms_median']:.1f}")
@@ -244,15 +289,29 @@ def cost_tables(rows: Sequence[dict], runs: dict) -> list[str]:
 def ablation_tables(rows: Sequence[dict], runs: dict) -> list[str]:
     out = []
     for setting, rs, meta in _sections(rows, "setting", q.SETTINGS, runs):
-        out += [f"#### Ablations, {setting} setting ({rs[0]['method']}, Hydra seed 0, {meta.get('mode', '?')} mode)",
-                "", "| ablation | value | Acc | ECE | near AUROC | far AUROC | near FPR95 | far FPR95 | MI ID | MI OOD "
-                "| DI ID | DI OOD | params (M) |", "|" + "---|" * 13]
+        out += [
+            f"#### Ablations, {setting} setting ({rs[0]['method']}, Hydra seed 0, {meta.get('mode', '?')} mode)",
+            "",
+            "| ablation | value | Acc | ECE | near AUROC | far AUROC | near FPR95 | far FPR95 | MI ID | MI OOD "
+            "| DI ID | DI OOD | params (M) |",
+            "|" + "---|" * 13,
+        ]
         for r in rs:
-            cells = [r["ablation"], str(r["value"]), _pct(r["acc"]), _pct(r["ece"]),
-                     _pct(q.by_kind(r, "near", "auroc")), _pct(q.by_kind(r, "far", "auroc")),
-                     _pct(q.by_kind(r, "near", "fpr95")), _pct(q.by_kind(r, "far", "fpr95")),
-                     f"{r['mi_id']:.4f}", f"{r['mi_ood']:.4f}", _pct(r["disagreement_id"]),
-                     _pct(r["disagreement_ood"]), f"{r['params'] / 1e6:.2f}"]
+            cells = [
+                r["ablation"],
+                str(r["value"]),
+                _pct(r["acc"]),
+                _pct(r["ece"]),
+                _pct(q.by_kind(r, "near", "auroc")),
+                _pct(q.by_kind(r, "far", "auroc")),
+                _pct(q.by_kind(r, "near", "fpr95")),
+                _pct(q.by_kind(r, "far", "fpr95")),
+                f"{r['mi_id']:.4f}",
+                f"{r['mi_ood']:.4f}",
+                _pct(r["disagreement_id"]),
+                _pct(r["disagreement_ood"]),
+                f"{r['params'] / 1e6:.2f}",
+            ]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return out
@@ -288,13 +347,21 @@ def plots(out: Path, summary: dict) -> list[str]:
         for i, s in enumerate(settings):
             groups = _group([r for r in quality if r["setting"] == s])
             labels = [g[0] for g in groups]
-            for j, (title, f) in enumerate((("near-OOD AUROC", lambda r: q.by_kind(r, "near", "auroc")),
-                                            ("far-OOD AUROC", lambda r: q.by_kind(r, "far", "auroc")),
-                                            ("ECE", lambda r: r["ece"]))):
+            for j, (title, f) in enumerate(
+                (
+                    ("near-OOD AUROC", lambda r: q.by_kind(r, "near", "auroc")),
+                    ("far-OOD AUROC", lambda r: q.by_kind(r, "far", "auroc")),
+                    ("ECE", lambda r: r["ece"]),
+                )
+            ):
                 ms = [q.mean_std([f(r) for r in g]) for _, g in groups]
                 ax = axes[i][j]
-                ax.barh(range(len(labels)), [100 * m for m, _ in ms], xerr=[100 * sd for _, sd in ms],
-                        color=["C3" if "Hydra" in lb else "C0" for lb in labels])
+                ax.barh(
+                    range(len(labels)),
+                    [100 * m for m, _ in ms],
+                    xerr=[100 * sd for _, sd in ms],
+                    color=["C3" if "Hydra" in lb else "C0" for lb in labels],
+                )
                 ax.set_yticks(range(len(labels)), labels if j == 0 else [""] * len(labels))
                 ax.invert_yaxis()
                 ax.set_title(f"{s}: {title} (%)")
@@ -310,8 +377,19 @@ def plots(out: Path, summary: dict) -> list[str]:
             keys = sorted({(r["device"], r["precision"], r["batch"]) for r in rat if r["layout"] == lay})
             x = np.arange(len(keys))
             for k, m in enumerate(("member", "hydra", "hydra_unfused", "deep_ensemble")):
-                vals = [next((r["ratio_min"] for r in rat if r["layout"] == lay and r["method"] == m
-                              and (r["device"], r["precision"], r["batch"]) == key), np.nan) for key in keys]
+                vals = [
+                    next(
+                        (
+                            r["ratio_min"]
+                            for r in rat
+                            if r["layout"] == lay
+                            and r["method"] == m
+                            and (r["device"], r["precision"], r["batch"]) == key
+                        ),
+                        np.nan,
+                    )
+                    for key in keys
+                ]
                 ax.bar(x + 0.2 * (k - 1.5), vals, width=0.2, label=METHOD_NAMES[m])
             ax.axhline(1.0, color="k", lw=0.8)
             ax.set_xticks(x, [f"{d} {p}\nb{b}" for d, p, b in keys], fontsize=8)
@@ -365,7 +443,7 @@ def write_outputs(out: Path, readme: Path | None, command: str) -> dict:
         old = readme.read_text() if readme.is_file() else "# Benchmarks\n"
         block = f"{BEGIN}\n{text}{END}"
         if BEGIN in old and END in old:
-            new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+            new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END) :]
         else:
             new = old.rstrip() + "\n\n" + block + "\n"
         readme.write_text(new)
@@ -377,27 +455,48 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--fast", action="store_true", help="smoke sizes: small subsets, few steps (minutes)")
     ap.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default: all)")
     ap.add_argument("--settings", nargs="+", choices=q.SETTINGS, default=list(q.SETTINGS))
-    ap.add_argument("--layouts", nargs="+", choices=cost_mod.LAYOUTS, default=None,
-                    help="cost layouts (default: all four)")
+    ap.add_argument(
+        "--layouts", nargs="+", choices=cost_mod.LAYOUTS, default=None, help="cost layouts (default: all four)"
+    )
     ap.add_argument("--batches", nargs="+", type=int, default=None, help="cost batch sizes (fast: 1 4; full: 1 4 32)")
     ap.add_argument("--precisions", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"])
-    ap.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], default=None,
-                    help="cost devices (default: cpu, plus cuda when available)")
+    ap.add_argument(
+        "--devices",
+        nargs="+",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="cost devices (default: cpu, plus cuda when available)",
+    )
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per cost cell (fast: 3; full: 10)")
-    ap.add_argument("--backends", nargs="+", choices=cost_mod.BACKENDS, default=["eager"],
-                    help="cost: the serving backends to time Single, Hydra and the Deep Ensemble in (eager: every "
-                         "method; onnx, aoti: CPU fp32, exported and compiled first)")
-    ap.add_argument("--methods", nargs="+", choices=q.METHODS, default=list(q.METHODS),
-                    help="quality methods to run (default: all)")
+    ap.add_argument(
+        "--backends",
+        nargs="+",
+        choices=cost_mod.BACKENDS,
+        default=["eager"],
+        help="cost: the serving backends to time Single, Hydra and the Deep Ensemble in (eager: every "
+        "method; onnx, aoti: CPU fp32, exported and compiled first)",
+    )
+    ap.add_argument(
+        "--methods", nargs="+", choices=q.METHODS, default=list(q.METHODS), help="quality methods to run (default: all)"
+    )
     ap.add_argument("--hydra-seeds", type=int, default=3, help="Hydra seeds in the quality table (>= 3)")
     ap.add_argument("--ablation-strategy", choices=["taylor", "circ"], default="taylor")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads for quality/ablations (1: small models on a shared 2-core machine run "
-                         "faster single-threaded)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for quality/ablations (1: small models on a shared 2-core machine run "
+        "faster single-threaded)",
+    )
     ap.add_argument("--cost-threads", type=int, default=0, help="torch threads for cost timings (0: torch default)")
-    ap.add_argument("--import-fusion", nargs="*", choices=["vit_b16", "bert_base"], default=None,
-                    help="take these layouts' CPU cost rows from benchmarks/results/fusion_<layout>.json "
-                         "(bench_fusion.py measures them the same way) instead of timing them again")
+    ap.add_argument(
+        "--import-fusion",
+        nargs="*",
+        choices=["vit_b16", "bert_base"],
+        default=None,
+        help="take these layouts' CPU cost rows from benchmarks/results/fusion_<layout>.json "
+        "(bench_fusion.py measures them the same way) instead of timing them again",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--cache", type=Path, default=q.DEFAULT_CACHE)
     ap.add_argument("--readme", type=Path, default=README, help="README whose result block is replaced")
@@ -405,8 +504,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    command = "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                               else sys.argv[1:]))
+    command = "python -m benchmarks.run " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     mode = "fast" if args.fast else "full"
@@ -419,12 +519,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
         batches = args.batches or ([1, 4] if args.fast else [1, 4, 32])
         devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
         repeats = args.repeats or (3 if args.fast else 10)
-        meta = {"mode": mode, "batches": batches, "devices": devices, "repeats": repeats,
-                "threads": torch.get_num_threads(), "gpu": torch.cuda.is_available(), "command": command}
+        meta = {
+            "mode": mode,
+            "batches": batches,
+            "devices": devices,
+            "repeats": repeats,
+            "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.is_available(),
+            "command": command,
+        }
         for layout in layouts:
             t0 = time.perf_counter()
-            rows = cost_mod.run_layout(layout, batches, args.precisions, devices, repeats,
-                                       progress=lambda s: log.info("%s", s), backends=args.backends)
+            rows = cost_mod.run_layout(
+                layout,
+                batches,
+                args.precisions,
+                devices,
+                repeats,
+                progress=lambda s: log.info("%s", s),
+                backends=args.backends,
+            )
             write_part(out, "cost", rows, "layout", {layout}, meta)  # after each layout: a long run keeps its part
             log.info("cost %s done in %.0f s", layout, time.perf_counter() - t0)
 
@@ -433,8 +547,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if not src.is_file():
             raise SystemExit(f"--import-fusion {layout}: {src} does not exist; run benchmarks/bench_fusion.py first")
         doc = json.loads(src.read_text())
-        meta = {"mode": "bench_fusion", "source": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
-                "commands": doc["meta"]["commands"], "threads": doc["meta"]["threads"], "command": command}
+        meta = {
+            "mode": "bench_fusion",
+            "source": str(src.relative_to(ROOT)) if src.is_relative_to(ROOT) else str(src),
+            "commands": doc["meta"]["commands"],
+            "threads": doc["meta"]["threads"],
+            "command": command,
+        }
         write_part(out, "cost", cost_mod.rows_from_fusion(doc), "layout", {layout}, meta)
         log.info("cost %s imported from %s", layout, src)
 
@@ -450,8 +569,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 rows = q.run_setting(ctx, hydra_seeds=tuple(range(args.hydra_seeds)), methods=args.methods)
             else:
                 rows = q.run_ablations(ctx, args.ablation_strategy)
-            meta = {"mode": mode, "sizes": spec.sizes, "spec": _jsonable(vars(spec)), "command": command,
-                    "seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads()}
+            meta = {
+                "mode": mode,
+                "sizes": spec.sizes,
+                "spec": _jsonable(vars(spec)),
+                "command": command,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "threads": torch.get_num_threads(),
+            }
             # written after every setting, so that a long run leaves its finished settings behind
             write_part(out, part, rows, "setting", {setting}, meta)
             log.info("%s %s done in %.0f s", part, setting, time.perf_counter() - t0)

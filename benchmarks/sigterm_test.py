@@ -150,10 +150,17 @@ def run_once(args: argparse.Namespace, artifact: Path, body: bytes, workdir: Pat
         assert status == 200
         control_answered = _requests_so_far(metrics.decode()) + 1  # + this /metrics request, answered after rendering
         t0 = time.perf_counter()
-        outcomes, at_signal = asyncio.run(load_until(
-            port, body, args.concurrency, t0 + args.load_seconds, t0 + args.load_seconds + args.after_seconds,
-            args.timeout, lambda: proc.send_signal(signal.SIGTERM),
-        ))  # fmt: skip
+        outcomes, at_signal = asyncio.run(
+            load_until(
+                port,
+                body,
+                args.concurrency,
+                t0 + args.load_seconds,
+                t0 + args.load_seconds + args.after_seconds,
+                args.timeout,
+                lambda: proc.send_signal(signal.SIGTERM),
+            )
+        )
         try:
             exit_status = proc.wait(60)
         except Exception:
@@ -189,8 +196,11 @@ def run_once(args: argparse.Namespace, artifact: Path, body: bytes, workdir: Pat
         "loopback": f"{harness.HOST}:{port}",
         "client": acc,
         "answered_before_sigterm": at_signal["answered_before"],
-        "server": {"requests_received": received, "requests_answered": answered,
-                   "of_which_readiness_and_metrics_polls": control_answered},  # fmt: skip
+        "server": {
+            "requests_received": received,
+            "requests_answered": answered,
+            "of_which_readiness_and_metrics_polls": control_answered,
+        },
         "resets": resets,
         "lost": lost,
         "exit_status": exit_status,
@@ -220,19 +230,24 @@ def main(argv: list[str] | None = None) -> int:
     artifact, manifest = harness.open_artifact(args, Path(tmp.name))
     name = manifest["name"]
     body = json.dumps(harness.payload(manifest)).encode()
-    print(f"python -m service with {artifact}: {args.concurrency} clients for {args.load_seconds} s, then SIGTERM; "
-          f"{args.repeat} repetition(s)", flush=True)  # fmt: skip
+    print(
+        f"python -m service with {artifact}: {args.concurrency} clients for {args.load_seconds} s, then SIGTERM; "
+        f"{args.repeat} repetition(s)",
+        flush=True,
+    )
     runs = []
     for i in range(args.repeat):
         r = run_once(args, artifact, body, Path(tmp.name))
         runs.append(r)
         acc = r["client"]
         failed = "" if r["passed"] else f"; FAILED {[k for k, v in r['checks'].items() if not v]}"
-        print(f"[{i + 1}/{args.repeat}] sent {acc['sent']}: {acc['by_outcome']}; in flight at SIGTERM: "
-              f"{acc['in_flight_at_sigterm']}; refusing {acc['refusing_after_sigterm_ms']} ms after SIGTERM; "
-              f"server received {r['server']['requests_received']}, answered {r['server']['requests_answered']}; "
-              f"resets {r['resets']}, lost {r['lost']}, exit status {r['exit_status']}{failed}",
-              flush=True)  # fmt: skip
+        print(
+            f"[{i + 1}/{args.repeat}] sent {acc['sent']}: {acc['by_outcome']}; in flight at SIGTERM: "
+            f"{acc['in_flight_at_sigterm']}; refusing {acc['refusing_after_sigterm_ms']} ms after SIGTERM; "
+            f"server received {r['server']['requests_received']}, answered {r['server']['requests_answered']}; "
+            f"resets {r['resets']}, lost {r['lost']}, exit status {r['exit_status']}{failed}",
+            flush=True,
+        )
     totals = {
         "repetitions": len(runs),
         "sent": sum(r["client"]["sent"] for r in runs),
@@ -242,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         "lost": sum(r["lost"] if r["lost"] is not None else 1 for r in runs),
         "repetitions_passed": sum(r["passed"] for r in runs),
     }
-    checks = {"every_repetition_passed": totals["repetitions_passed"] == len(runs),
-              "resets_0": totals["resets"] == 0, "lost_0": totals["lost"] == 0}  # fmt: skip
+    checks = {
+        "every_repetition_passed": totals["repetitions_passed"] == len(runs),
+        "resets_0": totals["resets"] == 0,
+        "lost_0": totals["lost"] == 0,
+    }
     passed = all(checks.values())
     result = {
         "command": "python -m benchmarks.sigterm_test " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -262,9 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out = harness.write_result(result, args.out, f"sigterm_{name}.json")
-    print(f"total over {len(runs)} repetition(s): sent {totals['sent']}, answered {totals['answered']}, refused "
-          f"{totals['refused']}, resets {totals['resets']}, lost {totals['lost']}"
-          f"{' (meets the target)' if result['meets_target'] else ''}")  # fmt: skip
+    print(
+        f"total over {len(runs)} repetition(s): sent {totals['sent']}, answered {totals['answered']}, refused "
+        f"{totals['refused']}, resets {totals['resets']}, lost {totals['lost']}"
+        f"{' (meets the target)' if result['meets_target'] else ''}"
+    )
     harness.print_checks(checks)
     print(f"wrote {out}")
     tmp.cleanup()
