@@ -271,7 +271,9 @@ def test_fast_mode_smoke_end_to_end(tmp_path: Path):
     ]
     none = next(r for r in abl if r["value"] == "none")
     assert none["mi_id"] == pytest.approx(0, abs=1e-6) and none["disagreement_id"] == 0  # identical members
-    crows = cost_mod.run_layout("image", batches=(1,), precisions=("fp32",), repeats=1, progress=lambda s: None)
+    crows = cost_mod.run_layout(
+        "image", cost_mod.Grid(batches=(1,), precisions=("fp32",), repeats=1), progress=lambda s: None
+    )
     assert {r["method"] for r in crows} == set(cost_mod.METHODS)
     assert all(COST_KEYS <= set(r) and r["latency_ms_min"] > 0 for r in crows)
     by = {r["method"]: r for r in crows}
@@ -290,7 +292,9 @@ def test_fast_mode_smoke_end_to_end(tmp_path: Path):
 
 def test_cost_rows_of_a_small_layout_are_timed_side_by_side():
     """run_layout on the image setting's architecture (random weights): every method, positive latencies, exact MACs."""
-    rows = cost_mod.run_layout("image", batches=(1, 2), precisions=("fp32",), repeats=2, progress=lambda s: None)
+    rows = cost_mod.run_layout(
+        "image", cost_mod.Grid(batches=(1, 2), precisions=("fp32",), repeats=2), progress=lambda s: None
+    )
     assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in cost_mod.METHODS for b in (1, 2)}
     assert all(COST_KEYS <= set(r) for r in rows)
     assert all(0 < r["latency_ms_min"] <= r["latency_ms_median"] for r in rows)
