@@ -181,7 +181,8 @@ def plot(rec: Record, summary: dict[str, Any], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked: the load bounded, the warm-up and a p99 window inside the soak."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_artifact_arguments(p)
     p.add_argument("--clients", type=int, default=32, help="concurrent keep-alive clients (1..64)")
@@ -198,7 +199,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--clients must be in 1..64, --minutes in (0, 240] and --sample-s positive")
     if args.warmup_minutes + args.window_minutes > args.minutes or args.window_minutes <= 0:
         p.error("the warm-up and a p99 window must fit in --minutes")
+    return args
 
+
+def _print_summary(summary: dict[str, Any], window_minutes: float) -> None:
+    """One line: requests, errors, RSS growth after the warm-up and the p99 of the windows."""
+    r, q = summary["rss_mb"], summary["p99"]
+    print(
+        f"{summary['requests']} requests, errors {summary['errors']}; RSS {r['after_warmup']} -> peak "
+        f"{r['peak_after_warmup']} MiB after the warm-up ({100 * r['growth_fraction']:+.1f} %); p99 "
+        f"{q['first_window']['p99_ms']} (first {window_minutes:g} min), "
+        f"{q['first_window_after_warmup']['p99_ms']} (after the warm-up), {q['last_window']['p99_ms']} ms (last)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     tmp = tempfile.TemporaryDirectory(prefix="hydra-soak-")
     artifact, manifest = harness.open_artifact(args, Path(tmp.name))
     name = manifest["name"]
@@ -250,13 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({harness.machine()['cpus']} cores)",
         png,
     )
-    r, q = summary["rss_mb"], summary["p99"]
-    print(
-        f"{summary['requests']} requests, errors {summary['errors']}; RSS {r['after_warmup']} -> peak "
-        f"{r['peak_after_warmup']} MiB after the warm-up ({100 * r['growth_fraction']:+.1f} %); p99 "
-        f"{q['first_window']['p99_ms']} (first {args.window_minutes:g} min), "
-        f"{q['first_window_after_warmup']['p99_ms']} (after the warm-up), {q['last_window']['p99_ms']} ms (last)"
-    )
+    _print_summary(summary, args.window_minutes)
     harness.print_checks(checks)
     print(f"wrote {out} and {png}")
     tmp.cleanup()

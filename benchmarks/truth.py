@@ -159,7 +159,9 @@ def _report_per_class(artifact: Path) -> dict[str, Any]:
     return ((rep.get("extra") or {}).get("per_class") or {}).get("hydra") or {}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _test_images(per_class: int) -> tuple[list[str], list[str], list[str]]:
+    """The data set's own class names, and the first ``per_class`` test images of each class as base64 PNGs with
+    their true names."""
     import torchvision
 
     from offline import data as data_mod
@@ -168,8 +170,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fdir = data_mod.fashion_dir()
     x = data_mod.read_idx_images(fdir / data_mod.FASHION_FILES["test_images"])
     y = data_mod.read_idx_labels(fdir / data_mod.FASHION_FILES["test_labels"])
-    keep = np.concatenate([np.flatnonzero(y == c)[: args.per_class] for c in range(10)])
-    images, truth = [_png(x[i]) for i in keep], [names[int(y[i])] for i in keep]
+    keep = np.concatenate([np.flatnonzero(y == c)[:per_class] for c in range(10)])
+    return names, [_png(x[i]) for i in keep], [names[int(y[i])] for i in keep]
+
+
+def _ask_all(port: int, man: dict[str, Any], images: list[str], foot: list[int], batch: int) -> dict[str, Any]:
+    """Every request of the run: ``/predict`` on the test images, the unused reserved and the calibration images;
+    ``/zero-shot`` on the test images with the build's labels and the user's words, and on the footwear and bags
+    (indices ``foot``) with the mixed words."""
+    cls = asyncio.run(_answers(port, "/predict", images, {"model": man["image"]["name"], "alpha": 0.1}, batch))
+    zs_model = {"model": man["zeroshot"]["name"], "alpha": 0.1}
+    build_labels = list(man["zeroshot"]["labels"])
+    zs_build = asyncio.run(_answers(port, "/zero-shot", images, {**zs_model, "labels": build_labels}, batch))
+    user = [USER_WORDS[g] for g in build_labels]
+    zs_user = asyncio.run(_answers(port, "/zero-shot", images, {**zs_model, "labels": user}, batch))
+    reserved = reserved_images(man["image"])
+    ex_x, ex_y = reserved["unused"]
+    cal_x, cal_y = reserved["calibration"]
+    ex, cal = (
+        asyncio.run(
+            _answers(port, "/predict", [_png(v) for v in x], {"model": man["image"]["name"], "alpha": 0.1}, batch)
+        )
+        for x in (ex_x, cal_x)
+    )
+    zs_mixed = asyncio.run(
+        _answers(port, "/zero-shot", [images[i] for i in foot], {**zs_model, "labels": MIXED_WORDS}, batch)
+    )
+    return {
+        "cls": cls,
+        "build_labels": build_labels,
+        "zs_build": zs_build,
+        "user": user,
+        "zs_user": zs_user,
+        "ex": ex,
+        "ex_y": ex_y,
+        "cal": cal,
+        "cal_y": cal_y,
+        "zs_mixed": zs_mixed,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    names, images, truth = _test_images(args.per_class)
     image, zeroshot = args.image.resolve(), args.zeroshot.resolve()
     man = {k: json.loads((a / "manifest.json").read_text()) for k, a in (("image", image), ("zeroshot", zeroshot))}
     garments = list(man["image"]["labels"])
@@ -183,64 +225,58 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     try:
         harness.wait_ready(port, proc)
-        cls = asyncio.run(_answers(port, "/predict", images, {"model": man["image"]["name"], "alpha": 0.1}, args.batch))
-        zs_model = {"model": man["zeroshot"]["name"], "alpha": 0.1}
-        build_labels = list(man["zeroshot"]["labels"])
-        zs_build = asyncio.run(_answers(port, "/zero-shot", images, {**zs_model, "labels": build_labels}, args.batch))
-        user = [USER_WORDS[g] for g in build_labels]
-        zs_user = asyncio.run(_answers(port, "/zero-shot", images, {**zs_model, "labels": user}, args.batch))
-        reserved = reserved_images(man["image"])
-        ex_x, ex_y = reserved["unused"]
-        cal_x, cal_y = reserved["calibration"]
-        ex, cal = (
-            asyncio.run(
-                _answers(
-                    port, "/predict", [_png(v) for v in x], {"model": man["image"]["name"], "alpha": 0.1}, args.batch
-                )
-            )
-            for x in (ex_x, cal_x)
-        )
-        foot = [i for i, t in enumerate(truth) if t not in garments]
-        zs_mixed = asyncio.run(
-            _answers(port, "/zero-shot", [images[i] for i in foot], {**zs_model, "labels": MIXED_WORDS}, args.batch)
-        )
+        got = _ask_all(port, man, images, [i for i, t in enumerate(truth) if t not in garments], args.batch)
     finally:
         harness.stop_server(proc)
         tmp.cleanup()
-    idx_id = [i for i, t in enumerate(truth) if t in garments]
-    pick = lambda ps, ix: [ps[i] for i in ix]  # noqa: E731
-    near_user = pick(zs_user, foot)
     return {
         "models": {k: m["name"] for k, m in man.items()},
         "per_class_images": args.per_class,
-        "classifier": classifier_truth(cls, truth, garments),
+        "classifier": classifier_truth(got["cls"], truth, garments),
         "classifier_report_per_class": _report_per_class(image).get("accuracy"),
-        "classifier_exchangeable": classifier_truth(ex, [names[int(v)] for v in ex_y], garments),
-        "classifier_calibration_split": classifier_truth(cal, [names[int(v)] for v in cal_y], garments),
-        "zero_shot": {
-            "build_labels": zero_shot_truth(pick(zs_build, idx_id), pick(truth, idx_id), {g: g for g in build_labels}),
-            "user_words": {**zero_shot_truth(pick(zs_user, idx_id), pick(truth, idx_id), USER_WORDS), "labels": user},
-            "near_with_user_words": {
-                "images": len(foot),
-                "flagged": _rate([p["ood"]["flag"] for p in near_user]),
-                "flagged_or_low_confidence": _rate([p["ood"]["flag"] or p["confidence"] < LOW for p in near_user]),
-                "confident_unflagged": _rate(
-                    [p["confidence"] >= CONFIDENT and not p["ood"]["flag"] for p in near_user]
-                ),
-            },
-            "mixed_words": {
-                "labels": MIXED_WORDS,
-                "answers_by_class": {
-                    c: {
-                        w: sum(p["label"] == w for p, t in zip(zs_mixed, pick(truth, foot), strict=True) if t == c)
-                        for w in MIXED_WORDS
-                    }
-                    for c in dict.fromkeys(pick(truth, foot))
-                },
-                "flagged": _rate([p["ood"]["flag"] for p in zs_mixed]),
-            },
-            "id_flagged": _rate([p["ood"]["flag"] for p in pick(zs_user, idx_id)]),
+        "classifier_exchangeable": classifier_truth(got["ex"], [names[int(v)] for v in got["ex_y"]], garments),
+        "classifier_calibration_split": classifier_truth(got["cal"], [names[int(v)] for v in got["cal_y"]], garments),
+        "zero_shot": _zero_shot(got, truth, garments),
+    }
+
+
+def _zero_shot(got: dict[str, Any], truth: list[str], garments: list[str]) -> dict[str, Any]:
+    """The zero-shot tallies of :func:`_ask_all`'s answers ``got``: garments by both label lists, footwear and bags
+    against the garment words and against the mixed words."""
+    foot = [i for i, t in enumerate(truth) if t not in garments]
+    idx_id = [i for i, t in enumerate(truth) if t in garments]
+
+    def pick(ps: list, ix: list[int]) -> list:
+        return [ps[i] for i in ix]
+
+    zs_build, zs_user, zs_mixed = got["zs_build"], got["zs_user"], got["zs_mixed"]
+    near_user = pick(zs_user, foot)
+    return {
+        "build_labels": zero_shot_truth(
+            pick(zs_build, idx_id), pick(truth, idx_id), {g: g for g in got["build_labels"]}
+        ),
+        "user_words": {
+            **zero_shot_truth(pick(zs_user, idx_id), pick(truth, idx_id), USER_WORDS),
+            "labels": got["user"],
         },
+        "near_with_user_words": {
+            "images": len(foot),
+            "flagged": _rate([p["ood"]["flag"] for p in near_user]),
+            "flagged_or_low_confidence": _rate([p["ood"]["flag"] or p["confidence"] < LOW for p in near_user]),
+            "confident_unflagged": _rate([p["confidence"] >= CONFIDENT and not p["ood"]["flag"] for p in near_user]),
+        },
+        "mixed_words": {
+            "labels": MIXED_WORDS,
+            "answers_by_class": {
+                c: {
+                    w: sum(p["label"] == w for p, t in zip(zs_mixed, pick(truth, foot), strict=True) if t == c)
+                    for w in MIXED_WORDS
+                }
+                for c in dict.fromkeys(pick(truth, foot))
+            },
+            "flagged": _rate([p["ood"]["flag"] for p in zs_mixed]),
+        },
+        "id_flagged": _rate([p["ood"]["flag"] for p in pick(zs_user, idx_id)]),
     }
 
 
@@ -276,10 +312,12 @@ def checks(doc: dict[str, Any]) -> dict[str, bool]:
     }
 
 
+def _pct(v: float | None) -> str:
+    return "–" if v is None else f"{100 * v:.1f}"
+
+
 def _markdown(doc: dict[str, Any]) -> str:
-    c, zs, pct = doc["classifier"], doc["zero_shot"], lambda v: "–" if v is None else f"{100 * v:.1f}"
-    e, k = doc["classifier_exchangeable"], doc["classifier_calibration_split"]
-    rep = doc.get("classifier_report_per_class") or {}
+    """The text of ``truth.md``: the classifier's answers, the zero-shot answers, then the checks."""
     lines = [
         f"# Real test images by their true names ({doc['models']['image']}, {doc['models']['zeroshot']})",
         "",
@@ -287,6 +325,19 @@ def _markdown(doc: dict[str, Any]) -> str:
         "",
         f"Machine: {doc['machine']['cpu']}. Truth: the IDX labels through torchvision's class list.",
         "",
+    ]
+    lines += _classifier_lines(doc) + _zero_shot_lines(doc["zero_shot"])
+    lines += ["", "## Checks", ""] + [f"- {'PASS' if v else 'FAIL'} {k}" for k, v in doc["checks"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def _classifier_lines(doc: dict[str, Any]) -> list[str]:
+    """``/predict``: accuracy per class next to the report's, then the sets, the risk, the flags, and the same where
+    the guarantees' premise holds."""
+    c, pct = doc["classifier"], _pct
+    e, k = doc["classifier_exchangeable"], doc["classifier_calibration_split"]
+    rep = doc.get("classifier_report_per_class") or {}
+    lines = [
         "## /predict",
         "",
         "| class | images | served accuracy % | report (build's test sample) % |",
@@ -294,7 +345,7 @@ def _markdown(doc: dict[str, Any]) -> str:
     ]
     for g, v in c["per_class"].items():
         lines.append(f"| {g} | {v['n']} | {pct(v['accuracy'])} | {pct(rep.get(g))} |")
-    lines += [
+    return lines + [
         "",
         f"- accuracy on {c['id_images']} garment images: **{pct(c['accuracy'])} %**",
         f"- coverage of the sets at alpha 0.1: **{pct(c['coverage_alpha_0.1'])} %** (mean size "
@@ -314,6 +365,13 @@ def _markdown(doc: dict[str, Any]) -> str:
         f"{pct(e['id_flagged'])} %. On the calibration split itself ({k['id_images']} images): accuracy "
         f"{pct(k['accuracy'])} %, coverage {pct(k['coverage_alpha_0.1'])} %.",
         "",
+    ]
+
+
+def _zero_shot_lines(zs: dict[str, Any]) -> list[str]:
+    """``/zero-shot``: accuracy per class with both label lists, then the flags and the mixed words' answers."""
+    pct = _pct
+    lines = [
         "## /zero-shot",
         "",
         "| class | build's labels % | user words % |",
@@ -335,8 +393,7 @@ def _markdown(doc: dict[str, Any]) -> str:
     ]
     for cls, counts in zs["mixed_words"]["answers_by_class"].items():
         lines.append(f"  - {cls}: " + ", ".join(f"{w} {n}" for w, n in counts.items()))
-    lines += ["", "## Checks", ""] + [f"- {'PASS' if v else 'FAIL'} {k}" for k, v in doc["checks"].items()]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,7 +124,7 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "user_build"))
     ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
@@ -147,6 +147,39 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.against and not (args.resume and not args.rerun):
         ap.error("--against goes with --resume alone")
+    return args
+
+
+def _builds(args: argparse.Namespace, cfg_path: Path, work: Path, result: dict) -> None:
+    """The reference build (unless ``--against``), then the rerun and the resumed build, compared with it; their
+    facts go into ``result``."""
+    if args.against:  # the reference is a recorded run's
+        result["model_sha256"] = args.against
+    else:
+        wall = run_build(cfg_path, work / "a")
+        manifest = json.loads((work / "a" / "manifest.json").read_text())
+        result.update(
+            wall_s=round(wall, 1),
+            stages_s=manifest["build"]["timings_s"],
+            model_sha256=sha256(work / "a" / "model.safetensors"),
+            test_accuracy=manifest["metrics"].get("hydra", {}).get("acc"),
+        )
+    if args.rerun:
+        run_build(cfg_path, work / "b")
+        result["rerun_identical"] = sha256(work / "b" / "model.safetensors") == result["model_sha256"]
+    if args.resume:
+        killed_at = run_build(cfg_path, work / "c", kill_after=args.kill_after)
+        killed = sorted(p.name for p in (work / "c").rglob("state-*.pt"))
+        run_build(cfg_path, work / "c")
+        result["resume"] = {
+            "killed_after_s": round(killed_at, 1),
+            "checkpoints_left": killed,
+            "identical": sha256(work / "c" / "model.safetensors") == result["model_sha256"],
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     work = Path(tempfile.mkdtemp(prefix="user-build-"))
     try:
         folder = make_folder(work / "photos")
@@ -160,29 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "precision": args.precision,
             "resolved_precision": resolve_precision(args.precision, torch.device("cpu")),
         }
-        if args.against:  # the reference is a recorded run's
-            result["model_sha256"] = args.against
-        else:
-            wall = run_build(cfg_path, work / "a")
-            manifest = json.loads((work / "a" / "manifest.json").read_text())
-            result.update(
-                wall_s=round(wall, 1),
-                stages_s=manifest["build"]["timings_s"],
-                model_sha256=sha256(work / "a" / "model.safetensors"),
-                test_accuracy=manifest["metrics"].get("hydra", {}).get("acc"),
-            )
-        if args.rerun:
-            run_build(cfg_path, work / "b")
-            result["rerun_identical"] = sha256(work / "b" / "model.safetensors") == result["model_sha256"]
-        if args.resume:
-            killed_at = run_build(cfg_path, work / "c", kill_after=args.kill_after)
-            killed = sorted(p.name for p in (work / "c").rglob("state-*.pt"))
-            run_build(cfg_path, work / "c")
-            result["resume"] = {
-                "killed_after_s": round(killed_at, 1),
-                "checkpoints_left": killed,
-                "identical": sha256(work / "c" / "model.safetensors") == result["model_sha256"],
-            }
+        _builds(args, cfg_path, work, result)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         name = args.tag or args.precision
