@@ -69,10 +69,21 @@ from service.core.fused import CPU_MAX_ROWS
 from service.core.hardware import cpu_bf16_flags
 from service.core.ood import GaussianStats, LayerStats, OODStats, ensemble_scores
 
-METHODS = ("single", "member", "hydra", "hydra_all_tokens", "hydra_unfused", "deep_ensemble", "hydra_ood",
-           "hydra_ood_layers",
-           "single_bf16_weights", "hydra_bf16_weights")
+METHODS = (
+    "single",
+    "member",
+    "hydra",
+    "hydra_all_tokens",
+    "hydra_unfused",
+    "deep_ensemble",
+    "hydra_ood",
+    "hydra_ood_layers",
+    "single_bf16_weights",
+    "hydra_bf16_weights",
+)
 DEFAULT_METHODS = METHODS[:-4]  # the others are asked for with --methods
+# copies of single / hydra with bf16 matrix weights: timed in bf16 only, the same products as their fp32 models
+BF16_WEIGHTS = ("single_bf16_weights", "hydra_bf16_weights")
 LAYOUTS = {  # heads kept per member by default, batch sizes by default
     "vit_b16": {"keep": 8, "batches": [1, 4, 16, 32]},
     "bert_base": {"keep": 6, "batches": [1, 8]},
@@ -130,9 +141,16 @@ def build(layout: str, members: int, keep: int, seed: int = 0) -> dict[str, Any]
     dense = [base] + [_dense(layout, seed + s) for s in range(1, members)]
     # the layer score's largest candidate (offline.ood_fit.layer_candidates): at most MAX_SCORE_LAYERS blocks
     classes, layers = fused.cfg["num_classes"], min(len(heads) - 1, MAX_SCORE_LAYERS)
-    return {"base": base, "pruned": pruned, "fused": fused, "dense": dense, "make_input": make_input, "run": run,
-            "ood_stats": random_ood_stats(members, classes, fused.dim, seed),
-            "ood_layer_stats": random_ood_stats(members, classes, fused.dim, seed, layers)}  # fmt: skip
+    return {
+        "base": base,
+        "pruned": pruned,
+        "fused": fused,
+        "dense": dense,
+        "make_input": make_input,
+        "run": run,
+        "ood_stats": random_ood_stats(members, classes, fused.dim, seed),
+        "ood_layer_stats": random_ood_stats(members, classes, fused.dim, seed, layers),
+    }
 
 
 def random_ood_stats(members: int, classes: int, dim: int, seed: int, layers: int = 0) -> OODStats:
@@ -142,15 +160,22 @@ def random_ood_stats(members: int, classes: int, dim: int, seed: int, layers: in
 
     def gaussians(n: int) -> GaussianStats:
         eye = torch.eye(dim, dtype=torch.float64).expand(n, dim, dim).clone()
-        return GaussianStats(torch.randn(n, classes, dim, generator=g, dtype=torch.float64), eye,
-                             torch.zeros(n, dim, dtype=torch.float64), eye)  # fmt: skip
+        return GaussianStats(
+            torch.randn(n, classes, dim, generator=g, dtype=torch.float64),
+            eye,
+            torch.zeros(n, dim, dtype=torch.float64),
+            eye,
+        )
 
     def norm(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(n, dtype=torch.float64), torch.ones(n, dtype=torch.float64)
 
     norms = {k: norm(members) for k in ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")}
-    layer_stats = (LayerStats(tuple(range(layers)), gaussians(members * layers), norm(members * layers),
-                              norm(layers + 1)) if layers else None)  # fmt: skip
+    layer_stats = (
+        LayerStats(tuple(range(layers)), gaussians(members * layers), norm(members * layers), norm(layers + 1))
+        if layers
+        else None
+    )
     return OODStats(gaussians(members), {**norms, "mutual_information": norm(1)}, layer_stats)
 
 
@@ -257,6 +282,19 @@ def _ratios(t: list[float], dense: list[float]) -> tuple[float, float]:
 def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[dict[str, Any]]) -> list[str]:
     """The text report of a results file: model sizes, then one latency line per precision and batch."""
     names = [m for m in METHODS if m in macs]
+    lines = _size_lines(meta, macs, names)
+    cells = {(r["precision"], r["batch"], r["method"]): r for r in rows}
+    keys = sorted({(r["precision"], r["batch"]) for r in rows}, key=lambda k: (k[0] != "fp32", k[1]))
+    head = " ".join(f"{k:>21}" for k in names)
+    ratio_head = f"{'ratio':<16} {'wall min, paired':>17} {'cpu min, paired':>16}  load"
+    lines.append(f"{'prec':<5} {'batch':>5} {'reps':>4} {head}   {ratio_head}")
+    for prec, b in keys:
+        lines += _latency_lines(cells, names, prec, b)
+    return lines
+
+
+def _size_lines(meta: dict[str, Any], macs: dict[str, dict[str, float]], names: list[str]) -> list[str]:
+    """The command lines and setup, then parameters and multiply-adds per input of every method."""
     unit = "image 224 px" if meta["layout"] == "vit_b16" else f"sequence of {SEQ_LEN} tokens"
     lines = [f"$ {c}" for c in meta["commands"]] + ([f"# note: {meta['note']}"] if meta.get("note") else [])
     lines.append(
@@ -269,57 +307,52 @@ def render(meta: dict[str, Any], macs: dict[str, dict[str, float]], rows: list[d
     for k in names:
         ratio = macs[k]["macs"] / macs["deep_ensemble"]["macs"]
         lines.append(f"{k:<17} {macs[k]['params'] / 1e6:>10.1f} {macs[k]['macs'] / 1e9:>11.2f} {ratio:>10.3f}")
-    lines += [
+    return lines + [
         "",
         "Latency, ms, wall clock: min / median of the interleaved repetitions. Ratios to the deep ensemble:",
         "min/min and the median of per-repetition ratios (wall clock, then process CPU time of the 2 threads).",
         "load = 1-minute load average of the machine before / after the cell (2 cores; other jobs were running).",
     ]
-    cells = {(r["precision"], r["batch"], r["method"]): r for r in rows}
-    keys = sorted({(r["precision"], r["batch"]) for r in rows}, key=lambda k: (k[0] != "fp32", k[1]))
-    head = " ".join(f"{k:>21}" for k in names)
-    ratio_head = f"{'ratio':<16} {'wall min, paired':>17} {'cpu min, paired':>16}  load"
-    lines.append(f"{'prec':<5} {'batch':>5} {'reps':>4} {head}   {ratio_head}")
-    for prec, b in keys:
-        row = [cells.get((prec, b, k)) for k in names]
-        have = [r for r in row if r is not None]
-        lat = " ".join(
-            f"{r['wall_ms_min']:>10.1f} / {r['wall_ms_median']:>8.1f}" if r else f"{'-':>21}" for r in row
-        )
-        dense = cells[(prec, b, "deep_ensemble")]
-        first = True
-        for k in ("hydra", "hydra_all_tokens", "hydra_unfused"):
-            r = cells.get((prec, b, k))
-            if r is None:
-                continue
-            wall = _ratios(r["wall_ms"], dense["wall_ms"])
-            cpu = _ratios(r["cpu_ms"], dense["cpu_ms"])
+
+
+def _ratio_text(name: str, r: dict[str, Any], ref: dict[str, Any]) -> str:
+    """``name``, then the wall-clock and CPU-time ratios of cell ``r`` to cell ``ref``: min/min, paired median."""
+    wall = _ratios(r["wall_ms"], ref["wall_ms"])
+    cpu = _ratios(r["cpu_ms"], ref["cpu_ms"])
+    return f"{name:<16} {wall[0]:>8.3f}, {wall[1]:.3f} {cpu[0]:>8.3f}, {cpu[1]:.3f}"
+
+
+def _latency_lines(cells: dict[tuple, dict[str, Any]], names: list[str], prec: str, b: int) -> list[str]:
+    """One precision and batch: the latency of every method, then the ratios to the deep ensemble (Hydra's
+    variants), to the same model with fp32 weights (bf16 weights) and to Hydra (the OOD scores' cost)."""
+    row = [cells.get((prec, b, k)) for k in names]
+    have = [r for r in row if r is not None]
+    lat = " ".join(f"{r['wall_ms_min']:>10.1f} / {r['wall_ms_median']:>8.1f}" if r else f"{'-':>21}" for r in row)
+    indent = " " * (17 + len(lat))
+    dense = cells[(prec, b, "deep_ensemble")]
+    lines: list[str] = []
+    for k in ("hydra", "hydra_all_tokens", "hydra_unfused"):
+        r = cells.get((prec, b, k))
+        if r is None:
+            continue
+        if not lines:  # the first line carries the cell's latencies and the machine's load
             load = f"{have[0]['load_before']:.1f} / {have[0]['load_after']:.1f}"
-            prefix = f"{prec:<5} {b:>5} {have[0]['repeats']:>4} {lat}" if first else " " * (17 + len(lat))
-            lines.append(
-                f"{prefix}   {k:<16} {wall[0]:>8.3f}, {wall[1]:.3f} {cpu[0]:>8.3f}, {cpu[1]:.3f}"
-                + (f"  {load}" if first else "")
-            )
-            first = False
-        for k, ref in (("hydra_bf16_weights", "hydra"), ("single_bf16_weights", "single")):
-            r = cells.get((prec, b, k))
-            if r is not None and (prec, b, ref) in cells:  # relative to the same model with fp32 weights
-                wall = _ratios(r["wall_ms"], cells[(prec, b, ref)]["wall_ms"])
-                cpu = _ratios(r["cpu_ms"], cells[(prec, b, ref)]["cpu_ms"])
-                lines.append(" " * (17 + len(lat)) + f"   {k[:6] + '/bf16w':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
-                             f"{cpu[0]:>8.3f}, {cpu[1]:.3f}")  # fmt: skip
-        for ood_name in ("hydra_ood", "hydra_ood_layers"):  # the served scores' cost: relative to hydra
-            ood = cells.get((prec, b, ood_name))
-            if ood is None:
-                continue
-            wall = _ratios(ood["wall_ms"], cells[(prec, b, "hydra")]["wall_ms"])
-            cpu = _ratios(ood["cpu_ms"], cells[(prec, b, "hydra")]["cpu_ms"])
-            lines.append(" " * (17 + len(lat)) + f"   {ood_name + '/hydra':<16} {wall[0]:>8.3f}, {wall[1]:.3f} "
-                         f"{cpu[0]:>8.3f}, {cpu[1]:.3f}")  # fmt: skip
+            prefix = f"{prec:<5} {b:>5} {have[0]['repeats']:>4} {lat}"
+            lines.append(f"{prefix}   {_ratio_text(k, r, dense)}  {load}")
+        else:
+            lines.append(f"{indent}   {_ratio_text(k, r, dense)}")
+    for k, ref in (("hydra_bf16_weights", "hydra"), ("single_bf16_weights", "single")):
+        r = cells.get((prec, b, k))
+        if r is not None and (prec, b, ref) in cells:  # relative to the same model with fp32 weights
+            lines.append(f"{indent}   {_ratio_text(k[:6] + '/bf16w', r, cells[(prec, b, ref)])}")
+    for ood_name in ("hydra_ood", "hydra_ood_layers"):  # the served scores' cost: relative to hydra
+        ood = cells.get((prec, b, ood_name))
+        if ood is not None:
+            lines.append(f"{indent}   {_ratio_text(ood_name + '/hydra', ood, cells[(prec, b, 'hydra')])}")
     return lines
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layout", default="vit_b16", choices=sorted(LAYOUTS))
     ap.add_argument("--members", type=int, default=3)
@@ -332,12 +365,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--no-save", action="store_true", help="print only; do not write fusion_<layout>.txt/.json")
-    ap.add_argument("--cpu-max-rows", type=int, default=CPU_MAX_ROWS,
-                    help="the fused model's CPU sub-batch size in member rows (0: one pass; see service/core/fused.py)")
+    ap.add_argument(
+        "--cpu-max-rows",
+        type=int,
+        default=CPU_MAX_ROWS,
+        help="the fused model's CPU sub-batch size in member rows (0: one pass; see service/core/fused.py)",
+    )
     ap.add_argument(
         "--fresh", action="store_true", help="start the results file anew instead of merging these cells into it"
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     keep = args.keep or LAYOUTS[args.layout]["keep"]
@@ -345,10 +386,17 @@ def main() -> None:
     names = [m for m in METHODS if m in {*args.methods, "hydra", "deep_ensemble"}]
     command = f"python {shlex.join(['benchmarks/bench_fusion.py', *sys.argv[1:]])}"
     meta = {
-        "layout": args.layout, "members": args.members, "keep": keep, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "cpu": cpu_name(), "cpu_bf16": cpu_bf16(), "commands": [command],
-        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""), "cpu_max_rows": args.cpu_max_rows,
-    }  # fmt: skip
+        "layout": args.layout,
+        "members": args.members,
+        "keep": keep,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_name(),
+        "cpu_bf16": cpu_bf16(),
+        "commands": [command],
+        "thp": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        "cpu_max_rows": args.cpu_max_rows,
+    }
 
     path = Path(args.out_dir) / f"fusion_{args.layout}.json"
     if path.exists() and not (args.fresh or args.no_save):  # fail before minutes of timing, not after
@@ -357,6 +405,23 @@ def main() -> None:
     models = build(args.layout, args.members, keep)
     models["fused"].cpu_max_rows = args.cpu_max_rows
     fns = {k: f for k, f in methods(models).items() if k in names}
+    macs = _sizes(models, fns)
+    n_head = len(render(meta, macs, []))
+    print("\n".join(render(meta, macs, [])), flush=True)
+
+    rows: list[dict[str, Any]] = []
+    for prec in args.precisions:
+        for b in batches:
+            timed = {k: fns[k] for k in names if prec == "bf16" or k not in BF16_WEIGHTS}
+            cell = _time_cell(timed, models["make_input"](b), prec, b, args, macs, command)
+            rows += cell
+            print("\n".join(render(meta, macs, cell)[n_head:]), flush=True)
+    if not args.no_save:
+        _save(path, meta, macs, rows, command, args.fresh)
+
+
+def _sizes(models: dict[str, Any], fns: dict[str, Callable]) -> dict[str, dict[str, int]]:
+    """Parameters and multiply-adds per input of every method in ``fns``."""
     n_params = {
         "single": sum(p.numel() for p in models["base"].parameters()),
         "member": sum(p.numel() for p in models["pruned"][0].parameters()),
@@ -368,39 +433,57 @@ def main() -> None:
         n_params[k] = n_params["hydra"]
     n_params["single_bf16_weights"] = n_params["single"]
     x1 = models["make_input"](1)
-    low = ("single_bf16_weights", "hydra_bf16_weights")  # bf16 only; the same products as their fp32 models
+    low = BF16_WEIGHTS  # the same products as their fp32 models
     macs = {k: {"params": n_params[k], "macs": count_macs(lambda f=f: f(x1))} for k, f in fns.items() if k not in low}
     macs.update({k: dict(macs.get(k.split("_")[0], {"params": n_params[k], "macs": 0})) for k in low if k in fns})
-    n_head = len(render(meta, macs, []))
-    print("\n".join(render(meta, macs, [])), flush=True)
+    return macs
 
-    rows: list[dict[str, Any]] = []
-    for prec in args.precisions:
-        for b in batches:
-            x = models["make_input"](b)
-            load_before = os.getloadavg()[0]
-            timed = [k for k in names if prec == "bf16" or k not in low]
-            times = time_interleaved({k: (lambda f=fns[k], x=x: f(x)) for k in timed}, args.repeats, args.warmup, prec)
-            load_after = os.getloadavg()[0]
-            cell = []
-            for k in timed:
-                wall, cpu = times[k]["wall"], times[k]["cpu"]
-                cell.append(
-                    {
-                        "layout": args.layout, "method": k, "batch": b, "device": "cpu", "precision": prec,
-                        "threads": torch.get_num_threads(), "repeats": args.repeats,
-                        "wall_ms_min": min(wall), "wall_ms_median": statistics.median(wall), "wall_ms": wall,
-                        "cpu_ms": cpu, "load_before": load_before, "load_after": load_after, "command": command,
-                        **macs[k],
-                    }
-                )  # fmt: skip
-            rows += cell
-            print("\n".join(render(meta, macs, cell)[n_head:]), flush=True)
-    if args.no_save:
-        return
-    out_dir = path.parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if path.exists() and not args.fresh:  # merge: these cells replace the same cells of an earlier run
+
+def _time_cell(
+    fns: dict[str, Callable],
+    x: Any,
+    prec: str,
+    b: int,
+    args: argparse.Namespace,
+    macs: dict[str, dict[str, int]],
+    command: str,
+) -> list[dict[str, Any]]:
+    """One row per method of ``fns``, timed interleaved on the batch ``x`` (of ``b`` inputs) at ``prec``."""
+    load_before = os.getloadavg()[0]
+    times = time_interleaved({k: (lambda f=f, x=x: f(x)) for k, f in fns.items()}, args.repeats, args.warmup, prec)
+    load_after = os.getloadavg()[0]
+    cell = []
+    for k in fns:
+        wall, cpu = times[k]["wall"], times[k]["cpu"]
+        cell.append(
+            {
+                "layout": args.layout,
+                "method": k,
+                "batch": b,
+                "device": "cpu",
+                "precision": prec,
+                "threads": torch.get_num_threads(),
+                "repeats": args.repeats,
+                "wall_ms_min": min(wall),
+                "wall_ms_median": statistics.median(wall),
+                "wall_ms": wall,
+                "cpu_ms": cpu,
+                "load_before": load_before,
+                "load_after": load_after,
+                "command": command,
+                **macs[k],
+            }
+        )
+    return cell
+
+
+def _save(
+    path: Path, meta: dict[str, Any], macs: dict[str, Any], rows: list[dict[str, Any]], command: str, fresh: bool
+) -> None:
+    """Write ``fusion_<layout>.json`` and ``.txt``; unless ``fresh``, these cells replace the same cells of an
+    earlier run of the file, whose other cells are kept."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not fresh:  # merge: these cells replace the same cells of an earlier run
         old = json.loads(path.read_text())
         check_mergeable(old["meta"], meta, path)
         if set(old["macs"]) >= set(macs):
@@ -410,7 +493,7 @@ def main() -> None:
             macs = {**old["macs"], **macs}
     rows.sort(key=lambda r: (r["precision"] != "fp32", r["batch"], METHODS.index(r["method"])))
     path.write_text(json.dumps({"meta": meta, "macs": macs, "rows": rows}, indent=1) + "\n")
-    (out_dir / f"fusion_{args.layout}.txt").write_text("\n".join(render(meta, macs, rows)) + "\n")
+    (path.parent / f"fusion_{meta['layout']}.txt").write_text("\n".join(render(meta, macs, rows)) + "\n")
 
 
 MERGE_KEYS = ("layout", "members", "keep", "threads", "thp", "cpu", "cpu_bf16", "cpu_max_rows")
@@ -423,8 +506,10 @@ def check_mergeable(old: dict[str, Any], new: dict[str, Any], path: Path) -> Non
     """
     diff = {k: (old.get(k), new[k]) for k in MERGE_KEYS if old.get(k) != new[k]}
     if diff:
-        raise SystemExit(f"{path} was measured under other settings {diff} (file, now): "
-                         "pass --out-dir for a separate file or --fresh to replace it")
+        raise SystemExit(
+            f"{path} was measured under other settings {diff} (file, now): "
+            "pass --out-dir for a separate file or --fresh to replace it"
+        )
 
 
 def cpu_bf16() -> str:

@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,10 @@ def _build_small(layout: str, members: int, keep: int, seed: int = 0) -> Models:
 
         def make_input(b: int) -> dict[str, torch.Tensor]:
             g = torch.Generator().manual_seed(b)
-            return {"input_ids": torch.randint(0, cfg.vocab_size, (b, TEXT_SEQ), generator=g),
-                    "attention_mask": torch.ones(b, TEXT_SEQ, dtype=torch.long)}
+            return {
+                "input_ids": torch.randint(0, cfg.vocab_size, (b, TEXT_SEQ), generator=g),
+                "attention_mask": torch.ones(b, TEXT_SEQ, dtype=torch.long),
+            }
 
         def run(m: nn.Module, x: dict[str, torch.Tensor]) -> torch.Tensor:
             return m(**x).logits
@@ -137,8 +140,13 @@ def param_counts(models: Models) -> dict[str, int]:
     def n(ms: Sequence[nn.Module]) -> int:
         return sum(p.numel() for m in ms for p in m.parameters())
 
-    return {"single": n([models["base"]]), "member": n(models["pruned"][:1]), "hydra": n([models["fused"]]),
-            "hydra_unfused": n(models["pruned"]), "deep_ensemble": n(models["dense"])}
+    return {
+        "single": n([models["base"]]),
+        "member": n(models["pruned"][:1]),
+        "hydra": n([models["fused"]]),
+        "hydra_unfused": n(models["pruned"]),
+        "deep_ensemble": n(models["dense"]),
+    }
 
 
 def _to(models: Models, device: str) -> None:
@@ -163,8 +171,9 @@ class _TextLogits(_ImageLogits):
         return self.run(self.model, {"input_ids": input_ids, "attention_mask": attention_mask})
 
 
-def compiled_methods(models: Models, backend: str, folder: Path, progress: Callable[[str], None] = print
-                     ) -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:  # fmt: skip
+def compiled_methods(
+    models: Models, backend: str, folder: Path, progress: Callable[[str], None] = print
+) -> dict[str, Callable[[dict[str, torch.Tensor]], Any]]:
     """Single, fused Hydra and the Deep Ensemble in a compiled serving ``backend`` (``onnx``: ONNX Runtime with the
     server's session options; ``aoti``: an AOTInductor package), fp32 on the CPU, loaded by the server's own
     backend classes. The Deep Ensemble is M loaded instances of the dense model's export, run one after another:
@@ -185,11 +194,15 @@ def compiled_methods(models: Models, backend: str, folder: Path, progress: Calla
         else:
             export_aoti(model, x, path, max_seq=512)
         n = len(models["dense"]) if key == "single" else 1
-        runners[key] = [OnnxBackend(path, names, "cpu") if backend == "onnx" else AotiBackend(path, names)
-                        for _ in range(n)]  # fmt: skip
+        runners[key] = [
+            OnnxBackend(path, names, "cpu") if backend == "onnx" else AotiBackend(path, names) for _ in range(n)
+        ]
         progress(f"{backend} {key}: exported and loaded in {time.perf_counter() - t0:.0f} s")
-    return {"single": lambda b: runners["single"][0](b), "hydra": lambda b: runners["hydra"][0](b),
-            "deep_ensemble": lambda b: [r(b) for r in runners["single"]]}  # fmt: skip
+    return {
+        "single": lambda b: runners["single"][0](b),
+        "hydra": lambda b: runners["hydra"][0](b),
+        "deep_ensemble": lambda b: [r(b) for r in runners["single"]],
+    }
 
 
 def peak_gflops(precision: str, n: int = 2048, repeats: int = 5) -> float:
@@ -224,9 +237,12 @@ def _ort_matmul_seconds(n: int, repeats: int) -> float:
 
     from service.core.backends import onnx_session
 
-    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "mm",
-                              [helper.make_tensor_value_info(k, TensorProto.FLOAT, [n, n]) for k in "ab"],
-                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])])  # fmt: skip
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["a", "b"], ["c"])],
+        "mm",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, [n, n]) for k in "ab"],
+        [helper.make_tensor_value_info("c", TensorProto.FLOAT, [n, n])],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     with tempfile.TemporaryDirectory() as tmp:
         onnx.save(model, f"{tmp}/mm.onnx")
@@ -235,20 +251,42 @@ def _ort_matmul_seconds(n: int, repeats: int) -> float:
     return _best_of(lambda: sess.run(None, feed), repeats)
 
 
+@dataclass(frozen=True)
+class Grid:
+    """The cells of one layout's cost run: every device, precision and batch, timed in each backend."""
+
+    batches: Sequence[int] = (1, 4)  # inputs per call
+    precisions: Sequence[str] = ("fp32", "bf16")  # fp32, or bf16 autocast
+    devices: Sequence[str] = ("cpu",)  # cpu, cuda (skipped where there is none)
+    repeats: int = 5  # timed interleaved rounds per cell
+    warmup: int = 1  # untimed rounds first
+    backends: Sequence[str] = ("eager",)  # BACKENDS: the compiled ones time COMPILED_METHODS on CPU in fp32
+
+
+@dataclass
+class _Layout:
+    """One layout's models and the methods timed on them, with their sizes."""
+
+    name: str
+    models: Models
+    fns: dict[str, Callable]  # eager methods
+    compiled: dict[str, dict[str, Callable]]  # backend -> method -> callable (CPU, fp32)
+    params: dict[str, int]
+    macs: dict[str, int]  # multiply-adds per input
+    members: int
+    keep: int | None
+
+
 def run_layout(
     layout: str,
-    batches: Sequence[int] = (1, 4),
-    precisions: Sequence[str] = ("fp32", "bf16"),
-    devices: Sequence[str] = ("cpu",),
-    repeats: int = 5,
-    warmup: int = 1,
+    grid: Grid = Grid(),
     members: int = 3,
     keep: int | None = None,
     progress: Callable[[str], None] = print,
-    backends: Sequence[str] = ("eager",),
 ) -> list[dict[str, Any]]:
-    """Cost rows of ``layout``: one per (device, backend, precision, batch, method), with params and MACs per
-    input, the GFLOPS achieved and the share of the machine's matmul peak (:func:`peak_gflops`, measured here).
+    """Cost rows of ``layout``: one per (device, backend, precision, batch, method) of ``grid``, with params and
+    MACs per input, the GFLOPS achieved and the share of the machine's matmul peak (:func:`peak_gflops`, measured
+    here).
 
     Timing is ``bench_fusion.time_interleaved`` (every repetition runs each method once, order rotated); the
     compiled backends' methods (:func:`compiled_methods`, CPU fp32) join the eager fp32 cells, interleaved with
@@ -262,9 +300,9 @@ def run_layout(
     peaks = {p: peak_gflops(p) for p in ("fp32", "bf16")}
     progress(f"{layout}: matmul peak {peaks['fp32']:.0f} GFLOPS fp32, {peaks['bf16']:.0f} bf16")
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = {be: compiled_methods(models, be, Path(tmp), progress) for be in backends if be != "eager"}
-        rows = _time_layout(layout, models, fns, compiled, params, n_macs, peaks, batches, precisions, devices,
-                            repeats, warmup, members, keep, progress)  # fmt: skip
+        compiled = {be: compiled_methods(models, be, Path(tmp), progress) for be in grid.backends if be != "eager"}
+        lay = _Layout(layout, models, fns, compiled, params, n_macs, members, keep)
+        rows = _time_layout(lay, grid, progress)
     for r in rows:
         r["gflops"] = round(2 * r["macs"] * r["batch"] / (r["latency_ms_min"] / 1e3) / 1e9, 1)
         if r["device"] == "cpu":
@@ -273,51 +311,84 @@ def run_layout(
     return rows
 
 
-def _time_layout(
-    layout: str, models: Models, fns: dict[str, Callable], compiled: dict[str, dict[str, Callable]],
-    params: dict[str, int], n_macs: dict[str, int], peaks: dict[str, float], batches: Sequence[int],
-    precisions: Sequence[str], devices: Sequence[str], repeats: int, warmup: int, members: int, keep: int | None,
-    progress: Callable[[str], None],
-) -> list[dict[str, Any]]:  # fmt: skip
+def _time_layout(lay: _Layout, grid: Grid, progress: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The rows of every cell of ``grid`` on ``lay``'s models (moved to each device in turn, then back to CPU)."""
     rows = []
-    for device in devices:
+    for device in grid.devices:
         if device == "cuda" and not torch.cuda.is_available():
-            progress(f"{layout}: no CUDA device here, GPU timings skipped")
+            progress(f"{lay.name}: no CUDA device here, GPU timings skipped")
             continue
-        _to(models, device)
-        for prec in precisions:
-            for b in batches:
-                x = {k: v.to(device) for k, v in models["make_input"](b).items()}
-                if device == "cuda":
-                    def call(f: Callable, x: dict = x, prec: str = prec) -> Any:
-                        bf16 = prec == "bf16"
-                        with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-                            out = f(x)
-                        torch.cuda.synchronize()
-                        return out
+        _to(lay.models, device)
+        for prec in grid.precisions:
+            for b in grid.batches:
+                res = _time_cell(lay, grid, device, prec, b)
+                rows += _cell_rows(lay, grid, res, (device, prec, b))
+                progress(
+                    f"{lay.name} {device} {prec} b{b}: "
+                    + ", ".join(
+                        f"{'/'.join(k) if isinstance(k, tuple) else k} {v[0]:.1f}/{v[1]:.1f}" for k, v in res.items()
+                    )
+                    + " ms (min/median)"
+                )
+    _to(lay.models, "cpu")
+    return rows
 
-                    times = bench_fusion.time_interleaved({k: (lambda f=f, c=call: c(f)) for k, f in fns.items()},
-                                                          repeats, warmup, "fp32")
-                else:
-                    timed = {("eager", k): f for k, f in fns.items()}
-                    if prec == "fp32":  # the compiled backends run fp32: timed beside eager fp32, interleaved
-                        timed.update({(be, k): f for be, fs in compiled.items() for k, f in fs.items()})
-                    times = bench_fusion.time_interleaved({k: (lambda f=f, x=x: f(x)) for k, f in timed.items()},
-                                                          repeats, warmup, prec)
-                # time_interleaved gives {name: {"wall": [ms, ...], "cpu": [ms, ...]}}: latency is wall clock
-                res = {k: (min(v["wall"]), statistics.median(v["wall"])) for k, v in times.items()}
-                for key in res:
-                    backend, k = key if isinstance(key, tuple) else ("eager", key)
-                    mn, med = res[key]
-                    rows.append({"layout": layout, "method": k, "batch": b, "device": device, "backend": backend,
-                                 "precision": prec, "latency_ms_min": round(mn, 3), "latency_ms_median": round(med, 3),
-                                 "params": params[k], "macs": int(n_macs[k]), "members": members,
-                                 "keep": KEEP[layout] if keep is None else keep, "repeats": repeats,
-                                 "threads": torch.get_num_threads(), "device_name": device_name(device)})
-                progress(f"{layout} {device} {prec} b{b}: " + ", ".join(
-                    f"{'/'.join(k) if isinstance(k, tuple) else k} {v[0]:.1f}/{v[1]:.1f}" for k, v in res.items())
-                    + " ms (min/median)")
-    _to(models, "cpu")
+
+def _time_cell(lay: _Layout, grid: Grid, device: str, prec: str, b: int) -> dict[Any, tuple[float, float]]:
+    """Min and median wall-clock ms per method of one cell; keys are method names, or ``(backend, method)`` for
+    the compiled backends' methods (CPU fp32)."""
+    x = {k: v.to(device) for k, v in lay.models["make_input"](b).items()}
+    if device == "cuda":
+
+        def call(f: Callable, x: dict = x, prec: str = prec) -> Any:
+            bf16 = prec == "bf16"
+            with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+                out = f(x)
+            torch.cuda.synchronize()
+            return out
+
+        times = bench_fusion.time_interleaved(
+            {k: (lambda f=f, c=call: c(f)) for k, f in lay.fns.items()}, grid.repeats, grid.warmup, "fp32"
+        )
+    else:
+        timed = {("eager", k): f for k, f in lay.fns.items()}
+        if prec == "fp32":  # the compiled backends run fp32: timed beside eager fp32, interleaved
+            timed.update({(be, k): f for be, fs in lay.compiled.items() for k, f in fs.items()})
+        times = bench_fusion.time_interleaved(
+            {k: (lambda f=f, x=x: f(x)) for k, f in timed.items()}, grid.repeats, grid.warmup, prec
+        )
+    # time_interleaved gives {name: {"wall": [ms, ...], "cpu": [ms, ...]}}: latency is wall clock
+    return {k: (min(v["wall"]), statistics.median(v["wall"])) for k, v in times.items()}
+
+
+def _cell_rows(
+    lay: _Layout, grid: Grid, res: dict[Any, tuple[float, float]], cell: tuple[str, str, int]
+) -> list[dict[str, Any]]:
+    """One row per method of a timed cell ``(device, precision, batch)``."""
+    device, prec, b = cell
+    rows = []
+    for key in res:
+        backend, k = key if isinstance(key, tuple) else ("eager", key)
+        mn, med = res[key]
+        rows.append(
+            {
+                "layout": lay.name,
+                "method": k,
+                "batch": b,
+                "device": device,
+                "backend": backend,
+                "precision": prec,
+                "latency_ms_min": round(mn, 3),
+                "latency_ms_median": round(med, 3),
+                "params": lay.params[k],
+                "macs": int(lay.macs[k]),
+                "members": lay.members,
+                "keep": KEEP[lay.name] if lay.keep is None else lay.keep,
+                "repeats": grid.repeats,
+                "threads": torch.get_num_threads(),
+                "device_name": device_name(device),
+            }
+        )
     return rows
 
 
@@ -333,29 +404,52 @@ def rows_from_fusion(doc: dict[str, Any]) -> list[dict[str, Any]]:
     for r in doc["rows"]:
         if r["method"] not in METHODS:
             continue
-        rows.append({"layout": r["layout"], "method": r["method"], "batch": r["batch"], "device": r["device"],
-                     "precision": r["precision"], "latency_ms_min": round(r["wall_ms_min"], 3),
-                     "latency_ms_median": round(r["wall_ms_median"], 3), "params": r["params"], "macs": r["macs"],
-                     "members": meta["members"], "keep": meta["keep"], "repeats": r["repeats"],
-                     "threads": r["threads"], "device_name": f"{meta['cpu']}, {r['threads']} torch threads",
-                     "load": [round(r["load_before"], 2), round(r["load_after"], 2)], "command": r["command"]})
+        rows.append(
+            {
+                "layout": r["layout"],
+                "method": r["method"],
+                "batch": r["batch"],
+                "device": r["device"],
+                "precision": r["precision"],
+                "latency_ms_min": round(r["wall_ms_min"], 3),
+                "latency_ms_median": round(r["wall_ms_median"], 3),
+                "params": r["params"],
+                "macs": r["macs"],
+                "members": meta["members"],
+                "keep": meta["keep"],
+                "repeats": r["repeats"],
+                "threads": r["threads"],
+                "device_name": f"{meta['cpu']}, {r['threads']} torch threads",
+                "load": [round(r["load_before"], 2), round(r["load_after"], 2)],
+                "command": r["command"],
+            }
+        )
     return rows
 
 
 def ratios(rows: Sequence[dict[str, Any]], to: str = "single") -> list[dict[str, Any]]:
     """Per (layout, device, backend, precision, batch, method): latency min and median divided by those of ``to``
     in the same backend (rows without a backend are torch eager's)."""
-    ref = {(r["layout"], r["device"], r.get("backend", "eager"), r["precision"], r["batch"]): r
-           for r in rows if r["method"] == to}  # fmt: skip
+    ref = {
+        (r["layout"], r["device"], r.get("backend", "eager"), r["precision"], r["batch"]): r
+        for r in rows
+        if r["method"] == to
+    }
     out = []
     for r in rows:
         k = (r["layout"], r["device"], r.get("backend", "eager"), r["precision"], r["batch"])
         if k not in ref:
             continue
-        out.append({**{f: r[f] for f in ("layout", "device", "precision", "batch", "method")}, "backend": k[2],
-                    "ratio_min": r["latency_ms_min"] / ref[k]["latency_ms_min"],
-                    "ratio_median": r["latency_ms_median"] / ref[k]["latency_ms_median"],
-                    "macs_ratio": r["macs"] / ref[k]["macs"], "params_ratio": r["params"] / ref[k]["params"]})
+        out.append(
+            {
+                **{f: r[f] for f in ("layout", "device", "precision", "batch", "method")},
+                "backend": k[2],
+                "ratio_min": r["latency_ms_min"] / ref[k]["latency_ms_min"],
+                "ratio_median": r["latency_ms_median"] / ref[k]["latency_ms_median"],
+                "macs_ratio": r["macs"] / ref[k]["macs"],
+                "params_ratio": r["params"] / ref[k]["params"],
+            }
+        )
     return out
 
 

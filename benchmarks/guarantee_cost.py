@@ -37,11 +37,33 @@ from benchmarks import harness
 
 
 async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-    from service.api.answers import predict_response
+    """The paired timings of ``prepared`` answered with and without the guarantees, and the guarantees' own step
+    inside the answers and alone."""
     from service.runtime.interface import Query
 
-    g, drift = rt.guarantees, rt.drift
     query = Query(top_k=1)
+    with_ms, without_ms = await _paired(rt, prepared, query, args)
+    answer_ms, in_path_ms = await _step_in_path(rt, prepared, query, args.block * 10)
+    alone_ms = await _step_alone(rt, prepared, query, args.block * 10)
+    paired = [w / o for w, o in zip(with_ms, without_ms, strict=True)]
+    return {
+        "with_ms": {"min": round(min(with_ms), 4), "median": round(statistics.median(with_ms), 4)},
+        "without_ms": {"min": round(min(without_ms), 4), "median": round(statistics.median(without_ms), 4)},
+        "ratio_min_over_min": round(min(with_ms) / min(without_ms), 4),
+        "ratio_median_paired": round(statistics.median(paired), 4),
+        "guarantees_step_in_path_ms": round(in_path_ms, 4),
+        "guarantees_step_in_path_share": round(in_path_ms / answer_ms, 5),
+        "guarantees_step_ms": round(alone_ms, 4),
+        "guarantees_step_share": round(alone_ms / statistics.median(without_ms), 5),
+        "repetitions": {"with_ms": [round(v, 4) for v in with_ms], "without_ms": [round(v, 4) for v in without_ms]},
+    }
+
+
+async def _paired(rt: Any, prepared: list[Any], query: Any, args: argparse.Namespace) -> tuple[list, list]:
+    """Mean ms per answer with and without the guarantees, one pair per repetition (after 4 warm-up blocks)."""
+    from service.api.answers import predict_response
+
+    g, drift = rt.guarantees, rt.drift
 
     async def one(on: bool) -> float:
         rt.guarantees, rt.drift = (g, drift) if on else (None, None)
@@ -69,7 +91,16 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
         with_ms.append(w)
         without_ms.append(o)
     rt.guarantees, rt.drift = g, drift
-    # the guarantees' step where it runs, right after the model (cold caches): timed inside the answers
+    return with_ms, without_ms
+
+
+async def _step_in_path(rt: Any, prepared: list[Any], query: Any, n: int) -> tuple[float, float]:
+    """Mean ms of a whole answer and of the guarantees' step inside it, over ``n`` answers.
+
+    The guarantees' step where it runs, right after the model (cold caches): timed inside the answers.
+    """
+    from service.api.answers import predict_response
+
     spent, step = [0.0, 0], rt._guarantees
 
     def timed(results: Any, q: Any) -> None:
@@ -80,29 +111,20 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
 
     rt._guarantees = timed
     t = time.perf_counter()
-    for _ in range(args.block * 10):
+    for _ in range(n):
         predict_response(rt, await rt.outcome(prepared, query), query, time.perf_counter(), "")
-    answer_ms = (time.perf_counter() - t) * 1000 / (args.block * 10)
-    in_path_ms = spent[0] * 1000 / spent[1]
+    answer_ms = (time.perf_counter() - t) * 1000 / n
     del rt._guarantees
-    # the guarantees' own step, alone: on one answer's results
+    return answer_ms, spent[0] * 1000 / spent[1]
+
+
+async def _step_alone(rt: Any, prepared: list[Any], query: Any, n: int) -> float:
+    """Mean ms of the guarantees' own step, alone, ``n`` times on one answer's results."""
     out = await rt.outcome(prepared, query)
     t = time.perf_counter()
-    for _ in range(args.block * 10):
+    for _ in range(n):
         rt._guarantees(out.results, query)
-    alone_ms = (time.perf_counter() - t) * 1000 / (args.block * 10)
-    paired = [w / o for w, o in zip(with_ms, without_ms, strict=True)]
-    return {
-        "with_ms": {"min": round(min(with_ms), 4), "median": round(statistics.median(with_ms), 4)},
-        "without_ms": {"min": round(min(without_ms), 4), "median": round(statistics.median(without_ms), 4)},
-        "ratio_min_over_min": round(min(with_ms) / min(without_ms), 4),
-        "ratio_median_paired": round(statistics.median(paired), 4),
-        "guarantees_step_in_path_ms": round(in_path_ms, 4),
-        "guarantees_step_in_path_share": round(in_path_ms / answer_ms, 5),
-        "guarantees_step_ms": round(alone_ms, 4),
-        "guarantees_step_share": round(alone_ms / statistics.median(without_ms), 5),
-        "repetitions": {"with_ms": [round(v, 4) for v in with_ms], "without_ms": [round(v, 4) for v in without_ms]},
-    }
+    return (time.perf_counter() - t) * 1000 / n
 
 
 async def run(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
@@ -136,12 +158,17 @@ def main(argv: list[str] | None = None) -> int:
     name = rt.name
     doc = {
         "command": "python -m benchmarks.guarantee_cost " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "name": name, "backend": rt.describe().get("backend"), "precision": rt.describe().get("precision"),
-        "batch": 1, **result, "machine": harness.machine(),
+        "name": name,
+        "backend": rt.describe().get("backend"),
+        "precision": rt.describe().get("precision"),
+        "batch": 1,
+        **result,
+        "machine": harness.machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }  # fmt: skip
-    out = harness.write_result(doc, args.out or harness.ROOT / "benchmarks/results/guarantee_cost" / f"{name}.json",
-                               f"{name}.json")  # fmt: skip
+    }
+    out = harness.write_result(
+        doc, args.out or harness.ROOT / "benchmarks/results/guarantee_cost" / f"{name}.json", f"{name}.json"
+    )
     print(
         f"{name} batch 1 on {harness.cpu_name()}: with {doc['with_ms']} ms, without {doc['without_ms']} ms; "
         f"with/without min/min {doc['ratio_min_over_min']}, median of paired ratios {doc['ratio_median_paired']}; "

@@ -75,16 +75,29 @@ def server_env(artifact: Path, port: int, extra: dict[str, str] | None = None) -
     """The environment of a loopback server: offline Hugging Face, the artifact, host and port. ``HYDRA_*``
     variables of the caller's environment are left out: the server runs with exactly the settings given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HYDRA_ARTIFACTS": str(artifact),
-                "HYDRA_HOST": HOST, "HYDRA_PORT": str(port), "HYDRA_LOG_LEVEL": "info"})  # fmt: skip
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HYDRA_ARTIFACTS": str(artifact),
+            "HYDRA_HOST": HOST,
+            "HYDRA_PORT": str(port),
+            "HYDRA_LOG_LEVEL": "info",
+        }
+    )
     env.update(extra or {})
     return env
 
 
 def start_server(
-    artifact: Path, port: int, extra_env: dict[str, str] | None = None, *, log_file: Path | None = None,
-    module: str = "service", inherit_output: bool = False,
-) -> subprocess.Popen:  # fmt: skip
+    artifact: Path,
+    port: int,
+    extra_env: dict[str, str] | None = None,
+    *,
+    log_file: Path | None = None,
+    module: str = "service",
+    inherit_output: bool = False,
+) -> subprocess.Popen:
     """``python -m <module>`` on 127.0.0.1:``port`` (:func:`server_env` plus ``extra_env``).
 
     Its stdout and stderr go to ``log_file``; without one, to this process's own (``inherit_output``) or nowhere.
@@ -206,9 +219,14 @@ class Connection:
 
 
 async def request(
-    port: int, method: str, path: str, body: bytes = b"", *, timeout: float = 10.0,
+    port: int,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    timeout: float = 10.0,
     headers: dict[str, str] | None = None,
-) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+) -> tuple[int, dict[str, str], bytes]:
     """One request on a fresh connection (closed after)."""
     conn = Connection(port)
     try:
@@ -272,8 +290,12 @@ def open_artifact(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, 
 
 def machine() -> dict[str, Any]:
     """Where the numbers were taken: the CPU's name, CPU count, platform, Python version."""
-    return {"cpu": cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}  # fmt: skip
+    return {
+        "cpu": cpu_name(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def write_result(result: dict[str, Any], out: Path | None, default_name: str) -> Path:

@@ -119,7 +119,8 @@ async def run_phase(
 
 
 # ----------------------------------------------------------------------------- the script
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked: as many durations as concurrencies, and the load bounded."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_artifact_arguments(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[16, 64], help="clients per phase (each <= 64)")
@@ -140,57 +141,100 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency values must be in 1..64 and --duration values in (0, 120]")
     if sum(args.duration) > 300 or not 1 <= args.max_requests <= 1_000_000:
         p.error("at most 300 s of load in all, and --max-requests in 1..1000000")
+    return args
 
+
+def _server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The server's settings: a small queue (so the top phase overloads it), the batch size, the threads."""
+    items = min(args.max_queue, 64)  # HYDRA_MAX_QUEUE must be >= HYDRA_MAX_ITEMS
+    env = {
+        "HYDRA_MAX_QUEUE": str(args.max_queue),
+        "HYDRA_MAX_ITEMS": str(items),
+        "HYDRA_MAX_BATCH": str(args.max_batch),
+        "HYDRA_LOG_LEVEL": "warning",
+    }
+    if args.threads:
+        env["HYDRA_THREADS"] = str(args.threads)
+    return env
+
+
+def _drive(port: int, proc: Any, body: bytes, args: argparse.Namespace) -> tuple[Phase, list, dict, dict]:
+    """Warm the ready server up, then run the phases: ``(warm-up, phase summaries, RSS, checks)``."""
+    phases: list[dict[str, Any]] = []
+    checks: dict[str, bool] = {}
+    rss: dict[str, Any] = {}
+    ready_s = harness.wait_ready(port, proc)
+    print(f"ready after {ready_s:.1f} s; warm-up burst (8 clients, 200 requests)", flush=True)
+    warm = asyncio.run(run_phase(port, body, 8, 30.0, 200, args.timeout))
+    rss["before"] = harness.rss_mb(proc.pid)
+    peak_during = rss["before"]["rss"]
+    budget = args.max_requests
+    for c, d in zip(args.concurrency, args.duration, strict=True):
+        ph = asyncio.run(run_phase(port, body, c, d, budget, args.timeout))
+        budget -= ph.sent
+        peak_during = max(peak_during, harness.rss_mb(proc.pid)["rss"])
+        s = ph.summary()
+        phases.append(s)
+        print(
+            f"  {c:2d} clients {s['wall_s']:5.1f} s: sent {s['sent']}, answered {s['answered']}, "
+            f"{s['throughput_rps']:.1f} ok/s, p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, "
+            f"errors {s['errors_by_code'] or 0}, timeouts {s['timeouts']}, "
+            f"connection errors {s['connection_errors']}",
+            flush=True,
+        )
+    rss["after"] = harness.rss_mb(proc.pid)
+    rss["peak_sampled"] = peak_during
+    rss["growth"] = round(rss["after"]["rss"] - rss["before"]["rss"], 1)
+    rss["bound"] = args.rss_bound_mb
+    status, _, _ = asyncio.run(harness.request(port, "GET", "/readyz"))
+    checks["ready_after_load"] = status == 200
+    checks["server_alive"] = proc.poll() is None
+    return warm, phases, rss, checks
+
+
+def _check_phases(phases: list[dict[str, Any]], rss: dict[str, Any], bound: float, exit_status: int) -> dict:
+    """The checks on the phases' answers, the RSS growth and the server's exit."""
+    allowed = {"ok", "overloaded"}
+    return {
+        "no_lost_requests": all(s["lost"] == 0 for s in phases),
+        "no_hung_requests": all(s["timeouts"] == 0 for s in phases),
+        "no_connection_errors": all(s["connection_errors"] == 0 for s in phases),
+        "only_ok_or_overloaded": all(set(s["errors_by_code"]) <= allowed for s in phases),
+        "overloaded_has_retry_after": all(s["overloaded_without_retry_after"] == 0 for s in phases),
+        "rss_growth_within_bound": rss.get("growth", float("inf")) <= bound,
+        "exit_status_0_on_sigterm": exit_status == 0,
+    }
+
+
+def _totals(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The phases' counts added up."""
+    return {
+        "sent": sum(s["sent"] for s in phases),
+        "answered": sum(s["answered"] for s in phases),
+        "ok": sum(s["ok"] for s in phases),
+        "errors_by_code": _merge([s["errors_by_code"] for s in phases]),
+        "timeouts": sum(s["timeouts"] for s in phases),
+        "connection_errors": sum(s["connection_errors"] for s in phases),
+        "lost": sum(s["lost"] for s in phases),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     tmp = tempfile.TemporaryDirectory(prefix="hydra-load-")
     artifact, manifest = harness.open_artifact(args, Path(tmp.name))
     name = manifest["name"]
     body = json.dumps(harness.payload(manifest)).encode()
-    items = min(args.max_queue, 64)  # HYDRA_MAX_QUEUE must be >= HYDRA_MAX_ITEMS
-    env = {"HYDRA_MAX_QUEUE": str(args.max_queue), "HYDRA_MAX_ITEMS": str(items),
-           "HYDRA_MAX_BATCH": str(args.max_batch), "HYDRA_LOG_LEVEL": "warning"}  # fmt: skip
-    if args.threads:
-        env["HYDRA_THREADS"] = str(args.threads)
+    env = _server_env(args)
     port = harness.free_port()
     log_file = Path(tmp.name) / "server.log"
     print(f"starting python -m service on {harness.HOST}:{port} with {artifact} ({env})", flush=True)
     proc = harness.start_server(artifact, port, env, log_file=log_file)
-    phases: list[dict[str, Any]] = []
-    checks: dict[str, bool] = {}
-    rss: dict[str, Any] = {}
     try:
-        ready_s = harness.wait_ready(port, proc)
-        print(f"ready after {ready_s:.1f} s; warm-up burst (8 clients, 200 requests)", flush=True)
-        warm = asyncio.run(run_phase(port, body, 8, 30.0, 200, args.timeout))
-        rss["before"] = harness.rss_mb(proc.pid)
-        peak_during = rss["before"]["rss"]
-        budget = args.max_requests
-        for c, d in zip(args.concurrency, args.duration, strict=True):
-            ph = asyncio.run(run_phase(port, body, c, d, budget, args.timeout))
-            budget -= ph.sent
-            peak_during = max(peak_during, harness.rss_mb(proc.pid)["rss"])
-            s = ph.summary()
-            phases.append(s)
-            print(f"  {c:2d} clients {s['wall_s']:5.1f} s: sent {s['sent']}, answered {s['answered']}, "
-                  f"{s['throughput_rps']:.1f} ok/s, p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms, "
-                  f"errors {s['errors_by_code'] or 0}, timeouts {s['timeouts']}, "
-                  f"connection errors {s['connection_errors']}", flush=True)  # fmt: skip
-        rss["after"] = harness.rss_mb(proc.pid)
-        rss["peak_sampled"] = peak_during
-        rss["growth"] = round(rss["after"]["rss"] - rss["before"]["rss"], 1)
-        rss["bound"] = args.rss_bound_mb
-        status, _, _ = asyncio.run(harness.request(port, "GET", "/readyz"))
-        checks["ready_after_load"] = status == 200
-        checks["server_alive"] = proc.poll() is None
+        warm, phases, rss, checks = _drive(port, proc, body, args)
     finally:
         exit_status = harness.stop_server(proc)
-    allowed = {"ok", "overloaded"}
-    checks["no_lost_requests"] = all(s["lost"] == 0 for s in phases)
-    checks["no_hung_requests"] = all(s["timeouts"] == 0 for s in phases)
-    checks["no_connection_errors"] = all(s["connection_errors"] == 0 for s in phases)
-    checks["only_ok_or_overloaded"] = all(set(s["errors_by_code"]) <= allowed for s in phases)
-    checks["overloaded_has_retry_after"] = all(s["overloaded_without_retry_after"] == 0 for s in phases)
-    checks["rss_growth_within_bound"] = rss.get("growth", float("inf")) <= args.rss_bound_mb
-    checks["exit_status_0_on_sigterm"] = exit_status == 0
+    checks.update(_check_phases(phases, rss, args.rss_bound_mb, exit_status))
     log_tail = log_file.read_text(errors="replace").splitlines()[-20:]
     result = {
         "command": "python -m benchmarks.load_test " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -200,15 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "loopback": f"{harness.HOST}:{port}",
         "warmup": warm.summary(),
         "phases": phases,
-        "totals": {
-            "sent": sum(s["sent"] for s in phases),
-            "answered": sum(s["answered"] for s in phases),
-            "ok": sum(s["ok"] for s in phases),
-            "errors_by_code": _merge([s["errors_by_code"] for s in phases]),
-            "timeouts": sum(s["timeouts"] for s in phases),
-            "connection_errors": sum(s["connection_errors"] for s in phases),
-            "lost": sum(s["lost"] for s in phases),
-        },
+        "totals": _totals(phases),
         "rss_mb": rss,
         "server_exit_status": exit_status,
         "checks": checks,
@@ -219,10 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = harness.write_result(result, args.out, f"load_{name}.json")
     t = result["totals"]
-    print(f"sent {t['sent']}, answered {t['answered']} ({t['ok']} ok), errors {t['errors_by_code']}, "
-          f"timeouts {t['timeouts']}, connection errors {t['connection_errors']}, lost {t['lost']}; RSS "
-          f"{rss.get('before', {}).get('rss')} -> {rss.get('after', {}).get('rss')} MiB (growth {rss.get('growth')}, "
-          f"bound {args.rss_bound_mb}); server exit status {exit_status}")  # fmt: skip
+    print(
+        f"sent {t['sent']}, answered {t['answered']} ({t['ok']} ok), errors {t['errors_by_code']}, "
+        f"timeouts {t['timeouts']}, connection errors {t['connection_errors']}, lost {t['lost']}; RSS "
+        f"{rss.get('before', {}).get('rss')} -> {rss.get('after', {}).get('rss')} MiB (growth {rss.get('growth')}, "
+        f"bound {args.rss_bound_mb}); server exit status {exit_status}"
+    )
     harness.print_checks(checks)
     print(f"wrote {out}")
     tmp.cleanup()

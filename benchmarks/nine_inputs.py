@@ -60,9 +60,17 @@ def summary(answer: dict[str, Any]) -> dict[str, Any]:
     ood = p.get("ood") or {}
     conformal = p.get("conformal") or {}
     selective = p.get("selective") or {}
-    return {"label": p["label"], "confidence": round(p["confidence"], 4), "flag": ood.get("flag"),
-            "score": ood.get("score"), "threshold": ood.get("threshold"), "metric": ood.get("metric"),
-            "p_value": ood.get("p_value"), "set": conformal.get("set"), "accept": selective.get("accept")}  # fmt: skip
+    return {
+        "label": p["label"],
+        "confidence": round(p["confidence"], 4),
+        "flag": ood.get("flag"),
+        "score": ood.get("score"),
+        "threshold": ood.get("threshold"),
+        "metric": ood.get("metric"),
+        "p_value": ood.get("p_value"),
+        "set": conformal.get("set"),
+        "accept": selective.get("accept"),
+    }
 
 
 async def ask(port: int, path: str, fields: list[tuple[str, str | bytes]]) -> dict[str, Any]:
@@ -74,54 +82,101 @@ async def ask(port: int, path: str, fields: list[tuple[str, str | bytes]]) -> di
     return summary(answer)
 
 
-def main(argv: list[str] | None = None) -> int:
+def answers(port: int, names: dict[str, str], build_labels: list[str]) -> list[dict[str, Any]]:
+    """Each of the nine inputs posted to ``/predict`` and to ``/zero-shot`` with the build's labels and with
+    :data:`OTHER_LABELS`: one row per input."""
     from offline.foreign import nine_inputs
 
+    rows = []
+    for x in nine_inputs():
+        f = png(x.pixels)
+        rows.append(
+            {
+                "input": x.name,
+                "kind": x.kind,
+                "shape": list(x.pixels.shape),
+                "predict": asyncio.run(ask(port, "/predict", [("file", f), ("model", names["image"])])),
+                "zero_shot": asyncio.run(
+                    ask(
+                        port,
+                        "/zero-shot",
+                        [("file", f), ("labels", json.dumps(build_labels)), ("model", names["zeroshot"])],
+                    )
+                ),
+                "zero_shot_other_labels": asyncio.run(
+                    ask(
+                        port,
+                        "/zero-shot",
+                        [("file", f), ("labels", json.dumps(OTHER_LABELS)), ("model", names["zeroshot"])],
+                    )
+                ),
+            }
+        )
+    return rows
+
+
+def markdown(doc: dict[str, Any]) -> list[str]:
+    """The lines of ``nine_inputs.md``: one table line per input, then how many of the nine each route flagged."""
+    names, flagged = doc["models"], doc["flagged_of_9"]
+    lines = [
+        f"# The nine foreign inputs through `python -m service` ({names['image']}, {names['zeroshot']})",
+        "",
+        f"`{doc['command']}`",
+        "",
+        "| input | /predict answer | flag | p-value | /zero-shot answer | flag | p-value | flag, other labels |",
+        "|---|---|---|---:|---|---|---:|---|",
+    ]
+    for r in doc["inputs"]:
+        a, z, o = r["predict"], r["zero_shot"], r["zero_shot_other_labels"]
+        lines.append(
+            f"| {r['input']} | {a['label']} {100 * a['confidence']:.0f} % | {'yes' if a['flag'] else 'no'} | "
+            f"{a['p_value']:.4f} | {z['label']} {100 * z['confidence']:.0f} % | "
+            f"{'yes' if z['flag'] else 'no'} | {z['p_value']:.4f} | {'yes' if o['flag'] else 'no'} |"
+        )
+    return lines + [
+        "",
+        f"Flagged: /predict {flagged['predict']} of 9, /zero-shot {flagged['zero_shot']} of 9 (other labels: "
+        f"{flagged['zero_shot_other_labels']} of 9). Machine: {harness.cpu_name()}.",
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--image", type=Path, default=Path("artifacts/default/image"), help="image classifier artifact")
     p.add_argument("--zeroshot", type=Path, default=Path("artifacts/default/zeroshot"), help="zero-shot artifact")
     p.add_argument("--out", type=Path, default=harness.ROOT / "benchmarks" / "results" / "nine_inputs.json")
     args = p.parse_args(argv)
     image, zeroshot = args.image.resolve(), args.zeroshot.resolve()
-    names = {k: json.loads((a / "manifest.json").read_text())["name"] for k, a in (("image", image),
-                                                                                  ("zeroshot", zeroshot))}  # fmt: skip
+    names = {
+        k: json.loads((a / "manifest.json").read_text())["name"] for k, a in (("image", image), ("zeroshot", zeroshot))
+    }
     build_labels = json.loads((zeroshot / "manifest.json").read_text())["labels"]
     tmp = tempfile.TemporaryDirectory(prefix="hydra-nine-")
     port = harness.free_port()
-    proc = harness.start_server(image, port, {"HYDRA_ARTIFACTS": f"{image},{zeroshot}", "HYDRA_LOG_LEVEL": "warning"},
-                                log_file=Path(tmp.name) / "server.log")  # fmt: skip
-    rows = []
+    proc = harness.start_server(
+        image,
+        port,
+        {"HYDRA_ARTIFACTS": f"{image},{zeroshot}", "HYDRA_LOG_LEVEL": "warning"},
+        log_file=Path(tmp.name) / "server.log",
+    )
     try:
         harness.wait_ready(port, proc)
-        for x in nine_inputs():
-            f = png(x.pixels)
-            rows.append({
-                "input": x.name, "kind": x.kind, "shape": list(x.pixels.shape),
-                "predict": asyncio.run(ask(port, "/predict", [("file", f), ("model", names["image"])])),
-                "zero_shot": asyncio.run(ask(port, "/zero-shot", [("file", f), ("labels", json.dumps(build_labels)),
-                                                                  ("model", names["zeroshot"])])),
-                "zero_shot_other_labels": asyncio.run(ask(port, "/zero-shot", [
-                    ("file", f), ("labels", json.dumps(OTHER_LABELS)), ("model", names["zeroshot"])])),
-            })  # fmt: skip
+        rows = answers(port, names, build_labels)
     finally:
         harness.stop_server(proc)
     flagged = {k: sum(bool(r[k]["flag"]) for r in rows) for k in ("predict", "zero_shot", "zero_shot_other_labels")}
     command = "python -m benchmarks.nine_inputs " + shlex.join(argv if argv is not None else sys.argv[1:])
-    doc = {"command": command.strip(),
-           "models": names, "other_labels": OTHER_LABELS, "flagged_of_9": flagged, "inputs": rows,
-           "machine": harness.machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    doc = {
+        "command": command.strip(),
+        "models": names,
+        "other_labels": OTHER_LABELS,
+        "flagged_of_9": flagged,
+        "inputs": rows,
+        "machine": harness.machine(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     out = harness.write_result(doc, args.out, "nine_inputs.json")
-    lines = [f"# The nine foreign inputs through `python -m service` ({names['image']}, {names['zeroshot']})", "",
-             f"`{doc['command']}`", "",
-             "| input | /predict answer | flag | p-value | /zero-shot answer | flag | p-value | flag, other labels |",
-             "|---|---|---|---:|---|---|---:|---|"]  # fmt: skip
-    for r in rows:
-        a, z, o = r["predict"], r["zero_shot"], r["zero_shot_other_labels"]
-        lines.append(f"| {r['input']} | {a['label']} {100 * a['confidence']:.0f} % | {'yes' if a['flag'] else 'no'} | "
-                     f"{a['p_value']:.4f} | {z['label']} {100 * z['confidence']:.0f} % | "
-                     f"{'yes' if z['flag'] else 'no'} | {z['p_value']:.4f} | {'yes' if o['flag'] else 'no'} |")
-    lines += ["", f"Flagged: /predict {flagged['predict']} of 9, /zero-shot {flagged['zero_shot']} of 9 (other labels: "
-              f"{flagged['zero_shot_other_labels']} of 9). Machine: {harness.cpu_name()}."]  # fmt: skip
+    lines = markdown(doc)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     tmp.cleanup()

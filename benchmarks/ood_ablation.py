@@ -63,8 +63,13 @@ from service.core.preprocess import make_preprocessor
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRATCH = "offline/configs/image-fast.yaml"  # overridden to the from-scratch base below
-SCRATCH_BASE = {"base.source": "train-vit", "base.preset": "vit_fast", "base.path": None, "base.arch": {},
-                "hydra.strategy": "circuit-avg"}  # the demo's base before the backbone  # fmt: skip
+SCRATCH_BASE = {
+    "base.source": "train-vit",
+    "base.preset": "vit_fast",
+    "base.path": None,
+    "base.arch": {},
+    "hydra.strategy": "circuit-avg",
+}  # the demo's base before the backbone
 SAME = {"hydra.member_data": "same", "hydra.reinit_head": False}
 VARIANTS: dict[str, dict[str, Any]] = {
     "scratch-100": {**SCRATCH_BASE, "base.steps": 100},
@@ -90,14 +95,23 @@ def outputs(cfg: Any, work: Path) -> tuple[dict[str, dict[str, tuple]], dict[str
     fused.with_features = fused.with_layer_features = True
     pre = make_preprocessor(prep, work, EVAL_MAX_PIXELS)
     foreign = [f.pixels for f in foreign_images()]
-    sets = {"fit": (data.fit.inputs, data.fit.labels), "train": (data.train.inputs[:600], data.train.labels[:600]),
-            "val": (data.val.inputs, data.val.labels), "test": (data.test.inputs, data.test.labels),
-            **{f"ood:{n}": (x, np.zeros(len(x), int)) for n, (x, _) in data.ood_test.items()},
-            **{f"oodval:{n}": (x, np.zeros(len(x), int)) for n, x in data.ood_val.items()},
-            "foreign": (foreign, np.zeros(len(foreign), int))}  # fmt: skip
-    models = {"single": with_features(lambda b: adapter.forward(base, b), base, adapter.layer_modules(base)),
-              **{f"member_{i}": with_features(lambda b, m=m: adapter.forward(m, b), m, adapter.layer_modules(m))
-                 for i, m in enumerate(members)}, "hydra": lambda b: fused(**b)}  # fmt: skip
+    sets = {
+        "fit": (data.fit.inputs, data.fit.labels),
+        "train": (data.train.inputs[:600], data.train.labels[:600]),
+        "val": (data.val.inputs, data.val.labels),
+        "test": (data.test.inputs, data.test.labels),
+        **{f"ood:{n}": (x, np.zeros(len(x), int)) for n, (x, _) in data.ood_test.items()},
+        **{f"oodval:{n}": (x, np.zeros(len(x), int)) for n, x in data.ood_val.items()},
+        "foreign": (foreign, np.zeros(len(foreign), int)),
+    }
+    models = {
+        "single": with_features(lambda b: adapter.forward(base, b), base, adapter.layer_modules(base)),
+        **{
+            f"member_{i}": with_features(lambda b, m=m: adapter.forward(m, b), m, adapter.layer_modules(m))
+            for i, m in enumerate(members)
+        },
+        "hydra": lambda b: fused(**b),
+    }
     runs: dict[str, dict[str, tuple]] = {m: {} for m in models}
     labels = {}
     for name, (x, y) in sets.items():
@@ -117,16 +131,21 @@ def evaluate(run: dict[str, tuple], labels: dict[str, torch.Tensor], fit: str = 
     md = {n: scores_np((r[0], r[1], None), stats, 1.0)["mahalanobis"] for n, r in run.items()}
     full = fit_layer_stats(run[fit][2], labels[fit], classes, val[2], torch.from_numpy(md["val"]))
     cols = {n: layer_columns(r, stats, full, 1.0) for n, r in run.items()}
-    cands = {layer_candidate_name(ids): {n: candidate_scores(c, full, ids) for n, c in cols.items()}
-             for ids in layer_candidates(val[2].shape[2])}  # fmt: skip
+    cands = {
+        layer_candidate_name(ids): {n: candidate_scores(c, full, ids) for n, c in cols.items()}
+        for ids in layer_candidates(val[2].shape[2])
+    }
     oodval = [n for n in run if n.startswith("oodval:")]
-    chosen, _ = select_score({k: v["val"] for k, v in cands.items()},
-                             {n: {k: v[n] for k, v in cands.items()} for n in oodval}, 0.95)  # fmt: skip
+    chosen, _ = select_score(
+        {k: v["val"] for k, v in cands.items()}, {n: {k: v[n] for k, v in cands.items()} for n in oodval}, 0.95
+    )
     out = {}
     for score, per_set in (("mahalanobis", md), ("mahalanobis_layers", cands[chosen])):
         t = float(np.quantile(per_set["val"], 0.95))
-        row = {"flagged": {s: float((per_set[s] > t).mean()) for s in SETS},
-               "auroc": {s: ood_metrics(per_set["test"], per_set[s])["auroc"] for s in SETS if s != "test"}}
+        row = {
+            "flagged": {s: float((per_set[s] > t).mean()) for s in SETS},
+            "auroc": {s: ood_metrics(per_set["test"], per_set[s])["auroc"] for s in SETS if s != "test"},
+        }
         row["mean_auroc_ood_test"] = float(np.mean([row["auroc"][s] for s in SETS if s.startswith("ood:")]))
         if score == "mahalanobis_layers":
             row["layers"] = chosen.split("@")[1]
@@ -152,12 +171,21 @@ def main(argv: list[str] | None = None) -> int:
         for m, run in runs.items():
             rows.append({"variant": name, "model": m, "test_accuracy": acc[m], **evaluate(run, labels)})
             if name == "scratch-400" and m in ("single", "hydra"):
-                rows.append({"variant": name + " fit=train", "model": m, "test_accuracy": acc[m],
-                             **evaluate(run, labels, fit="train")})  # fmt: skip
+                rows.append(
+                    {
+                        "variant": name + " fit=train",
+                        "model": m,
+                        "test_accuracy": acc[m],
+                        **evaluate(run, labels, fit="train"),
+                    }
+                )
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    doc = {"machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "platform": platform.platform()},
-           "config": "offline/configs/image-fast.yaml", "variants": {k: VARIANTS[k] for k in args.variants},
-           "rows": rows}  # fmt: skip
+    doc = {
+        "machine": {"cpu": cpu_name(), "cores": torch.get_num_threads(), "platform": platform.platform()},
+        "config": "offline/configs/image-fast.yaml",
+        "variants": {k: VARIANTS[k] for k in args.variants},
+        "rows": rows,
+    }
     (out / "ablation.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     (out / "ablation.md").write_text(markdown(doc))
     print(markdown(doc))
@@ -166,17 +194,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def markdown(doc: dict[str, Any]) -> str:
     pct = lambda x: f"{100 * x:.1f}"  # noqa: E731
-    head = ("| variant | model | acc % | score | ID test | near | digits | noise | foreign | mean AUROC (OOD test) |\n"
-            "|---|---|---:|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
-    lines = [f"Machine: {doc['machine']['cpu']}, {doc['machine']['cores']} threads. Flagged % at 95 % of ID "
-             "validation; `mahalanobis_layers` with the layer set chosen on the OOD validation sets.", "", head]
+    head = (
+        "| variant | model | acc % | score | ID test | near | digits | noise | foreign | mean AUROC (OOD test) |\n"
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"
+    )
+    lines = [
+        f"Machine: {doc['machine']['cpu']}, {doc['machine']['cores']} threads. Flagged % at 95 % of ID "
+        "validation; `mahalanobis_layers` with the layer set chosen on the OOD validation sets.",
+        "",
+        head,
+    ]
     for r in doc["rows"]:
         for score in ("mahalanobis", "mahalanobis_layers"):
             f = r[score]["flagged"]
             label = score if score == "mahalanobis" else f"{score} @{r[score]['layers']}"
-            lines.append(f"| {r['variant']} | {r['model']} | {pct(r['test_accuracy'])} | {label} | "
-                         f"{pct(f['test'])} | {pct(f['ood:fashion-heldout'])} | {pct(f['ood:digits'])} | "
-                         f"{pct(f['ood:noise'])} | {pct(f['foreign'])} | {pct(r[score]['mean_auroc_ood_test'])} |")
+            lines.append(
+                f"| {r['variant']} | {r['model']} | {pct(r['test_accuracy'])} | {label} | "
+                f"{pct(f['test'])} | {pct(f['ood:fashion-heldout'])} | {pct(f['ood:digits'])} | "
+                f"{pct(f['ood:noise'])} | {pct(f['foreign'])} | {pct(r[score]['mean_auroc_ood_test'])} |"
+            )
     return "\n".join(lines) + "\n"
 
 

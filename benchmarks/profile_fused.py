@@ -41,8 +41,10 @@ def main() -> None:
         return
     fns = bench_fusion.methods(models)
     x = models["make_input"](args.batch)
-    print(f"# {args.layout}, batch {args.batch}, {args.precision}, {torch.get_num_threads()} threads, "
-          f"{bench_fusion.cpu_name()} (native bf16: {bench_fusion.cpu_bf16()}), cpu_max_rows {args.cpu_max_rows}")
+    print(
+        f"# {args.layout}, batch {args.batch}, {args.precision}, {torch.get_num_threads()} threads, "
+        f"{bench_fusion.cpu_name()} (native bf16: {bench_fusion.cpu_bf16()}), cpu_max_rows {args.cpu_max_rows}"
+    )
     for name in args.methods:
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
             fns[name](x)  # warm-up
@@ -84,8 +86,10 @@ def profile_onnx(models: dict, args: argparse.Namespace) -> None:
                 if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
                     by_op[e["args"]["op_name"]] += e["dur"] / 1e3  # microseconds -> ms
             total = sum(by_op.values())
-            print(f"\n== {name}: {total / (1 + args.repeats):.1f} ms of node time per call; top operator types "
-                  "(share, ms per call)")
+            print(
+                f"\n== {name}: {total / (1 + args.repeats):.1f} ms of node time per call; top operator types "
+                "(share, ms per call)"
+            )
             for op, ms in sorted(by_op.items(), key=lambda kv: -kv[1])[: args.top]:
                 print(f"{op:28s} {100 * ms / total:5.1f} % {ms / (1 + args.repeats):8.2f}")
 

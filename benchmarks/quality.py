@@ -23,7 +23,8 @@ Methods (all evaluated at temperature 1, OOD score = MSP, OOD positive):
   uses pruning seeds ``k*M .. k*M+M-1`` and member fine-tuning seed k, so the rows
   of seeds 0, 1, 2 give the spread over the randomness of Hydra's own construction.
 
-Trained models are cached under ``.cache/benchmarks/`` (safetensors): base models per
+The settings themselves (each one's recipe at each size, its data and batches) are in
+``benchmarks/quality_setting.py``. Trained models are cached under ``.cache/benchmarks/`` (safetensors): base models per
 (setting, sizes, preset, seed), circuit rankings per base and budget, fine-tuned
 members through ``offline.train``'s resumable checkpoints (keyed by base, kept
 heads and fine-tuning config), so reruns and ablations reuse them.
@@ -32,13 +33,12 @@ heads and fine-tuning config), so reruns and ablations reuse them.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,180 +46,60 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks.quality_setting import (
+    DEFAULT_CACHE,
+    ROOT,
+    SETTINGS,
+    Batch,
+    Context,
+    Spec,
+    build_config,
+    digest,
+    prepare,
+    setting_spec,
+    with_spec,
+)
 from offline import train as train_mod
-from offline.config import BaseModelConfig, BuildConfig, DataConfig, HydraConfig
-from offline.families import FamilyAdapter, get_adapter
 from offline.fusion import fuse
 from offline.members import Budget, pool_size, sample_members
 from offline.metrics import evaluate_predictions
 from offline.pipeline import base_checkpoint_dir
 from offline.scoring import circuit_ranking
-from offline.stages import (
-    FASHION_MEAN,
-    FASHION_STD,
-    ScoringBatches,
-    Timer,
-    batches_of,
-    build_members,
-    circuit_batches,
-    collect_logits,
-    concat,
-    load_data,
-    sample_indices,
-    take,
-)
+from offline.stages import ScoringBatches, Timer, build_members, collect_logits
+
+# the benchmark's API; its settings (recipes, data, batches) live in benchmarks/quality_setting.py
+__all__ = [
+    "BUILDER_BASES",
+    "DEFAULT_CACHE",
+    "METHODS",
+    "ROOT",
+    "SETTINGS",
+    "Context",
+    "Spec",
+    "base_model",
+    "build_config",
+    "builder_base_dir",
+    "by_kind",
+    "circuit_order",
+    "digest",
+    "finetune",
+    "hydra_row",
+    "logits_of",
+    "mc_dropout_model",
+    "mean_std",
+    "metrics_row",
+    "prepare",
+    "pruned_members",
+    "run_ablations",
+    "run_setting",
+    "setting_spec",
+    "with_spec",
+]
 
 log = logging.getLogger("hydra.bench.quality")
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CACHE = ROOT / ".cache" / "benchmarks"
 BUILDER_BASES = ROOT / ".cache" / "bases"  # the base.cache_dir of offline/configs/*-full*.yaml
-SETTINGS = ("text", "image")
 METHODS = ("single", "deep_ensemble", "mc_dropout", "taylor", "circavg", "hydra_taylor", "hydra_circ")
-Batch = dict[str, torch.Tensor]
-
-
-# ----------------------------------------------------------------------------- what is run
-@dataclass
-class Spec:
-    """One setting at one size: data, base model recipe and Hydra recipe."""
-
-    setting: str  # text | image
-    mode: str  # fast | full | custom
-    family: str  # vit | bert
-    data_setting: str  # offline.data setting: fashion-mnist | tweets
-    preset: str  # offline.train PRESETS entry
-    sizes: dict[str, int]  # max_train, max_val, max_test, max_ood
-    prune_per_layer: int  # heads each member prunes per layer
-    calib_samples: int  # Taylor gradient samples (and circuit extraction samples unless circuit_samples is set)
-    finetune_steps: int  # member (and pruned-single) fine-tuning steps
-    base_steps: int | None = None  # override the preset's base training steps
-    max_length: int = 64  # text: tokenizer max length
-    members: int = 3  # M
-    mc_p: float = 0.1  # dropout at inference for models trained without dropout (the ViT here)
-    mc_samples: tuple[int, ...] = (3, 10)  # MC dropout sample counts reported
-    data_seed: int = 0  # split seed
-    ablation_prune: tuple[int, ...] = ()  # heads pruned per layer in the heads-kept ablation
-    ablation_members: tuple[int, ...] = (1, 3, 5)  # M in the members ablation
-    circuit_samples: int | None = None  # ID (and OOD) validation samples of circuit extraction; None: calib_samples
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes recorded with the results
-
-    @property
-    def n_circuit(self) -> int:
-        return self.calib_samples if self.circuit_samples is None else self.circuit_samples
-
-    def key(self) -> dict[str, Any]:
-        """What a cached base model depends on."""
-        return {"setting": self.setting, "preset": self.preset, "sizes": self.sizes, "base_steps": self.base_steps,
-                "max_length": self.max_length if self.family == "bert" else None, "data_seed": self.data_seed}
-
-
-def setting_spec(setting: str, fast: bool) -> Spec:
-    """The benchmark recipe of ``setting`` (``text`` | ``image``); ``fast`` is the smoke size (minutes on 2 cores)."""
-    if setting == "image":
-        if fast:
-            return Spec("image", "fast", "vit", "fashion-mnist", "vit_fast",
-                        {"max_train": 6000, "max_val": 400, "max_test": 1000, "max_ood": 400},
-                        prune_per_layer=2, calib_samples=128, finetune_steps=40, base_steps=300,
-                        ablation_prune=(1, 2, 3))
-        # a ViT trained here from scratch (the full image build's recipe before the repository's pretrained backbone;
-        # the committed results are of this recipe): bases of independent seeds make the Deep Ensemble baseline
-        return Spec("image", "full", "vit", "fashion-mnist", "vit_full",
-                    {"max_train": 36000, "max_val": 1000, "max_test": 6000, "max_ood": 1797},
-                    prune_per_layer=2, calib_samples=512, finetune_steps=300, base_steps=1200,
-                    ablation_prune=(1, 2, 3))
-    if setting == "text":
-        if fast:
-            return Spec("text", "fast", "bert", "tweets", "bert_fast",
-                        {"max_train": 2000, "max_val": 300, "max_test": 600, "max_ood": 300},
-                        prune_per_layer=6, calib_samples=32, finetune_steps=20, base_steps=60, max_length=32,
-                        ablation_prune=(6, 9))
-        # the recipe of offline/configs/text-full-{taylor,circuit}.yaml (the build's full text setting)
-        return Spec("text", "full", "bert", "tweets", "bert_full",
-                    {"max_train": 20000, "max_val": 1000, "max_test": 2000, "max_ood": 1000},
-                    prune_per_layer=6, calib_samples=512, finetune_steps=150, base_steps=400, max_length=64,
-                    circuit_samples=64, ablation_prune=(3, 6, 9))
-    raise ValueError(f"unknown setting {setting!r}; expected one of {SETTINGS}")
-
-
-def _hash(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-# ----------------------------------------------------------------------------- the prepared setting
-@dataclass
-class Context:
-    """A loaded setting: data, batches for scoring and evaluation, and where its cache lives."""
-
-    spec: Spec
-    cfg: BuildConfig
-    adapter: FamilyAdapter
-    data: Any  # offline.data.Data
-    prep: dict[str, Any]
-    tok: Any
-    calib: list  # [(batch, labels)] for Taylor gradients
-    val_id: list[Batch]  # circuit extraction ID batches
-    val_y: torch.Tensor  # (n,) their labels
-    val_ood: list[Batch]  # circuit extraction OOD batches (OOD *validation* sets)
-    test: list  # [(batch, labels)] ID test
-    ood_test: dict[str, list]  # per OOD test set: [(batch, zeros)]
-    ood_kinds: dict[str, str]  # set -> near | far
-    cache: Path
-    progress: bool = True
-
-    @property
-    def y_test(self) -> np.ndarray:
-        return np.asarray(self.data.test.labels)
-
-
-def build_config(spec: Spec, strategy: str = "taylor", seeds: Sequence[int] | None = None,
-                 members: int | None = None, prune_per_layer: int | None = None) -> BuildConfig:
-    """The builder's config equivalent of ``spec`` (what ``offline.pipeline``'s functions read)."""
-    m = members if members is not None else spec.members
-    return BuildConfig(
-        name=f"bench-{spec.setting}",
-        family=spec.family,
-        base=BaseModelConfig(source="train-vit" if spec.family == "vit" else "minilm", preset=spec.preset,
-                             steps=spec.base_steps, max_length=spec.max_length),
-        data=DataConfig(setting=spec.data_setting, seed=spec.data_seed, **spec.sizes),
-        hydra=HydraConfig(members=m, strategy=strategy, seeds=list(seeds) if seeds is not None else None,
-                          prune_per_layer=spec.prune_per_layer if prune_per_layer is None else prune_per_layer,
-                          calib_samples=spec.calib_samples, finetune_steps=spec.finetune_steps),
-    )
-
-
-def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) -> Context:
-    """Load the data of ``spec`` and make the scoring and evaluation batches with the builder's stages."""
-    cfg = build_config(spec)
-    data = load_data(cfg)
-    adapter = get_adapter(spec.family)
-    if spec.family == "vit":
-        prep = {"type": "image", "size": [28, 28], "mean": [FASHION_MEAN], "std": [FASHION_STD],
-                "interpolation": "bilinear", "channels": 1, "resize": "direct"}
-        tok = None
-    else:
-        from transformers import AutoTokenizer
-
-        prep = {"type": "text", "max_length": spec.max_length, "tokenizer": "tokenizer"}
-        tok = AutoTokenizer.from_pretrained(train_mod.minilm_path())
-    cal_idx = sample_indices(len(data.train.labels), spec.calib_samples, spec.data_seed)
-    calib = batches_of(take(data.train.inputs, cal_idx), data.train.labels[cal_idx], prep, tok, 64)
-    n_val = min(spec.n_circuit, len(data.val.labels))
-    val_circ = circuit_batches(take(data.val.inputs, np.arange(n_val)), data.val.labels[:n_val], prep, tok)
-    # the first n_val OOD validation inputs in set order (the builder takes equal shares per set; the committed
-    # benchmark figures were made with this sample)
-    ood_val_inputs = concat(list(data.ood_val.values()))
-    n_ood = min(n_val, len(ood_val_inputs))
-    ood_circ = circuit_batches(take(ood_val_inputs, np.arange(n_ood)), np.zeros(n_ood, dtype=np.int64), prep, tok)
-    test = batches_of(data.test.inputs, data.test.labels, prep, tok)
-    ood_test = {n: batches_of(x, np.zeros(len(x), dtype=np.int64), prep, tok) for n, (x, _) in data.ood_test.items()}
-    kinds = {n: k for n, (_, k) in data.ood_test.items()}
-    cache = Path(cache_dir) / f"{spec.setting}-{spec.preset}-{_hash(spec.key())}"
-    cache.mkdir(parents=True, exist_ok=True)
-    (cache / "spec.json").write_text(json.dumps(spec.key(), indent=1))
-    return Context(spec, cfg, adapter, data, prep, tok, calib, [b for b, _ in val_circ],
-                   torch.cat([y for _, y in val_circ]), [b for b, _ in ood_circ], test, ood_test, kinds, cache,
-                   progress)
 
 
 # ----------------------------------------------------------------------------- models (cached)
@@ -272,14 +152,28 @@ def base_model(ctx: Context, seed: int) -> nn.Module:
     t0 = time.perf_counter()
     if ctx.spec.family == "vit":
         arch = {**train_mod.PRESETS[ctx.spec.preset]["arch"], "num_classes": len(d.class_names)}
-        model = train_mod.train_base_vit(d.train.inputs, d.train.labels, d.val.inputs, d.val.labels, arch, tcfg,
-                                         checkpoint_dir=shared)
+        model = train_mod.train_base_vit(
+            d.train.inputs, d.train.labels, d.val.inputs, d.val.labels, arch, tcfg, checkpoint_dir=shared
+        )
     else:
-        model = train_mod.finetune_bert(_new_base(ctx, seed), ctx.tok, d.train.inputs, d.train.labels, d.val.inputs,
-                                        d.val.labels, tcfg, max_length=ctx.spec.max_length, checkpoint_dir=shared)
+        model = train_mod.finetune_bert(
+            _new_base(ctx, seed),
+            ctx.tok,
+            d.train.inputs,
+            d.train.labels,
+            d.val.inputs,
+            d.val.labels,
+            tcfg,
+            max_length=ctx.spec.max_length,
+            checkpoint_dir=shared,
+        )
     save_model(model, str(path))
-    info = {**getattr(model, train_mod.TRAIN_LOG_ATTR, {}), "seconds_total": round(time.perf_counter() - t0, 1),
-            "train": asdict(tcfg), "builder_checkpoint": str(shared) if shared else None}
+    info = {
+        **getattr(model, train_mod.TRAIN_LOG_ATTR, {}),
+        "seconds_total": round(time.perf_counter() - t0, 1),
+        "train": asdict(tcfg),
+        "builder_checkpoint": str(shared) if shared else None,
+    }
     path.with_suffix(".json").write_text(json.dumps(info, indent=1, default=str))
     return model.eval()
 
@@ -288,14 +182,32 @@ def circuit_order(ctx: Context, base: nn.Module, base_seed: int, prune_per_layer
     """CircAvg ranking of ``base`` (least useful first) for a per-layer budget, as ``build_members`` makes; cached."""
     heads = ctx.adapter.heads(base)
     caps = [pool_size(prune_per_layer, n, None) for n in heads]
-    path = ctx.cache / f"circuit-avg-seed{base_seed}-caps{_hash(caps)}-n{ctx.spec.n_circuit}.json"
+    path = ctx.cache / f"circuit-avg-seed{base_seed}-caps{digest(caps)}-n{ctx.spec.n_circuit}.json"
     if path.is_file():
         return [tuple(x) for x in json.loads(path.read_text())["ranking"]]
     t0 = time.perf_counter()
-    res = circuit_ranking(ctx.adapter, base, ctx.val_id, ctx.val_y, ctx.val_ood, score="avg", budget=sum(caps),
-                          max_per_layer=caps, progress=ctx.progress)
-    path.write_text(json.dumps({"ranking": res.ranking, "scores": res.scores, "base_score": res.base_score,
-                                "caps": caps, "seconds": round(time.perf_counter() - t0, 1)}))
+    res = circuit_ranking(
+        ctx.adapter,
+        base,
+        ctx.val_id,
+        ctx.val_y,
+        ctx.val_ood,
+        score="avg",
+        budget=sum(caps),
+        max_per_layer=caps,
+        progress=ctx.progress,
+    )
+    path.write_text(
+        json.dumps(
+            {
+                "ranking": res.ranking,
+                "scores": res.scores,
+                "base_score": res.base_score,
+                "caps": caps,
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
     return [tuple(x) for x in res.ranking]
 
 
@@ -303,17 +215,19 @@ def finetune(ctx: Context, member: nn.Module, base_seed: int, ft_seed: int, desc
     """Fine-tune a pruned member like the builder does (``finetune_member``); its checkpoint doubles as the cache."""
     if ctx.spec.finetune_steps <= 0:
         return member.eval()
-    tcfg = _train_config(ctx.spec, "finetune", ft_seed, ctx.progress, steps=ctx.spec.finetune_steps,
-                         unfreeze=ctx.cfg.hydra.unfreeze)
+    tcfg = _train_config(
+        ctx.spec, "finetune", ft_seed, ctx.progress, steps=ctx.spec.finetune_steps, unfreeze=ctx.cfg.hydra.unfreeze
+    )
     ident = {"base": base_seed, "heads": ctx.adapter.kept_heads(member)}
     # progress bars do not change the member: the key holds run.py's default (True) whatever --quiet says
-    folder = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=True))})
+    folder = ctx.cache / "members" / digest({**ident, "train": asdict(replace(tcfg, progress=True))})
     # the key of a --quiet run before 2026-11-23 (progress=False in the hash): adopted, not retrained
-    legacy = ctx.cache / "members" / _hash({**ident, "train": asdict(replace(tcfg, progress=False))})
+    legacy = ctx.cache / "members" / digest({**ident, "train": asdict(replace(tcfg, progress=False))})
     if legacy.is_dir() and not folder.exists():
         legacy.rename(folder)
-    return train_mod.finetune_member(ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg,
-                                     checkpoint_dir=folder, desc=desc).eval()
+    return train_mod.finetune_member(
+        ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg, checkpoint_dir=folder, desc=desc
+    ).eval()
 
 
 def pruned_members(
@@ -348,8 +262,10 @@ def pruned_members(
         members = [ctx.adapter.prune_to(base, k) for k in keeps]
     else:
         raise ValueError(f"unknown strategy {strategy!r}; expected taylor, circ or circ-top")
-    return [finetune(ctx, m, base_seed, fs, f"{strategy} member (prune seed {ps}, ft seed {fs})")
-            for m, ps, fs in zip(members, pruning_seeds, ft_seeds, strict=True)]
+    return [
+        finetune(ctx, m, base_seed, fs, f"{strategy} member (prune seed {ps}, ft seed {fs})")
+        for m, ps, fs in zip(members, pruning_seeds, ft_seeds, strict=True)
+    ]
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -383,45 +299,36 @@ def _params(models: Sequence[nn.Module]) -> int:
 
 
 def _row(ctx: Context, method: str, seed: int, logits, ood_logits, **extra: Any) -> dict[str, Any]:
-    return {"setting": ctx.spec.setting, "method": method, "seed": seed, "mode": ctx.spec.mode,
-            **metrics_row(ctx, logits, ood_logits), **extra}
+    return {
+        "setting": ctx.spec.setting,
+        "method": method,
+        "seed": seed,
+        "mode": ctx.spec.mode,
+        **metrics_row(ctx, logits, ood_logits),
+        **extra,
+    }
 
 
-def run_setting(ctx: Context, hydra_seeds: Sequence[int] = (0, 1, 2), ensemble_seeds: Sequence[int] = (0, 1, 2),
-                methods: Sequence[str] = METHODS) -> list[dict[str, Any]]:
+def run_setting(
+    ctx: Context,
+    hydra_seeds: Sequence[int] = (0, 1, 2),
+    ensemble_seeds: Sequence[int] = (0, 1, 2),
+    methods: Sequence[str] = METHODS,
+) -> list[dict[str, Any]]:
     """Every quality row of one setting (see the module docstring for what each method is)."""
-    ad, spec, M = ctx.adapter, ctx.spec, ctx.spec.members
-    rows: list[dict[str, Any]] = []
+    ad, M = ctx.adapter, ctx.spec.members
     need_all = "single" in methods or "deep_ensemble" in methods
     bases = {s: base_model(ctx, s) for s in (ensemble_seeds if need_all else ensemble_seeds[:1])}
     base = bases[ensemble_seeds[0]]
-    base_out = {s: logits_of(ctx, lambda b, m=m: ad.forward(m, b)) for s, m in bases.items()} if need_all else {}
-    if "single" in methods:
-        for s, (lg, ol) in base_out.items():
-            rows.append(_row(ctx, "single", s, lg, ol, params=_params([bases[s]])))
-    if "deep_ensemble" in methods and len(bases) > 1:
-        lg = torch.cat([base_out[s][0] for s in ensemble_seeds], 1)
-        ol = {n: torch.cat([base_out[s][1][n] for s in ensemble_seeds], 1) for n in ctx.ood_test}
-        rows.append(_row(ctx, "deep_ensemble", 0, lg, ol, params=_params(list(bases.values())),
-                         base_seeds=list(ensemble_seeds)))
+    rows = _base_rows(ctx, bases, ensemble_seeds, methods) if need_all else []
     if "mc_dropout" in methods:
-        mc = mc_dropout_model(base, spec.mc_p)
-        S = max(spec.mc_samples)
-        torch.manual_seed(0)
-        lg, ol = logits_of(ctx, lambda b: torch.stack([ad.forward(mc, b) for _ in range(S)], 1))  # (B, S, C)
-        for k in spec.mc_samples:
-            rows.append(_row(ctx, "mc_dropout", 0, lg[:, :k], {n: v[:, :k] for n, v in ol.items()}, samples=k,
-                             params=_params([base]),
-                             dropout_p=spec.mc_p if spec.family == "vit" else "model's own (0.1)"))
+        rows += _mc_dropout_rows(ctx, base)
     b0 = ensemble_seeds[0]
-    if "taylor" in methods:
-        (m,) = pruned_members(ctx, base, b0, "taylor", [0], [0])
-        rows.append(_row(ctx, "taylor", 0, *logits_of(ctx, lambda b: ad.forward(m, b)), params=_params([m]),
-                         heads=ad.kept_heads(m)))
-    if "circavg" in methods:
-        (m,) = pruned_members(ctx, base, b0, "circ-top", [0], [0])
-        rows.append(_row(ctx, "circavg", 0, *logits_of(ctx, lambda b: ad.forward(m, b)), params=_params([m]),
-                         heads=ad.kept_heads(m)))
+    for method, strategy in (("taylor", "taylor"), ("circavg", "circ-top")):  # the pruned singles
+        if method in methods:
+            (m,) = pruned_members(ctx, base, b0, strategy, [0], [0])
+            lg, ol = logits_of(ctx, lambda b, m=m: ad.forward(m, b))
+            rows.append(_row(ctx, method, 0, lg, ol, params=_params([m]), heads=ad.kept_heads(m)))
     for method, strategy in (("hydra_taylor", "taylor"), ("hydra_circ", "circ")):
         if method not in methods:
             continue
@@ -432,13 +339,53 @@ def run_setting(ctx: Context, hydra_seeds: Sequence[int] = (0, 1, 2), ensemble_s
     return rows
 
 
+def _base_rows(
+    ctx: Context, bases: dict[int, nn.Module], ensemble_seeds: Sequence[int], methods: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The rows of the base models: ``single`` per seed and the ``deep_ensemble`` of all of them."""
+    ad = ctx.adapter
+    rows: list[dict[str, Any]] = []
+    base_out = {s: logits_of(ctx, lambda b, m=m: ad.forward(m, b)) for s, m in bases.items()}
+    if "single" in methods:
+        for s, (lg, ol) in base_out.items():
+            rows.append(_row(ctx, "single", s, lg, ol, params=_params([bases[s]])))
+    if "deep_ensemble" in methods and len(bases) > 1:
+        lg = torch.cat([base_out[s][0] for s in ensemble_seeds], 1)
+        ol = {n: torch.cat([base_out[s][1][n] for s in ensemble_seeds], 1) for n in ctx.ood_test}
+        rows.append(
+            _row(ctx, "deep_ensemble", 0, lg, ol, params=_params(list(bases.values())), base_seeds=list(ensemble_seeds))
+        )
+    return rows
+
+
+def _mc_dropout_rows(ctx: Context, base: nn.Module) -> list[dict[str, Any]]:
+    """MC Dropout of ``base``: one row per sample count of the spec, all from the same samples."""
+    ad, spec = ctx.adapter, ctx.spec
+    mc = mc_dropout_model(base, spec.mc_p)
+    S = max(spec.mc_samples)
+    torch.manual_seed(0)
+    lg, ol = logits_of(ctx, lambda b: torch.stack([ad.forward(mc, b) for _ in range(S)], 1))  # (B, S, C)
+    return [
+        _row(
+            ctx,
+            "mc_dropout",
+            0,
+            lg[:, :k],
+            {n: v[:, :k] for n, v in ol.items()},
+            samples=k,
+            params=_params([base]),
+            dropout_p=spec.mc_p if spec.family == "vit" else "model's own (0.1)",
+        )
+        for k in spec.mc_samples
+    ]
+
+
 def hydra_row(ctx: Context, method: str, seed: int, members: Sequence[nn.Module], **extra: Any) -> dict[str, Any]:
     """Row of the fused Hydra of ``members`` (what is served), with the unfused ensemble's headline numbers."""
     ad = ctx.adapter
     fused, _ = fuse(ad, members)
     lg, ol = logits_of(ctx, lambda b: fused(**b))
-    row = _row(ctx, method, seed, lg, ol, params=_params([fused]), heads=[ad.kept_heads(m) for m in members],
-               **extra)
+    row = _row(ctx, method, seed, lg, ol, params=_params([fused]), heads=[ad.kept_heads(m) for m in members], **extra)
     ul = logits_of(ctx, lambda b: torch.stack([ad.forward(m, b) for m in members], 1))
     u = metrics_row(ctx, *ul)
     row["unfused"] = {k: u[k] for k in ("acc", "nll", "ece", "mi_id", "mi_ood")} | {"ood_avg": u["ood_avg"]}
@@ -469,10 +416,18 @@ def run_ablations(ctx: Context, strategy: str = "taylor") -> list[dict[str, Any]
         add("members", M, pruned_members(ctx, base, 0, strategy, list(range(M)), [0] * M))
     for r in spec.ablation_prune:
         kept = f"{H[0] - r}/{H[0]}"
-        add("heads_kept", kept, pruned_members(ctx, base, 0, strategy, [0, 1, 2], [0, 0, 0], prune_per_layer=r),
-            prune_per_layer=r)
-    variants = {"none": ([0, 0, 0], [0, 0, 0]), "order": ([0, 0, 0], [0, 1, 2]),
-                "pruning": ([0, 1, 2], [0, 0, 0]), "both": ([0, 1, 2], [0, 1, 2])}
+        add(
+            "heads_kept",
+            kept,
+            pruned_members(ctx, base, 0, strategy, [0, 1, 2], [0, 0, 0], prune_per_layer=r),
+            prune_per_layer=r,
+        )
+    variants = {
+        "none": ([0, 0, 0], [0, 0, 0]),
+        "order": ([0, 0, 0], [0, 1, 2]),
+        "pruning": ([0, 1, 2], [0, 0, 0]),
+        "both": ([0, 1, 2], [0, 1, 2]),
+    }
     for name, (ps, fs) in variants.items():
         add("diversity", name, pruned_members(ctx, base, 0, strategy, ps, fs), pruning_seeds=ps, ft_seeds=fs)
     return rows
@@ -491,8 +446,3 @@ def by_kind(row: dict[str, Any], kind: str, metric: str) -> float:
     """``metric`` averaged over the row's OOD sets of ``kind`` (near | far)."""
     vals = [v[metric] for v in row["ood"].values() if v["kind"] == kind]
     return float(np.mean(vals)) if vals else float("nan")
-
-
-def with_spec(spec: Spec, **changes: Any) -> Spec:
-    """A copy of ``spec`` with fields changed (sizes for smoke tests)."""
-    return replace(spec, **changes)

@@ -49,8 +49,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "longer": {**_OWN, "hydra.finetune_steps": "x3"},
     "more-pruned": {**_OWN, "hydra.prune_per_layer": "+1"},
     # the paper's post-pruning recipe where 2 cores allow: own data, fresh heads, label smoothing 0.1, 3x the steps
-    "paper-recipe": {"hydra.member_data": "bootstrap", "hydra.reinit_head": True, "hydra.label_smoothing": 0.1,
-                     "hydra.finetune_steps": "x3"},
+    "paper-recipe": {
+        "hydra.member_data": "bootstrap",
+        "hydra.reinit_head": True,
+        "hydra.label_smoothing": 0.1,
+        "hydra.finetune_steps": "x3",
+    },
 }
 
 
@@ -118,21 +122,30 @@ def summarize(name: str, out: Path, overrides: dict[str, Any]) -> dict[str, Any]
     member_auroc = [a for a in (_served_auroc(r, score) for r in members) if a is not None]
     hydra, single, de = rows["hydra"], rows["single"], rows.get("deep_ensemble")
     return {
-        "variant": name, "overrides": overrides, "acc": hydra["acc"], "acc_single": single["acc"],
-        "served_score": score, "id_test_flag_rate": served.get("id_test_flag_rate"),
-        "recall": served.get("recall", {}), "ood_kinds": doc.get("ood_kinds", {}),
-        "auroc_hydra": _served_auroc(hydra, score), "auroc_single": _served_auroc(single, score),
+        "variant": name,
+        "overrides": overrides,
+        "acc": hydra["acc"],
+        "acc_single": single["acc"],
+        "served_score": score,
+        "id_test_flag_rate": served.get("id_test_flag_rate"),
+        "recall": served.get("recall", {}),
+        "ood_kinds": doc.get("ood_kinds", {}),
+        "auroc_hydra": _served_auroc(hydra, score),
+        "auroc_single": _served_auroc(single, score),
         "auroc_best_member": max(member_auroc) if member_auroc else None,
         "auroc_deep_ensemble": _served_auroc(de, score) if de else None,
         "ece_deep_ensemble_ts": de.get("calibrated", {}).get("ece") if de else None,
         "auroc_by_score": {s: v["avg"].get("auroc") for s, v in hydra.get("ood_scores", {}).items()},
-        "mi_ood": hydra.get("mi_ood"), "member_rank_corr": extra.get("member_rank_correlation_ood", {}),
-        "ece_hydra": hydra["ece"], "ece_single": single["ece"],
+        "mi_ood": hydra.get("mi_ood"),
+        "member_rank_corr": extra.get("member_rank_correlation_ood", {}),
+        "ece_hydra": hydra["ece"],
+        "ece_single": single["ece"],
         "ece_hydra_ts": hydra.get("calibrated", {}).get("ece"),
         "ece_single_ts": single.get("calibrated", {}).get("ece"),
-        "build_s": float((out.parent / f".{name}.seconds").read_text()) if (out.parent / f".{name}.seconds").is_file()
+        "build_s": float((out.parent / f".{name}.seconds").read_text())
+        if (out.parent / f".{name}.seconds").is_file()
         else None,
-    }  # fmt: skip
+    }
 
 
 def _pct(x: float | None) -> str:
@@ -145,22 +158,42 @@ def markdown(rows: list[dict[str, Any]], config: str, machine: str) -> str:
     kinds = rows[0]["ood_kinds"] if rows else {}
     head = ["variant", "served score", "ID test flagged %"] + [f"recall {s} ({kinds.get(s, '?')}) %" for s in sets]
     head += ["AUROC Hydra", "Single", "best member", "Deep Ens.", "MI OOD", "member rank corr. (Mahalanobis)"]
-    lines = [f"Config `{config}`; {machine}. Scores and thresholds fixed on validation data; figures on test data.",
-             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    lines = [
+        f"Config `{config}`; {machine}. Scores and thresholds fixed on validation data; figures on test data.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for r in rows:
         cells = [r["variant"], r["served_score"], _pct(r["id_test_flag_rate"])]
         cells += [_pct(r["recall"].get(s)) for s in sets]
         corr = r["member_rank_corr"].get("mahalanobis")
-        cells += [_pct(r["auroc_hydra"]), _pct(r["auroc_single"]), _pct(r["auroc_best_member"]),
-                  _pct(r.get("auroc_deep_ensemble")),
-                  "–" if r["mi_ood"] is None else f"{r['mi_ood']:.4f}", "–" if corr is None else f"{corr:.3f}"]
+        cells += [
+            _pct(r["auroc_hydra"]),
+            _pct(r["auroc_single"]),
+            _pct(r["auroc_best_member"]),
+            _pct(r.get("auroc_deep_ensemble")),
+            "–" if r["mi_ood"] is None else f"{r['mi_ood']:.4f}",
+            "–" if corr is None else f"{corr:.3f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| variant | acc % | ECE Hydra T=1 | ECE Single T=1 | ECE Hydra own T | ECE Single own T "
-              "| ECE Deep Ens. own T | build s |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "| variant | acc % | ECE Hydra T=1 | ECE Single T=1 | ECE Hydra own T | ECE Single own T "
+        "| ECE Deep Ens. own T | build s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        cells = [r["variant"], _pct(r["acc"]), _pct(r["ece_hydra"]), _pct(r["ece_single"]), _pct(r["ece_hydra_ts"]),
-                 _pct(r["ece_single_ts"]), _pct(r.get("ece_deep_ensemble_ts")),
-                 "–" if r["build_s"] is None else f"{r['build_s']:.0f}"]  # fmt: skip
+        cells = [
+            r["variant"],
+            _pct(r["acc"]),
+            _pct(r["ece_hydra"]),
+            _pct(r["ece_single"]),
+            _pct(r["ece_hydra_ts"]),
+            _pct(r["ece_single_ts"]),
+            _pct(r.get("ece_deep_ensemble_ts")),
+            "–" if r["build_s"] is None else f"{r['build_s']:.0f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -172,10 +205,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--work", type=Path, default=ROOT / ".cache" / "recipe", help="where the builds go (reused)")
     ap.add_argument("--cache", type=Path, default=ROOT / ".cache" / "bases", help="base.cache_dir for the builds")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
-                    help="data.seed of each build (splits, base model, members); several: a table over seeds too")
-    ap.add_argument("--deep-ensemble", type=int, default=0,
-                    help="base.deep_ensemble of each build: a Deep Ensemble baseline of this many base models")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="data.seed of each build (splits, base model, members); several: a table over seeds too",
+    )
+    ap.add_argument(
+        "--deep-ensemble",
+        type=int,
+        default=0,
+        help="base.deep_ensemble of each build: a Deep Ensemble baseline of this many base models",
+    )
     args = ap.parse_args(argv)
     work = args.work / args.config.stem
     work.mkdir(parents=True, exist_ok=True)
@@ -213,8 +255,10 @@ def over_seeds(rows: list[dict[str, Any]]) -> str:
         rs = [r for r in rows if r["recipe"] == recipe]
         cells = [recipe, ", ".join(str(r["seed"]) for r in rs), _mean_std([r["id_test_flag_rate"] for r in rs])]
         cells += [_mean_std([r["recall"].get(s) for r in rs]) for s in sets]
-        cells += [_mean_std([r.get(k) for r in rs])
-                  for k in ("auroc_hydra", "auroc_single", "auroc_best_member", "auroc_deep_ensemble")]
+        cells += [
+            _mean_std([r.get(k) for r in rs])
+            for k in ("auroc_hydra", "auroc_single", "auroc_best_member", "auroc_deep_ensemble")
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -37,6 +37,7 @@ import json
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -144,21 +145,7 @@ def run_once(args: argparse.Namespace, artifact: Path, body: bytes, workdir: Pat
     log_file = workdir / "server.log"
     proc = harness.start_server(artifact, port, env, log_file=log_file)
     try:
-        harness.wait_ready(port, proc)
-        # wait_ready's polls reached the server too; count the server's answers so far from /metrics
-        status, _, metrics = asyncio.run(harness.request(port, "GET", "/metrics"))
-        assert status == 200
-        control_answered = _requests_so_far(metrics.decode()) + 1  # + this /metrics request, answered after rendering
-        t0 = time.perf_counter()
-        outcomes, at_signal = asyncio.run(load_until(
-            port, body, args.concurrency, t0 + args.load_seconds, t0 + args.load_seconds + args.after_seconds,
-            args.timeout, lambda: proc.send_signal(signal.SIGTERM),
-        ))  # fmt: skip
-        try:
-            exit_status = proc.wait(60)
-        except Exception:
-            proc.kill()
-            exit_status = proc.wait(10)
+        control_answered, outcomes, at_signal, exit_status = _load_and_stop(args, port, proc, body)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -169,28 +156,17 @@ def run_once(args: argparse.Namespace, artifact: Path, body: bytes, workdir: Pat
     acc = account(outcomes, at_signal["t"])
     client_answered = acc["answered"] + control_answered
     lost = received - answered if m else None
-    in_flight = acc["in_flight_at_sigterm"]
     resets = sum(acc["by_outcome"].get(k, 0) for k in RESETS)
-    checks = {
-        "exit_status_0": exit_status == 0,
-        "shutdown_line_logged": m is not None,
-        "lost_0": lost == 0,
-        "resets_0": resets == 0,
-        "client_and_server_answer_counts_agree": client_answered == answered,
-        # a connection begun just before the signal may find the server no longer accepting: refused, not reset
-        "in_flight_requests_finished_ok": in_flight.get("ok", 0) > 0 and set(in_flight) <= {"ok", "refused"},
-        "no_timeouts": acc["by_outcome"].get("timeout", 0) == 0,
-        "only_ok_or_not_ready_answers": set(acc["by_outcome"]) <= ANSWERS | {"refused", *RESETS},
-        "new_connections_refused": set(acc["sent_after_refusing"]) <= {"refused"}
-        and acc["sent_after_refusing"].get("refused", 0) > 0,
-        "refusing_within_2_s_of_sigterm": (acc["refusing_after_sigterm_ms"] or 1e9) < 2000,
-    }
+    checks = _checks(acc, exit_status, m is not None, lost, resets, client_answered == answered)
     return {
         "loopback": f"{harness.HOST}:{port}",
         "client": acc,
         "answered_before_sigterm": at_signal["answered_before"],
-        "server": {"requests_received": received, "requests_answered": answered,
-                   "of_which_readiness_and_metrics_polls": control_answered},  # fmt: skip
+        "server": {
+            "requests_received": received,
+            "requests_answered": answered,
+            "of_which_readiness_and_metrics_polls": control_answered,
+        },
         "resets": resets,
         "lost": lost,
         "exit_status": exit_status,
@@ -200,7 +176,59 @@ def run_once(args: argparse.Namespace, artifact: Path, body: bytes, workdir: Pat
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _load_and_stop(
+    args: argparse.Namespace, port: int, proc: subprocess.Popen, body: bytes
+) -> tuple[int, list[Outcome], dict[str, Any], int]:
+    """Load the ready server, SIGTERM it under load, wait for its exit: ``(answers before the load, the load's
+    outcomes, the signal's time and count, exit status)``."""
+    harness.wait_ready(port, proc)
+    # wait_ready's polls reached the server too; count the server's answers so far from /metrics
+    status, _, metrics = asyncio.run(harness.request(port, "GET", "/metrics"))
+    assert status == 200
+    control_answered = _requests_so_far(metrics.decode()) + 1  # + this /metrics request, answered after rendering
+    t0 = time.perf_counter()
+    outcomes, at_signal = asyncio.run(
+        load_until(
+            port,
+            body,
+            args.concurrency,
+            t0 + args.load_seconds,
+            t0 + args.load_seconds + args.after_seconds,
+            args.timeout,
+            lambda: proc.send_signal(signal.SIGTERM),
+        )
+    )
+    try:
+        exit_status = proc.wait(60)
+    except Exception:
+        proc.kill()
+        exit_status = proc.wait(10)
+    return control_answered, outcomes, at_signal, exit_status
+
+
+def _checks(
+    acc: dict[str, Any], exit_status: int, logged: bool, lost: int | None, resets: int, counts_agree: bool
+) -> dict[str, bool]:
+    """The checks of one repetition on the client's account ``acc`` and the server's."""
+    in_flight = acc["in_flight_at_sigterm"]
+    return {
+        "exit_status_0": exit_status == 0,
+        "shutdown_line_logged": logged,
+        "lost_0": lost == 0,
+        "resets_0": resets == 0,
+        "client_and_server_answer_counts_agree": counts_agree,
+        # a connection begun just before the signal may find the server no longer accepting: refused, not reset
+        "in_flight_requests_finished_ok": in_flight.get("ok", 0) > 0 and set(in_flight) <= {"ok", "refused"},
+        "no_timeouts": acc["by_outcome"].get("timeout", 0) == 0,
+        "only_ok_or_not_ready_answers": set(acc["by_outcome"]) <= ANSWERS | {"refused", *RESETS},
+        "new_connections_refused": set(acc["sent_after_refusing"]) <= {"refused"}
+        and acc["sent_after_refusing"].get("refused", 0) > 0,
+        "refusing_within_2_s_of_sigterm": (acc["refusing_after_sigterm_ms"] or 1e9) < 2000,
+    }
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked: the load bounded."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_artifact_arguments(p)
     p.add_argument("--concurrency", type=int, default=16, help="clients (<= 64)")
@@ -215,25 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency in 1..64, --load-seconds in (0, 60], --after-seconds in (0, 30]")
     if not 1 <= args.repeat <= 200:
         p.error("--repeat in 1..200")
+    return args
 
-    tmp = tempfile.TemporaryDirectory(prefix="hydra-sigterm-")
-    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
-    name = manifest["name"]
-    body = json.dumps(harness.payload(manifest)).encode()
-    print(f"python -m service with {artifact}: {args.concurrency} clients for {args.load_seconds} s, then SIGTERM; "
-          f"{args.repeat} repetition(s)", flush=True)  # fmt: skip
-    runs = []
-    for i in range(args.repeat):
-        r = run_once(args, artifact, body, Path(tmp.name))
-        runs.append(r)
-        acc = r["client"]
-        failed = "" if r["passed"] else f"; FAILED {[k for k, v in r['checks'].items() if not v]}"
-        print(f"[{i + 1}/{args.repeat}] sent {acc['sent']}: {acc['by_outcome']}; in flight at SIGTERM: "
-              f"{acc['in_flight_at_sigterm']}; refusing {acc['refusing_after_sigterm_ms']} ms after SIGTERM; "
-              f"server received {r['server']['requests_received']}, answered {r['server']['requests_answered']}; "
-              f"resets {r['resets']}, lost {r['lost']}, exit status {r['exit_status']}{failed}",
-              flush=True)  # fmt: skip
-    totals = {
+
+def _totals(runs: list[dict[str, Any]]) -> dict[str, int]:
+    """The repetitions' counts added up (a repetition without the server's shutdown line counts one lost)."""
+    return {
         "repetitions": len(runs),
         "sent": sum(r["client"]["sent"] for r in runs),
         "answered": sum(r["client"]["answered"] for r in runs),
@@ -242,8 +257,38 @@ def main(argv: list[str] | None = None) -> int:
         "lost": sum(r["lost"] if r["lost"] is not None else 1 for r in runs),
         "repetitions_passed": sum(r["passed"] for r in runs),
     }
-    checks = {"every_repetition_passed": totals["repetitions_passed"] == len(runs),
-              "resets_0": totals["resets"] == 0, "lost_0": totals["lost"] == 0}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    tmp = tempfile.TemporaryDirectory(prefix="hydra-sigterm-")
+    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
+    name = manifest["name"]
+    body = json.dumps(harness.payload(manifest)).encode()
+    print(
+        f"python -m service with {artifact}: {args.concurrency} clients for {args.load_seconds} s, then SIGTERM; "
+        f"{args.repeat} repetition(s)",
+        flush=True,
+    )
+    runs = []
+    for i in range(args.repeat):
+        r = run_once(args, artifact, body, Path(tmp.name))
+        runs.append(r)
+        acc = r["client"]
+        failed = "" if r["passed"] else f"; FAILED {[k for k, v in r['checks'].items() if not v]}"
+        print(
+            f"[{i + 1}/{args.repeat}] sent {acc['sent']}: {acc['by_outcome']}; in flight at SIGTERM: "
+            f"{acc['in_flight_at_sigterm']}; refusing {acc['refusing_after_sigterm_ms']} ms after SIGTERM; "
+            f"server received {r['server']['requests_received']}, answered {r['server']['requests_answered']}; "
+            f"resets {r['resets']}, lost {r['lost']}, exit status {r['exit_status']}{failed}",
+            flush=True,
+        )
+    totals = _totals(runs)
+    checks = {
+        "every_repetition_passed": totals["repetitions_passed"] == len(runs),
+        "resets_0": totals["resets"] == 0,
+        "lost_0": totals["lost"] == 0,
+    }
     passed = all(checks.values())
     result = {
         "command": "python -m benchmarks.sigterm_test " + shlex.join(argv if argv is not None else sys.argv[1:]),
@@ -262,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out = harness.write_result(result, args.out, f"sigterm_{name}.json")
-    print(f"total over {len(runs)} repetition(s): sent {totals['sent']}, answered {totals['answered']}, refused "
-          f"{totals['refused']}, resets {totals['resets']}, lost {totals['lost']}"
-          f"{' (meets the target)' if result['meets_target'] else ''}")  # fmt: skip
+    print(
+        f"total over {len(runs)} repetition(s): sent {totals['sent']}, answered {totals['answered']}, refused "
+        f"{totals['refused']}, resets {totals['resets']}, lost {totals['lost']}"
+        f"{' (meets the target)' if result['meets_target'] else ''}"
+    )
     harness.print_checks(checks)
     print(f"wrote {out}")
     tmp.cleanup()

@@ -102,9 +102,14 @@ def window(rec: Record, start_s: float, end_s: float) -> dict[str, Any]:
     t = np.asarray(rec.t_end)
     lat = np.asarray(rec.latency_ms)[(t >= start_s) & (t < end_s)]
     q = np.percentile(lat, [50, 99]) if lat.size else [float("nan")] * 2
-    return {"from_min": round(start_s / 60, 2), "to_min": round(end_s / 60, 2), "requests": int(lat.size),
-            "rps": round(lat.size / max(end_s - start_s, 1e-9), 2),
-            "p50_ms": round(float(q[0]), 2), "p99_ms": round(float(q[1]), 2)}  # fmt: skip
+    return {
+        "from_min": round(start_s / 60, 2),
+        "to_min": round(end_s / 60, 2),
+        "requests": int(lat.size),
+        "rps": round(lat.size / max(end_s - start_s, 1e-9), 2),
+        "p50_ms": round(float(q[0]), 2),
+        "p99_ms": round(float(q[1]), 2),
+    }
 
 
 def summarise(rec: Record, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, bool]]:
@@ -128,15 +133,28 @@ def summarise(rec: Record, args: argparse.Namespace) -> tuple[dict[str, Any], di
         "p99_stable_from_start": drift(first) <= args.p99_band,
     }
     summary = {
-        "requests": len(rec.t_end), "answers_by_code": dict(sorted(rec.codes.items())), "timeouts": rec.timeouts,
-        "connection_errors": rec.connection_errors, "errors": errors,
-        "rss_mb": {"after_warmup": base, "peak_after_warmup": peak, "end": rec.samples[-1]["rss_mb"],
-                   "growth_fraction": round(growth, 4), "bound": args.rss_growth},
-        "p99": {"first_window": first, "first_window_after_warmup": after_warmup, "last_window": last,
-                "change_vs_after_warmup": round(drift(after_warmup), 4), "change_vs_first": round(drift(first), 4),
-                "band": args.p99_band},
+        "requests": len(rec.t_end),
+        "answers_by_code": dict(sorted(rec.codes.items())),
+        "timeouts": rec.timeouts,
+        "connection_errors": rec.connection_errors,
+        "errors": errors,
+        "rss_mb": {
+            "after_warmup": base,
+            "peak_after_warmup": peak,
+            "end": rec.samples[-1]["rss_mb"],
+            "growth_fraction": round(growth, 4),
+            "bound": args.rss_growth,
+        },
+        "p99": {
+            "first_window": first,
+            "first_window_after_warmup": after_warmup,
+            "last_window": last,
+            "change_vs_after_warmup": round(drift(after_warmup), 4),
+            "change_vs_first": round(drift(first), 4),
+            "band": args.p99_band,
+        },
         "per_minute": per_minute,
-    }  # fmt: skip
+    }
     return summary, checks
 
 
@@ -163,7 +181,8 @@ def plot(rec: Record, summary: dict[str, Any], title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked: the load bounded, the warm-up and a p99 window inside the soak."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_artifact_arguments(p)
     p.add_argument("--clients", type=int, default=32, help="concurrent keep-alive clients (1..64)")
@@ -180,7 +199,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--clients must be in 1..64, --minutes in (0, 240] and --sample-s positive")
     if args.warmup_minutes + args.window_minutes > args.minutes or args.window_minutes <= 0:
         p.error("the warm-up and a p99 window must fit in --minutes")
+    return args
 
+
+def _print_summary(summary: dict[str, Any], window_minutes: float) -> None:
+    """One line: requests, errors, RSS growth after the warm-up and the p99 of the windows."""
+    r, q = summary["rss_mb"], summary["p99"]
+    print(
+        f"{summary['requests']} requests, errors {summary['errors']}; RSS {r['after_warmup']} -> peak "
+        f"{r['peak_after_warmup']} MiB after the warm-up ({100 * r['growth_fraction']:+.1f} %); p99 "
+        f"{q['first_window']['p99_ms']} (first {window_minutes:g} min), "
+        f"{q['first_window_after_warmup']['p99_ms']} (after the warm-up), {q['last_window']['p99_ms']} ms (last)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     tmp = tempfile.TemporaryDirectory(prefix="hydra-soak-")
     artifact, manifest = harness.open_artifact(args, Path(tmp.name))
     name = manifest["name"]
@@ -188,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     env = {"HYDRA_LOG_LEVEL": "warning"}
     port = harness.free_port()
     log_file = Path(tmp.name) / "server.log"
-    print(f"starting python -m service on {harness.HOST}:{port} with {artifact}; {args.clients} clients for "
-          f"{args.minutes:g} min on {harness.cpu_name()}", flush=True)  # fmt: skip
+    print(
+        f"starting python -m service on {harness.HOST}:{port} with {artifact}; {args.clients} clients for "
+        f"{args.minutes:g} min on {harness.cpu_name()}",
+        flush=True,
+    )
     proc = harness.start_server(artifact, port, env, log_file=log_file)
     try:
         ready_s = harness.wait_ready(port, proc)
@@ -206,24 +243,30 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.soak " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name,
         "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(shown),
-        "clients": args.clients, "minutes": args.minutes, "warmup_minutes": args.warmup_minutes,
-        "ready_s": round(ready_s, 1), "server_env": env, **summary,
-        "rss_samples": rec.samples, "checks": checks, "passed": all(checks.values()),
-        "machine": harness.machine(), "server_exit_status": exit_status,
+        "clients": args.clients,
+        "minutes": args.minutes,
+        "warmup_minutes": args.warmup_minutes,
+        "ready_s": round(ready_s, 1),
+        "server_env": env,
+        **summary,
+        "rss_samples": rec.samples,
+        "checks": checks,
+        "passed": all(checks.values()),
+        "machine": harness.machine(),
+        "server_exit_status": exit_status,
         "server_log_tail": log_file.read_text(errors="replace").splitlines()[-20:],
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }  # fmt: skip
+    }
     out = harness.write_result(result, args.out, f"soak_{name}.json")
     png = out.with_suffix(".png")
-    plot(rec, summary, f"soak of {name}: {args.clients} clients, {args.minutes:g} min, {harness.cpu_name()} "
-         f"({harness.machine()['cpus']} cores)", png)  # fmt: skip
-    r, q = summary["rss_mb"], summary["p99"]
-    print(
-        f"{summary['requests']} requests, errors {summary['errors']}; RSS {r['after_warmup']} -> peak "
-        f"{r['peak_after_warmup']} MiB after the warm-up ({100 * r['growth_fraction']:+.1f} %); p99 "
-        f"{q['first_window']['p99_ms']} (first {args.window_minutes:g} min), "
-        f"{q['first_window_after_warmup']['p99_ms']} (after the warm-up), {q['last_window']['p99_ms']} ms (last)"
+    plot(
+        rec,
+        summary,
+        f"soak of {name}: {args.clients} clients, {args.minutes:g} min, {harness.cpu_name()} "
+        f"({harness.machine()['cpus']} cores)",
+        png,
     )
+    _print_summary(summary, args.window_minutes)
     harness.print_checks(checks)
     print(f"wrote {out} and {png}")
     tmp.cleanup()

@@ -75,20 +75,33 @@ def config(folder: Path, ckpt: Path, precision: str) -> dict:
         "name": "user-vit-tiny",
         "family": "vit",
         "base": {"source": "timm:vit_tiny_patch16_224", "path": str(ckpt), "preset": "vit_pretrained", "steps": 150},
-        "data": {"setting": "image-folder", "path": str(folder), "max_train": 1000, "max_val": 30, "max_test": 30,
-                 "max_calibration": 0},
-        "hydra": {"members": 3, "strategy": "taylor", "prune_per_layer": 1, "calib_samples": 64,
-                  "finetune_steps": 20},
+        "data": {
+            "setting": "image-folder",
+            "path": str(folder),
+            "max_train": 1000,
+            "max_val": 30,
+            "max_test": 30,
+            "max_calibration": 0,
+        },
+        "hydra": {"members": 3, "strategy": "taylor", "prune_per_layer": 1, "calib_samples": 64, "finetune_steps": 20},
         "export": {"torchscript": False, "onnx": True, "bf16_check": False},
         "build": {"precision": precision},
-    }  # fmt: skip
+    }
 
 
 def run_build(cfg_path: Path, out: Path, kill_after: float | None = None) -> float:
     """``offline/build.py`` as a user runs it (stderr to a file); the wall time; SIGKILL after ``kill_after`` s, or
     (``kill_after == 0``) 5 s after the first training checkpoint (``state-*.pt``) appears under ``out``."""
-    cmd = [sys.executable, str(ROOT / "offline" / "build.py"), "--config", str(cfg_path), "--out", str(out),
-           "--progress-every", "30"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "offline" / "build.py"),
+        "--config",
+        str(cfg_path),
+        "--out",
+        str(out),
+        "--progress-every",
+        "30",
+    ]
     t0 = time.perf_counter()
     with open(out.parent / f"{out.name}.log", "a") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stderr=log, stdout=log)
@@ -111,21 +124,62 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "user_build"))
     ap.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
     ap.add_argument("--rerun", action="store_true", help="build again and compare the weights bit for bit")
     ap.add_argument("--resume", action="store_true", help="kill a build during base training, resume, compare")
-    ap.add_argument("--kill-after", type=float, default=0.0,
-                    help="seconds before the SIGKILL; 0 (default): 5 s after the first training checkpoint is saved")
+    ap.add_argument(
+        "--kill-after",
+        type=float,
+        default=0.0,
+        help="seconds before the SIGKILL; 0 (default): 5 s after the first training checkpoint is saved",
+    )
     ap.add_argument("--tag", default=None, help="name of this run in the results (default: the precision)")
-    ap.add_argument("--against", default=None, metavar="SHA256",
-                    help="with --resume: compare the resumed build with this recorded model.safetensors hash "
-                         "instead of building the reference first (a recorded run's model_sha256)")
+    ap.add_argument(
+        "--against",
+        default=None,
+        metavar="SHA256",
+        help="with --resume: compare the resumed build with this recorded model.safetensors hash "
+        "instead of building the reference first (a recorded run's model_sha256)",
+    )
     args = ap.parse_args(argv)
     if args.against and not (args.resume and not args.rerun):
         ap.error("--against goes with --resume alone")
+    return args
+
+
+def _builds(args: argparse.Namespace, cfg_path: Path, work: Path, result: dict) -> None:
+    """The reference build (unless ``--against``), then the rerun and the resumed build, compared with it; their
+    facts go into ``result``."""
+    if args.against:  # the reference is a recorded run's
+        result["model_sha256"] = args.against
+    else:
+        wall = run_build(cfg_path, work / "a")
+        manifest = json.loads((work / "a" / "manifest.json").read_text())
+        result.update(
+            wall_s=round(wall, 1),
+            stages_s=manifest["build"]["timings_s"],
+            model_sha256=sha256(work / "a" / "model.safetensors"),
+            test_accuracy=manifest["metrics"].get("hydra", {}).get("acc"),
+        )
+    if args.rerun:
+        run_build(cfg_path, work / "b")
+        result["rerun_identical"] = sha256(work / "b" / "model.safetensors") == result["model_sha256"]
+    if args.resume:
+        killed_at = run_build(cfg_path, work / "c", kill_after=args.kill_after)
+        killed = sorted(p.name for p in (work / "c").rglob("state-*.pt"))
+        run_build(cfg_path, work / "c")
+        result["resume"] = {
+            "killed_after_s": round(killed_at, 1),
+            "checkpoints_left": killed,
+            "identical": sha256(work / "c" / "model.safetensors") == result["model_sha256"],
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     work = Path(tempfile.mkdtemp(prefix="user-build-"))
     try:
         folder = make_folder(work / "photos")
@@ -134,26 +188,12 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg_path = work / "build.yaml"
         cfg_path.write_text(yaml.safe_dump(config(folder, ckpt, args.precision)))
-        result = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform()},
-                  "precision": args.precision, "resolved_precision": resolve_precision(args.precision,
-                                                                                        torch.device("cpu"))}
-        if args.against:  # the reference is a recorded run's
-            result["model_sha256"] = args.against
-        else:
-            wall = run_build(cfg_path, work / "a")
-            manifest = json.loads((work / "a" / "manifest.json").read_text())
-            result.update(wall_s=round(wall, 1), stages_s=manifest["build"]["timings_s"],
-                          model_sha256=sha256(work / "a" / "model.safetensors"),
-                          test_accuracy=manifest["metrics"].get("hydra", {}).get("acc"))  # fmt: skip
-        if args.rerun:
-            run_build(cfg_path, work / "b")
-            result["rerun_identical"] = sha256(work / "b" / "model.safetensors") == result["model_sha256"]
-        if args.resume:
-            killed_at = run_build(cfg_path, work / "c", kill_after=args.kill_after)
-            killed = sorted(p.name for p in (work / "c").rglob("state-*.pt"))
-            run_build(cfg_path, work / "c")
-            result["resume"] = {"killed_after_s": round(killed_at, 1), "checkpoints_left": killed,
-                                "identical": sha256(work / "c" / "model.safetensors") == result["model_sha256"]}
+        result = {
+            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "platform": platform.platform()},
+            "precision": args.precision,
+            "resolved_precision": resolve_precision(args.precision, torch.device("cpu")),
+        }
+        _builds(args, cfg_path, work, result)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         name = args.tag or args.precision

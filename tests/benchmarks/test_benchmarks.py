@@ -16,8 +16,17 @@ from benchmarks import quality as q
 from benchmarks import run as run_mod
 
 QUALITY_KEYS = {"setting", "method", "seed", "acc", "nll", "brier", "ece", "aece", "ood", "mi_id", "mi_ood"}
-COST_KEYS = {"layout", "method", "batch", "device", "precision", "latency_ms_min", "latency_ms_median", "params",
-             "macs"}
+COST_KEYS = {
+    "layout",
+    "method",
+    "batch",
+    "device",
+    "precision",
+    "latency_ms_min",
+    "latency_ms_median",
+    "params",
+    "macs",
+}
 
 
 def test_mean_std_known_answer():
@@ -40,7 +49,11 @@ def test_full_mode_is_the_builds_full_recipe(tmp_path: Path, setting: str, confi
     cfg = load_config(Path(q.ROOT) / "offline" / "configs" / config)
     samples = spec.n_circuit if cfg.hydra.strategy.startswith("circuit") else spec.calib_samples
     assert (spec.finetune_steps, samples, spec.prune_per_layer, spec.members) == (
-        cfg.hydra.finetune_steps, cfg.hydra.calib_samples, cfg.hydra.prune_per_layer, cfg.hydra.members)
+        cfg.hydra.finetune_steps,
+        cfg.hydra.calib_samples,
+        cfg.hydra.prune_per_layer,
+        cfg.hydra.members,
+    )
     builder_dir = base_checkpoint_dir(replace(cfg, base=replace(cfg.base, cache_dir=str(tmp_path))), None)
     assert q.builder_base_dir(spec, 0, tmp_path) is None  # nothing cached yet: train in the benchmark's own cache
     builder_dir.mkdir(parents=True)
@@ -55,21 +68,32 @@ def test_member_cache_key_ignores_progress_and_adopts_quiet_runs(tmp_path: Path,
     from types import SimpleNamespace
 
     seen: list[Path] = []
-    monkeypatch.setattr(q.train_mod, "finetune_member",
-                        lambda *a, checkpoint_dir, **k: seen.append(checkpoint_dir) or torch.nn.Identity())
+    monkeypatch.setattr(
+        q.train_mod,
+        "finetune_member",
+        lambda *a, checkpoint_dir, **k: seen.append(checkpoint_dir) or torch.nn.Identity(),
+    )
     spec = q.setting_spec("image", fast=True)
     adapter = SimpleNamespace(kept_heads=lambda m: [[0, 1], [2]])
 
     def ctx(progress: bool):
-        return SimpleNamespace(spec=spec, cache=tmp_path, progress=progress, adapter=adapter, data=None, prep=None,
-                               tok=None, cfg=SimpleNamespace(hydra=SimpleNamespace(unfreeze="attention+mlp")))
+        return SimpleNamespace(
+            spec=spec,
+            cache=tmp_path,
+            progress=progress,
+            adapter=adapter,
+            data=None,
+            prep=None,
+            tok=None,
+            cfg=SimpleNamespace(hydra=SimpleNamespace(unfreeze="attention+mlp")),
+        )
 
     q.finetune(ctx(True), torch.nn.Identity(), 0, 1, "m")
     q.finetune(ctx(False), torch.nn.Identity(), 0, 1, "m")
     assert seen[0] == seen[1]  # one key whatever the progress flag
     # a folder made by the old key of a --quiet run (progress=False in the hash) is adopted, not retrained
     tcfg = q._train_config(spec, "finetune", 1, False, steps=spec.finetune_steps, unfreeze="attention+mlp")
-    legacy = tmp_path / "members" / q._hash({"base": 0, "heads": [[0, 1], [2]], "train": asdict(tcfg)})
+    legacy = tmp_path / "members" / q.digest({"base": 0, "heads": [[0, 1], [2]], "train": asdict(tcfg)})
     assert legacy != seen[0]
     legacy.mkdir(parents=True)
     (legacy / "model-0000040.safetensors").write_bytes(b"x")
@@ -88,9 +112,20 @@ def test_count_macs_counts_inplace_gemms():
 
 
 def test_ratios_known_answer():
-    rows = [{"layout": "x", "device": "cpu", "precision": "fp32", "batch": 1, "method": m, "latency_ms_min": t,
-             "latency_ms_median": 2 * t, "params": p, "macs": c}
-            for m, t, p, c in (("single", 10.0, 100, 50), ("hydra", 12.0, 130, 120), ("deep_ensemble", 30.0, 300, 150))]
+    rows = [
+        {
+            "layout": "x",
+            "device": "cpu",
+            "precision": "fp32",
+            "batch": 1,
+            "method": m,
+            "latency_ms_min": t,
+            "latency_ms_median": 2 * t,
+            "params": p,
+            "macs": c,
+        }
+        for m, t, p, c in (("single", 10.0, 100, 50), ("hydra", 12.0, 130, 120), ("deep_ensemble", 30.0, 300, 150))
+    ]
     by = {r["method"]: r for r in cost_mod.ratios(rows, "single")}
     assert by["hydra"]["ratio_min"] == pytest.approx(1.2) and by["hydra"]["ratio_median"] == pytest.approx(1.2)
     assert by["deep_ensemble"]["macs_ratio"] == pytest.approx(3.0) and by["single"]["params_ratio"] == 1.0
@@ -100,8 +135,16 @@ def test_ratios_known_answer():
 
 def test_fusion_results_never_mix_cpus(tmp_path: Path):
     """Cells timed on a CPU with native bf16 must not join a file timed on one without (3x apart in bf16)."""
-    meta = {"layout": "bert_base", "members": 3, "keep": 6, "threads": 2, "thp": "1", "cpu": "Xeon", "cpu_bf16": "none",
-            "cpu_max_rows": 0}
+    meta = {
+        "layout": "bert_base",
+        "members": 3,
+        "keep": 6,
+        "threads": 2,
+        "thp": "1",
+        "cpu": "Xeon",
+        "cpu_bf16": "none",
+        "cpu_max_rows": 0,
+    }
     bench_fusion.check_mergeable(meta, dict(meta), tmp_path / "f.json")  # same setup: merges
     for key, value in (("cpu_bf16", "avx512_bf16, amx_bf16"), ("cpu", "EPYC"), ("threads", 1), ("cpu_max_rows", 4096)):
         with pytest.raises(SystemExit, match=key):
@@ -112,8 +155,9 @@ def test_mc_dropout_model_turns_dropout_on():
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    vit = VisionTransformer(img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=4,
-                            num_classes=3).eval()
+    vit = VisionTransformer(
+        img_size=16, patch_size=4, in_chans=1, embed_dim=32, depth=2, num_heads=4, num_classes=3
+    ).eval()
     for p in vit.parameters():
         torch.nn.init.normal_(p, 0, 0.3)
     mc = q.mc_dropout_model(vit, 0.3)
@@ -125,11 +169,26 @@ def test_mc_dropout_model_turns_dropout_on():
 
 
 def _fake_quality_row(setting: str, method: str, seed: int, auroc: float, ece: float) -> dict:
-    ood = {"near-set": {"kind": "near", "auroc": auroc, "fpr95": 0.5, "aupr_in": 0.6, "aupr_out": 0.6},
-           "far-set": {"kind": "far", "auroc": auroc + 0.1, "fpr95": 0.3, "aupr_in": 0.7, "aupr_out": 0.7}}
-    return {"setting": setting, "method": method, "seed": seed, "acc": 0.9, "nll": 0.3, "brier": 0.15, "ece": ece,
-            "aece": ece, "ood": ood, "mi_id": 0.01, "mi_ood": 0.05, "disagreement_id": 0.02,
-            "disagreement_ood": 0.1, "params": 1000}
+    ood = {
+        "near-set": {"kind": "near", "auroc": auroc, "fpr95": 0.5, "aupr_in": 0.6, "aupr_out": 0.6},
+        "far-set": {"kind": "far", "auroc": auroc + 0.1, "fpr95": 0.3, "aupr_in": 0.7, "aupr_out": 0.7},
+    }
+    return {
+        "setting": setting,
+        "method": method,
+        "seed": seed,
+        "acc": 0.9,
+        "nll": 0.3,
+        "brier": 0.15,
+        "ece": ece,
+        "aece": ece,
+        "ood": ood,
+        "mi_id": 0.01,
+        "mi_ood": 0.05,
+        "disagreement_id": 0.02,
+        "disagreement_ood": 0.1,
+        "params": 1000,
+    }
 
 
 def test_outputs_merge_and_readme_block(tmp_path: Path):
@@ -160,18 +219,28 @@ def test_outputs_merge_and_readme_block(tmp_path: Path):
     assert (out / "plots" / "quality.png").is_file()
 
 
-@pytest.mark.slow
-def test_fast_mode_smoke_end_to_end(tmp_path: Path):
-    """Tiny sizes of the image setting through quality, ablations and cost, then the summary's shape."""
-    spec = q.with_spec(q.setting_spec("image", fast=True), mode="custom",
-                       sizes={"max_train": 240, "max_val": 48, "max_test": 64, "max_ood": 32}, calib_samples=16,
-                       finetune_steps=2, base_steps=4, ablation_prune=(1,), ablation_members=(1, 2))
+def _smoke_context(tmp_path: Path) -> q.Context:
+    """Tiny sizes of the image setting, prepared (skips where Fashion-MNIST is not installed)."""
+    spec = q.with_spec(
+        q.setting_spec("image", fast=True),
+        mode="custom",
+        sizes={"max_train": 240, "max_val": 48, "max_test": 64, "max_ood": 32},
+        calib_samples=16,
+        finetune_steps=2,
+        base_steps=4,
+        ablation_prune=(1,),
+        ablation_members=(1, 2),
+    )
     torch.set_num_threads(1)
     try:
-        ctx = q.prepare(spec, tmp_path / "cache", progress=False)
+        return q.prepare(spec, tmp_path / "cache", progress=False)
     except FileNotFoundError as e:
         pytest.skip(f"Fashion-MNIST is not installed here: {e}")
-    rows = q.run_setting(ctx, hydra_seeds=(0, 1, 2))
+
+
+def _check_quality_rows(rows: list[dict]) -> None:
+    """Every method, MC Dropout at both sample counts, three Hydra seeds; metrics in range; the Deep Ensemble is the
+    three singles."""
     methods = [(r["method"], r.get("samples")) for r in rows]
     for m in q.METHODS:
         assert any(x == m for x, _ in methods), m
@@ -187,6 +256,14 @@ def test_fast_mode_smoke_end_to_end(tmp_path: Path):
     single = [r for r in rows if r["method"] == "single"]
     assert de["members"] == 3 and de["params"] == sum(r["params"] for r in single)
     assert all(r["mi_id"] == 0 for r in single)  # one member: no mutual information
+
+
+@pytest.mark.slow
+def test_fast_mode_smoke_end_to_end(tmp_path: Path):
+    """Tiny sizes of the image setting through quality, ablations and cost, then the summary's shape."""
+    ctx = _smoke_context(tmp_path)
+    rows = q.run_setting(ctx, hydra_seeds=(0, 1, 2))
+    _check_quality_rows(rows)
     # rerunning hits the cache (bases, rankings, member checkpoints) and gives the same numbers
     again = q.run_setting(ctx, hydra_seeds=(0,), methods=("single", "hydra_circ"))
     first = {(r["method"], r["seed"]): r for r in rows}
@@ -195,11 +272,19 @@ def test_fast_mode_smoke_end_to_end(tmp_path: Path):
         assert r["nll"] == pytest.approx(first[(r["method"], r["seed"])]["nll"], abs=1e-6)
     abl = q.run_ablations(ctx)
     assert [(r["ablation"], r["value"]) for r in abl] == [
-        ("members", 1), ("members", 2), ("heads_kept", "5/6"),
-        ("diversity", "none"), ("diversity", "order"), ("diversity", "pruning"), ("diversity", "both")]
+        ("members", 1),
+        ("members", 2),
+        ("heads_kept", "5/6"),
+        ("diversity", "none"),
+        ("diversity", "order"),
+        ("diversity", "pruning"),
+        ("diversity", "both"),
+    ]
     none = next(r for r in abl if r["value"] == "none")
     assert none["mi_id"] == pytest.approx(0, abs=1e-6) and none["disagreement_id"] == 0  # identical members
-    crows = cost_mod.run_layout("image", batches=(1,), precisions=("fp32",), repeats=1, progress=lambda s: None)
+    crows = cost_mod.run_layout(
+        "image", cost_mod.Grid(batches=(1,), precisions=("fp32",), repeats=1), progress=lambda s: None
+    )
     assert {r["method"] for r in crows} == set(cost_mod.METHODS)
     assert all(COST_KEYS <= set(r) and r["latency_ms_min"] > 0 for r in crows)
     by = {r["method"]: r for r in crows}
@@ -218,7 +303,9 @@ def test_fast_mode_smoke_end_to_end(tmp_path: Path):
 
 def test_cost_rows_of_a_small_layout_are_timed_side_by_side():
     """run_layout on the image setting's architecture (random weights): every method, positive latencies, exact MACs."""
-    rows = cost_mod.run_layout("image", batches=(1, 2), precisions=("fp32",), repeats=2, progress=lambda s: None)
+    rows = cost_mod.run_layout(
+        "image", cost_mod.Grid(batches=(1, 2), precisions=("fp32",), repeats=2), progress=lambda s: None
+    )
     assert {(r["method"], r["batch"]) for r in rows} == {(m, b) for m in cost_mod.METHODS for b in (1, 2)}
     assert all(COST_KEYS <= set(r) for r in rows)
     assert all(0 < r["latency_ms_min"] <= r["latency_ms_median"] for r in rows)
@@ -230,10 +317,26 @@ def test_cost_rows_of_a_small_layout_are_timed_side_by_side():
 
 
 def test_ratios_stay_within_a_backend():
-    rows = [{"layout": "x", "device": "cpu", "backend": be, "precision": "fp32", "batch": 1, "method": m,
-             "latency_ms_min": t, "latency_ms_median": t, "params": 1, "macs": 1}
-            for be, m, t in (("eager", "single", 10.0), ("eager", "hydra", 12.0), ("onnx", "single", 4.0),
-                             ("onnx", "hydra", 6.0))]  # fmt: skip
+    rows = [
+        {
+            "layout": "x",
+            "device": "cpu",
+            "backend": be,
+            "precision": "fp32",
+            "batch": 1,
+            "method": m,
+            "latency_ms_min": t,
+            "latency_ms_median": t,
+            "params": 1,
+            "macs": 1,
+        }
+        for be, m, t in (
+            ("eager", "single", 10.0),
+            ("eager", "hydra", 12.0),
+            ("onnx", "single", 4.0),
+            ("onnx", "hydra", 6.0),
+        )
+    ]
     by = {(r["backend"], r["method"]): r["ratio_min"] for r in cost_mod.ratios(rows, "single")}
     assert by["eager", "hydra"] == pytest.approx(1.2) and by["onnx", "hydra"] == pytest.approx(1.5)
 

@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def commands() -> list[list[str]]:
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     return [shlex.split(line[2:]) for line in proc.stdout.splitlines() if line.startswith("+ ")]
 

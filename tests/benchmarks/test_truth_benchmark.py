@@ -15,14 +15,23 @@ DEFAULT = ROOT / "artifacts" / "default"
 
 
 def _p(label: str, conf: float, flag: bool, cset: list[str], accept: bool) -> dict:
-    return {"label": label, "confidence": conf, "ood": {"flag": flag}, "conformal": {"set": cset, "size": len(cset)},
-            "selective": {"accept": accept, "risk": 0.05}}  # fmt: skip
+    return {
+        "label": label,
+        "confidence": conf,
+        "ood": {"flag": flag},
+        "conformal": {"set": cset, "size": len(cset)},
+        "selective": {"accept": accept, "risk": 0.05},
+    }
 
 
 def test_classifier_tallies_known_answers():
-    preds = [_p("Shirt", 0.95, False, ["Shirt"], True), _p("Coat", 0.6, False, ["Coat", "Shirt"], False),
-             _p("Coat", 0.99, False, ["Coat"], True), _p("Shirt", 0.97, False, ["Shirt"], True),
-             _p("Shirt", 0.5, True, ["Shirt"], False)]  # fmt: skip
+    preds = [
+        _p("Shirt", 0.95, False, ["Shirt"], True),
+        _p("Coat", 0.6, False, ["Coat", "Shirt"], False),
+        _p("Coat", 0.99, False, ["Coat"], True),
+        _p("Shirt", 0.97, False, ["Shirt"], True),
+        _p("Shirt", 0.5, True, ["Shirt"], False),
+    ]
     truth_names = ["Shirt", "Shirt", "Coat", "Sandal", "Bag"]
     got = truth.classifier_truth(preds, truth_names, ["Shirt", "Coat"])
     assert got["per_class"] == {"Shirt": {"n": 2, "accuracy": 0.5}, "Coat": {"n": 1, "accuracy": 1.0}}
@@ -33,13 +42,24 @@ def test_classifier_tallies_known_answers():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (DEFAULT / "image" / "manifest.json").is_file()
-                    or not (DEFAULT / "zeroshot" / "manifest.json").is_file(),
-                    reason="default artifacts not built (make artifacts)")  # fmt: skip
+@pytest.mark.skipif(
+    not (DEFAULT / "image" / "manifest.json").is_file() or not (DEFAULT / "zeroshot" / "manifest.json").is_file(),
+    reason="default artifacts not built (make artifacts)",
+)
 def test_the_default_image_models_answer_real_images_by_true_name(tmp_path):
     out = tmp_path / "truth.json"
-    truth.main(["--image", str(DEFAULT / "image"), "--zeroshot", str(DEFAULT / "zeroshot"), "--per-class", "100",
-                "--out", str(out)])  # fmt: skip
+    truth.main(
+        [
+            "--image",
+            str(DEFAULT / "image"),
+            "--zeroshot",
+            str(DEFAULT / "zeroshot"),
+            "--per-class",
+            "100",
+            "--out",
+            str(out),
+        ]
+    )
     doc = json.loads(out.read_text())
     assert all(v["accuracy"] > 0.6 for v in doc["classifier"]["per_class"].values())
     assert doc["checks"]["zero-shot, user words within 3 points of the build's labels"]

@@ -88,8 +88,10 @@ def test_the_shipped_config_is_a_valid_build_config(docs, tmp_path):
     path.write_text(one(docs, "ConfigMap")["data"]["build.yaml"])
     (tmp_path / "photos").mkdir()
     (tmp_path / "vit.safetensors").write_bytes(b"")
-    cfg = load_config(path, {"base.path": str(tmp_path / "vit.safetensors"), "data.path": str(tmp_path / "photos"),
-                             "build.device": "cpu"})  # fmt: skip
+    cfg = load_config(
+        path,
+        {"base.path": str(tmp_path / "vit.safetensors"), "data.path": str(tmp_path / "photos"), "build.device": "cpu"},
+    )
     assert cfg.hydra.members == _config(docs)["hydra"]["members"] and cfg.build.precision == "auto"
     assert _config(docs)["build"]["device"] == "cuda"
 
@@ -111,8 +113,9 @@ def _run_sh(tmp_path: Path, fail: str = "none") -> tuple[subprocess.CompletedPro
     stub.chmod(0o755)
     calls = tmp_path / "calls"
     env = {**os.environ, "KUBECTL": str(stub), "POLL": "0", "CALLS": str(calls), "FAIL": fail}
-    proc = subprocess.run(["sh", str(BUILD / "run.sh"), str(BUILD)], env=env, capture_output=True, text=True,
-                          timeout=30)  # fmt: skip
+    proc = subprocess.run(
+        ["sh", str(BUILD / "run.sh"), str(BUILD)], env=env, capture_output=True, text=True, timeout=30
+    )
     return proc, calls.read_text().splitlines()
 
 
@@ -122,8 +125,10 @@ def test_run_sh_applies_the_stages_in_order_and_waits_for_each(tmp_path):
     assert proc.returncode == 0, proc.stderr
     want = [f"apply -k {BUILD} -l hydra-serve.build/stage=setup"]
     for stage in ORDER:
-        want += [f"apply -k {BUILD} -l hydra-serve.build/stage={stage}",
-                 f"get job/hydra-build-{stage} -o jsonpath={{.status.conditions[?(@.status==\"True\")].type}}"]
+        want += [
+            f"apply -k {BUILD} -l hydra-serve.build/stage={stage}",
+            f'get job/hydra-build-{stage} -o jsonpath={{.status.conditions[?(@.status=="True")].type}}',
+        ]
     assert calls == want
 
 
@@ -137,8 +142,12 @@ def test_run_sh_stops_at_a_failed_stage(tmp_path):
 def test_the_builder_dockerfile_passes_hadolint_and_copies_what_exists():
     hadolint = require_tool("hadolint")
     dockerfile = BUILD / "Dockerfile"
-    proc = subprocess.run([hadolint, "--no-color", "--config", str(DEPLOY / "hadolint.yaml"), str(dockerfile)],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [hadolint, "--no-color", "--config", str(DEPLOY / "hadolint.yaml"), str(dockerfile)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     root = DEPLOY.parent
     for line in dockerfile.read_text().splitlines():

@@ -26,10 +26,25 @@ k8s_models = pytest.importorskip("kubernetes.client.models", reason="comes with 
 DIGEST = re.compile(r"[a-z0-9.-]+(:\d+)?/[a-z0-9./_-]+@sha256:[0-9a-f]{64}")
 # the predictor's fields that are KServe's (ComponentExtensionSpec), not the pod's
 COMPONENT_FIELDS = {
-    "minReplicas", "maxReplicas", "scaleTarget", "scaleMetric", "scaleMetricType", "containerConcurrency", "timeout",
-    "canaryTrafficPercent", "logger", "batcher", "labels", "annotations", "deploymentStrategy", "autoScaling",
-    "storageUris", "workerSpec", "model", "storageContainerName",
-}  # fmt: skip
+    "minReplicas",
+    "maxReplicas",
+    "scaleTarget",
+    "scaleMetric",
+    "scaleMetricType",
+    "containerConcurrency",
+    "timeout",
+    "canaryTrafficPercent",
+    "logger",
+    "batcher",
+    "labels",
+    "annotations",
+    "deploymentStrategy",
+    "autoScaling",
+    "storageUris",
+    "workerSpec",
+    "model",
+    "storageContainerName",
+}
 
 
 @functools.cache

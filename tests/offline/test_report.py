@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offline.metrics import evaluate_predictions
-from offline.report import HEADLINE, PLOT_FILES, SERVED_PLOT, measure_latency, write_report
+from offline.report import HEADLINE, PLOT_FILES, SERVED_PLOT, measure_latency, per_class, write_report
 from tests.offline.metric_keys import EVAL_OOD_SET_KEYS, EVAL_SCALAR_KEYS
 
 METRIC_KEYS = {*EVAL_SCALAR_KEYS, "ood"}
@@ -142,26 +142,51 @@ def _with_new_inputs(rows, ood_kinds, plots, extra):
     rows = [dict(r) for r in rows]
     for i, r in enumerate(rows):
         r["temperature"] = 1.0
-        r["calibrated"] = {"temperature": 1.25 + i / 100, "acc": r["acc"], "nll": 0.5 + i / 100, "brier": 0.2,
-                           "ece": 0.01 + i / 1000, "aece": 0.02}  # fmt: skip
+        r["calibrated"] = {
+            "temperature": 1.25 + i / 100,
+            "acc": r["acc"],
+            "nll": 0.5 + i / 100,
+            "brier": 0.2,
+            "ece": 0.01 + i / 1000,
+            "aece": 0.02,
+        }
         scores = SCORES if r["method"] != "ensemble_unfused" else SCORES[:2]  # no features: no Mahalanobis
         r["ood_scores"] = {
-            s: {"ood": {n: {"auroc": 0.70 + j / 10 + i / 100, "fpr95": 0.5} for n in ood_kinds},
-                "avg": {"auroc": 0.75 + j / 10 + i / 100, "fpr95": 0.5 - j / 10}}
+            s: {
+                "ood": {n: {"auroc": 0.70 + j / 10 + i / 100, "fpr95": 0.5} for n in ood_kinds},
+                "avg": {"auroc": 0.75 + j / 10 + i / 100, "fpr95": 0.5 - j / 10},
+            }
             for j, s in enumerate(scores)
-        }  # fmt: skip
+        }
     candidates = {
-        s: {"threshold": 0.5 + j, "id_val_flag_rate": 0.05, "val_recall": {"val-near": 0.4, "val-far": 0.6 + j / 10},
-            "val_mean_recall": 0.5 + j / 20}
+        s: {
+            "threshold": 0.5 + j,
+            "id_val_flag_rate": 0.05,
+            "val_recall": {"val-near": 0.4, "val-far": 0.6 + j / 10},
+            "val_mean_recall": 0.5 + j / 20,
+        }
         for j, s in enumerate(SCORES)
-    }  # fmt: skip
+    }
     candidates["mahalanobis"]["val_mean_recall"] = 0.87654
-    served_flag = {"score": "mahalanobis", "threshold": 41.5, "id_test_flag_rate": 0.0523,
-                   "recall": {"held-out-classes": 0.6123, "digits": 0.9345}}  # fmt: skip
-    extra = {**extra, "ood_candidates": candidates, "ood_selected": "mahalanobis", "ood_forced": False,
-             "served_flag": served_flag}  # fmt: skip
-    served = {"score": "mahalanobis", "threshold": 41.5, "id": rng.chisquare(30, 200),
-              "ood": {n: rng.chisquare(30, 100) * (2 + i) for i, n in enumerate(ood_kinds)}}  # fmt: skip
+    served_flag = {
+        "score": "mahalanobis",
+        "threshold": 41.5,
+        "id_test_flag_rate": 0.0523,
+        "recall": {"held-out-classes": 0.6123, "digits": 0.9345},
+    }
+    extra = {
+        **extra,
+        "ood_candidates": candidates,
+        "ood_selected": "mahalanobis",
+        "ood_forced": False,
+        "served_flag": served_flag,
+    }
+    served = {
+        "score": "mahalanobis",
+        "threshold": 41.5,
+        "id": rng.chisquare(30, 200),
+        "ood": {n: rng.chisquare(30, 100) * (2 + i) for i, n in enumerate(ood_kinds)},
+    }
     return rows, ood_kinds, {**plots, "served": served}, extra
 
 
@@ -237,12 +262,13 @@ def test_per_class_accuracy_and_confusion_by_name(tmp_path, report_inputs):
     plot by the class names given."""
     from sklearn.metrics import confusion_matrix
 
-    from offline.report import per_class
-
     probs = np.array([[[0.9, 0.1]], [[0.2, 0.8]], [[0.6, 0.4]], [[0.3, 0.7]], [[0.4, 0.6]]])  # (5, 1, 2)
     got = per_class(np.array([0, 0, 1, 1, 1]), probs, ["Shirt", "Sandal"])
-    assert got == {"accuracy": {"Shirt": 0.5, "Sandal": 2 / 3}, "support": {"Shirt": 2, "Sandal": 3},
-                   "confusion": [[1, 1], [1, 2]]}  # fmt: skip
+    assert got == {
+        "accuracy": {"Shirt": 0.5, "Sandal": 2 / 3},
+        "support": {"Shirt": 2, "Sandal": 3},
+        "confusion": [[1, 1], [1, 2]],
+    }
 
     rows, ood_kinds, plots, extra = report_inputs
     names = ["T-shirt/top", "Trouser", "Pullover", "Shirt"]

@@ -143,8 +143,17 @@ def test_batcher_health_known_answer():
         return trace
 
     trace = asyncio.run(main())
-    assert trace == [(1, True), (2, True), (0, True), (1, True), (1, True), (2, True), (3, False), (4, False),
-                     (0, True)]  # fmt: skip
+    assert trace == [
+        (1, True),
+        (2, True),
+        (0, True),
+        (1, True),
+        (1, True),
+        (2, True),
+        (3, False),
+        (4, False),
+        (0, True),
+    ]
     assert events == [False, True]
 
 

@@ -28,10 +28,23 @@ from schemathesis.specs.openapi.checks import (
 from service.main import create_app
 from tests.service.helpers import settings_for
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection]  # fmt: skip
-OPERATIONS = ["GET /healthz", "GET /readyz", "GET /metrics", "GET /v1/models", "POST /predict", "POST /zero-shot",
-              "GET /v1/models/{model_name}/drift", "POST /v1/models/{model_name}/drift/reset"]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
+OPERATIONS = [
+    "GET /healthz",
+    "GET /readyz",
+    "GET /metrics",
+    "GET /v1/models",
+    "POST /predict",
+    "POST /zero-shot",
+    "GET /v1/models/{model_name}/drift",
+    "POST /v1/models/{model_name}/drift/reset",
+]
 # examples per operation and generation mode: a bounded run (about 20 s on 2 busy cores)
 MAX_EXAMPLES = 15
 
@@ -52,7 +65,8 @@ def test_every_operation_is_fuzzed(api_schema: schemathesis.BaseSchema) -> None:
 
 
 CASES = [pytest.param(op, GenerationMode.POSITIVE, id=f"{op}-valid") for op in OPERATIONS] + [
-    pytest.param(op, GenerationMode.NEGATIVE, id=f"{op}-invalid") for op in OPERATIONS
+    pytest.param(op, GenerationMode.NEGATIVE, id=f"{op}-invalid")
+    for op in OPERATIONS
     if op in ("POST /predict", "POST /zero-shot")
 ]  # the others take no body (a model name at most, any string): nothing to make invalid
 
@@ -66,8 +80,13 @@ def test_no_5xx_and_every_answer_matches_the_schema(
     seen: dict[int, int] = {}
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def run(case: schemathesis.Case) -> None:
         response = case.call_and_validate(checks=CHECKS)
         seen[response.status_code] = seen.get(response.status_code, 0) + 1

@@ -37,8 +37,13 @@ class Live:
 def live(artifacts: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     log = tmp_path_factory.mktemp("live") / "server.log"
     port = free_port()
-    env = {"HYDRA_API_KEY": KEY, "HYDRA_LOG_LEVEL": "debug", "HYDRA_MAX_BATCH": "2", "HYDRA_MAX_WAIT_MS": "0",
-           "RELIABILITY_DELAY_S": "0.6"}  # fmt: skip
+    env = {
+        "HYDRA_API_KEY": KEY,
+        "HYDRA_LOG_LEVEL": "debug",
+        "HYDRA_MAX_BATCH": "2",
+        "HYDRA_MAX_WAIT_MS": "0",
+        "RELIABILITY_DELAY_S": "0.6",
+    }
     proc = start_server(artifacts["vit"], port, env, log_file=log, module="tests.reliability.slow_service")
     try:
         wait_ready(port, proc, timeout=120)
@@ -69,8 +74,10 @@ def read_response(sock: socket.socket, timeout: float = 20.0) -> tuple[int, dict
 
 
 def head(extra: str) -> bytes:
-    return (f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
-            f"Content-Type: application/json\r\n{extra}\r\n").encode()  # fmt: skip
+    return (
+        f"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\n{extra}\r\n"
+    ).encode()
 
 
 def assert_still_serving(port: int) -> None:
@@ -123,8 +130,13 @@ def test_chunked_100mb_body_is_cut_off_at_the_limit(live: Live) -> None:
 
 def test_api_key_is_required_and_never_logged(live: Live) -> None:
     image = json.dumps({"image": b64(png(9))}).encode()
-    for headers, want in (({}, 401), ({"Authorization": f"Bearer {KEY}x"}, 401), ({"Authorization": KEY}, 401),
-                          ({"Authorization": f"Bearer {KEY[:-1]}"}, 401), (AUTH, 200)):  # fmt: skip
+    for headers, want in (
+        ({}, 401),
+        ({"Authorization": f"Bearer {KEY}x"}, 401),
+        ({"Authorization": KEY}, 401),
+        ({"Authorization": f"Bearer {KEY[:-1]}"}, 401),
+        (AUTH, 200),
+    ):
         status, _, answer = asyncio.run(request(live.port, "POST", "/predict", image, headers=headers))
         assert status == want, answer
         assert KEY not in answer.decode()
@@ -145,8 +157,10 @@ def test_sigterm_lets_in_flight_requests_finish_refuses_new_ones_and_exits_0(liv
     n = 6
 
     async def scenario() -> tuple[list[int], int, int]:
-        in_flight = [asyncio.create_task(request(live.port, "POST", "/predict", white, timeout=60, headers=AUTH))
-                     for _ in range(n)]  # fmt: skip
+        in_flight = [
+            asyncio.create_task(request(live.port, "POST", "/predict", white, timeout=60, headers=AUTH))
+            for _ in range(n)
+        ]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # until all n are inside the server (the /metrics request is one more)
             _, _, m = await request(live.port, "GET", "/metrics")

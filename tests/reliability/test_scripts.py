@@ -22,8 +22,12 @@ def test_load_script_short_run(tmp_path):
 @pytest.mark.slow
 def test_sigterm_script_short_run(tmp_path):
     out = tmp_path / "sigterm.json"
-    assert sigterm_test.main(["--tiny", "vit", "--concurrency", "32", "--load-seconds", "3", "--after-seconds", "1",
-                              "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        sigterm_test.main(
+            ["--tiny", "vit", "--concurrency", "32", "--load-seconds", "3", "--after-seconds", "1", "--out", str(out)]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["passed"] and r["totals"]["lost"] == 0 and r["totals"]["resets"] == 0
     (rep,) = r["repetitions"]

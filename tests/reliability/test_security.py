@@ -59,8 +59,14 @@ def test_key_never_in_logs_errors_or_answers(artifacts, caplog):
     ok = {"Authorization": f"Bearer {KEY}"}
     texts = []
     with TestClient(app, raise_server_exceptions=False) as c:
-        for headers in ({}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
-                        {"Authorization": f"Bearer {KEY}!"}, {"Authorization": f"bearer  {KEY} "}, ok):  # fmt: skip
+        for headers in (
+            {},
+            {"Authorization": KEY},
+            {"Authorization": f"Basic {KEY}"},
+            {"Authorization": f"Bearer {KEY}!"},
+            {"Authorization": f"bearer  {KEY} "},
+            ok,
+        ):
             r = c.post("/predict", json={"image": b64(png(1))}, headers=headers)
             texts.append(r.text)
         # the key as a field's value (what a confused client might send): never echoed back
@@ -112,8 +118,14 @@ def test_no_endpoint_reads_a_path_from_the_request(artifacts, monkeypatch):
         opened.append(str(path))
         return real_os_open(path, *a, **kw)
 
-    hostile = ["/etc/passwd", "../../../../etc/passwd", str(artifacts["vit"]), str(artifacts["vit"] / "model.onnx"),
-               "file:///etc/passwd", "\\\\server\\share\\passwd"]  # fmt: skip
+    hostile = [
+        "/etc/passwd",
+        "../../../../etc/passwd",
+        str(artifacts["vit"]),
+        str(artifacts["vit"] / "model.onnx"),
+        "file:///etc/passwd",
+        "\\\\server\\share\\passwd",
+    ]
     with TestClient(app) as c:
         monkeypatch.setattr(builtins, "open", spy_open)
         monkeypatch.setattr(io, "open", spy_open)

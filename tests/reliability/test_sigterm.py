@@ -15,8 +15,20 @@ from benchmarks import sigterm_test
 
 
 def run(artifact: Path, out: Path, repeat: int, load_seconds: float) -> dict[str, Any]:
-    argv = ["--artifact", str(artifact), "--concurrency", "16", "--repeat", str(repeat),
-            "--load-seconds", str(load_seconds), "--after-seconds", "1", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--artifact",
+        str(artifact),
+        "--concurrency",
+        "16",
+        "--repeat",
+        str(repeat),
+        "--load-seconds",
+        str(load_seconds),
+        "--after-seconds",
+        "1",
+        "--out",
+        str(out),
+    ]
     status = sigterm_test.main(argv)
     r = json.loads(out.read_text())
     assert status == (0 if r["passed"] else 1)

@@ -1,0 +1,107 @@
+"""The guarantees section of report.md: what the calibration split certifies (prediction sets, OOD p-values,
+answers with a risk bound, the drift alarm), measured on the test sets."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .tables import table
+from .values import num, pct
+
+
+def guarantees_section(extra: Mapping[str, Any]) -> list[str]:
+    """What the calibration split certifies, measured on ID test and the OOD test sets, per method."""
+    if not (g := extra.get("guarantees_report")):
+        return []
+    methods = g["methods"]
+    alphas = [str(a) for a in g["alphas"]]
+    hydra = methods.get("hydra", {})
+    md = ["## Guarantees (calibration split)", ""] + _intro(g, hydra)
+    md += _sets_tables(methods, alphas) + _p_value_tables(methods, alphas) + _selective_table(methods)
+    if drift := hydra.get("drift"):
+        md += _drift_table(drift)
+    return md
+
+
+def _intro(g: Mapping[str, Any], hydra: Mapping[str, Any]) -> list[str]:
+    """How the guarantees were fitted and what to expect of them."""
+    return [
+        f"Fitted on the calibration split alone ({hydra.get('calibration_size', '–')} ID inputs nothing else of "
+        f"the build touched), each method at its own temperature with its own statistics of the served score "
+        f"(`{g['metric']}`), measured on ID test. Sets: `{g['method']}` scores; the smallest alpha the split "
+        f"allows is {num(hydra.get('min_alpha'), 5)} (per class, Mondrian: "
+        f"{', '.join(num(a, 4) for a in hydra.get('min_alpha_per_class', []))}). Expected: coverage at least "
+        "1 - alpha (within the test set's sampling error), false alarms at most alpha, realised risk at most "
+        "the target with probability 1 - delta.",
+        "",
+    ]
+
+
+def _alpha_header(alphas: list[str], first: str = "Method") -> list[str]:
+    return [first] + [f"alpha {a}" for a in alphas]
+
+
+def _sets_tables(methods: Mapping[str, Any], alphas: list[str]) -> list[str]:
+    """Prediction sets: coverage and mean size per method and alpha, then the smallest class coverage."""
+    hydra = methods.get("hydra", {})
+    md = ["### Prediction sets: coverage % / mean size (ID test)", ""]
+    body = [
+        [m] + [f"{pct(r['coverage'][a]['coverage'])} / {r['coverage'][a]['mean_size']:.2f}" for a in alphas]
+        for m, r in methods.items()
+    ]
+    md += table(_alpha_header(alphas), body) + [""]
+    md += ["Smallest class coverage % (marginal sets; Mondrian sets for Hydra in the last row):", ""]
+    body = [[m] + [pct(r["coverage"][a]["min_class"]) for a in alphas] for m, r in methods.items()]
+    if "mondrian" in hydra:
+        body.append(
+            ["hydra (Mondrian)"]
+            + [f"{pct(hydra['mondrian'][a]['min_class'])} / {hydra['mondrian'][a]['mean_size']:.2f}" for a in alphas]
+        )
+    return md + table(_alpha_header(alphas), body) + [""]
+
+
+def _p_value_tables(methods: Mapping[str, Any], alphas: list[str]) -> list[str]:
+    """OOD p-values: false alarms on ID test per method and alpha, then Hydra's recall on each OOD test set."""
+    hydra = methods.get("hydra", {})
+    md = ["### OOD p-values: false alarms on ID test % (flag = p-value <= alpha)", ""]
+    body = [[m] + [pct(r["p_values"][a]["false_alarm"]) for a in alphas] for m, r in methods.items()]
+    md += table(_alpha_header(alphas), body) + [""]
+    if hydra.get("p_values"):
+        sets = list(hydra["p_values"][alphas[0]]["recall"])
+        md += ["Hydra's recall % on each OOD test set:", ""]
+        body = [[n] + [pct(hydra["p_values"][a]["recall"][n]) for a in alphas] for n in sets]
+        md += table(_alpha_header(alphas, "OOD test set"), body) + [""]
+    return md
+
+
+def _selective_table(methods: Mapping[str, Any]) -> list[str]:
+    """Answers with a risk bound: realised risk and accept rate per method and target risk."""
+    md = ["### Answers with a risk bound: realised risk % among accepted / accept rate % (ID test)", ""]
+    risks = [str(r["risk"]) for r in next(iter(methods.values()))["selective"]]
+    body = []
+    for m, r in methods.items():
+        cells = []
+        for t in r["selective"]:
+            cells.append(
+                "not certified" if not t["certified"] else f"{pct(t['test_risk'])} / {pct(t['test_accept_rate'])}"
+            )
+        body.append([m, *cells])
+    return md + table(["Method"] + [f"risk {x}" for x in risks], body) + [""]
+
+
+def _drift_table(drift: Mapping[str, Any]) -> list[str]:
+    """The drift alarm on simulated streams: false alarms on ID streams, the delay after a switch to OOD."""
+    md = ["### Drift alarm (simulated streams of Hydra's served scores)", ""]
+    md += [
+        f"{drift['null_alarms']} of {drift['null_streams']} ID streams of {drift['null_stream_inputs']:,} "
+        f"inputs (resampled from ID test and validation) raised the alarm (delta = {drift['delta']}). A stream "
+        f"of {drift['switch_at']:,} ID test inputs that switches to an OOD test set:",
+        "",
+    ]
+    body = [
+        [n, "yes" if r["false_alarm"] else "no", "–" if r["delay"] is None else str(r["delay"])]
+        for n, r in drift["runs"].items()
+    ]
+    md += table(["Switch to", "Alarm before the switch", "Inputs after the switch until the alarm"], body)
+    return md + [""]
