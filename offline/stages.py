@@ -484,7 +484,7 @@ def finetune_one(
     key = {"member_data": cfg.hydra.member_data, "reinit_head": cfg.hydra.reinit_head}
     return train_mod.finetune_member(
         adapter, member, member_data(data, cfg, tcfg.seed), prep, tok, tcfg,
-        checkpoint_dir=member_checkpoints(out, i), desc=f"member {i}", key_extra=key,
+        resume=train_mod.Resume(member_checkpoints(out, i), key), desc=f"member {i}",
     ).eval()  # fmt: skip
 
 
