@@ -117,8 +117,6 @@ def pool_data(max_train: int | None) -> tuple[np.ndarray, np.ndarray, dict[str, 
     pool, reserved = data_mod.fashion_pools(ytr)
     if max_train is not None:
         pool = np.sort(pool[data_mod.stratified_indices(ytr[pool], int(max_train), np.random.default_rng(0))])
-    remap = np.full(10, -1, dtype=np.int64)
-    remap[list(data_mod.FASHION_ID_CLASSES)] = np.arange(len(data_mod.FASHION_ID_CLASSES))
     rec = {
         "source": "Fashion-MNIST train file, training pool (offline.data.fashion_pools)",
         "classes": [data_mod.FASHION_CLASSES[c] for c in data_mod.FASHION_ID_CLASSES],
@@ -127,16 +125,14 @@ def pool_data(max_train: int | None) -> tuple[np.ndarray, np.ndarray, dict[str, 
         "reserved_left_out": len(reserved),
         "train_file_sha256": file_sha256(d / data_mod.FASHION_FILES["train_images"]),
     }
-    return np.ascontiguousarray(xtr[pool]), remap[ytr[pool]], rec
+    return np.ascontiguousarray(xtr[pool]), data_mod.fashion_id_labels(ytr[pool]), rec
 
 
 def test_images() -> tuple[np.ndarray, np.ndarray]:
     """The ID images of the Fashion-MNIST test file and their labels (0..5)."""
     _, _, xte, yte = data_mod.read_fashion(data_mod.fashion_dir())
     idx = np.flatnonzero(np.isin(yte, data_mod.FASHION_ID_CLASSES))
-    remap = np.full(10, -1, dtype=np.int64)
-    remap[list(data_mod.FASHION_ID_CLASSES)] = np.arange(len(data_mod.FASHION_ID_CLASSES))
-    return np.ascontiguousarray(xte[idx]), remap[yte[idx]]
+    return np.ascontiguousarray(xte[idx]), data_mod.fashion_id_labels(yte[idx])
 
 
 def test_accuracy(model: torch.nn.Module) -> float:
