@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import Data, Split
-from .families.clip import SlicedMultiheadAttention
+from .families.attention import SlicedMultiheadAttention
 from .loaders import init_image_tower, lit_model_config, load_tokenizer, make_lit_model
 from .train import TrainConfig, accuracy, fit, images_to_tensor
 
