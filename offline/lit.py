@@ -152,9 +152,14 @@ class _LockedTextLoss(nn.Module):
 
 
 def pixel_batch(
-    images: np.ndarray, mean: Sequence[float], std: Sequence[float], size: Sequence[int], channels: int = 3
+    images: np.ndarray | Sequence[str],
+    mean: Sequence[float],
+    std: Sequence[float],
+    size: Sequence[int],
+    channels: int = 3,
 ) -> torch.Tensor:
-    """uint8 ``(B, H, W)`` -> normalised float ``(B, channels, H', W')`` (gray replicated, as an RGB server sends)."""
+    """uint8 ``(B, H, W)`` (or image files) -> normalised float ``(B, channels, H', W')`` (gray replicated, as an RGB
+    server sends)."""
     return images_to_tensor(images, mean, std, size, channels)
 
 

@@ -2,7 +2,7 @@
 
 The demo image configs (``image-fast``, ``image-full``) and the zero-shot model's image tower start from the
 backbone this writes, through ``base.path``: the same code path a user's timm checkpoint takes
-(:func:`offline.checkpoints.load_timm`). It is a timm ``VisionTransformer`` (the config's ``arch``, a variant of
+(:func:`offline.loaders.load_timm`). It is a timm ``VisionTransformer`` (the config's ``arch``, a variant of
 the timm model named ``timm``) trained supervised on the six in-distribution Fashion-MNIST classes, with the
 training pool of :func:`offline.data.fashion_pools` only: never the reserved images the builds validate and fit
 on, never the held-out classes, digits, noise or any OOD set.

@@ -90,9 +90,11 @@ def load(cfg: DataConfig) -> Data:
         "max_calibration": cfg.max_calibration,
     }
     draw = SETTINGS[cfg.setting]
-    if cfg.setting in USER_SETTINGS:
-        return draw(UserData(cfg.setting, cfg.path, cfg.ood_paths, cfg.ood_val_path), **sizes)
-    return draw(**sizes)
+    if cfg.setting not in USER_SETTINGS:
+        return draw(**sizes)
+    if cfg.path is None:
+        raise ValueError(f"data.path is required for data.setting={cfg.setting}")
+    return draw(UserData(cfg.setting, cfg.path, cfg.ood_paths, cfg.ood_val_path), **sizes)
 
 
 __all__ = [
