@@ -152,20 +152,10 @@ def base_model(ctx: Context, seed: int) -> nn.Module:
     t0 = time.perf_counter()
     if ctx.spec.family == "vit":
         arch = {**train_mod.PRESETS[ctx.spec.preset]["arch"], "num_classes": len(d.class_names)}
-        model = train_mod.train_base_vit(
-            d.train.inputs, d.train.labels, d.val.inputs, d.val.labels, arch, tcfg, checkpoint_dir=shared
-        )
+        model = train_mod.train_base_vit(d.train, d.val, arch, tcfg, checkpoint_dir=shared)
     else:
         model = train_mod.finetune_bert(
-            _new_base(ctx, seed),
-            ctx.tok,
-            d.train.inputs,
-            d.train.labels,
-            d.val.inputs,
-            d.val.labels,
-            tcfg,
-            max_length=ctx.spec.max_length,
-            checkpoint_dir=shared,
+            _new_base(ctx, seed), ctx.tok, d.train, d.val, tcfg, max_length=ctx.spec.max_length, checkpoint_dir=shared
         )
     save_model(model, str(path))
     info = {
@@ -226,7 +216,7 @@ def finetune(ctx: Context, member: nn.Module, base_seed: int, ft_seed: int, desc
     if legacy.is_dir() and not folder.exists():
         legacy.rename(folder)
     return train_mod.finetune_member(
-        ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg, checkpoint_dir=folder, desc=desc
+        ctx.adapter, member, ctx.data, ctx.prep, ctx.tok, tcfg, resume=train_mod.Resume(folder), desc=desc
     ).eval()
 
 

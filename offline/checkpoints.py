@@ -1,73 +1,91 @@
-"""A user's pretrained checkpoint, loaded the ecosystem's way and checked key by key.
+"""Training checkpoints: a resumable run's weights and state, saved every few steps and restored on a rerun.
 
-A checkpoint whose keys do not match the architecture must stop the build: loading it with
-``strict=False`` would serve random weights under a valid manifest. Only the classifier head may
-differ (a new class count resets it); any other missing or unexpected key is an error naming the
-first few keys.
+A checkpoint of step ``s`` is two files in the run's folder: ``model-{s:07d}.safetensors`` (the weights) and
+``state-{s:07d}.pt`` (optimizer, scheduler, step, RNG states and the run's fingerprint, with ``torch.save``). The
+state file is written last, each file through a temporary name, so a run killed at any point leaves either a
+complete checkpoint or none; only the newest one is kept. A checkpoint is resumed only by a run with the same
+fingerprint (its config, data size and model: :func:`offline.train.loop.fingerprint`).
+
+The loaders of a user's pretrained checkpoints (:func:`check_keys`, :func:`load_timm`) live in
+:mod:`offline.loaders`; they are importable from here too, where the builder first had them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
 from pathlib import Path
 from typing import Any
 
-import timm
-from timm.models import load_state_dict
+import torch
 from torch import nn
 
-from .config import ConfigError
+from .loaders import check_keys, load_timm
 
-__all__ = ["check_keys", "load_timm"]
+__all__ = ["check_keys", "completed_steps", "load_timm", "restore", "save", "steps"]
 
-SHOWN = 5  # keys named in an error message
-
-
-def check_keys(source: str, missing: Iterable[str], unexpected: Iterable[str], head: Iterable[str] = ()) -> None:
-    """Raise :class:`ConfigError` when a checkpoint misses or adds keys other than the classifier head's.
-
-    ``head``: key prefixes of the classifier head (``head.``, ``classifier.``), which may be absent or replaced.
-    """
-    prefixes = tuple(head)
-    bad_missing = sorted(k for k in missing if not (prefixes and k.startswith(prefixes)))
-    bad_unexpected = sorted(k for k in unexpected if not (prefixes and k.startswith(prefixes)))
-    if bad_missing or bad_unexpected:
-        parts = []
-        if bad_missing:
-            parts.append(f"{len(bad_missing)} missing (e.g. {', '.join(bad_missing[:SHOWN])})")
-        if bad_unexpected:
-            parts.append(f"{len(bad_unexpected)} unexpected (e.g. {', '.join(bad_unexpected[:SHOWN])})")
-        raise ConfigError(f"{source}: the checkpoint's keys do not match the architecture: {'; '.join(parts)}")
+log = logging.getLogger("hydra.train")
 
 
-def load_timm(name: str, path: str | Path | None, num_classes: int, **kwargs: Any) -> nn.Module:
-    """timm model ``name`` with ``num_classes`` outputs, from the local checkpoint ``path`` (``.safetensors``,
-    ``.pth``, ``.bin``) as timm loads pretrained weights (``pretrained_cfg_overlay={"file": path}``: its key
-    filters apply, the head is reset when the class count differs); without ``path``, random weights.
+def steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint (weights and state) in ``folder``, ascending."""
+    out = []
+    for p in folder.glob("state-*.pt"):
+        step = int(p.stem.split("-")[1])
+        if (folder / f"model-{step:07d}.safetensors").is_file():
+            out.append(step)
+    return sorted(out)
 
-    The checkpoint's keys are checked against the architecture first (:func:`check_keys`). ``kwargs`` go to
-    ``timm.create_model`` (``base.arch``: e.g. ``img_size``, ``depth`` of a smaller variant); its
-    ``pretrained_cfg_overlay`` (the checkpoint's own ``mean``, ``std``, ``input_size``, ``crop_pct``, ``num_classes``:
-    the head is kept when that class count is the data's) is merged with the file.
-    """
-    overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})  # e.g. the checkpoint's mean, std, input size
-    if path is None:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes,
-                                 pretrained_cfg_overlay=overlay or None, **kwargs)  # fmt: skip
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"base.path {path} is not a file")
-    try:
-        ckpt = load_state_dict(str(path))
-    except Exception as e:  # a corrupt or foreign file: say which
-        raise ConfigError(f"base.path {path}: cannot read a state dict ({type(e).__name__}: {e})") from e
-    probe = timm.create_model(name, pretrained=False, pretrained_cfg_overlay=overlay or None, **kwargs)
-    head = probe.get_classifier()
-    head_names = [n for n, m in probe.named_modules() if m is head]
-    expected = set(probe.state_dict())
-    check_keys(str(path), expected - set(ckpt), set(ckpt) - expected, head=[f"{n}." for n in head_names])
-    try:
-        return timm.create_model(name, pretrained=True, pretrained_cfg_overlay={**overlay, "file": str(path)},
-                                 num_classes=num_classes, **kwargs)  # fmt: skip
-    except RuntimeError as e:  # shapes that do not fit the architecture
-        raise ConfigError(f"base.path {path}: does not fit timm {name!r} ({str(e).splitlines()[0]})") from e
+
+def completed_steps(folder: Path) -> int:
+    """The step of the last complete checkpoint in ``folder`` (0: none)."""
+    done = steps(Path(folder)) if Path(folder).is_dir() else []
+    return done[-1] if done else 0
+
+
+def save(folder: Path, step: int, model: nn.Module, opt: Any, sched: Any, fingerprint: str) -> None:
+    """Write the checkpoint of ``step`` into ``folder`` (made if need be) and delete the older ones."""
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    w, s = folder / f"model-{step:07d}.safetensors", folder / f"state-{step:07d}.pt"
+    save_model(model, str(w.with_suffix(".tmp")))
+    w.with_suffix(".tmp").replace(w)
+    state = {
+        "step": step,
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "fingerprint": fingerprint,
+    }
+    if torch.cuda.is_available():
+        state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save(state, s.with_suffix(".tmp"))
+    s.with_suffix(".tmp").replace(s)  # the state file is written last: its presence marks a complete checkpoint
+    for old in steps(folder):
+        if old != step:
+            (folder / f"model-{old:07d}.safetensors").unlink(missing_ok=True)
+            (folder / f"state-{old:07d}.pt").unlink(missing_ok=True)
+
+
+def restore(folder: Path, model: nn.Module, opt: Any, sched: Any, fingerprint: str) -> int:
+    """Restore the last checkpoint of ``folder`` into model/optimizer/scheduler/RNG; the step to resume at (0: none,
+    or one made with another ``fingerprint``)."""
+    from safetensors.torch import load_model
+
+    done = steps(folder) if folder.is_dir() else []
+    if not done:
+        return 0
+    step = done[-1]
+    state = torch.load(folder / f"state-{step:07d}.pt", weights_only=True)
+    if state.get("fingerprint") != fingerprint:
+        log.warning("checkpoint in %s was made with another config or model: starting over", folder)
+        return 0
+    device = next(model.parameters()).device
+    load_model(model, str(folder / f"model-{step:07d}.safetensors"), strict=True, device=str(device))
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    if "cuda_rng" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    log.info("resuming from %s at step %d", folder, step)
+    return int(state["step"])

@@ -331,14 +331,8 @@ def _check_guarantees(g: GuaranteesConfig) -> None:
         raise ConfigError(f"guarantees.drift_bins must be >= 2, got {g.drift_bins}")
 
 
-def validate(cfg: BuildConfig) -> None:
-    """Cheap checks that need no model or data loading; raise ConfigError with one clear line."""
-    check_types(cfg)
-    _check_ranges(cfg)
-    _check_compute(cfg.build)
-    if cfg.family not in FAMILIES:
-        raise ConfigError(f"family must be one of {FAMILIES}, got {cfg.family!r}")
-    h = cfg.hydra
+def _check_hydra(h: HydraConfig) -> None:
+    """The pruning strategy, budget, members and their fine-tuning recipe."""
     if not isinstance(h.members, int) or h.members < 1:
         raise ConfigError(f"hydra.members must be an integer >= 1, got {h.members!r}")
     if h.strategy not in STRATEGIES:
@@ -358,21 +352,31 @@ def validate(cfg: BuildConfig) -> None:
         raise ConfigError(f"hydra.label_smoothing must be in [0, 1), got {h.label_smoothing!r}")
     if h.lr is not None and not h.lr > 0:
         raise ConfigError(f"hydra.lr must be > 0, got {h.lr!r}")
-    if cfg.calibration.ood_score not in OOD_SCORES:
-        raise ConfigError(f"calibration.ood_score must be one of {OOD_SCORES}, got {cfg.calibration.ood_score!r}")
-    if cfg.family == "clip" and cfg.calibration.ood_score not in ZERO_SHOT_SCORES:
-        raise ConfigError(f"calibration.ood_score {cfg.calibration.ood_score!r} needs class statistics; zero-shot "
-                          f"builds serve one of {ZERO_SHOT_SCORES}")  # fmt: skip
-    if not 0 < cfg.calibration.tpr < 1:
-        raise ConfigError(f"calibration.tpr must be in (0, 1), got {cfg.calibration.tpr}")
-    _check_guarantees(cfg.guarantees)
-    d = cfg.data
+
+
+def _check_calibration(c: CalibrationConfig, family: str) -> None:
+    """The served OOD score (one a zero-shot build can serve, for ``clip``) and the threshold's TPR."""
+    if c.ood_score not in OOD_SCORES:
+        raise ConfigError(f"calibration.ood_score must be one of {OOD_SCORES}, got {c.ood_score!r}")
+    if family == "clip" and c.ood_score not in ZERO_SHOT_SCORES:
+        raise ConfigError(
+            f"calibration.ood_score {c.ood_score!r} needs class statistics; zero-shot "
+            f"builds serve one of {ZERO_SHOT_SCORES}"
+        )
+    if not 0 < c.tpr < 1:
+        raise ConfigError(f"calibration.tpr must be in (0, 1), got {c.tpr}")
+
+
+def _check_data_source(d: DataConfig, strategy: str) -> None:
+    """A known setting; a user's data and OOD sets exist, and OOD data is there for a strategy that scores on it."""
     if d.setting not in SETTINGS:
         raise ConfigError(f"data.setting must be one of {SETTINGS}, got {d.setting!r}")
     no_ood = d.setting in ("image-folder", "text-file") and not d.ood_paths and d.ood_val_path is None
-    if no_ood and h.strategy in ("circuit-ood", "circuit-avg"):
-        raise ConfigError(f"hydra.strategy {h.strategy} scores heads on OOD validation inputs and the data has none "
-                          "(data.ood_paths, data.ood_val_path): use taylor or circuit-acc, or give OOD data")
+    if no_ood and strategy in ("circuit-ood", "circuit-avg"):
+        raise ConfigError(
+            f"hydra.strategy {strategy} scores heads on OOD validation inputs and the data has none "
+            "(data.ood_paths, data.ood_val_path): use taylor or circuit-acc, or give OOD data"
+        )
     if d.setting in ("image-folder", "text-file"):
         if not d.path:
             raise ConfigError(f"data.path is required for data.setting={d.setting}")
@@ -381,13 +385,10 @@ def validate(cfg: BuildConfig) -> None:
         for name, p in d.ood_paths.items():
             if not Path(p).exists():
                 raise ConfigError(f"data.ood_paths.{name}: {p} does not exist")
-    image_setting = d.setting in ("fashion-mnist", "image-folder")
-    if cfg.family == "bert" and image_setting:
-        raise ConfigError(f"family bert needs text data, but data.setting is {d.setting}")
-    if cfg.family in ("vit", "clip") and not image_setting:
-        raise ConfigError(f"family {cfg.family} needs image data, but data.setting is {d.setting}")
-    if cfg.base.path is not None and not Path(cfg.base.path).exists():
-        raise ConfigError(f"base.path {cfg.base.path} does not exist")
+
+
+def _check_data_sizes(d: DataConfig) -> None:
+    """The split sizes and the augmentation."""
     for k in ("max_train", "max_val", "max_test", "max_ood"):
         if int(getattr(d, k)) < 1:
             raise ConfigError(f"data.{k} must be >= 1")
@@ -397,6 +398,32 @@ def validate(cfg: BuildConfig) -> None:
         raise ConfigError(f"data.crop_scale must be in (0, 1], got {d.crop_scale}")
     if d.max_fit is not None and int(d.max_fit) < 0:
         raise ConfigError("data.max_fit must be >= 0 (0: fit the OOD statistics on the train split) or null")
+
+
+def validate(cfg: BuildConfig) -> None:
+    """Cheap checks that need no model or data loading; raise ConfigError with one clear line.
+
+    The checks run in a fixed order (types, ranges, compute, family, hydra, calibration, guarantees, data), so a
+    config with several problems always names the same one first.
+    """
+    check_types(cfg)
+    _check_ranges(cfg)
+    _check_compute(cfg.build)
+    if cfg.family not in FAMILIES:
+        raise ConfigError(f"family must be one of {FAMILIES}, got {cfg.family!r}")
+    _check_hydra(cfg.hydra)
+    _check_calibration(cfg.calibration, cfg.family)
+    _check_guarantees(cfg.guarantees)
+    d = cfg.data
+    _check_data_source(d, cfg.hydra.strategy)
+    image_setting = d.setting in ("fashion-mnist", "image-folder")
+    if cfg.family == "bert" and image_setting:
+        raise ConfigError(f"family bert needs text data, but data.setting is {d.setting}")
+    if cfg.family in ("vit", "clip") and not image_setting:
+        raise ConfigError(f"family {cfg.family} needs image data, but data.setting is {d.setting}")
+    if cfg.base.path is not None and not Path(cfg.base.path).exists():
+        raise ConfigError(f"base.path {cfg.base.path} does not exist")
+    _check_data_sizes(d)
 
 
 def check_budget(cfg: BuildConfig, heads_per_layer: list[int]) -> None:

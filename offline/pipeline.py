@@ -149,8 +149,7 @@ def _vit_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Module
     if src == "train-vit":
         arch = {**train_mod.PRESETS[cfg.base.preset]["arch"], **cfg.base.arch, "num_classes": n_classes}
         model = train_mod.train_base_vit(
-            data.train.inputs, data.train.labels, data.val.inputs, data.val.labels, arch, tcfg,
-            mean=prep["mean"], std=prep["std"], checkpoint_dir=ckpt,
+            data.train, data.val, arch, tcfg, mean=prep["mean"], std=prep["std"], checkpoint_dir=ckpt,
         )  # fmt: skip
         desc = {"name": "vit trained here", "arch": arch, "train": vars(tcfg),
                 "result": getattr(model, train_mod.TRAIN_LOG_ATTR, None)}  # fmt: skip
@@ -190,8 +189,7 @@ def _bert_base(cfg: BuildConfig, data: Any, ckpt: Path | None) -> tuple[nn.Modul
     tcfg = _train_config(cfg)
     model, tok = train_mod.load_minilm_classifier(len(data.class_names), path=path, seed=tcfg.seed)
     model = train_mod.finetune_bert(
-        model, tok, data.train.inputs, data.train.labels, data.val.inputs, data.val.labels, tcfg,
-        max_length=cfg.base.max_length, checkpoint_dir=ckpt,
+        model, tok, data.train, data.val, tcfg, max_length=cfg.base.max_length, checkpoint_dir=ckpt,
     )  # fmt: skip
     prep = {"type": "text", "max_length": cfg.base.max_length, "tokenizer": "tokenizer"}
     base_path = path or train_mod.minilm_path()

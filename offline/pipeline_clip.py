@@ -233,8 +233,7 @@ def _lit_base(cfg: BuildConfig, data) -> tuple[nn.Module, Any, dict, dict]:
         info = json.loads((cache / "lit_log.json").read_text())
         log.info("LiT base model loaded from the cache %s", cache)
     else:
-        lit.train_lit(model, tok, data.class_names, data.train.inputs, data.train.labels, data.val.inputs,
-                      data.val.labels, tcfg, prep, max_length=max_length)
+        lit.train_lit(model, tok, data, tcfg, prep, max_length=max_length)
         info = getattr(model, lit.LIT_TRAIN_LOG_ATTR)
         lit.save_openclip(model, model_cfg, cache, name)
         (cache / "lit_log.json").write_text(json.dumps(info, indent=2, default=str))

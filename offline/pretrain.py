@@ -2,7 +2,7 @@
 
 The demo image configs (``image-fast``, ``image-full``) and the zero-shot model's image tower start from the
 backbone this writes, through ``base.path``: the same code path a user's timm checkpoint takes
-(:func:`offline.checkpoints.load_timm`). It is a timm ``VisionTransformer`` (the config's ``arch``, a variant of
+(:func:`offline.loaders.load_timm`). It is a timm ``VisionTransformer`` (the config's ``arch``, a variant of
 the timm model named ``timm``) trained supervised on the six in-distribution Fashion-MNIST classes, with the
 training pool of :func:`offline.data.fashion_pools` only: never the reserved images the builds validate and fit
 on, never the held-out classes, digits, noise or any OOD set.
@@ -42,6 +42,7 @@ from service.core.hardware import cpu_name
 
 from . import data as data_mod
 from .config import read_yaml_mapping
+from .data import Split
 from .train import GRAY_MEAN, GRAY_STD, TrainConfig, accuracy, make_batches, train_base_vit
 
 __all__ = ["PretrainConfig", "load_pretrain_config", "main", "pretrain", "test_accuracy"]
@@ -89,8 +90,14 @@ class PretrainConfig:
             raise PretrainError(f"train.steps must be >= 1, got {self.train.steps}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "timm": self.timm, "arch": self.arch, "train": vars(self.train),
-                "weights_dtype": self.weights_dtype, "max_train": self.max_train}  # fmt: skip
+        return {
+            "name": self.name,
+            "timm": self.timm,
+            "arch": self.arch,
+            "train": vars(self.train),
+            "weights_dtype": self.weights_dtype,
+            "max_train": self.max_train,
+        }
 
 
 def load_pretrain_config(path: str | Path, steps: int | None = None) -> PretrainConfig:
@@ -110,38 +117,35 @@ def pool_data(max_train: int | None) -> tuple[np.ndarray, np.ndarray, dict[str, 
     pool, reserved = data_mod.fashion_pools(ytr)
     if max_train is not None:
         pool = np.sort(pool[data_mod.stratified_indices(ytr[pool], int(max_train), np.random.default_rng(0))])
-    remap = np.full(10, -1, dtype=np.int64)
-    remap[list(data_mod.FASHION_ID_CLASSES)] = np.arange(len(data_mod.FASHION_ID_CLASSES))
-    rec = {"source": "Fashion-MNIST train file, training pool (offline.data.fashion_pools)",
-           "classes": [data_mod.FASHION_CLASSES[c] for c in data_mod.FASHION_ID_CLASSES],
-           "size": len(pool), "index_sha256": hashlib.sha256(pool.astype(np.int64).tobytes()).hexdigest()[:16],
-           "reserved_left_out": len(reserved),
-           "train_file_sha256": file_sha256(d / data_mod.FASHION_FILES["train_images"])}  # fmt: skip
-    return np.ascontiguousarray(xtr[pool]), remap[ytr[pool]], rec
+    rec = {
+        "source": "Fashion-MNIST train file, training pool (offline.data.fashion_pools)",
+        "classes": [data_mod.FASHION_CLASSES[c] for c in data_mod.FASHION_ID_CLASSES],
+        "size": len(pool),
+        "index_sha256": hashlib.sha256(pool.astype(np.int64).tobytes()).hexdigest()[:16],
+        "reserved_left_out": len(reserved),
+        "train_file_sha256": file_sha256(d / data_mod.FASHION_FILES["train_images"]),
+    }
+    return np.ascontiguousarray(xtr[pool]), data_mod.fashion_id_labels(ytr[pool]), rec
 
 
 def test_images() -> tuple[np.ndarray, np.ndarray]:
     """The ID images of the Fashion-MNIST test file and their labels (0..5)."""
     _, _, xte, yte = data_mod.read_fashion(data_mod.fashion_dir())
     idx = np.flatnonzero(np.isin(yte, data_mod.FASHION_ID_CLASSES))
-    remap = np.full(10, -1, dtype=np.int64)
-    remap[list(data_mod.FASHION_ID_CLASSES)] = np.arange(len(data_mod.FASHION_ID_CLASSES))
-    return np.ascontiguousarray(xte[idx]), remap[yte[idx]]
+    return np.ascontiguousarray(xte[idx]), data_mod.fashion_id_labels(yte[idx])
 
 
 def test_accuracy(model: torch.nn.Module) -> float:
     """Top-1 accuracy on the 6,000 ID images of the Fashion-MNIST test file (28x28, the demo normalisation)."""
     x, y = test_images()
-    batches = make_batches(x, y, 500, kind="image", mean=list(GRAY_MEAN), std=list(GRAY_STD), size=[28, 28],
-                           channels=1)  # fmt: skip
+    batches = make_batches(x, y, 500, kind="image", mean=list(GRAY_MEAN), std=list(GRAY_STD), size=[28, 28], channels=1)
     return accuracy(model, lambda m, b: m(b["pixel_values"]), batches)
 
 
 def test_per_class(model: torch.nn.Module) -> dict[str, float]:
     """Top-1 accuracy per ID class on the test file's ID images, keyed by the data set's own class name."""
     x, y = test_images()
-    batches = make_batches(x, y, 500, kind="image", mean=list(GRAY_MEAN), std=list(GRAY_STD), size=[28, 28],
-                           channels=1)  # fmt: skip
+    batches = make_batches(x, y, 500, kind="image", mean=list(GRAY_MEAN), std=list(GRAY_STD), size=[28, 28], channels=1)
     model.eval()
     with torch.no_grad():
         pred = torch.cat([model(b["pixel_values"]).argmax(-1) for b, _ in batches]).numpy()
@@ -149,16 +153,9 @@ def test_per_class(model: torch.nn.Module) -> dict[str, float]:
     return {name: round(float(np.mean(pred[y == i] == i)), 4) for i, name in enumerate(names)}
 
 
-def pretrain(cfg: PretrainConfig, out: Path, checkpoint_dir: Path, command: str) -> dict[str, Any]:
-    """Train the backbone of ``cfg`` (resumable in ``checkpoint_dir``), write its weights and record into ``out``;
-    the record."""
-    t0 = time.perf_counter()
-    x, y, data_rec = pool_data(cfg.max_train)
-    log.info("pretraining %s on %d images of the training pool (%d steps of %d)", cfg.name, len(y), cfg.train.steps,
-             cfg.train.batch_size)  # fmt: skip
-    n_val = min(600, len(y))  # the end-of-training check: pool images (the reserved ones stay untouched)
-    model = train_base_vit(x, y, x[:n_val], y[:n_val], cfg.arch, cfg.train, checkpoint_dir=checkpoint_dir)
-    acc_fp32 = test_accuracy(model)
+def _store(model: torch.nn.Module, cfg: PretrainConfig, out: Path) -> Path:
+    """Write ``model``'s weights as ``cfg.weights_dtype`` into ``out`` (the file), then put the stored (rounded) values
+    back into the fp32 model, so that what is measured next is what the file holds."""
     dtype = torch.bfloat16 if cfg.weights_dtype == "bf16" else torch.float32
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
@@ -169,24 +166,70 @@ def pretrain(cfg: PretrainConfig, out: Path, checkpoint_dir: Path, command: str)
     with torch.no_grad():  # the stored weights' accuracy: the fp32 model with the rounded weights
         for k, p in model.state_dict().items():
             p.copy_(state[k].float())
+    return weights
+
+
+def _provenance(t0: float) -> dict[str, Any]:
+    """How long the run took since ``t0``, and where and when it ran: the record's machine fields."""
+    return {
+        "seconds": round(time.perf_counter() - t0, 1),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.platform(),
+        "processor": cpu_name(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def pretrain(cfg: PretrainConfig, out: Path, checkpoint_dir: Path, command: str) -> dict[str, Any]:
+    """Train the backbone of ``cfg`` (resumable in ``checkpoint_dir``), write its weights and record into ``out``;
+    the record."""
+    t0 = time.perf_counter()
+    x, y, data_rec = pool_data(cfg.max_train)
+    log.info(
+        "pretraining %s on %d images of the training pool (%d steps of %d)",
+        cfg.name,
+        len(y),
+        cfg.train.steps,
+        cfg.train.batch_size,
+    )
+    n_val = min(600, len(y))  # the end-of-training check: pool images (the reserved ones stay untouched)
+    model = train_base_vit(Split(x, y), Split(x[:n_val], y[:n_val]), cfg.arch, cfg.train, checkpoint_dir=checkpoint_dir)
+    acc_fp32 = test_accuracy(model)
+    weights = _store(model, cfg, out)
     acc_stored = test_accuracy(model)
     per_class = test_per_class(model)
     record = {
-        "name": cfg.name, "command": command, "config": cfg.to_dict(), "data": data_rec,
-        "seed": cfg.train.seed, "steps": cfg.train.steps,
+        "name": cfg.name,
+        "command": command,
+        "config": cfg.to_dict(),
+        "data": data_rec,
+        "seed": cfg.train.seed,
+        "steps": cfg.train.steps,
         "params": int(sum(p.numel() for p in model.parameters())),
-        "file": weights.name, "bytes": weights.stat().st_size, "sha256": file_sha256(weights),
-        "test_accuracy": {"fp32_weights": round(acc_fp32, 4), "stored_weights": round(acc_stored, 4),
-                          "per_class_stored_weights": per_class,
-                          "images": "the 6,000 ID images of the Fashion-MNIST test file (reported, not chosen on)"},
-        "seconds": round(time.perf_counter() - t0, 1), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "machine": platform.platform(), "processor": cpu_name(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "file": weights.name,
+        "bytes": weights.stat().st_size,
+        "sha256": file_sha256(weights),
+        "test_accuracy": {
+            "fp32_weights": round(acc_fp32, 4),
+            "stored_weights": round(acc_stored, 4),
+            "per_class_stored_weights": per_class,
+            "images": "the 6,000 ID images of the Fashion-MNIST test file (reported, not chosen on)",
+        },
+        **_provenance(t0),
         "load": load_spec(cfg),
-    }  # fmt: skip
+    }
     (out / f"{cfg.name}.json").write_text(json.dumps(record, indent=2) + "\n")
-    log.info("%s: %d params, test accuracy %.4f (fp32) / %.4f (%s weights), %s (%d bytes)", cfg.name,
-             record["params"], acc_fp32, acc_stored, cfg.weights_dtype, weights, record["bytes"])  # fmt: skip
+    log.info(
+        "%s: %d params, test accuracy %.4f (fp32) / %.4f (%s weights), %s (%d bytes)",
+        cfg.name,
+        record["params"],
+        acc_fp32,
+        acc_stored,
+        cfg.weights_dtype,
+        weights,
+        record["bytes"],
+    )
     return record
 
 
@@ -196,12 +239,15 @@ def load_spec(cfg: PretrainConfig) -> dict[str, Any]:
     have the six-class head and the demo's input (28x28 grey, its mean and std), so timm keeps the head."""
     arch = {k: v for k, v in cfg.arch.items() if k not in ("num_classes", "drop_path_rate")}
     size = int(cfg.arch["img_size"])
-    overlay = {"num_classes": int(cfg.arch.get("num_classes", 6)), "input_size": [int(cfg.arch.get("in_chans", 1)),
-               size, size], "mean": list(GRAY_MEAN), "std": list(GRAY_STD), "crop_pct": 1.0,
-               "interpolation": "bilinear"}  # fmt: skip
+    overlay = {
+        "num_classes": int(cfg.arch.get("num_classes", 6)),
+        "input_size": [int(cfg.arch.get("in_chans", 1)), size, size],
+        "mean": list(GRAY_MEAN),
+        "std": list(GRAY_STD),
+        "crop_pct": 1.0,
+        "interpolation": "bilinear",
+    }
     return {"base.source": f"timm:{cfg.timm}", "base.arch": {**arch, "pretrained_cfg_overlay": overlay}}
-
-
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="pretraining config (offline/configs/pretrain/fashion-vit-s.yaml)")
     ap.add_argument("--out", default=str(ROOT / "offline" / "backbones"), help="folder for the weights and record")
     ap.add_argument("--steps", type=int, default=None, help="override train.steps (a short run, e.g. a test)")
-    ap.add_argument("--checkpoint-dir", default=None,
-                    help="resumable training state (default .cache/pretrain/<name>-<steps>)")
+    ap.add_argument(
+        "--checkpoint-dir", default=None, help="resumable training state (default .cache/pretrain/<name>-<steps>)"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)

@@ -153,7 +153,7 @@ def load_data(cfg: BuildConfig) -> Any:
     elif d.setting == "tweets":
         data = data_mod.tweet_setting(**common)
     else:
-        data = data_mod.user_setting(d.setting, d.path, d.ood_paths, d.ood_val_path, **common)
+        data = data_mod.user_setting(data_mod.UserData(d.setting, d.path, d.ood_paths, d.ood_val_path), **common)
     if d.labels is not None and list(d.labels) != list(data.class_names):
         raise ConfigError(f"data.labels {d.labels} do not match the data's classes {data.class_names}")
     return data
@@ -484,7 +484,7 @@ def finetune_one(
     key = {"member_data": cfg.hydra.member_data, "reinit_head": cfg.hydra.reinit_head}
     return train_mod.finetune_member(
         adapter, member, member_data(data, cfg, tcfg.seed), prep, tok, tcfg,
-        checkpoint_dir=member_checkpoints(out, i), desc=f"member {i}", key_extra=key,
+        resume=train_mod.Resume(member_checkpoints(out, i), key), desc=f"member {i}",
     ).eval()  # fmt: skip
 
 

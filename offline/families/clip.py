@@ -27,8 +27,8 @@ after an ablated head; vision first keeps that cheap (the L prompts are re-encod
 are not).
 
 Structural slicing replaces a pruned ``nn.MultiheadAttention`` (which cannot hold fewer heads
-than ``embed_dim / head_dim``) by :class:`SlicedMultiheadAttention`, a drop-in with the same call
-signature and parameter names; BERT text layers are sliced as in the ``bert`` family.
+than ``embed_dim / head_dim``) by :class:`SlicedMultiheadAttention` (:mod:`.attention`), a drop-in with the
+same call signature and parameter names; BERT text layers are sliced as in the ``bert`` family.
 """
 
 from __future__ import annotations
@@ -41,99 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import SlicedMultiheadAttention
 from .base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
 from .bert import BERT_ACTS, BertAdapter, fuse_bert_encoder
 
 TEXT_POOLS = ("argmax", "eos", "first", "last")
 HF_POOLERS = ("mean_pooler", "cls_pooler", "cls_last_hidden_state_pooler")
-
-
-class SlicedMultiheadAttention(nn.Module):
-    """Self-attention with any number of heads of width ``head_dim``; a drop-in for ``nn.MultiheadAttention``.
-
-    Same parameter names as ``nn.MultiheadAttention`` (``in_proj_weight (3*H*hd, d)`` with rows
-    ``[Wq; Wk; Wv]``, ``in_proj_bias``, ``out_proj``) and the same call as open_clip makes:
-    ``attn(q, k, v, need_weights=False, attn_mask=mask) -> (out, None)``. With no head left the
-    output is the output-projection bias.
-    """
-
-    def __init__(
-        self, embed_dim: int, num_heads: int, head_dim: int, bias: bool = True, batch_first: bool = True
-    ) -> None:
-        super().__init__()
-        self.embed_dim = embed_dim
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.batch_first = batch_first
-        attn_dim = num_heads * head_dim
-        self.in_proj_weight = nn.Parameter(torch.empty(3 * attn_dim, embed_dim))
-        self.in_proj_bias = nn.Parameter(torch.zeros(3 * attn_dim)) if bias else None
-        self.out_proj = nn.Linear(attn_dim, embed_dim)
-        nn.init.xavier_uniform_(self.in_proj_weight)
-
-    @classmethod
-    def from_attention(cls, attn: nn.Module, keep: Sequence[int]) -> SlicedMultiheadAttention:
-        """Keep heads ``keep`` (indices into ``attn``'s heads) of an ``nn.MultiheadAttention`` or sliced one."""
-        hd, H, d = attn.head_dim, attn.num_heads, attn.embed_dim
-        rows = torch.tensor([h * hd + c for h in keep for c in range(hd)], dtype=torch.long)
-        qkv_rows = torch.cat([rows + s * H * hd for s in range(3)])  # rows of [Wq; Wk; Wv] to keep
-        new = cls(d, len(keep), hd, bias=attn.in_proj_bias is not None, batch_first=attn.batch_first)
-        new = new.to(attn.in_proj_weight)
-        with torch.no_grad():
-            new.in_proj_weight.copy_(attn.in_proj_weight[qkv_rows])
-            if attn.in_proj_bias is not None:
-                new.in_proj_bias.copy_(attn.in_proj_bias[qkv_rows])
-            new.out_proj.weight.copy_(attn.out_proj.weight[:, rows])
-            new.out_proj.bias.copy_(attn.out_proj.bias)
-        return new
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = False,
-        attn_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        """Self-attention of ``query`` ``(B, T, d)`` (``(T, B, d)`` unless batch_first); key/value must be it too.
-
-        ``attn_mask``: ``(T, T)`` additive float mask or bool mask (True = not allowed), as in
-        ``nn.MultiheadAttention``; ``key_padding_mask``: bool ``(B, T)``, True = padding.
-        """
-        if (key is not None and key is not query) or (value is not None and value is not query):
-            raise ValueError("SlicedMultiheadAttention only does self-attention (key and value must be the query)")
-        x = query if self.batch_first else query.transpose(0, 1)  # (B, T, d)
-        B, T, _ = x.shape
-        if self.num_heads == 0:  # every head pruned: only the projection bias is left
-            out = self.out_proj(x.new_zeros(B, T, 0))
-        else:
-            qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)  # (B, T, 3*H*hd)
-            q, k, v = qkv.view(B, T, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-            # q, k, v: (B, H, T, hd)
-            mask = _sdpa_mask(attn_mask, key_padding_mask, x.dtype)
-            z = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, hd)
-            out = self.out_proj(z.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
-        return (out if self.batch_first else out.transpose(0, 1)), None
-
-
-def _sdpa_mask(
-    attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """``nn.MultiheadAttention`` masks (bool True = blocked, or additive float) -> one additive SDPA mask."""
-    mask = None
-    if attn_mask is not None:
-        if attn_mask.dim() != 2:
-            raise ValueError(f"only a (T, T) attn_mask is supported, got shape {tuple(attn_mask.shape)}")
-        mask = attn_mask.to(dtype) if attn_mask.dtype != torch.bool else torch.zeros(
-            attn_mask.shape, dtype=dtype, device=attn_mask.device
-        ).masked_fill(attn_mask, float("-inf"))
-    if key_padding_mask is not None:
-        kp = torch.zeros(key_padding_mask.shape, dtype=dtype, device=key_padding_mask.device)
-        kp = kp.masked_fill(key_padding_mask.bool(), float("-inf"))[:, None, None, :]  # (B, 1, 1, T)
-        mask = kp if mask is None else mask + kp
-    return mask
 
 
 # ----------------------------------------------------------------------------- model anatomy
@@ -252,9 +165,9 @@ def _hf_pooler_name(hf: nn.Module) -> str:
         return "mean_pooler"
     if isinstance(hf.pooler, ClsPooler):
         # uses the BERT pooler (dense + tanh) only when the HF model was built with it
-        return "cls_pooler" if hf.transformer.pooler is not None and hf.pooler.use_pooler_output else (
-            "cls_last_hidden_state_pooler"
-        )
+        if hf.transformer.pooler is not None and hf.pooler.use_pooler_output:
+            return "cls_pooler"
+        return "cls_last_hidden_state_pooler"
     if isinstance(hf.pooler, ClsLastHiddenStatePooler):
         return "cls_last_hidden_state_pooler"
     return type(hf.pooler).__name__
@@ -548,8 +461,8 @@ def _fuse_clip_text(members: Sequence[nn.Module], mlp: str, report: dict, sd: di
         proj_kind = "none"
     elif isinstance(proj, nn.Linear):
         proj_kind = "linear"
-        lin = grouped_linear([x.text_projection.weight for x in ts],
-                             [x.text_projection.bias for x in ts] if proj.bias is not None else None)
+        biases = [x.text_projection.bias for x in ts] if proj.bias is not None else None
+        lin = grouped_linear([x.text_projection.weight for x in ts], biases)
         for k, v in lin.items():
             sd[f"text.proj.{k}"] = v
     else:  # a (width, D) parameter used as x @ P

@@ -69,9 +69,7 @@ def test_member_cache_key_ignores_progress_and_adopts_quiet_runs(tmp_path: Path,
 
     seen: list[Path] = []
     monkeypatch.setattr(
-        q.train_mod,
-        "finetune_member",
-        lambda *a, checkpoint_dir, **k: seen.append(checkpoint_dir) or torch.nn.Identity(),
+        q.train_mod, "finetune_member", lambda *a, resume, **k: seen.append(resume.folder) or torch.nn.Identity()
     )
     spec = q.setting_spec("image", fast=True)
     adapter = SimpleNamespace(kept_heads=lambda m: [[0, 1], [2]])

@@ -1,78 +1,49 @@
-"""A user's checkpoint: a 1000-class head builds with the data's class count; renamed keys stop the build."""
+"""Training checkpoints: complete pairs only, the newest one kept, restored only by a run of the same fingerprint."""
 
 from __future__ import annotations
 
-import pytest
-import timm
 import torch
-from safetensors.torch import load_file, save_file
+from torch import nn
 
-from offline.checkpoints import check_keys, load_timm
-from offline.config import ConfigError
-from offline.train import load_minilm_classifier, minilm_path
-
-VIT = "vit_tiny_patch16_224"
+from offline import checkpoints
 
 
-@pytest.fixture(scope="module")
-def timm_checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    """A timm ViT in the standard layout with random weights and the usual 1000-class head, as .safetensors."""
-    torch.manual_seed(0)
-    model = timm.create_model(VIT, pretrained=False, num_classes=1000)
-    path = tmp_path_factory.mktemp("timm") / "vit.safetensors"
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    return path, model
+def _run(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    torch.manual_seed(seed)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
 
 
-def test_a_1000_class_checkpoint_builds_with_the_datas_class_count(timm_checkpoint):
-    path, source = timm_checkpoint
-    model = load_timm(VIT, path, num_classes=3)
-    assert model.get_classifier().out_features == 3
-    # every backbone weight is the checkpoint's
-    torch.testing.assert_close(model.blocks[0].attn.qkv.weight, source.blocks[0].attn.qkv.weight)
-    torch.testing.assert_close(model.pos_embed, source.pos_embed)
+def _train_one_step(model: nn.Module, opt: torch.optim.Optimizer, sched) -> None:
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    sched.step()
 
 
-def test_renamed_keys_stop_the_build_naming_them(timm_checkpoint, tmp_path):
-    path, _ = timm_checkpoint
-    state = load_file(str(path))
-    renamed = {k.replace("blocks.0.", "layers.0."): v for k, v in state.items()}
-    bad = tmp_path / "renamed.safetensors"
-    save_file(renamed, str(bad))
-    with pytest.raises(ConfigError, match=r"missing \(e\.g\. blocks\.0\..*unexpected \(e\.g\. layers\.0\."):
-        load_timm(VIT, bad, num_classes=3)
-    with pytest.raises(ConfigError, match="cannot read a state dict"):
-        (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint")
-        load_timm(VIT, tmp_path / "junk.safetensors", num_classes=3)
-    with pytest.raises(ConfigError, match="is not a file"):
-        load_timm(VIT, tmp_path / "nope.safetensors", num_classes=3)
+def test_only_the_newest_complete_checkpoint_is_kept(tmp_path):
+    model, opt, sched = _run(0)
+    assert checkpoints.completed_steps(tmp_path / "none") == 0
+    for step in (3, 6):
+        _train_one_step(model, opt, sched)
+        checkpoints.save(tmp_path, step, model, opt, sched, "key")
+    assert checkpoints.steps(tmp_path) == [6] and checkpoints.completed_steps(tmp_path) == 6
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model-0000006.safetensors", "state-0000006.pt"]
+    (tmp_path / "state-0000009.pt").write_bytes(b"")  # a state file without its weights: no checkpoint
+    assert checkpoints.steps(tmp_path) == [6]
 
 
-def test_check_keys_lets_only_the_head_differ():
-    check_keys("ckpt", {"head.weight"}, {"head.bias"}, head=["head."])  # the head may be new
-    with pytest.raises(ConfigError, match="1 missing"):
-        check_keys("ckpt", {"head.weight", "norm.weight"}, set(), head=["head."])
-    with pytest.raises(ConfigError, match="1 unexpected"):
-        check_keys("ckpt", set(), {"extra.weight"})
-
-
-def test_a_hugging_face_folder_with_a_1000_label_head_and_one_with_renamed_keys(tmp_path):
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=64, num_labels=1000)  # fmt: skip
-    torch.manual_seed(0)
-    BertForSequenceClassification(cfg).save_pretrained(tmp_path / "ok")
-    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(tmp_path / "ok")
-    model, _ = load_minilm_classifier(3, path=str(tmp_path / "ok"))
-    assert model.classifier.out_features == 3
-    state = load_file(str(tmp_path / "ok" / "model.safetensors"))
-    bad_dir = tmp_path / "bad"
-    bad_dir.mkdir()
-    for f in (tmp_path / "ok").iterdir():
-        if f.name != "model.safetensors":
-            (bad_dir / f.name).write_bytes(f.read_bytes())
-    renamed = {k.replace("encoder.layer.1.", "encoder.block.1."): v for k, v in state.items()}
-    save_file(renamed, str(bad_dir / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"missing \(e\.g\. bert\.encoder\.layer\.1\."):
-        load_minilm_classifier(3, path=str(bad_dir))
+def test_restore_gives_back_the_weights_optimizer_schedule_and_rng(tmp_path):
+    model, opt, sched = _run(0)
+    _train_one_step(model, opt, sched)
+    checkpoints.save(tmp_path, 1, model, opt, sched, "key")
+    draw = torch.rand(3)  # the global RNG after the checkpoint
+    other, other_opt, other_sched = _run(1)
+    assert checkpoints.restore(tmp_path, other, other_opt, other_sched, "another key") == 0  # not this run's
+    assert not torch.equal(other.weight, model.weight)
+    assert checkpoints.restore(tmp_path, other, other_opt, other_sched, "key") == 1
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+    assert other_sched.last_epoch == sched.last_epoch
+    mine, restored = opt.state_dict()["state"], other_opt.state_dict()["state"]
+    assert all(torch.equal(restored[i][k], mine[i][k]) for i in mine for k in mine[i])  # AdamW's moments and step
+    assert torch.equal(torch.rand(3), draw)

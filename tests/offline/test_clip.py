@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from offline.families import get_adapter
-from offline.families.clip import SlicedMultiheadAttention, split_heads
+from offline.families.attention import SlicedMultiheadAttention
+from offline.families.clip import split_heads
 from offline.fusion import fuse
 from offline.scoring import HiddenStateCache
 from service.core.registry import load_model
@@ -55,11 +56,21 @@ def tiny_hf_clip(folder, pooler: str = "mean_pooler", proj: str | None = "mlp") 
     from open_clip.model import CustomTextCLIP
     from transformers import BertConfig
 
-    BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-               max_position_embeddings=64).save_pretrained(folder)
+    BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    ).save_pretrained(folder)
     torch.manual_seed(0)
-    text_cfg = {"hf_model_name": str(folder), "hf_model_pretrained": False, "hf_proj_type": proj,
-                "hf_pooler_type": pooler}
+    text_cfg = {
+        "hf_model_name": str(folder),
+        "hf_model_pretrained": False,
+        "hf_proj_type": proj,
+        "hf_pooler_type": pooler,
+    }
     return _widen(CustomTextCLIP(16 if proj else 32, VISION, text_cfg))
 
 
@@ -71,8 +82,11 @@ def clip_batch(eot: int | None = EOT, seq: int = 12, seed: int = 0) -> dict[str,
         if eot is not None:
             ids[i, end] = eot
         ids[i, end + 1 :] = 0
-    return {"pixel_values": torch.randn(5, 3, 16, 16, generator=g), "input_ids": ids,
-            "attention_mask": (ids != 0).long()}
+    return {
+        "pixel_values": torch.randn(5, 3, 16, 16, generator=g),
+        "input_ids": ids,
+        "attention_mask": (ids != 0).long(),
+    }
 
 
 def tiny_custom_text_clip() -> torch.nn.Module:
@@ -80,8 +94,15 @@ def tiny_custom_text_clip() -> torch.nn.Module:
     from open_clip.model import CustomTextCLIP
 
     torch.manual_seed(0)
-    text_cfg = {"context_length": 12, "vocab_size": 100, "width": 24, "heads": 3, "layers": 2, "proj_bias": True,
-                "ls_init_value": 0.5}
+    text_cfg = {
+        "context_length": 12,
+        "vocab_size": 100,
+        "width": 24,
+        "heads": 3,
+        "layers": 2,
+        "proj_bias": True,
+        "ls_init_value": 0.5,
+    }
     return _widen(CustomTextCLIP(16, {**VISION, "ls_init_value": 0.5, "final_ln_after_pool": True}, text_cfg))
 
 
@@ -113,10 +134,12 @@ def test_fused_equals_members(kind, mlp, tmp_path):
         assert img.shape == (5, 3, cfg["embed_dim"]) and txt.shape == (4, 3, cfg["embed_dim"])
         assert logits.shape == (5, 3, 4)
         for m, member in enumerate(members):
-            torch.testing.assert_close(img[:, m], member.encode_image(batch["pixel_values"], normalize=True),
-                                       atol=1e-5, rtol=0)
-            torch.testing.assert_close(txt[:, m], member.encode_text(batch["input_ids"], normalize=True),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                img[:, m], member.encode_image(batch["pixel_values"], normalize=True), atol=1e-5, rtol=0
+            )
+            torch.testing.assert_close(
+                txt[:, m], member.encode_text(batch["input_ids"], normalize=True), atol=1e-5, rtol=0
+            )
             torch.testing.assert_close(logits[:, m], adapter.forward(member, batch), atol=1e-5, rtol=0)
         # members really differ: the ensemble is not three copies of one model
         assert (logits[:, 0] - logits[:, 1]).abs().max() > 1e-2
@@ -149,8 +172,12 @@ def test_sliced_attention_is_a_dropin_for_multihead_attention():
     causal = torch.full((7, 7), float("-inf")).triu(1)
     with torch.no_grad():
         for mask in (None, causal, causal.isinf()):
-            torch.testing.assert_close(sliced(x, x, x, need_weights=False, attn_mask=mask)[0],
-                                       mha(x, x, x, need_weights=False, attn_mask=mask)[0], atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                sliced(x, x, x, need_weights=False, attn_mask=mask)[0],
+                mha(x, x, x, need_weights=False, attn_mask=mask)[0],
+                atol=1e-6,
+                rtol=0,
+            )
         empty = SlicedMultiheadAttention.from_attention(mha, [])
         torch.testing.assert_close(empty(x, x, x)[0], mha.out_proj.bias.expand(2, 7, 24))
 
@@ -188,7 +215,9 @@ def test_joint_head_index():
     assert adapter.heads(base) == [4, 4, 3, 3]  # vision layers first, then text layers
     assert adapter.num_vision_layers(base) == 2 and adapter.head_dim(base) == 8
     assert split_heads(base, adapter.kept_heads(adapter.prune_to(base, KEEPS_CLIP[1]))) == {
-        "vision": [[3], [0, 1, 2, 3]], "text": [[], [0, 1, 2]]}
+        "vision": [[3], [0, 1, 2, 3]],
+        "text": [[], [0, 1, 2]],
+    }
     # the out-projection ablated for joint layer 3 is the second text block's
     assert adapter.out_proj(base, 3) is base.transformer.resblocks[1].attn.out_proj
     unequal = tiny_clip(vision={"head_width": 16})
@@ -296,10 +325,14 @@ def test_encoders_export_with_dynamic_batch_labels_and_length(kind, tmp_path):
     fused, _ = fuse(adapter, [adapter.prune_to(base, k) for k in keeps])
     other = clip_batch(eot=EOT if kind == "clip" else None, seq=7, seed=3)
     image_batches = [{"pixel_values": batch["pixel_values"][:2]}, {"pixel_values": other["pixel_values"]}]
-    text_batches = [{k: batch[k] for k in ("input_ids", "attention_mask")},
-                    {k: other[k][:3] for k in ("input_ids", "attention_mask")}]  # 3 labels, 7 tokens
-    for side, mod, batches in (("image", fused.image_encoder, image_batches), ("text", fused.text_encoder,
-                                                                              text_batches)):
+    text_batches = [
+        {k: batch[k] for k in ("input_ids", "attention_mask")},
+        {k: other[k][:3] for k in ("input_ids", "attention_mask")},
+    ]  # 3 labels, 7 tokens
+    for side, mod, batches in (
+        ("image", fused.image_encoder, image_batches),
+        ("text", fused.text_encoder, text_batches),
+    ):
         export_torchscript(mod, batches[0], tmp_path / f"{side}.ts")
         assert check_parity(mod, tmp_path / f"{side}.ts", "torchscript", batches, 1e-5) <= 1e-5
         export_onnx(mod, batches[0], tmp_path / f"{side}.onnx", output_names=[f"{side}_embeds"])
@@ -315,10 +348,16 @@ def test_hydra_members_of_openclip_checkpoint_on_disk(tmp_path):
     from offline.pipeline_clip import load_openclip
 
     cfg_path = tmp_path / "tiny-clip-hydra-test.json"
-    cfg_path.write_text(json.dumps({
-        "embed_dim": 16, "quick_gelu": True, "vision_cfg": VISION,
-        "text_cfg": {"context_length": 12, "vocab_size": 100, "width": 24, "heads": 3, "layers": 2},
-    }))
+    cfg_path.write_text(
+        json.dumps(
+            {
+                "embed_dim": 16,
+                "quick_gelu": True,
+                "vision_cfg": VISION,
+                "text_cfg": {"context_length": 12, "vocab_size": 100, "width": 24, "heads": 3, "layers": 2},
+            }
+        )
+    )
     open_clip.add_model_config(cfg_path)
     ref = _widen(open_clip.create_model("tiny-clip-hydra-test"))
     torch.save(ref.state_dict(), tmp_path / "open_clip_pytorch_model.bin")

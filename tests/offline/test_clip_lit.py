@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from offline import lit
-from offline.train import TrainConfig, minilm_path
+from offline.data import Data, Split
+from offline.loaders import minilm_path
+from offline.train import TrainConfig
 
 VISION = {"image_size": 28, "patch_size": 7, "width": 32, "layers": 2, "head_width": 8, "mlp_ratio": 2.0}
 CLASSES = ["top-left square", "bottom-right square", "horizontal bar"]
@@ -19,8 +21,12 @@ def _text_tower(folder) -> str:
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     torch.manual_seed(0)
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                         max_position_embeddings=64), add_pooling_layer=False).save_pretrained(folder)
+    BertModel(
+        BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64
+        ),
+        add_pooling_layer=False,
+    ).save_pretrained(folder)
     AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(folder)
     return str(folder)
 
@@ -56,12 +62,12 @@ def test_lit_trains_the_image_tower_against_the_frozen_text_tower(tmp_path):
     vision_before = {k: v.clone() for k, v in model.visual.state_dict().items()}
     x, y = _shapes(384, 0)
     xv, yv = _shapes(120, 1)
-    chance = lit.zero_shot_accuracy(model, tok, CLASSES, xv, yv, PREP)
+    chance = lit.zero_shot_accuracy(model, tok, CLASSES, Split(xv, yv), PREP)
     tcfg = TrainConfig(steps=60, batch_size=32, lr=3e-3, warmup_frac=0.1, label_smoothing=0.0, progress=False)
-    lit.train_lit(model, tok, CLASSES, x, y, xv, yv, tcfg, PREP)
+    lit.train_lit(model, tok, Data("image", CLASSES, Split(x, y), Split(xv, yv), Split(xv, yv), {}, {}, {}), tcfg, PREP)
     info = getattr(model, lit.LIT_TRAIN_LOG_ATTR)
     assert info["val_zero_shot_accuracy"] > 0.9 > chance + 0.2
-    assert info["val_zero_shot_accuracy"] == lit.zero_shot_accuracy(model, tok, CLASSES, xv, yv, PREP)
+    assert info["val_zero_shot_accuracy"] == lit.zero_shot_accuracy(model, tok, CLASSES, Split(xv, yv), PREP)
     for k, v in model.text.state_dict().items():
         assert torch.equal(v, text_before[k]), f"text tower changed: {k}"
     assert any(not torch.equal(v, vision_before[k]) for k, v in model.visual.state_dict().items())
@@ -91,8 +97,7 @@ def test_packaged_minilm_is_the_text_tower_offline():
         h = ref(**batch).last_hidden_state
         mask = batch["attention_mask"].unsqueeze(-1).float()
         expected = torch.nn.functional.normalize((h * mask).sum(1) / mask.sum(1), dim=-1)
-        torch.testing.assert_close(model.encode_text(batch["input_ids"], normalize=True), expected,
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(model.encode_text(batch["input_ids"], normalize=True), expected, atol=1e-5, rtol=0)
     from offline.families import get_adapter
 
     assert get_adapter("clip").heads(model) == [4] * 4 + [12] * 6  # 16 vision heads, then MiniLM's 72
@@ -111,8 +116,16 @@ def test_image_tower_starts_exactly_from_a_timm_vit_checkpoint(tmp_path):
     from timm.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(3)
-    arch = {"img_size": 28, "patch_size": 7, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 4,
-            "mlp_ratio": 2.0, "num_classes": 3}
+    arch = {
+        "img_size": 28,
+        "patch_size": 7,
+        "in_chans": 1,
+        "embed_dim": 32,
+        "depth": 2,
+        "num_heads": 4,
+        "mlp_ratio": 2.0,
+        "num_classes": 3,
+    }
     timm_vit = VisionTransformer(**arch).eval()
     with torch.no_grad():
         for p in timm_vit.parameters():

@@ -45,8 +45,11 @@ def test_overrides_win_over_file(tmp_path):
         ("family: bert\nhydra: {colour: red}\n", {}, "unknown key 'hydra.colour'"),
         ("family: bert\nbogus: 1\n", {}, "unknown key 'bogus'"),
         ("family: bert\ndata: {setting: tweets}\nhydra: {members: 0, prune_per_layer: 6}\n", {}, "members must be"),
-        ("family: vit\ndata: {setting: image-folder, path: /no/such/dir}\nhydra: {prune_per_layer: 1}\n", {},
-         "data.path /no/such/dir does not exist"),
+        (
+            "family: vit\ndata: {setting: image-folder, path: /no/such/dir}\nhydra: {prune_per_layer: 1}\n",
+            {},
+            "data.path /no/such/dir does not exist",
+        ),
         ("family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6, prune_total: 3}\n", {}, "exactly one"),
         ("family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6, strategy: magic}\n", {}, "strategy"),
         ("family: bert\ndata: {setting: fashion-mnist}\nhydra: {prune_per_layer: 6}\n", {}, "needs text data"),
@@ -74,12 +77,24 @@ def test_cli_help_lists_every_option_and_errors_are_one_line(tmp_path):
     for flag in ("--hydra.members", "--hydra.strategy", "--data.max_train", "--export.onnx", "--calibration.tpr"):
         assert flag in out.stdout
     bad = _write(tmp_path, "family: bert\nhydra: {colour: red}\n")
-    res = subprocess.run([env_py, "offline/build.py", "--config", str(bad), "--out", str(tmp_path / "a")],
-                         cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(
+        [env_py, "offline/build.py", "--config", str(bad), "--out", str(tmp_path / "a")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "unknown key 'hydra.colour'" in res.stderr
-    cmd = [env_py, "offline/build.py", "--config", "offline/configs/text-fast.yaml", "--out", str(tmp_path / "b"),
-           "--hydra.prune_per_layer", "20"]
+    cmd = [
+        env_py,
+        "offline/build.py",
+        "--config",
+        "offline/configs/text-fast.yaml",
+        "--out",
+        str(tmp_path / "b"),
+        "--hydra.prune_per_layer",
+        "20",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 2 and "exceeds the 12 heads" in res.stderr
 
@@ -119,8 +134,12 @@ def test_base_cache_dir_is_shared_by_builds_that_differ_only_in_hydra_settings(t
         ("data.augment", "rotate", "data.augment must be one of"),
         ("data.crop_scale", "0", "data.crop_scale must be in (0, 1]"),
         ("base.deep_ensemble", "1", "base.deep_ensemble must be 0 (none) or >= 2"),
-        pytest.param("build.device", "cuda", "torch sees no CUDA device",
-                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")),
+        pytest.param(
+            "build.device",
+            "cuda",
+            "torch sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present"),
+        ),
     ],
 )
 def test_a_bad_value_is_one_line_and_exit_status_2(tmp_path, capsys, flag, value, says):

@@ -67,15 +67,25 @@ def test_dedup_drops_conflicting_texts():
 
 
 def test_split_sentences_lengths():
-    text = "Title line\n\nShort. This sentence is long enough to keep. And \"so is this one, quoted.\"\n\n" + "x" * 400
+    text = 'Title line\n\nShort. This sentence is long enough to keep. And "so is this one, quoted."\n\n' + "x" * 400
     out = D.split_sentences(text)
     assert out == ["This sentence is long enough to keep.", 'And "so is this one, quoted."']
 
 
 # ----------------------------------------------------------------------------- Fashion-MNIST
 # the label order of the data set's own documentation (its README's "Labels" table: 0 T-shirt/top ... 9 Ankle boot)
-FASHION_DOCUMENTED = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                      "Ankle boot"]  # fmt: skip
+FASHION_DOCUMENTED = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 
 
 def test_fashion_class_names_are_the_data_sets_own():
@@ -244,7 +254,7 @@ def test_fashion_fit_falls_back_to_train_when_nothing_is_left():
 
 def test_fashion_missing_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_DATA_DIR", str(tmp_path))
-    monkeypatch.setattr(D, "SYSTEM_FASHION_DIR", tmp_path / "nowhere")
+    monkeypatch.setattr(D.fashion, "SYSTEM_FASHION_DIR", tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="scripts/fetch_data.sh"):
         D.fashion_mnist_setting(10, 10, 10, 10, 0)
 
@@ -348,7 +358,7 @@ def test_user_image_folder(tmp_path):
     _write_images(tmp_path / "near_ood", 4, 4)
     kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     ood = {"far_noise": str(tmp_path / "ood"), "near_x": str(tmp_path / "near_ood")}
-    d = D.user_setting("image-folder", tmp_path / "train", ood, None, **kw)
+    d = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, None), **kw)
     assert d.modality == "image" and d.class_names == ["cat", "dog"]
     # a user's images stay files (checked readable): decoded per batch at the model's size and colour
     assert all(isinstance(p, str) and p.endswith(".png") for p in d.train.inputs)
@@ -362,9 +372,9 @@ def test_user_image_folder(tmp_path):
     assert "file paths" in d.splits["image"]["inputs"]
     assert d.splits["ood_val"]["far_noise"]["carved_fraction"] == D.USER_OOD_VAL_FRACTION
     json.dumps(d.splits)
-    same = D.user_setting("image-folder", tmp_path / "train", ood, None, **kw)
+    same = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, None), **kw)
     assert same.train.inputs == d.train.inputs
-    with_val = D.user_setting("image-folder", tmp_path / "train", ood, tmp_path / "ood" / "b", **kw)
+    with_val = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, tmp_path / "ood" / "b"), **kw)
     assert list(with_val.ood_val) == ["ood-val"] and len(with_val.ood_val["ood-val"]) == 5
     assert len(with_val.ood_test["far_noise"][0]) == 10  # nothing carved when a validation set is given
 
@@ -375,20 +385,20 @@ def test_user_image_folder_errors(tmp_path):
     ood = {"far": str(tmp_path / "ood")}
     _write_images(tmp_path / "one" / "only", 5, 1)
     with pytest.raises(ValueError, match="1 class subfolders"):
-        D.user_setting("image-folder", tmp_path / "one", ood, None, **kw)
+        D.user_setting(D.UserData("image-folder", tmp_path / "one", ood, None), **kw)
     _write_images(tmp_path / "two" / "a", 5, 1)
     (tmp_path / "two" / "b").mkdir()
     with pytest.raises(ValueError, match=r"two/b: class 'b' has no images"):
-        D.user_setting("image-folder", tmp_path / "two", ood, None, **kw)
+        D.user_setting(D.UserData("image-folder", tmp_path / "two", ood, None), **kw)
     (tmp_path / "two" / "b" / "broken.png").write_bytes(b"not a png")
     with pytest.raises(ValueError, match=r"broken\.png: not a readable image"):
-        D.user_setting("image-folder", tmp_path / "two", ood, None, **kw)
+        D.user_setting(D.UserData("image-folder", tmp_path / "two", ood, None), **kw)
     single = tmp_path / "ood1"
     _write_images(single, 1, 0)
     _write_images(tmp_path / "ok" / "a", 5, 1)
     _write_images(tmp_path / "ok" / "b", 5, 2)
     with pytest.raises(ValueError, match="no OOD validation inputs"):  # OOD data given, but none to validate on
-        D.user_setting("image-folder", tmp_path / "ok", {"far": str(single)}, None, **kw)
+        D.user_setting(D.UserData("image-folder", tmp_path / "ok", {"far": str(single)}, None), **kw)
 
 
 def test_user_data_without_ood_sets_builds_from_id_validation_alone(tmp_path):
@@ -396,7 +406,7 @@ def test_user_data_without_ood_sets_builds_from_id_validation_alone(tmp_path):
     kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     _write_images(tmp_path / "data" / "a", 6, 1)
     _write_images(tmp_path / "data" / "b", 6, 2)
-    data = D.user_setting("image-folder", tmp_path / "data", {}, None, **kw)
+    data = D.user_setting(D.UserData("image-folder", tmp_path / "data", {}, None), **kw)
     assert data.ood_val == {} and data.ood_test == {} and len(data.train) > 0
 
 
@@ -423,7 +433,7 @@ def test_user_text_file_csv_and_jsonl(tmp_path):
     ood_csv.write_text("text\n" + "\n".join(f"near text {i}" for i in range(6)))
     kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     ood = {"far_lines": str(ood_txt), "near_set": str(ood_csv)}
-    a = D.user_setting("text-file", csv_path, ood, None, **kw)
+    a = D.user_setting(D.UserData("text-file", csv_path, ood, None), **kw)
     assert a.modality == "text" and a.class_names == ["meh", "neg", "pos"]
     # "text number 0" appears as pos and neg: dropped, so 29 texts remain
     assert len(a.train) + len(a.val) + len(a.test) == 29
@@ -432,7 +442,7 @@ def test_user_text_file_csv_and_jsonl(tmp_path):
     assert {k: v[1] for k, v in a.ood_test.items()} == {"far_lines": "far", "near_set": "near"}
     assert len(a.ood_val["far_lines"]) + len(a.ood_test["far_lines"][0]) == 10
     assert set(a.ood_val["far_lines"]).isdisjoint(a.ood_test["far_lines"][0])
-    b = D.user_setting("text-file", jsonl, ood, str(ood_txt), **kw)
+    b = D.user_setting(D.UserData("text-file", jsonl, ood, str(ood_txt)), **kw)
     assert b.class_names == ["meh", "neg", "pos"] and len(b.train) + len(b.val) + len(b.test) == 30
     assert sorted(b.ood_val["ood-val"]) == sorted(f"unrelated line {i}" for i in range(10))
 
@@ -444,18 +454,22 @@ def test_user_setting_fit_is_train_unless_inputs_are_left_over(tmp_path):
     ood = tmp_path / "far.txt"
     ood.write_text("\n".join(f"unrelated line {i}" for i in range(10)))
     kw = dict(max_val=100, max_test=100, max_ood=100, seed=0)
-    d = D.user_setting("text-file", path, {"far": str(ood)}, None, max_train=100, **kw)
+    d = D.user_setting(D.UserData("text-file", path, {"far": str(ood)}, None), max_train=100, **kw)
     assert d.fit is d.train and d.fit_split is d.train
     rec = d.splits["id"]["fit"]
     assert rec["source"] == "train (no unused ID inputs)" and rec["same_as"] == "train"
     assert rec["index_sha256"] == d.splits["id"]["train"]["index_sha256"] and rec["size"] == len(d.train)
-    left = D.user_setting("text-file", path, {"far": str(ood)}, None, max_train=20, max_fit=10, **kw)
+    left = D.user_setting(D.UserData("text-file", path, {"far": str(ood)}, None), max_train=20, max_fit=10, **kw)
     assert len(left.fit) == 10 and np.bincount(left.fit.labels).tolist() == [5, 5]
     assert set(left.fit.inputs).isdisjoint(left.train.inputs + left.val.inputs + left.test.inputs)
     assert left.splits["id"]["fit"]["source"] == D.FIT_HELD_OUT
     assert left.splits["id"]["fit"]["unused_id_inputs"] == 60 - 20 - 9 - 9
-    assert left.splits["id"]["train"] == D.user_setting(
-        "text-file", path, {"far": str(ood)}, None, max_train=20, max_fit=0, **kw).splits["id"]["train"]
+    assert (
+        left.splits["id"]["train"]
+        == D.user_setting(D.UserData("text-file", path, {"far": str(ood)}, None), max_train=20, max_fit=0, **kw).splits[
+            "id"
+        ]["train"]
+    )
 
 
 def test_data_built_without_fit_fits_on_train():
@@ -496,7 +510,7 @@ def test_user_text_file_errors(tmp_path, name, content, error):
     data = tmp_path / name
     data.write_bytes(content)
     with pytest.raises(ValueError, match=error):
-        D.user_setting("text-file", data, {"far": str(ood)}, None, **kw)
+        D.user_setting(D.UserData("text-file", data, {"far": str(ood)}, None), **kw)
 
 
 # ----------------------------------------------------------------------------- the calibration split
@@ -527,12 +541,34 @@ def test_user_calibration_split_fits_small_data(tmp_path):
     path = tmp_path / "train.csv"
     path.write_text("text,label\n" + "\n".join(f"{t},{y}" for t, y in rows))
     kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
-    d = D.user_setting("text-file", path, {}, None, max_calibration=1000, **kw)
+    d = D.user_setting(D.UserData("text-file", path, {}, None), max_calibration=1000, **kw)
     assert len(d.calibration) == 6 and len(d.val) == 6 and len(d.test) == 6 and len(d.train) == 22
     assert set(d.calibration.inputs).isdisjoint(d.train.inputs + d.val.inputs + d.test.inputs)
     assert d.splits["id"]["calibration"]["source"] == D.CAL_HELD_OUT
     tiny = tmp_path / "tiny.csv"
     tiny.write_text("text,label\na,pos\nb,neg\nc,pos\n")
-    t = D.user_setting("text-file", tiny, {}, None, max_calibration=1000, **kw)
+    t = D.user_setting(D.UserData("text-file", tiny, {}, None), max_calibration=1000, **kw)
     assert t.calibration is None and len(t.train) == 1  # three inputs: test, val, train, nothing to spare
-    assert D.user_setting("text-file", path, {}, None, **kw).calibration is None  # max_calibration 0: none
+    assert D.user_setting(D.UserData("text-file", path, {}, None), **kw).calibration is None  # max_calibration 0: none
+
+
+# ----------------------------------------------------------------------------- the registry
+def test_every_config_setting_is_registered_and_load_draws_it(tmp_path):
+    """``data.setting`` names one of :data:`offline.data.SETTINGS`; :func:`offline.data.load` draws a config's data
+    as the setting's own function does."""
+    from offline.config import SETTINGS, load_config
+
+    assert set(D.SETTINGS) == set(SETTINGS) and set(D.USER_SETTINGS) < set(SETTINGS)
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\n" + "\n".join(f"text number {i},{['pos', 'neg'][i % 2]}" for i in range(40)))
+    sizes = dict(max_train=20, max_val=5, max_test=5, max_ood=3, seed=4, max_fit=3, max_calibration=4)
+    over = {"family": "bert", "hydra.prune_per_layer": 1, "data.setting": "text-file", "data.path": str(path)}
+    cfg = load_config(None, {**over, **{f"data.{k}": v for k, v in sizes.items()}})
+    d = D.load(cfg.data)
+    assert d.splits == D.user_setting(D.UserData("text-file", str(path), {}, None), **sizes).splits
+    assert len(d.train) == 20 and len(d.calibration) == 4
+
+
+def test_fashion_id_labels_number_the_garments_in_order():
+    assert D.fashion_id_labels(np.arange(10)).tolist() == [0, 1, 2, 3, 4, -1, 5, -1, -1, -1]
+    assert [D.FASHION_CLASSES[c] for c in D.FASHION_ID_CLASSES][5] == "Shirt"

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import yaml
 
+from offline import checkpoints
 from offline import data as data_mod
 from offline import pretrain as pt
-from offline import train as train_mod
-from offline.checkpoints import load_timm
+from offline.loaders import load_timm
 from service.core.artifact import file_sha256
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,13 +33,32 @@ RECORD = ROOT / "offline" / "backbones" / "fashion-vit-s.json"
 
 def _tiny_config(tmp_path: Path, **train: object) -> Path:
     doc = {
-        "name": "tiny-backbone", "timm": "vit_tiny_patch16_224",
-        "arch": {"img_size": 28, "patch_size": 7, "in_chans": 1, "embed_dim": 32, "depth": 2, "num_heads": 2,
-                 "mlp_ratio": 2.0, "num_classes": 6},
-        "train": {"steps": 6, "batch_size": 32, "lr": 1e-3, "seed": 0, "hflip": True, "crop_scale": 0.5,
-                  "label_smoothing": 0.1, **train},
-        "max_train": 240, "checkpoint_every": 3, "weights_dtype": "bf16",
-    }  # fmt: skip
+        "name": "tiny-backbone",
+        "timm": "vit_tiny_patch16_224",
+        "arch": {
+            "img_size": 28,
+            "patch_size": 7,
+            "in_chans": 1,
+            "embed_dim": 32,
+            "depth": 2,
+            "num_heads": 2,
+            "mlp_ratio": 2.0,
+            "num_classes": 6,
+        },
+        "train": {
+            "steps": 6,
+            "batch_size": 32,
+            "lr": 1e-3,
+            "seed": 0,
+            "hflip": True,
+            "crop_scale": 0.5,
+            "label_smoothing": 0.1,
+            **train,
+        },
+        "max_train": 240,
+        "checkpoint_every": 3,
+        "weights_dtype": "bf16",
+    }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -55,18 +74,18 @@ def test_a_short_run_is_deterministic_and_a_killed_run_resumes_to_the_same_weigh
     assert first["steps"] == 6 and first["data"]["size"] == 240
     assert file_sha256(tmp_path / "a" / "tiny-backbone.safetensors") == first["sha256"]
 
-    real = train_mod._save_checkpoint
+    real = checkpoints.save
 
     def dying(folder, step, *args, **kwargs):
         real(folder, step, *args, **kwargs)
         if step == 3:
             raise _Killed
 
-    monkeypatch.setattr(train_mod, "_save_checkpoint", dying)
+    monkeypatch.setattr(checkpoints, "save", dying)
     with pytest.raises(_Killed):
         pt.pretrain(cfg, tmp_path / "b", tmp_path / "ck-b", "test")
     assert not (tmp_path / "b" / "tiny-backbone.safetensors").exists()
-    monkeypatch.setattr(train_mod, "_save_checkpoint", real)
+    monkeypatch.setattr(checkpoints, "save", real)
     resumed = pt.pretrain(cfg, tmp_path / "b", tmp_path / "ck-b", "test")  # from step 3
     assert resumed["sha256"] == first["sha256"]
     assert resumed["test_accuracy"] == first["test_accuracy"]
@@ -131,8 +150,19 @@ def test_the_record_command_rebuilds_the_backbone(tmp_path):
     argv = shlex.split(rec["command"])
     config = argv[argv.index("--config") + 1]
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "offline.pretrain", "--config", config, "--out", str(out),
-           "--checkpoint-dir", str(tmp_path / "ck"), "--threads", str(rec["threads"])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "offline.pretrain",
+        "--config",
+        config,
+        "--out",
+        str(out),
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+        "--threads",
+        str(rec["threads"]),
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=3 * 3600)
     new = json.loads((out / RECORD.name).read_text())
     if new["processor"] == rec["processor"] and new["torch"] == rec["torch"] and new["machine"] == rec["machine"]:

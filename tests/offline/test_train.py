@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from offline import checkpoints
 from offline import train as T
 from offline.data import Data, Split
 from offline.families import get_adapter
@@ -71,8 +72,7 @@ def test_make_batches_image_normalisation_known_answer():
 
 def test_make_batches_channels_resize_and_rgb():
     gray = np.full((2, 8, 8), 51, dtype=np.uint8)  # 0.2
-    ((b, _),) = T.make_batches(gray, [0, 1], 4, "image", mean=[0.1, 0.2, 0.3], std=[0.5, 0.5, 0.5], size=16,
-                               channels=3)
+    ((b, _),) = T.make_batches(gray, [0, 1], 4, "image", mean=[0.1, 0.2, 0.3], std=[0.5, 0.5, 0.5], size=16, channels=3)
     pv = b["pixel_values"]
     assert pv.shape == (2, 3, 16, 16)
     assert torch.allclose(pv[:, :, 5, 7], torch.tensor([[0.2, 0.0, -0.2]] * 2), atol=1e-6)
@@ -146,8 +146,8 @@ def test_fit_lowers_the_loss():
     ((b, yt),) = T.make_batches(x, y, 64, "image", mean=[0.5], std=[0.25])
     before = F.cross_entropy(model(b["pixel_values"]), yt).item()
     tcfg = T.TrainConfig(steps=25, batch_size=16, lr=1e-3, label_smoothing=0.0, progress=False)
-    get = T._data_batcher(x, y, IMAGE_PREP, None, tcfg)
-    losses = T.fit(model, T._vit_forward, get, len(y), tcfg)
+    get = T.data_batcher(x, y, IMAGE_PREP, None, tcfg)
+    losses = T.fit(model, T.vit_forward, get, len(y), tcfg)
     with torch.no_grad():
         after = F.cross_entropy(model(b["pixel_values"]), yt).item()
     assert len(losses) == 25 and after < 0.5 * before
@@ -157,18 +157,27 @@ def test_fit_lowers_the_loss():
 def test_train_base_vit_learns_a_toy_task():
     x, y = _toy_images(128)
     xv, yv = _toy_images(64, seed=1)
-    arch = {"img_size": 16, "patch_size": 4, "in_chans": 1, "embed_dim": 32, "depth": 1, "num_heads": 2,
-            "mlp_ratio": 2.0, "num_classes": 2}
+    arch = {
+        "img_size": 16,
+        "patch_size": 4,
+        "in_chans": 1,
+        "embed_dim": 32,
+        "depth": 1,
+        "num_heads": 2,
+        "mlp_ratio": 2.0,
+        "num_classes": 2,
+    }
     tcfg = T.TrainConfig(steps=40, batch_size=32, lr=3e-3, progress=False)
-    model = T.train_base_vit(x, y, xv, yv, arch, tcfg, mean=[0.5], std=[0.25])
+    model = T.train_base_vit(Split(x, y), Split(xv, yv), arch, tcfg, mean=[0.5], std=[0.25])
     from timm.models.vision_transformer import VisionTransformer
 
     assert isinstance(model, VisionTransformer) and not model.training
     log = getattr(model, T.TRAIN_LOG_ATTR)
     assert log["val_accuracy"] >= 0.95 and log["steps_run"] == 40
-    again = T.train_base_vit(x, y, xv, yv, arch, tcfg, mean=[0.5], std=[0.25])
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(),
-                                                 strict=True))  # seeded: the same run gives the same model
+    again = T.train_base_vit(Split(x, y), Split(xv, yv), arch, tcfg, mean=[0.5], std=[0.25])
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True)
+    )  # seeded: the same run gives the same model
 
 
 def test_finetune_member_trains_only_unfrozen_parts(tmp_path):
@@ -176,7 +185,7 @@ def test_finetune_member_trains_only_unfrozen_parts(tmp_path):
     member = adapter.prune(tiny_vit(num_classes=2), [[0, 2], [1, 3], [0, 1]])
     before = _params(member)
     tcfg = T.TrainConfig(steps=6, batch_size=16, lr=1e-3, unfreeze="attention+head", progress=False)
-    out = T.finetune_member(adapter, member, _image_data(), IMAGE_PREP, None, tcfg, tmp_path / "ck", "m0")
+    out = T.finetune_member(adapter, member, _image_data(), IMAGE_PREP, None, tcfg, T.Resume(tmp_path / "ck"), "m0")
     assert out is member and adapter.kept_heads(out) == [[0, 2], [1, 3], [0, 1]]
     for name, p in out.named_parameters():
         changed = not torch.equal(p, before[name])
@@ -200,18 +209,32 @@ def test_finetune_member_resumes_to_the_same_weights(tmp_path):
     data = _image_data()
     tcfg = T.TrainConfig(steps=12, batch_size=16, lr=1e-3, hflip=True, checkpoint_every=3, progress=False)
 
-    ref = T.finetune_member(adapter, adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, tmp_path / "a", "ref")
+    ref = T.finetune_member(
+        adapter, adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, T.Resume(tmp_path / "a"), "ref"
+    )
     crash_dir = tmp_path / "b"
     with pytest.raises(RuntimeError, match="simulated crash"):
-        T.finetune_member(Crashing(), adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, crash_dir, "crash")
-    assert T._checkpoints(crash_dir) == [6]  # saved after steps 3 and 6, only the last one kept
-    resumed = T.finetune_member(adapter, adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, crash_dir, "resume")
+        T.finetune_member(
+            Crashing(), adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, T.Resume(crash_dir), "crash"
+        )
+    assert checkpoints.steps(crash_dir) == [6]  # saved after steps 3 and 6, only the last one kept
+    resumed = T.finetune_member(
+        adapter, adapter.prune(base, keep), data, IMAGE_PREP, None, tcfg, T.Resume(crash_dir), "resume"
+    )
     assert getattr(resumed, T.TRAIN_LOG_ATTR)["steps_run"] == 6
     for (k, a), b in zip(ref.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
     uninterrupted_but_other_lr = T.TrainConfig(**{**vars(tcfg), "lr": 5e-4})
-    other = T.finetune_member(adapter, adapter.prune(base, keep), data, IMAGE_PREP, None, uninterrupted_but_other_lr,
-                              crash_dir, "other config")
+    other = T.finetune_member(
+        adapter,
+        adapter.prune(base, keep),
+        data,
+        IMAGE_PREP,
+        None,
+        uninterrupted_but_other_lr,
+        T.Resume(crash_dir),
+        "other config",
+    )
     assert getattr(other, T.TRAIN_LOG_ATTR)["steps_run"] == 12  # a checkpoint of another config is not resumed
 
 
@@ -236,9 +259,9 @@ def test_affine_crop_known_answers():
 
 def test_random_crops_are_seeded_and_stay_in_the_image():
     batch = {"pixel_values": torch.rand(16, 1, 16, 16)}
-    a, b = T._crop(batch, 3, 0, 0.35), T._crop(batch, 3, 0, 0.35)
+    a, b = T.crop(batch, 3, 0, 0.35), T.crop(batch, 3, 0, 0.35)
     torch.testing.assert_close(a["pixel_values"], b["pixel_values"], atol=0, rtol=0)  # a function of (seed, step)
-    assert not torch.equal(a["pixel_values"], T._crop(batch, 4, 0, 0.35)["pixel_values"])
+    assert not torch.equal(a["pixel_values"], T.crop(batch, 4, 0, 0.35)["pixel_values"])
     assert a["pixel_values"].shape == batch["pixel_values"].shape
     assert float(a["pixel_values"].min()) >= 0 and float(a["pixel_values"].max()) <= 1  # inside: no padding values
 
@@ -250,10 +273,28 @@ def test_dataloader_workers_give_the_same_weights(tmp_path):
     base = tiny_vit(num_classes=2)
     trained = []
     for workers in (0, 2):
-        tcfg = T.TrainConfig(steps=6, batch_size=16, lr=1e-3, hflip=True, crop_scale=0.5, checkpoint_every=0,
-                             progress=False, workers=workers)  # fmt: skip
-        trained.append(T.finetune_member(adapter, adapter.prune(base, [[0, 1], [2, 3], [0, 3]]), data, IMAGE_PREP,
-                                         None, tcfg, tmp_path / str(workers), f"workers={workers}"))  # fmt: skip
+        tcfg = T.TrainConfig(
+            steps=6,
+            batch_size=16,
+            lr=1e-3,
+            hflip=True,
+            crop_scale=0.5,
+            checkpoint_every=0,
+            progress=False,
+            workers=workers,
+        )
+        trained.append(
+            T.finetune_member(
+                adapter,
+                adapter.prune(base, [[0, 1], [2, 3], [0, 3]]),
+                data,
+                IMAGE_PREP,
+                None,
+                tcfg,
+                T.Resume(tmp_path / str(workers)),
+                f"workers={workers}",
+            )
+        )
     for (k, a), b in zip(trained[0].state_dict().items(), trained[1].state_dict().values(), strict=True):
         assert torch.equal(a, b), k
 
@@ -265,10 +306,17 @@ def test_bf16_autocast_training_keeps_fp32_weights(tmp_path):
     base = tiny_vit(num_classes=2)
     out = {}
     for precision in ("fp32", "bf16"):
-        tcfg = T.TrainConfig(steps=30, batch_size=16, lr=3e-3, checkpoint_every=0, progress=False,
-                             precision=precision)  # fmt: skip
-        m = T.finetune_member(adapter, adapter.prune(base, [[0, 1], [2, 3], [0, 3]]), data, IMAGE_PREP, None, tcfg,
-                              tmp_path / precision, precision)  # fmt: skip
+        tcfg = T.TrainConfig(steps=30, batch_size=16, lr=3e-3, checkpoint_every=0, progress=False, precision=precision)
+        m = T.finetune_member(
+            adapter,
+            adapter.prune(base, [[0, 1], [2, 3], [0, 3]]),
+            data,
+            IMAGE_PREP,
+            None,
+            tcfg,
+            T.Resume(tmp_path / precision),
+            precision,
+        )
         out[precision] = m
     assert all(p.dtype == torch.float32 for p in out["bf16"].parameters())
     a, b = out["fp32"].state_dict(), out["bf16"].state_dict()
@@ -280,14 +328,21 @@ def test_finetune_text_member_and_bert(tmp_path, tok):
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, num_labels=2, attn_implementation="eager")
+    cfg = BertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=2,
+        attn_implementation="eager",
+    )
     model = BertForSequenceClassification(cfg)
     good = [f"this is great and wonderful {w}" for w in ("today", "again", "really", "now", "indeed", "sir")]
     bad = [f"this is awful and terrible {w}" for w in ("today", "again", "really", "now", "indeed", "sir")]
     x, y = good + bad, np.array([1] * 6 + [0] * 6)
     tcfg = T.TrainConfig(steps=30, batch_size=8, lr=2e-3, weight_decay=0.0, label_smoothing=0.0, progress=False)
-    model = T.finetune_bert(model, tok, x, y, x, y, tcfg, max_length=16)
+    model = T.finetune_bert(model, tok, Split(x, y), Split(x, y), tcfg, max_length=16)
     assert getattr(model, T.TRAIN_LOG_ATTR)["val_accuracy"] == 1.0
 
     adapter = get_adapter("bert")
@@ -295,30 +350,11 @@ def test_finetune_text_member_and_bert(tmp_path, tok):
     before = _params(member)
     data = Data("text", ["neg", "pos"], Split(x, y), Split(x, y), Split(x, y), {}, {}, {})
     tcfg = T.TrainConfig(steps=3, batch_size=4, lr=1e-3, unfreeze="mlp", progress=False)
-    T.finetune_member(adapter, member, data, {"type": "text", "max_length": 16}, tok, tcfg, tmp_path / "ck", "m")
+    T.finetune_member(
+        adapter, member, data, {"type": "text", "max_length": 16}, tok, tcfg, T.Resume(tmp_path / "ck"), "m"
+    )
     changed = {n for n, p in member.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all(T.param_part(n) == "mlp" for n in changed)
-
-
-# ----------------------------------------------------------------------------- loading
-def test_load_packaged_minilm_offline():
-    model, tok = T.load_minilm_classifier(3)
-    from transformers import BertForSequenceClassification
-
-    assert isinstance(model, BertForSequenceClassification)
-    assert model.config.num_attention_heads == 12 and model.config.num_hidden_layers == 6
-    assert model.classifier.out_features == 3 and model.config._attn_implementation == "eager"
-    assert tok("hello world")["input_ids"] == [101, 7592, 2088, 102]
-
-
-def test_load_classifier_from_local_folder(tmp_path, tok):
-    tiny_bert(num_labels=2).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    model, tok2 = T.load_minilm_classifier(4, path=str(tmp_path))
-    assert model.classifier.out_features == 4 and model.config.num_hidden_layers == 3
-    assert tok2("hello")["input_ids"] == tok("hello")["input_ids"]
-    with pytest.raises(ValueError, match="cannot load a text classifier"):
-        T.load_minilm_classifier(2, path=str(tmp_path / "missing"))
 
 
 def test_presets_are_valid_configs():
@@ -348,8 +384,14 @@ def test_decoded_images_are_cached_and_exactly_the_servers(tmp_path):
         p = tmp_path / f"im{i}.png"
         Image.fromarray(np.random.default_rng(i).integers(0, 256, (40 + 10 * i, 30, 3), dtype=np.uint8)).save(p)
         paths.append(str(p))
-    spec = {"size": [16, 16], "mean": [0.5, 0.4, 0.3], "std": [0.2, 0.2, 0.2], "resize": "shorter_crop",
-            "crop_pct": 0.875, "interpolation": "bicubic"}  # fmt: skip
+    spec = {
+        "size": [16, 16],
+        "mean": [0.5, 0.4, 0.3],
+        "std": [0.2, 0.2, 0.2],
+        "resize": "shorter_crop",
+        "crop_pct": 0.875,
+        "interpolation": "bicubic",
+    }
     cache = T.DecodeCache()
     first = T.files_to_tensor(paths, spec, cache)
     again = T.files_to_tensor(paths[::-1], spec, cache)

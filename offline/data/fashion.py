@@ -1,0 +1,319 @@
+"""The Fashion-MNIST setting: the six garments in distribution, footwear and bags near-OOD, digits and noise far.
+
+The IDX files come from ``$HYDRA_DATA_DIR/fashion-mnist`` or Debian's ``dataset-fashion-mnist`` package. The train
+file's ID images are split once into a training pool and reserved images (:func:`fashion_pools`), the same for
+every seed and size: no model trained on the pool has seen the images a build validates, fits and calibrates on.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from service.core.artifact import file_sha256
+
+from ..outliers import CORRUPTIONS, corrupted
+from .common import (
+    ROOT,
+    Data,
+    Sizes,
+    Split,
+    calibration_indices,
+    calibration_record,
+    class_counts,
+    fit_indices,
+    fit_record,
+    index_hash,
+    split_record,
+    stratified_indices,
+)
+from .digits import DIGITS_SOURCE, digits_ood
+from .noise import NOISE_KINDS, synthetic_images
+
+SYSTEM_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_CLASSES = [  # the data set's documented label order (pinned to torchvision's list in the tests)
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
+FASHION_ID_CLASSES = (0, 1, 2, 3, 4, 6)  # the six garments in distribution ...
+FASHION_OOD_CLASSES = (5, 7, 8, 9)  # ... footwear (Sandal, Sneaker, Ankle boot) and Bag held out as near-OOD
+FASHION_FILES = {
+    "train_images": "train-images-idx3-ubyte.gz",
+    "train_labels": "train-labels-idx1-ubyte.gz",
+    "test_images": "t10k-images-idx3-ubyte.gz",
+    "test_labels": "t10k-labels-idx1-ubyte.gz",
+}
+# The Fashion-MNIST train file's ID images are split once, the same way for every seed and size: 1,000 images per
+# class are reserved for validation and the fit split (and never trained on: not by a build's base model or members,
+# nor by the image backbone offline.pretrain trains); the other 30,000 form the training pool
+FASHION_RESERVED_PER_CLASS = 1000
+FASHION_POOL_SEED = 20261124  # the generator of that one split (not data.seed: the pools must not move with it)
+
+
+def fashion_dir() -> Path:
+    """Folder with the Fashion-MNIST IDX gz files: ``$HYDRA_DATA_DIR/fashion-mnist``, else the Debian package's."""
+    base = Path(os.environ.get("HYDRA_DATA_DIR", ROOT / ".cache" / "datasets")) / "fashion-mnist"
+    for d in (base, SYSTEM_FASHION_DIR):
+        if all((d / f).is_file() for f in FASHION_FILES.values()):
+            return d
+    raise FileNotFoundError(
+        f"Fashion-MNIST not found under {base} or {SYSTEM_FASHION_DIR}; run `bash scripts/fetch_data.sh` "
+        "(installs or extracts Debian's dataset-fashion-mnist)"
+    )
+
+
+def read_idx_images(path: Path) -> np.ndarray:
+    """IDX3 gz file -> uint8 ``(N, 28, 28)``."""
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    n, h, w = (int.from_bytes(raw[i : i + 4], "big") for i in (4, 8, 12))
+    return np.frombuffer(raw, dtype=np.uint8, offset=16).reshape(n, h, w)
+
+
+def read_idx_labels(path: Path) -> np.ndarray:
+    """IDX1 gz file -> int64 ``(N,)``."""
+    with gzip.open(path, "rb") as f:
+        raw = f.read()
+    return np.frombuffer(raw, dtype=np.uint8, offset=8).astype(np.int64)
+
+
+@lru_cache(maxsize=1)
+def _read_fashion(folder: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Train images, train labels, test images, test labels (read-only arrays, read once per process)."""
+    d = Path(folder)
+    out = (
+        read_idx_images(d / FASHION_FILES["train_images"]),
+        read_idx_labels(d / FASHION_FILES["train_labels"]),
+        read_idx_images(d / FASHION_FILES["test_images"]),
+        read_idx_labels(d / FASHION_FILES["test_labels"]),
+    )
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
+def read_fashion(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Train images ``(60000, 28, 28)``, train labels, test images ``(10000, 28, 28)``, test labels of the
+    Fashion-MNIST files in ``folder`` (read-only arrays, read once per process)."""
+    return _read_fashion(str(folder))
+
+
+def fashion_pools(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(training pool, reserved pool)``: indices of the ID images of the Fashion-MNIST train file (``labels``: its
+    labels), split once by :data:`FASHION_POOL_SEED`: :data:`FASHION_RESERVED_PER_CLASS` images per ID class are
+    reserved (validation, the fit split), the rest is the training pool (base models, members, the backbone).
+    Both sorted."""
+    rng = np.random.default_rng(FASHION_POOL_SEED)
+    reserved = np.concatenate(
+        [rng.permutation(np.flatnonzero(labels == c))[:FASHION_RESERVED_PER_CLASS] for c in FASHION_ID_CLASSES]
+    )
+    pool = np.setdiff1d(np.flatnonzero(np.isin(labels, FASHION_ID_CLASSES)), reserved)
+    return pool, np.sort(reserved)
+
+
+def fashion_id_labels(official: np.ndarray) -> np.ndarray:
+    """The setting's labels (0..5, :data:`FASHION_ID_CLASSES` in order; -1 for the held-out classes) of official
+    Fashion-MNIST labels (0..9), int64."""
+    remap = np.full(10, -1, dtype=np.int64)
+    remap[list(FASHION_ID_CLASSES)] = np.arange(len(FASHION_ID_CLASSES))
+    return remap[official]
+
+
+@dataclass
+class _Indices:
+    """Where each split comes from: indices into the train file (``pool``, ``reserved``, ``train``, ``val``,
+    ``near_val``, ``fit``, ``calibration``) or the test file (``test``, ``near_test``), with the fit and calibration
+    splits' records (a None split: none drawn)."""
+
+    pool: np.ndarray
+    reserved: np.ndarray
+    train: np.ndarray
+    val: np.ndarray
+    test: np.ndarray
+    near_val: np.ndarray
+    near_test: np.ndarray
+    fit: np.ndarray | None
+    fit_rec: dict[str, Any]
+    calibration: np.ndarray | None
+    cal_rec: dict[str, Any]
+
+
+def _draw(ytr: np.ndarray, yte: np.ndarray, s: Sizes, rng: np.random.Generator) -> _Indices:
+    """The ID and near-OOD splits, drawn from ``rng`` in a fixed order, then the fit and calibration splits from the
+    reserved images (from their own generators)."""
+    pool, reserved = fashion_pools(ytr)
+    ood_tr = np.flatnonzero(np.isin(ytr, FASHION_OOD_CLASSES))
+    id_te = np.flatnonzero(np.isin(yte, FASHION_ID_CLASSES))
+    ood_te = np.flatnonzero(np.isin(yte, FASHION_OOD_CLASSES))
+    val = reserved[stratified_indices(ytr[reserved], s.max_val, rng)]
+    train = pool[stratified_indices(ytr[pool], s.max_train, rng)]
+    test = id_te[stratified_indices(yte[id_te], s.max_test, rng)]
+    near_val = ood_tr[stratified_indices(ytr[ood_tr], s.max_ood, rng)]
+    near_test = ood_te[stratified_indices(yte[ood_te], s.max_ood, rng)]
+    fit, fit_rec = fit_indices(ytr, [val], s.fit, s.seed, pool=reserved)
+    cal, cal_rec = calibration_indices(ytr, [val, fit], s.max_calibration, s.seed, pool=reserved)
+    return _Indices(
+        pool=pool,
+        reserved=reserved,
+        train=train,
+        val=val,
+        test=test,
+        near_val=near_val,
+        near_test=near_test,
+        fit=fit,
+        fit_rec=fit_rec,
+        calibration=cal,
+        cal_rec=cal_rec,
+    )
+
+
+def fashion_mnist_setting(
+    max_train: int,
+    max_val: int,
+    max_test: int,
+    max_ood: int,
+    seed: int,
+    max_fit: int | None = None,
+    max_calibration: int = 0,
+) -> Data:
+    """Fashion-MNIST: the six garments (0-4, 6) in distribution, footwear and bags (5, 7-9) near-OOD, digits, noise far.
+
+    Train and val come from the official train file (disjoint), test from the test file;
+    near-OOD val / test from the held-out classes of the train / test files. Train is drawn from the train
+    file's training pool, val and the fit split (``max_fit``, default ``max_val``) from its reserved images
+    (:func:`fashion_pools`), so no model trained on the pool has seen them; the calibration split
+    (``max_calibration``) from the reserved images in neither.
+    """
+    s = Sizes(max_train, max_val, max_test, max_ood, seed, max_fit, max_calibration)
+    d = fashion_dir()
+    xtr, ytr, xte, yte = _read_fashion(str(d))
+    rng = np.random.default_rng(seed)
+    class_names = [FASHION_CLASSES[c] for c in FASHION_ID_CLASSES]
+    ix = _draw(ytr, yte, s, rng)
+    digits_up, dval, dtest = digits_ood(max_ood, rng)
+    noise_seed = int(rng.integers(2**31))
+
+    def split(x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
+        return Split(np.ascontiguousarray(x[idx]), fashion_id_labels(y[idx]))
+
+    train, val, test = split(xtr, ytr, ix.train), split(xtr, ytr, ix.val), split(xte, yte, ix.test)
+    fit = train if ix.fit is None else split(xtr, ytr, ix.fit)
+    calibration = None if ix.calibration is None else split(xtr, ytr, ix.calibration)
+    ood_val = {
+        "fashion-heldout": xtr[ix.near_val],
+        "digits": digits_up[dval],
+        "corrupted": corrupted(val.inputs[: min(max_ood, len(val))], seed),
+    }
+    ood_test = {
+        "fashion-heldout": (xte[ix.near_test], "near"),
+        "digits": (digits_up[dtest], "far"),
+        "noise": (synthetic_images(min(max_ood, 1000), noise_seed), "far"),
+    }
+    splits = {
+        "setting": "fashion-mnist",
+        "seed": seed,
+        "requested": s.requested(),
+        **_fashion_sources(d, noise_seed, class_names),
+        "id": _id_records(ix, {"train": train, "val": val, "test": test, "fit": fit}, fashion_id_labels(ytr)),
+        "pools": _pool_records(ix),
+        **_fashion_ood_records((ix.near_val, ix.near_test), (dval, dtest), ood_val, ood_test),
+        "image": {"size": [28, 28], "channels": 1, "dtype": "uint8"},
+    }
+    return Data("image", class_names, train, val, test, ood_val, ood_test, splits, fit=fit, calibration=calibration)
+
+
+def _id_records(ix: _Indices, parts: dict[str, Split], labels: np.ndarray) -> dict[str, Any]:
+    """The record of the ID splits (``parts``: train, val, test, fit; ``labels``: the train file's, remapped)."""
+    names = [FASHION_CLASSES[c] for c in FASHION_ID_CLASSES]
+    reserved = {"from": "train file, reserved images"}
+    return {
+        "train": {
+            "from": "train file, training pool",
+            **split_record(ix.train),
+            "class_counts": class_counts(parts["train"].labels, names),
+        },
+        "val": {**reserved, **split_record(ix.val), "class_counts": class_counts(parts["val"].labels, names)},
+        "test": {
+            "from": "test file",
+            **split_record(ix.test),
+            "class_counts": class_counts(parts["test"].labels, names),
+        },
+        "fit": {**reserved, **fit_record(ix.fit, ix.train, ix.fit_rec, class_counts(parts["fit"].labels, names))},
+        "calibration": calibration_record(ix.calibration, ix.cal_rec, labels, names, **reserved),
+    }
+
+
+def _pool_records(ix: _Indices) -> dict[str, Any]:
+    """The record of the train file's training pool and reserved images."""
+    return {
+        "training": {"size": len(ix.pool), "index_sha256": index_hash(ix.pool)},
+        "reserved": {
+            "size": len(ix.reserved),
+            "index_sha256": index_hash(ix.reserved),
+            "per_class": FASHION_RESERVED_PER_CLASS,
+            "seed": FASHION_POOL_SEED,
+        },
+    }
+
+
+def _fashion_sources(d: Path, noise_seed: int, class_names: list[str]) -> dict[str, Any]:
+    """The ``sources`` and ``classes`` of the Fashion-MNIST setting's record."""
+    return {
+        "sources": {
+            "fashion-mnist": {
+                f: {"path": str(d / name), "sha256": file_sha256(d / name)} for f, name in FASHION_FILES.items()
+            },
+            "digits": DIGITS_SOURCE,
+            "noise": {"kinds": list(NOISE_KINDS), "seed": noise_seed},
+        },
+        "classes": {
+            "in_distribution": {str(c): FASHION_CLASSES[c] for c in FASHION_ID_CLASSES},
+            "near_ood": {str(c): FASHION_CLASSES[c] for c in FASHION_OOD_CLASSES},
+            "label_order": class_names,
+        },
+    }
+
+
+def _fashion_ood_records(
+    near: tuple[np.ndarray, np.ndarray],
+    digits: tuple[np.ndarray, np.ndarray],
+    ood_val: dict[str, Any],
+    ood_test: dict[str, tuple[Any, str]],
+) -> dict[str, Any]:
+    """The Fashion-MNIST setting's ``ood_val`` and ``ood_test`` records: ``near`` and ``digits`` (val, test)
+    indices."""
+    return {
+        "ood_val": {
+            "fashion-heldout": {"from": "train file", "kind": "near", **split_record(near[0])},
+            "digits": {
+                "from": "load_digits, first half of a seeded permutation",
+                "kind": "far",
+                **split_record(digits[0]),
+            },
+            "corrupted": {
+                "from": "the ID validation images, each corrupted (offline.outliers)",
+                "kind": "far",
+                "corruptions": list(CORRUPTIONS),
+                "size": len(ood_val["corrupted"]),
+            },
+        },
+        "ood_test": {
+            "fashion-heldout": {"from": "test file", "kind": "near", **split_record(near[1])},
+            "digits": {"from": "load_digits, second half", "kind": "far", **split_record(digits[1])},
+            "noise": {"from": "synthetic", "kind": "far", "size": len(ood_test["noise"][0])},
+        },
+    }
