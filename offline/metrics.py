@@ -161,6 +161,32 @@ def aece(probs: np.ndarray, labels: np.ndarray, n_bins: int = N_BINS) -> float:
 
 
 # ----------------------------------------------------------------------------- uncertainty and OOD
+def risk_coverage(confidence: np.ndarray, correct: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The risk-coverage curve of selective prediction (Geifman & El-Yaniv 2017): answer the ``k`` most confident
+    inputs, ``k = 1..N``; coverage ``k / N`` and risk (error rate among those answered). Ties in confidence are
+    answered together (the curve only has points where the confidence changes), so the order within a tie does
+    not move it."""
+    conf = np.asarray(confidence, dtype=np.float64).reshape(-1)
+    wrong = 1.0 - np.asarray(correct, dtype=np.float64).reshape(-1)
+    if conf.shape != wrong.shape or conf.size == 0:
+        raise ValueError(f"confidence {conf.shape} and correct {wrong.shape} must be the same non-empty length")
+    order = np.argsort(-conf, kind="stable")
+    conf, wrong = conf[order], wrong[order]
+    errors = np.cumsum(wrong)
+    last = np.r_[np.nonzero(np.diff(conf))[0], conf.size - 1]  # the last index of each run of equal confidence
+    k = last + 1
+    return k / conf.size, errors[last] / k
+
+
+def aurc(confidence: np.ndarray, correct: np.ndarray) -> float:
+    """Area under the risk-coverage curve (lower is better): the mean over ``k = 1..N`` of the risk of answering
+    the ``k`` most confident inputs, with tied confidences answered together (each tie's inputs all carry the
+    risk at the tie's end). Equals the error rate for a confidence that carries no information (all tied)."""
+    coverage, risk = risk_coverage(confidence, correct)
+    counts = np.diff(np.r_[0.0, coverage])
+    return float((counts * risk).sum())
+
+
 def uncertainty(probs: np.ndarray) -> dict[str, np.ndarray]:
     """Per-input uncertainty ``(N,)`` from member probabilities ``(N, M, C)``, as the server computes it.
 
@@ -260,13 +286,15 @@ def evaluate_predictions(
         ood_probs: per OOD set, member probabilities ``(N', M, C)``.
         ood_score: the detection score, ``msp`` (as ``-msp``), ``entropy`` or ``mutual_information`` (``mi``).
 
-    Returns plain floats: ``acc``, ``nll``, ``brier``, ``ece``, ``aece`` (fractions in [0, 1] except NLL, Brier);
+    Returns plain floats: ``acc``, ``nll``, ``brier``, ``ece``, ``aece``, ``aurc`` (the area under the
+    risk-coverage curve with the MSP of the mean prediction as confidence) (fractions in [0, 1] except NLL, Brier);
     ``msp_id``, ``entropy_id``, ``mi_id``, ``disagreement_id`` (means over ID inputs); ``ood``: per set
     ``{"auroc", "fpr95", "aupr_in", "aupr_out", "mi", "disagreement"}`` (OOD positive; ``mi`` and
     ``disagreement`` are that set's means); ``mi_ood`` and ``disagreement_ood`` (means over all OOD inputs
     pooled); ``ood_avg``: the detection metrics averaged over sets; ``ood_score``: the score used.
     """
     name = _metric_name(ood_score)
+    mean, y = _mean_and_labels(probs, labels)
     u_id = uncertainty(probs)
     s_id = ood_scores(u_id, name)
     out: dict = {
@@ -275,6 +303,7 @@ def evaluate_predictions(
         "brier": brier(probs, labels),
         "ece": ece(probs, labels),
         "aece": aece(probs, labels),
+        "aurc": aurc(u_id["msp"], mean.argmax(-1) == y),
         "msp_id": float(u_id["msp"].mean()),
         "entropy_id": float(u_id["entropy"].mean()),
         "mi_id": float(u_id["mutual_information"].mean()),

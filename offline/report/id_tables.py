@@ -13,6 +13,7 @@ _ID_COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("Brier", cell(num, "brier")),
     ("ECE %", cell(pct, "ece")),
     ("aECE %", cell(pct, "aece")),
+    ("AURC %", cell(pct, "aurc")),
     ("MSP", cell(num, "msp_id")),
     ("Entropy", cell(num, "entropy_id")),
     ("MI", cell(num, "mi_id")),
@@ -32,8 +33,9 @@ def id_section(rows: list[dict]) -> list[str]:
         columns, at = (("T", cell(sig4, "temperature")), *_ID_COLUMNS), ", each method at the temperature T"
     md = [f"## In-distribution (test set{at})", ""]
     md += [
-        "Percentages for Acc, ECE, aECE and disagreement; NLL and entropies in nats; Brier of the mean "
-        "prediction (0–2). Latency: median (min) ms per call, eager fp32.",
+        "Percentages for Acc, ECE, aECE, AURC and disagreement; NLL and entropies in nats; Brier of the mean "
+        "prediction (0–2). AURC: area under the risk-coverage curve, answering the most confident first (MSP of "
+        "the mean prediction; lower is better). Latency: median (min) ms per call, eager fp32.",
         "",
     ]
     return md + method_table(columns, ((r["method"], r) for r in rows))

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from .values import jsonable
 
 # the numbers of each method that go into the manifest's `metrics` field
-HEADLINE = ("acc", "nll", "brier", "ece", "aece", "mi_id", "mi_ood", "disagreement_id", "disagreement_ood")
+HEADLINE = ("acc", "nll", "brier", "ece", "aece", "aurc", "mi_id", "mi_ood", "disagreement_id", "disagreement_ood")
 OOD_KEYS = ("auroc", "fpr95", "aupr_in", "aupr_out")
 
 

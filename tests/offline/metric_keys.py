@@ -9,6 +9,7 @@ EVAL_SCALAR_KEYS = (
     "brier",
     "ece",
     "aece",
+    "aurc",
     "mi_id",
     "disagreement_id",
     "entropy_id",

@@ -191,3 +191,44 @@ def test_evaluate_predictions_single_model_and_mi_score():
         M.evaluate_predictions(probs[:, 0], labels, ood)
     with pytest.raises(ValueError, match="do not match"):
         M.evaluate_predictions(probs, labels, {"x": _dirichlet(rng, 4, 2, 5, 1.0)})
+
+
+# ----------------------------------------------------------------------------- risk-coverage
+def _aurc_by_definition(confidence, correct):
+    """Mean over k of the error rate among the k most confident (distinct confidences)."""
+    order = sorted(range(len(confidence)), key=lambda i: -confidence[i])
+    risks = [sum(1 - correct[i] for i in order[:k]) / k for k in range(1, len(order) + 1)]
+    return sum(risks) / len(risks)
+
+
+def test_aurc_known_answers():
+    from offline.metrics import aurc
+
+    assert aurc([0.9, 0.8, 0.7, 0.6], [1, 1, 1, 0]) == pytest.approx(1 / 16)  # the error ranked last
+    assert aurc([0.9, 0.8, 0.7, 0.6], [0, 1, 1, 1]) == pytest.approx((1 + 1 / 2 + 1 / 3 + 1 / 4) / 4)  # ranked first
+    assert aurc([0.5] * 5, [1, 0, 1, 1, 0]) == pytest.approx(2 / 5)  # no information: the error rate
+    assert aurc([0.9, 0.9, 0.1], [0, 1, 1]) == pytest.approx((2 * (1 / 2) + 1 / 3) / 3)  # a tie answered together
+
+
+def test_aurc_matches_its_definition_and_rewards_a_better_ranking():
+    from offline.metrics import aurc
+
+    rng = np.random.default_rng(0)
+    conf = rng.random(300)
+    correct = (rng.random(300) < conf).astype(int)  # confidence carries information
+    assert aurc(conf, correct) == pytest.approx(_aurc_by_definition(list(conf), list(correct)))
+    shuffled = rng.permutation(conf)
+    assert aurc(conf, correct) < aurc(shuffled, correct)
+    with pytest.raises(ValueError, match="same non-empty length"):
+        aurc([0.1, 0.2], [1])
+
+
+def test_evaluate_predictions_reports_aurc_of_the_mean_prediction():
+    from offline.metrics import aurc, evaluate_predictions
+
+    rng = np.random.default_rng(1)
+    probs = rng.dirichlet(np.ones(3), size=(50, 2))
+    labels = rng.integers(0, 3, 50)
+    mean = probs.mean(axis=1)
+    out = evaluate_predictions(probs, labels, {})
+    assert out["aurc"] == pytest.approx(aurc(mean.max(-1), mean.argmax(-1) == labels))
