@@ -37,8 +37,8 @@ from .batches import (
     val_batches,
 )
 from .decode import DECODED, IMAGE_FILE_LIMIT, DecodeCache, files_to_tensor
-from .loop import Forward, Resume, accuracy, batch_indices, fingerprint, fit, step_batches
-from .parts import PARTS, param_part, trainable_names, unfreeze_parts
+from .loop import Forward, Resume, accuracy, batch_indices, distillation_loss, fingerprint, fit, step_batches
+from .parts import PARTS, block_of, param_part, trainable_names, unfreeze_parts
 from .presets import GRAY_MEAN, GRAY_STD, PRESETS, TrainConfig
 from .runs import (
     TRAIN_LOG_ATTR,
@@ -58,6 +58,8 @@ __all__ = [
     "GRAY_STD",
     "IMAGE_FILE_LIMIT",
     "PARTS",
+    "block_of",
+    "distillation_loss",
     "PRESETS",
     "TRAIN_LOG_ATTR",
     "Batch",

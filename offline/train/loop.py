@@ -30,7 +30,13 @@ from .schedule import make_optimizer, make_scheduler
 
 Forward = Callable[[nn.Module, Batch], torch.Tensor]  # (model, batch) -> logits (B, C)
 
-_LATER_FIELDS = {"precision": "fp32", "crop_scale": 1.0}  # fields added after checkpoints existed, and defaults
+_LATER_FIELDS = {  # fields added after checkpoints existed, and their defaults
+    "precision": "fp32",
+    "crop_scale": 1.0,
+    "distill_weight": 0.0,
+    "distill_temperature": 1.0,
+    "last_blocks": 0,
+}
 
 
 @dataclass(frozen=True)
@@ -101,11 +107,19 @@ class _Optimisation:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
 
+    teacher: nn.Module | None = None  # distillation: its logits on each batch are soft targets
+
     def step(self, model: nn.Module, forward: Forward, batch: Batch, y: torch.Tensor, tcfg: TrainConfig) -> float:
         """One optimisation step on ``batch`` (labels ``y`` ``(B,)``); its loss."""
+        batch = self.compute.batch(batch)
         with self.compute.autocast():
-            logits = forward(model, self.compute.batch(batch))  # (B, C)
+            logits = forward(model, batch)  # (B, C)
         loss = F.cross_entropy(logits.float(), y.to(self.compute.device), label_smoothing=tcfg.label_smoothing)
+        if self.teacher is not None and tcfg.distill_weight > 0:
+            with torch.no_grad(), self.compute.autocast():
+                soft = forward(self.teacher, batch).float()  # (B, C)
+            kd = distillation_loss(logits.float(), soft, tcfg.distill_temperature)
+            loss = (1 - tcfg.distill_weight) * loss + tcfg.distill_weight * kd
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if tcfg.grad_clip:
@@ -113,6 +127,14 @@ class _Optimisation:
         self.opt.step()
         self.sched.step()
         return float(loss.detach())
+
+
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher / T) || softmax(logits / T))``, batch mean (Hinton et al. 2015: the ``T^2``
+    keeps the gradients' scale as ``T`` changes)."""
+    log_p = F.log_softmax(logits / temperature, dim=-1)  # (B, C)
+    log_q = F.log_softmax(teacher_logits / temperature, dim=-1)  # (B, C)
+    return F.kl_div(log_p, log_q, reduction="batchmean", log_target=True) * temperature**2
 
 
 def _unfreeze(model: nn.Module, names: Sequence[str]) -> tuple[list[nn.Parameter], dict[str, bool]]:
@@ -132,11 +154,14 @@ def fit(
     tcfg: TrainConfig,
     desc: str = "train",
     resume: Resume | None = None,
+    teacher: nn.Module | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``tcfg.steps`` steps on ``n`` examples; the per-step losses of this run.
 
     ``get_batch(indices, step)`` gives the model batch and int64 labels ``(B,)`` of those examples;
-    ``forward(model, batch)`` the logits ``(B, C)``. Only the parts in ``tcfg.unfreeze`` train. With
+    ``forward(model, batch)`` the logits ``(B, C)``. Only the parts in ``tcfg.unfreeze`` (of the last
+    ``tcfg.last_blocks`` blocks, when set) train. With ``teacher`` and ``tcfg.distill_weight > 0`` the loss mixes in
+    the distillation loss from ``forward(teacher, batch)`` (the teacher is not trained). With
     ``resume`` the run saves every ``tcfg.checkpoint_every`` steps into ``resume.folder`` and resumes from the
     last checkpoint there whose config, data size and ``resume.key`` match.
     """
@@ -145,12 +170,14 @@ def fit(
     torch.manual_seed(tcfg.seed)
     compute = Compute.of(tcfg.device, tcfg.precision)
     model.to(compute.device)
-    names = trainable_names(model, tcfg.unfreeze)
+    names = trainable_names(model, tcfg.unfreeze, tcfg.last_blocks)
     if not names:
         raise ValueError(f"{desc}: unfreeze={tcfg.unfreeze!r} leaves no parameter to train")
     params, was_grad = _unfreeze(model, names)
     opt = make_optimizer(model, names, tcfg)
-    run = _Optimisation(compute, params, opt, make_scheduler(opt, tcfg))
+    if teacher is not None:
+        teacher.to(compute.device).eval()
+    run = _Optimisation(compute, params, opt, make_scheduler(opt, tcfg), teacher)
     key = fingerprint(tcfg, n, resume.key if resume is not None else None)
     folder = Path(resume.folder) if resume is not None else None
     start = checkpoints.restore(folder, model, run.opt, run.sched, key) if folder is not None else 0
@@ -177,6 +204,8 @@ def fit(
             p.requires_grad_(was_grad[n_])
         model.eval()
     model.to("cpu")
+    if teacher is not None:
+        teacher.to("cpu")
     return losses
 
 

@@ -121,9 +121,14 @@ class TrainConfig:
     warmup_frac: float = 0.1  # share of the steps with a linear warm-up from 0 to lr
     min_lr_frac: float = 0.0  # the cosine decays to lr * min_lr_frac
     label_smoothing: float = 0.1  # cross-entropy label smoothing
+    # knowledge distillation (fit's teacher): the loss is (1 - w) * CE(labels) + w * T^2 * KL(teacher_T || model_T)
+    # with softmaxes at temperature T (Hinton et al. 2015); w = 0 trains on the labels alone
+    distill_weight: float = 0.0
+    distill_temperature: float = 1.0
     grad_clip: float | None = 1.0  # max global gradient norm (None = no clipping)
     seed: int = 0  # seeds the initialisation, dropout and the batch order
     unfreeze: str = "all"  # parts that train: "all" or "+"-joined attention, mlp, norm, head, embed
+    last_blocks: int = 0  # only the last N transformer blocks train (with the final norm and head); 0 = every block
     hflip: bool = False  # images: random horizontal flips
     crop_scale: float = 1.0  # images: random resized crops of [crop_scale, 1] of the area (1 = none; timm: 0.08)
     checkpoint_every: int = 50  # member fine-tuning: steps between checkpoints (0 = none)
@@ -141,5 +146,12 @@ class TrainConfig:
             raise ValueError(f"steps must be >= 0 and batch_size >= 1, got {self.steps} and {self.batch_size}")
         if not 0 <= self.warmup_frac <= 1:
             raise ValueError(f"warmup_frac must be in [0, 1], got {self.warmup_frac}")
+        if not 0 <= self.distill_weight <= 1 or self.distill_temperature <= 0:
+            raise ValueError(
+                f"distill_weight must be in [0, 1] and distill_temperature > 0, got {self.distill_weight} and "
+                f"{self.distill_temperature}"
+            )
+        if self.last_blocks < 0:
+            raise ValueError(f"last_blocks must be >= 0, got {self.last_blocks}")
         self.betas = tuple(self.betas)
         unfreeze_parts(self.unfreeze)  # validates

@@ -405,3 +405,73 @@ def test_decoded_images_are_cached_and_exactly_the_servers(tmp_path):
     assert cache.misses == 4 and not torch.equal(changed[0], first[0])
     small = T.DecodeCache(max_bytes=1)  # nothing fits: decoded per call, the same tensors
     assert torch.equal(T.files_to_tensor(paths[1:], spec, small), first[1:]) and small.bytes == 0
+
+
+# ----------------------------------------------------------------------------- member recipes: partial, distillation
+def test_last_blocks_trains_only_the_last_blocks_and_what_follows():
+    vit = tiny_vit(depth=3)
+    names = T.trainable_names(vit, "all", last_blocks=1)
+    assert {T.block_of(n) for n in names} == {2, None}
+    assert "head.weight" in names and "norm.weight" in names
+    assert not any(n in names for n in ("cls_token", "pos_embed", "patch_embed.proj.weight", "blocks.1.mlp.fc1.weight"))
+    assert T.trainable_names(vit, "attention+mlp+norm+head", last_blocks=3) == T.trainable_names(
+        vit, "attention+mlp+norm+head"
+    )
+    bert = tiny_bert(layers=3)
+    names = T.trainable_names(bert, "attention+mlp+norm+head", last_blocks=2)
+    assert {T.block_of(n) for n in names} == {1, 2, None}
+    assert "bert.embeddings.LayerNorm.weight" not in names  # a norm, but before the blocks
+    assert "classifier.weight" in names and "bert.pooler.dense.weight" in names
+    with pytest.raises(ValueError, match="last_blocks"):
+        T.TrainConfig(last_blocks=-1)
+
+
+def test_partial_fine_tuning_leaves_the_early_blocks_unchanged():
+    model = tiny_vit(depth=3, num_classes=2)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = _toy_images(64)
+    tcfg = T.TrainConfig(steps=3, batch_size=16, lr=1e-2, label_smoothing=0.0, progress=False, last_blocks=1)
+    T.fit(model, T.vit_forward, T.data_batcher(x, y, IMAGE_PREP, None, tcfg), len(y), tcfg)
+    for n, p in model.named_parameters():
+        moved = not torch.equal(p, before[n])
+        assert moved == (T.block_of(n) == 2 or n.startswith(("head.", "norm."))), n
+
+
+def test_distillation_loss_known_answers():
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
+    assert T.distillation_loss(logits, logits, 2.0).item() == pytest.approx(0.0, abs=1e-7)
+    teacher = torch.tensor([[0.0, 1.0, 0.0], [1.0, -1.0, 0.0]])
+    for temp in (1.0, 3.0):
+        p = F.softmax(teacher / temp, -1)
+        q = F.softmax(logits / temp, -1)
+        expected = (p * (p.log() - q.log())).sum(-1).mean() * temp**2  # KL(teacher || student), batch mean
+        assert T.distillation_loss(logits, teacher, temp).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_student_distilled_alone_learns_its_teachers_answers():
+    """With distill_weight 1 the labels do not count: a student trained on random labels matches its teacher."""
+    teacher = tiny_vit(num_classes=2)
+    torch.manual_seed(1)
+    student = tiny_vit(num_classes=2)
+    with torch.no_grad():
+        for p in student.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x, _ = _toy_images(64)
+    noise = np.random.default_rng(0).integers(0, 2, len(x))
+    tcfg = T.TrainConfig(steps=40, batch_size=32, lr=3e-3, label_smoothing=0.0, progress=False, distill_weight=1.0)
+    ((b, _),) = T.make_batches(x, noise, 64, "image", mean=[0.5], std=[0.25])
+    with torch.no_grad():
+        target = teacher(b["pixel_values"]).argmax(-1)
+        agree_before = (student(b["pixel_values"]).argmax(-1) == target).float().mean().item()
+    teacher_state = {n: p.clone() for n, p in teacher.state_dict().items()}
+    T.fit(student, T.vit_forward, T.data_batcher(x, noise, IMAGE_PREP, None, tcfg), len(x), tcfg, teacher=teacher)
+    with torch.no_grad():
+        agree_after = (student(b["pixel_values"]).argmax(-1) == target).float().mean().item()
+    assert agree_after >= 0.9 and agree_after > agree_before
+    assert all(torch.equal(p, teacher_state[n]) for n, p in teacher.state_dict().items())  # the teacher is not trained
+
+
+def test_checkpoints_made_before_distillation_still_resume():
+    plain = T.fingerprint(T.TrainConfig(), 10, None)
+    assert "distill" not in plain and "last_blocks" not in plain
+    assert T.fingerprint(T.TrainConfig(distill_weight=0.5), 10, None) != plain
