@@ -100,6 +100,10 @@ class HydraConfig:
     label_smoothing: float | None = None  # member fine-tuning label smoothing (default: the preset's)
     lr: float | None = None  # member fine-tuning peak learning rate (default: the preset's)
     augment: bool | None = None  # images: random horizontal flips in member fine-tuning (default: the preset's)
+    distill: float = 0.0  # weight of distillation from the unpruned base in member fine-tuning (0 = labels only)
+    distill_temperature: float = 2.0  # the distillation softmax temperature ...
+    distill_temperatures: list[float] | None = None  # ... or one per member (members learn at different temperatures)
+    finetune_blocks: int = 0  # member fine-tuning trains only the last N transformer blocks and the head (0 = all)
 
 
 @dataclass
@@ -352,6 +356,20 @@ def _check_hydra(h: HydraConfig) -> None:
         raise ConfigError(f"hydra.label_smoothing must be in [0, 1), got {h.label_smoothing!r}")
     if h.lr is not None and not h.lr > 0:
         raise ConfigError(f"hydra.lr must be > 0, got {h.lr!r}")
+    _check_distillation(h)
+
+
+def _check_distillation(h: HydraConfig) -> None:
+    """The distillation weight, its temperatures (one per member when listed) and the partial fine-tuning."""
+    if not 0 <= h.distill <= 1:
+        raise ConfigError(f"hydra.distill must be in [0, 1], got {h.distill!r}")
+    temps = h.distill_temperatures if h.distill_temperatures is not None else [h.distill_temperature]
+    if h.distill_temperatures is not None and len(temps) != h.members:
+        raise ConfigError(f"hydra.distill_temperatures lists {len(temps)} temperatures for {h.members} members")
+    if not all(t > 0 for t in temps):
+        raise ConfigError(f"distillation temperatures must be > 0, got {temps}")
+    if not isinstance(h.finetune_blocks, int) or h.finetune_blocks < 0:
+        raise ConfigError(f"hydra.finetune_blocks must be an integer >= 0, got {h.finetune_blocks!r}")
 
 
 def _check_calibration(c: CalibrationConfig, family: str) -> None:
