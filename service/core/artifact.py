@@ -71,8 +71,18 @@ OOD_FILE = "ood.safetensors"  # the OOD statistics (.ood.ood_tensors), when the 
 DEFAULT_TEMPLATE = "A photo of a {label}."  # the zero-shot prompt when neither the artifact nor a request names one
 # the OOD scores a threshold can be calibrated on (.uncertainty.OOD_METRICS, .ood compute them; a test holds the two
 # lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
-OOD_SCORES = ("msp", "entropy", "mutual_information", "energy", "max_logit", "mahalanobis", "relative_mahalanobis",
-              "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")  # fmt: skip
+OOD_SCORES = (
+    "msp",
+    "entropy",
+    "mutual_information",
+    "energy",
+    "max_logit",
+    "mahalanobis",
+    "relative_mahalanobis",
+    "mahalanobis_mi",
+    "mahalanobis_energy",
+    "mahalanobis_layers",
+)
 LOGIT_SCORES = ("energy", "max_logit")  # need the artifact's OOD statistics (ood block)
 # need them and the features output
 FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")
@@ -383,8 +393,10 @@ class Manifest(_Record):
             self._check_zero_shot()
         self._check_ood()
         if self.guarantees is not None and self.guarantees.ood.score != self.uncertainty.ood_score:
-            raise ValueError(f"guarantees.ood.score {self.guarantees.ood.score!r} differs from uncertainty.ood_score "
-                             f"{self.uncertainty.ood_score!r}")  # fmt: skip
+            raise ValueError(
+                f"guarantees.ood.score {self.guarantees.ood.score!r} differs from uncertainty.ood_score "
+                f"{self.uncertainty.ood_score!r}"
+            )
         if self.files is not None:
             self._check_listed()
         return self
@@ -400,8 +412,9 @@ class Manifest(_Record):
             raise ValueError("ood.scores lists feature scores but model.outputs has no 'features'")
         if self.ood is not None and "mahalanobis_layers" in self.ood.scores:
             if "layer_features" not in self.model.outputs or not self.ood.layers:
-                raise ValueError("ood.scores lists mahalanobis_layers: it needs model.outputs 'layer_features' and "
-                                 "ood.layers")  # fmt: skip
+                raise ValueError(
+                    "ood.scores lists mahalanobis_layers: it needs model.outputs 'layer_features' and ood.layers"
+                )
 
     def _check_classifier(self) -> None:
         if not self.labels:
@@ -474,13 +487,28 @@ def build_manifest(
     """The one constructor of a manifest (``members`` is ``len(heads)``); raises :class:`ArtifactError` naming the
     first bad field. ``files`` is added by :func:`write_manifest`."""
     fields = {
-        "name": name, "family": family, "task": task, "base_model": base_model, "members": len(heads),
-        "heads": heads, "head_index": head_index, "strategy": strategy, "labels": labels, "zero_shot": zero_shot,
+        "name": name,
+        "family": family,
+        "task": task,
+        "base_model": base_model,
+        "members": len(heads),
+        "heads": heads,
+        "head_index": head_index,
+        "strategy": strategy,
+        "labels": labels,
+        "zero_shot": zero_shot,
         "preprocessing": preprocessing.to_dict() if isinstance(preprocessing, BaseModel) else preprocessing,
-        "uncertainty": uncertainty, "model": model, "exports": exports or {}, "precision": precision or {},
-        "metrics": metrics or {}, "data": data, "build": build, "ood": ood, "version": version,
+        "uncertainty": uncertainty,
+        "model": model,
+        "exports": exports or {},
+        "precision": precision or {},
+        "metrics": metrics or {},
+        "data": data,
+        "build": build,
+        "ood": ood,
+        "version": version,
         "guarantees": guarantees,
-    }  # fmt: skip
+    }
     return parse_manifest(_jsonable(fields), "manifest")
 
 

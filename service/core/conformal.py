@@ -159,9 +159,12 @@ def _label_scores(p: np.ndarray, method: str, k_reg: int, lam: float) -> np.ndar
 
 
 def true_label_scores(
-    probs: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor, method: str = "aps", k_reg: int = 1,
+    probs: np.ndarray | torch.Tensor,
+    labels: np.ndarray | torch.Tensor,
+    method: str = "aps",
+    k_reg: int = 1,
     lam: float = 0.01,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """Nonconformity score of the true label ``(N,)``: :func:`label_scores` at ``labels (N,)``."""
     p = _probs(probs)
     y = _labels(labels, p.shape[0], p.shape[1])
@@ -242,9 +245,13 @@ class SetCalibrator:
 
     @classmethod
     def fit(
-        cls, probs: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor, method: str = "aps",
-        k_reg: int = 1, lam: float = 0.01,
-    ) -> SetCalibrator:  # fmt: skip
+        cls,
+        probs: np.ndarray | torch.Tensor,
+        labels: np.ndarray | torch.Tensor,
+        method: str = "aps",
+        k_reg: int = 1,
+        lam: float = 0.01,
+    ) -> SetCalibrator:
         """Calibrate on ``probs (n, C)`` with true ``labels (n,)``; ``method``, ``k_reg``, ``lam`` as in
         :func:`label_scores`."""
         p = _probs(probs)
@@ -313,15 +320,19 @@ class SetCalibrator:
             raise ValueError(f"conformal calibrator lacks {missing}")
         t = {k: tensors[prefix + k] for k in names}
         if t["params"].shape != (2,) or t["method"].dim() != 1:
-            raise ValueError(f"params must be (2,) and method (L,), got {tuple(t['params'].shape)}, "
-                             f"{tuple(t['method'].shape)}")  # fmt: skip
+            raise ValueError(
+                f"params must be (2,) and method (L,), got {tuple(t['params'].shape)}, {tuple(t['method'].shape)}"
+            )
         method = bytes(t["method"].to(torch.uint8).tolist()).decode(errors="replace")
         k_reg, lam = t["params"].to(torch.float64).tolist()
         return cls(
-            method, int(k_reg), float(lam),
-            t["scores"].to(torch.float64).numpy(), t["class_scores"].to(torch.float64).numpy(),
+            method,
+            int(k_reg),
+            float(lam),
+            t["scores"].to(torch.float64).numpy(),
+            t["class_scores"].to(torch.float64).numpy(),
             t["class_offsets"].to(torch.int64).numpy(),
-        )  # fmt: skip
+        )
 
 
 # ----------------------------------------------------------------------------- OOD p-values
@@ -463,9 +474,14 @@ class SelectiveRule:
 
 
 def _selective_inputs(
-    conf: np.ndarray | torch.Tensor, correct: np.ndarray | torch.Tensor, eps: float | Sequence[float], delta: float,
-    eligible: np.ndarray | torch.Tensor | None, p_value: str, min_accept: int | None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, list[float]]:  # fmt: skip
+    conf: np.ndarray | torch.Tensor,
+    correct: np.ndarray | torch.Tensor,
+    eps: float | Sequence[float],
+    delta: float,
+    eligible: np.ndarray | torch.Tensor | None,
+    p_value: str,
+    min_accept: int | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float, list[float]]:
     """:func:`selective_thresholds`' arguments checked: ``(conf, correct, eligible, delta, targets)``."""
     c = np.asarray(conf, dtype=np.float64)
     ok = np.asarray(correct)
@@ -511,10 +527,16 @@ def _candidates(
 
 
 def selective_thresholds(
-    conf: np.ndarray | torch.Tensor, correct: np.ndarray | torch.Tensor, eps: float | Sequence[float],
-    delta: float = 0.1, *, eligible: np.ndarray | torch.Tensor | None = None, p_value: str = "binomial",
-    grid: np.ndarray | Sequence[float] | None = None, min_accept: int | None = None,
-) -> list[SelectiveRule]:  # fmt: skip
+    conf: np.ndarray | torch.Tensor,
+    correct: np.ndarray | torch.Tensor,
+    eps: float | Sequence[float],
+    delta: float = 0.1,
+    *,
+    eligible: np.ndarray | torch.Tensor | None = None,
+    p_value: str = "binomial",
+    grid: np.ndarray | Sequence[float] | None = None,
+    min_accept: int | None = None,
+) -> list[SelectiveRule]:
     """Confidence thresholds whose selective risk is certified at most ``eps`` (Learn then Test, fixed sequence).
 
     Args:
@@ -577,9 +599,16 @@ def selective_thresholds(
 
 
 def _fixed_sequence(
-    thresholds: np.ndarray, n_acc: np.ndarray, k: np.ndarray, n_all: int, e: float, delta: float, fn: Any,
-    data_grid: bool, min_accept: int | None,
-) -> SelectiveRule:  # fmt: skip
+    thresholds: np.ndarray,
+    n_acc: np.ndarray,
+    k: np.ndarray,
+    n_all: int,
+    e: float,
+    delta: float,
+    fn: Any,
+    data_grid: bool,
+    min_accept: int | None,
+) -> SelectiveRule:
     """One target ``e``: the candidates tested from the highest down, stopping at the first p-value above ``delta``;
     the rule of the last rejected (see :func:`selective_thresholds`)."""
     start = 0

@@ -447,9 +447,13 @@ class FusedClassifier(nn.Module):
         return logits
 
     def _first_token_states(
-        self, x: torch.Tensor, seq_len: int, attn_mask: torch.Tensor | None = None,
-        pooled: list[torch.Tensor] | None = None, pool: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        seq_len: int,
+        attn_mask: torch.Tensor | None = None,
+        pooled: list[torch.Tensor] | None = None,
+        pool: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The encoder's last-layer states of each sequence's first token: ``x (M, B*T, d) -> (M, B, d)``
         (``pooled``, ``pool``: see :meth:`FusedEncoder.forward`)."""
         if self.first_token_readout:

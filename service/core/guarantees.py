@@ -140,7 +140,7 @@ class Guarantees:
 
     def prediction_sets(
         self, probs: np.ndarray, alpha: float, mondrian: bool | None = None, checked: bool = False
-    ) -> tuple[np.ndarray, bool, np.ndarray]:  # fmt: skip
+    ) -> tuple[np.ndarray, bool, np.ndarray]:
         """``(sets (B, C) bool, below_min_alpha, filled (B,))``: the conformal sets of ``probs (B, C)`` at ``alpha``,
         never empty (:func:`~service.core.conformal.keep_top`: ``filled`` marks the sets that were empty and got the
         prediction); ``below_min_alpha`` when ``alpha`` is below what the split supports (for some class, with
@@ -169,8 +169,9 @@ class Guarantees:
 
     def monitor(self) -> DriftMonitor:
         """A fresh drift alarm whose reference is the calibration split's scores (:mod:`service.core.drift`)."""
-        return DriftMonitor(self.ood_scores, delta=self.drift_delta, bins=self.drift_bins, seed=0,
-                            edges=self.drift_edges)  # fmt: skip
+        return DriftMonitor(
+            self.ood_scores, delta=self.drift_delta, bins=self.drift_bins, seed=0, edges=self.drift_edges
+        )
 
 
 def load_guarantees(root: Path, manifest: dict[str, Any]) -> Guarantees | None:
@@ -199,10 +200,20 @@ def load_guarantees(root: Path, manifest: dict[str, Any]) -> Guarantees | None:
     if o["score"] != served:
         raise ArtifactError(f"{path}: OOD p-values of {o['score']!r}, the artifact serves {served!r}")
     return Guarantees(
-        sets=sets, ood_scores=ood, metric=served, ood_threshold=float(sel["ood_cut"]["threshold"]),
-        rules={float(r["risk"]): (None if r.get("threshold") is None else float(r["threshold"]))
-               for r in sel["targets"]},
-        alpha=float(conf["alpha"]), ood_alpha=float(o["alpha"]), risk=float(sel["default_risk"]),
-        mondrian=bool(conf.get("mondrian", False)), delta=float(sel["delta"]), drift_delta=float(drift["delta"]),
-        drift_bins=int(drift["bins"]), drift_edges=edges, label_free=bool(o.get("label_free", False)),
-    )  # fmt: skip
+        sets=sets,
+        ood_scores=ood,
+        metric=served,
+        ood_threshold=float(sel["ood_cut"]["threshold"]),
+        rules={
+            float(r["risk"]): (None if r.get("threshold") is None else float(r["threshold"])) for r in sel["targets"]
+        },
+        alpha=float(conf["alpha"]),
+        ood_alpha=float(o["alpha"]),
+        risk=float(sel["default_risk"]),
+        mondrian=bool(conf.get("mondrian", False)),
+        delta=float(sel["delta"]),
+        drift_delta=float(drift["delta"]),
+        drift_bins=int(drift["bins"]),
+        drift_edges=edges,
+        label_free=bool(o.get("label_free", False)),
+    )

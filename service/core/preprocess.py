@@ -35,11 +35,23 @@ ACCEPTED_IMAGE_FORMATS = ("JPEG", "PNG", "WEBP")
 # Pillow warns between 1x and 2x MAX_IMAGE_PIXELS; we refuse above 1x ourselves, so the warning is noise.
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
-_RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
-             "nearest": Image.Resampling.NEAREST, "lanczos": Image.Resampling.LANCZOS}  # fmt: skip
+_RESAMPLE = {
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "nearest": Image.Resampling.NEAREST,
+    "lanczos": Image.Resampling.LANCZOS,
+}
 # magic numbers of image formats we recognise but do not accept (for a 415 instead of a 400)
-_OTHER_FORMATS = ((b"GIF87a", "GIF"), (b"GIF89a", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
-                  (b"\x00\x00\x01\x00", "ICO"), (b"8BPS", "PSD"), (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"))  # fmt: skip
+_OTHER_FORMATS = (
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"8BPS", "PSD"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
+)
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.IGNORECASE)
 _WS = re.compile(r"\s+")
 
@@ -206,8 +218,10 @@ def _eight_bit(im: Image.Image) -> Image.Image:
     if im.mode.startswith("I;16") or (im.mode == "I" and arr.size and arr.min() >= 0 and arr.max() <= 65535):
         eight = np.round(arr.astype(np.float64) / 257.0).astype(np.uint8)  # (H, W)
         return Image.fromarray(eight)  # uint8 (H, W): mode L
-    raise UnsupportedMediaType(f"{im.mode} images ({'floating point' if im.mode == 'F' else '32-bit integer'} "
-                               "pixels) are not accepted; send 8- or 16-bit JPEG, PNG or WebP")
+    raise UnsupportedMediaType(
+        f"{im.mode} images ({'floating point' if im.mode == 'F' else '32-bit integer'} "
+        "pixels) are not accepted; send 8- or 16-bit JPEG, PNG or WebP"
+    )
 
 
 class TextPreprocessor:

@@ -72,8 +72,14 @@ class ClassifierRuntime(Runtime):
             raise ArtifactError(f"{self.root}: cannot load the model for the {self.plan.backend} backend: {e}") from e
         if self.backend.device != self.plan.device:  # e.g. ONNX Runtime without its CUDA provider
             self.plan = Plan(self.plan.backend, self.backend.device, self.plan.precision, self.plan.reason)
-        log.info("%s: %s on %s, %s (%s)", self.name, self.plan.backend, self.plan.device, self.plan.precision,
-                 self.plan.reason)  # fmt: skip
+        log.info(
+            "%s: %s on %s, %s (%s)",
+            self.name,
+            self.plan.backend,
+            self.plan.device,
+            self.plan.precision,
+            self.plan.reason,
+        )
 
     # -- request side (event loop or a request thread): one bad input fails only its request
     def prepare(self, raw: Sequence[str | bytes], field: str, *, base64_encoded: bool) -> list[Any]:
@@ -93,8 +99,9 @@ class ClassifierRuntime(Runtime):
             )
         features = outs[1] if len(outs) > 1 else None  # (B, M, D)
         layers = outs[2] if len(outs) > 2 else None  # (B, M, L-1, d)
-        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats,
-                              layers)  # fmt: skip
+        return summarize_rows(
+            logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats, layers
+        )
 
     async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
         """Prepared inputs of one request -> its results over the artifact's labels."""

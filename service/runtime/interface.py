@@ -108,9 +108,14 @@ class Query:
 
 
 def summarize_rows(
-    logits: torch.Tensor, temperature: float, metric: str, threshold: float, features: torch.Tensor | None = None,
-    stats: OODStats | None = None, layer_features: torch.Tensor | None = None,
-) -> list[ItemResult]:  # fmt: skip
+    logits: torch.Tensor,
+    temperature: float,
+    metric: str,
+    threshold: float,
+    features: torch.Tensor | None = None,
+    stats: OODStats | None = None,
+    layer_features: torch.Tensor | None = None,
+) -> list[ItemResult]:
     """Member logits ``(B, M, C)`` (and features ``(B, M, D)``, layer features ``(B, M, L-1, d)``) -> one
     :class:`ItemResult` per input.
 
@@ -118,8 +123,11 @@ def summarize_rows(
     score of :func:`service.core.ood.ensemble_scores` is computed too, and ``metric`` may name any of them.
     """
     s = summarize(logits, temperature)
-    all_scores = (ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features)
-                  if stats is not None else None)  # fmt: skip
+    all_scores = (
+        ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features)
+        if stats is not None
+        else None
+    )
     score = all_scores[metric] if all_scores is not None else ood_score(s, metric)  # float64 with statistics
     flag = ood_flag(score, metric, threshold)
     probs = s["probs"].numpy()  # (B, C)
@@ -170,16 +178,22 @@ def load_ood_stats(root: Path, manifest: dict[str, Any]) -> OODStats | None:
         raise ArtifactError(f"{root / spec['file']}: no norms for the scores {missing} the manifest lists")
     if "mahalanobis_layers" in spec["scores"]:
         if stats.layers is None or list(stats.layers.ids) != list(spec.get("layers") or []):
-            raise ArtifactError(f"{root / spec['file']}: the layer statistics of mahalanobis_layers do not match "
-                                f"ood.layers {spec.get('layers')}")  # fmt: skip
+            raise ArtifactError(
+                f"{root / spec['file']}: the layer statistics of mahalanobis_layers do not match "
+                f"ood.layers {spec.get('layers')}"
+            )
         if stats.layers.members != int(manifest["members"]):
-            raise ArtifactError(f"{root / spec['file']}: layer statistics for {stats.layers.members} members, the "
-                                f"model has {manifest['members']}")  # fmt: skip
+            raise ArtifactError(
+                f"{root / spec['file']}: layer statistics for {stats.layers.members} members, the "
+                f"model has {manifest['members']}"
+            )
     g = stats.gaussians
     classes = 1 if spec.get("label_free") else len(manifest["labels"])  # zero-shot: one Gaussian of ID images
     if g is not None and (g.members != int(manifest["members"]) or g.means.shape[1] != classes):
-        raise ArtifactError(f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
-                            f"classes, the model has {manifest['members']} and {classes}")  # fmt: skip
+        raise ArtifactError(
+            f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
+            f"classes, the model has {manifest['members']} and {classes}"
+        )
     return stats
 
 
@@ -213,18 +227,25 @@ class Runtime(abc.ABC):
         self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
         # the drift test, fed from the request path in chunks (service.core.drift.DriftFeed: the statistic is that of
         # every score fed at once; /metrics may lag by up to 63 inputs or a second)
-        self.drift = (DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics)
-                      if self.guarantees is not None else None)  # fmt: skip
+        self.drift = (
+            DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics) if self.guarantees is not None else None
+        )
         self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
         if self.guarantees is not None and metrics is not None:
             metrics.drift_alarm.labels(self.name).set(0)
             metrics.drift_statistic.labels(self.name).set(0.0)
             metrics.drift_threshold.labels(self.name).set(float(np.log10(1 / self.guarantees.drift_delta)))
         self.batcher = Batcher(
-            self.name, self._run, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000,
-            max_queue=settings.max_queue, metrics=metrics, unhealthy_after=settings.unready_after_failures,
-            on_health=self._health_changed, fill=settings.batch_fill,
-        )  # fmt: skip
+            self.name,
+            self._run,
+            max_batch=settings.max_batch,
+            max_wait_s=settings.max_wait_ms / 1000,
+            max_queue=settings.max_queue,
+            metrics=metrics,
+            unhealthy_after=settings.unready_after_failures,
+            on_health=self._health_changed,
+            fill=settings.batch_fill,
+        )
         self.ready = False
         self._prober: asyncio.Task | None = None
 
@@ -293,9 +314,11 @@ class Runtime(abc.ABC):
         g = self.guarantees
         if query.risk is not None and (g is None or query.risk not in g.rules):
             targets = sorted(g.rules) if g is not None else []
-            raise InvalidInput(f"risk: {query.risk} is not a target this model was built with; available: "
-                               f"{targets if targets else 'none (the model has no calibration split)'}",
-                               status=422)  # fmt: skip
+            raise InvalidInput(
+                f"risk: {query.risk} is not a target this model was built with; available: "
+                f"{targets if targets else 'none (the model has no calibration split)'}",
+                status=422,
+            )
 
     def _guarantees(self, results: list[ItemResult], query: Query) -> None:
         """Each result's OOD p-value and flag at the request's level, prediction set and risk decision. The drift
@@ -308,7 +331,7 @@ class Runtime(abc.ABC):
         risk = g.risk if query.risk is None else query.risk
         probs = None
         if self.sets_hold(query):  # (B, C) float64
-            probs = (results[0].probs[None, :] if len(results) == 1 else np.stack([r.probs for r in results]))
+            probs = results[0].probs[None, :] if len(results) == 1 else np.stack([r.probs for r in results])
             probs = probs.astype(np.float64, copy=False)
         ans = g.answer(scores, probs, alpha, risk)
         p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
@@ -325,8 +348,14 @@ class Runtime(abc.ABC):
         except RuntimeError:  # no event loop (a direct call): now
             self._record(*record)
 
-    def _record(self, scores: list[float] | None, p: list[float], sets: np.ndarray | None,
-                accepted: list[bool] | None, risk: float) -> None:  # fmt: skip
+    def _record(
+        self,
+        scores: list[float] | None,
+        p: list[float],
+        sets: np.ndarray | None,
+        accepted: list[bool] | None,
+        risk: float,
+    ) -> None:
         """The drift test fed (``scores``: None for the server's own warm-up and probe inputs) and the guarantees'
         metrics: p-values, set sizes, accept decisions."""
         g = self.guarantees
@@ -369,8 +398,9 @@ class Runtime(abc.ABC):
     def reset_drift(self) -> dict[str, Any]:
         """Start a fresh drift test (after an investigation): the alarm cleared, the statistic back to 1."""
         if self.drift is None:
-            raise InvalidInput(f"model {self.name!r} has no drift test (it was built without a calibration split)",
-                               status=409)  # fmt: skip
+            raise InvalidInput(
+                f"model {self.name!r} has no drift test (it was built without a calibration split)", status=409
+            )
         before = self.drift_state()
         self.drift.reset()
         if self.metrics is not None:
@@ -384,9 +414,14 @@ class Runtime(abc.ABC):
         if self.drift is None or self.guarantees is None:
             return None
         d = self.drift.flush()  # the buffered inputs first: the state of every input served
-        return {"alarm": d.alarm, "log10_statistic": d.log10_statistic,
-                "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)), "inputs": d.count,
-                "alarm_at": d.alarm_at, "delta": self.guarantees.drift_delta}  # fmt: skip
+        return {
+            "alarm": d.alarm,
+            "log10_statistic": d.log10_statistic,
+            "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)),
+            "inputs": d.count,
+            "alarm_at": d.alarm_at,
+            "delta": self.guarantees.drift_delta,
+        }
 
     @abc.abstractmethod
     async def warmup(self) -> None:
@@ -453,19 +488,32 @@ class Runtime(abc.ABC):
             "device": plan.device if plan else "none",
             "precision": plan.precision if plan else "none",
             "max_batch": self.settings.max_batch,
-            "uncertainty": {"temperature": self.temperature, "ood_score": self.ood_metric,
-                            "ood_threshold": self.ood_threshold, "tpr": self.manifest["uncertainty"].get("tpr")},
+            "uncertainty": {
+                "temperature": self.temperature,
+                "ood_score": self.ood_metric,
+                "ood_threshold": self.ood_threshold,
+                "tpr": self.manifest["uncertainty"].get("tpr"),
+            },
             "guarantees": self._describe_guarantees(),
-        }  # fmt: skip
+        }
 
     def _describe_guarantees(self) -> dict[str, Any] | None:
         """What a client may ask for: the defaults, the certified risk targets, the smallest alpha; the drift test."""
         g = self.guarantees
         if g is None:
             return None
-        return {"calibration_size": g.n, "method": g.sets.method, "alpha": g.alpha, "min_alpha": g.min_alpha,
-                "mondrian": g.mondrian, "ood_alpha": g.ood_alpha, "risk": g.risk, "delta": g.delta,
-                "risks": {str(k): v for k, v in sorted(g.rules.items())}, "drift": self.drift_state()}  # fmt: skip
+        return {
+            "calibration_size": g.n,
+            "method": g.sets.method,
+            "alpha": g.alpha,
+            "min_alpha": g.min_alpha,
+            "mondrian": g.mondrian,
+            "ood_alpha": g.ood_alpha,
+            "risk": g.risk,
+            "delta": g.delta,
+            "risks": {str(k): v for k, v in sorted(g.rules.items())},
+            "drift": self.drift_state(),
+        }
 
     def _count(self, results: list[ItemResult]) -> None:
         if self.metrics is not None:

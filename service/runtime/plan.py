@@ -133,8 +133,10 @@ def resolve_plan(
             raise BackendConfigError(f"{name}: HYDRA_BACKEND=torchscript but the artifact has no TorchScript export")
     elif backend == "aoti":
         if not _export_file(manifest, "aoti"):
-            raise BackendConfigError(f"{name}: HYDRA_BACKEND=aoti but the artifact has no AOTInductor package "
-                                     "(build it with export.aoti: true)")  # fmt: skip
+            raise BackendConfigError(
+                f"{name}: HYDRA_BACKEND=aoti but the artifact has no AOTInductor package "
+                "(build it with export.aoti: true)"
+            )
         if device != "cpu":
             raise BackendConfigError(f"{name}: the AOTInductor package is compiled for the CPU; use HYDRA_DEVICE=cpu")
     elif backend != "torch":
@@ -161,9 +163,7 @@ def _eager_plan(manifest: dict[str, Any], device: str, backend: str, precision: 
     return Plan(backend="torch", device=device, precision=precision, reason=reason)
 
 
-def load_backend(
-    root: str | Path, manifest: dict[str, Any], plan: Plan, threads: int | None = None
-) -> Backend:
+def load_backend(root: str | Path, manifest: dict[str, Any], plan: Plan, threads: int | None = None) -> Backend:
     """Build the backend ``plan`` names for the artifact at ``root``."""
     root = Path(root)
     spec = manifest["model"]

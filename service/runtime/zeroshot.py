@@ -52,9 +52,11 @@ def text_cache_counter(metrics: Metrics) -> Counter:
     """``hydra_zero_shot_text_cache_total{model, result="hit"|"miss"}``, registered once per :class:`Metrics`."""
     if metrics.zero_shot_text_cache is None:
         metrics.zero_shot_text_cache = Counter(
-            "hydra_zero_shot_text_cache", "Zero-shot text-embedding cache lookups, by result (hit or miss).",
-            ["model", "result"], registry=metrics.registry,
-        )  # fmt: skip
+            "hydra_zero_shot_text_cache",
+            "Zero-shot text-embedding cache lookups, by result (hit or miss).",
+            ["model", "result"],
+            registry=metrics.registry,
+        )
     return metrics.zero_shot_text_cache
 
 
@@ -125,8 +127,9 @@ class CLIPZeroShotRuntime(Runtime):
     def resolve(self) -> None:
         """Torch eager on ``HYDRA_DEVICE``; fp32 on CPU, bf16 autocast on CUDA (unless ``HYDRA_PRECISION``)."""
         s = self.settings
-        self.plan = resolve_plan(self.manifest, device=s.device, backend=s.backend, precision=s.precision,
-                                 eager_only=True)  # fmt: skip
+        self.plan = resolve_plan(
+            self.manifest, device=s.device, backend=s.backend, precision=s.precision, eager_only=True
+        )
 
     def load(self) -> None:
         """Read the fused weights and embed the manifest's labels with its template (blocking)."""
@@ -159,8 +162,9 @@ class CLIPZeroShotRuntime(Runtime):
         with torch.inference_mode(), self._autocast():
             for i in range(0, len(ids), TEXT_CHUNK):
                 batch = self.text_pre.collate(ids[i : i + TEXT_CHUNK])
-                emb = self.model.encode_text(batch["input_ids"].to(self.plan.device),
-                                             batch["attention_mask"].to(self.plan.device))  # fmt: skip
+                emb = self.model.encode_text(
+                    batch["input_ids"].to(self.plan.device), batch["attention_mask"].to(self.plan.device)
+                )
                 out.append(emb.float().cpu())
         return torch.cat(out)
 
@@ -193,9 +197,7 @@ class CLIPZeroShotRuntime(Runtime):
         per_layer = layers.float().cpu().unbind(0) if layers is not None else [None] * len(items)
         return list(zip(emb.float().cpu().unbind(0), per_layer, strict=True))
 
-    def _results(
-        self, image: torch.Tensor, text: torch.Tensor, layers: torch.Tensor | None = None
-    ) -> list[ItemResult]:
+    def _results(self, image: torch.Tensor, text: torch.Tensor, layers: torch.Tensor | None = None) -> list[ItemResult]:
         """Image ``(B, M, D)`` and text ``(L, M, D)`` embeddings (and the images' layer features) -> one
         :class:`ItemResult` per image; with label-free statistics the OOD scores of the image side too."""
         assert self.model is not None
@@ -205,8 +207,9 @@ class CLIPZeroShotRuntime(Runtime):
             logits = zero_shot_logits(image, text, scale, bias)  # (B, M, L)
         if self.ood_stats is None:
             return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold)
-        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, image, self.ood_stats,
-                              layers)  # fmt: skip
+        return summarize_rows(
+            logits, self.temperature, self.ood_metric, self.ood_threshold, image, self.ood_stats, layers
+        )
 
     def sets_hold(self, query: Query) -> bool:
         """The sets and risk rules were calibrated on the build's labels and template: they hold for ``/predict``
@@ -243,6 +246,9 @@ class CLIPZeroShotRuntime(Runtime):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         zs = self.manifest.get("zero_shot") or {}
-        d["zero_shot"] = {"template": self.template, "embed_dim": zs.get("embed_dim"),
-                          "text_cache_size": self.cache.size}  # fmt: skip
+        d["zero_shot"] = {
+            "template": self.template,
+            "embed_dim": zs.get("embed_dim"),
+            "text_cache_size": self.cache.size,
+        }
         return d

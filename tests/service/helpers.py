@@ -21,8 +21,13 @@ def settings_for(*dirs: Path, **overrides) -> Settings:
     # start-up set it back to True)
     # precision="fp32": the suite compares answers with the fp32 model; "auto" would serve bf16 on a CPU with native
     # bf16 (AMX: some machines of CI's kind have it). What "auto" picks is tested in test_backends.py.
-    base = {"artifacts": [str(d) for d in dirs], "device": "cpu", "max_wait_ms": 2.0, "load_in_background": False,
-            "precision": "fp32"}
+    base = {
+        "artifacts": [str(d) for d in dirs],
+        "device": "cpu",
+        "max_wait_ms": 2.0,
+        "load_in_background": False,
+        "precision": "fp32",
+    }
     return Settings(**{**base, **overrides})
 
 

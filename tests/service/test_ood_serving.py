@@ -26,16 +26,28 @@ from tests.service.helpers import assert_error, b64, noise_images, png, settings
 @pytest.fixture(scope="module")
 def ood_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny ViT whose served score is the members' Mahalanobis distance (threshold at 95 % of random inputs)."""
-    return make_tiny_artifact(tmp_path_factory.mktemp("ood") / "vit", "vit", name="tiny-ood", ood=True,
-                              ood_score="mahalanobis", ood_threshold=None)  # fmt: skip
+    return make_tiny_artifact(
+        tmp_path_factory.mktemp("ood") / "vit",
+        "vit",
+        name="tiny-ood",
+        ood=True,
+        ood_score="mahalanobis",
+        ood_threshold=None,
+    )
 
 
 @pytest.fixture(scope="module", params=["vit", "bert"])
 def layers_artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model whose served score is mahalanobis_layers (its layer features exported too)."""
     family = request.param
-    return make_tiny_artifact(tmp_path_factory.mktemp("layers") / family, family, name=f"tiny-layers-{family}",
-                              ood=True, ood_score="mahalanobis_layers", ood_threshold=None)  # fmt: skip
+    return make_tiny_artifact(
+        tmp_path_factory.mktemp("layers") / family,
+        family,
+        name=f"tiny-layers-{family}",
+        ood=True,
+        ood_score="mahalanobis_layers",
+        ood_threshold=None,
+    )
 
 
 def builder_scores(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
@@ -107,8 +119,9 @@ def test_layer_score_served_equals_the_builders_in_every_backend(layers_artifact
     assert r.status_code == 200, r.text
     for i, p in enumerate(r.json()["predictions"]):
         assert p["ood"]["metric"] == "mahalanobis_layers"
-        assert p["ood"]["scores"]["mahalanobis_layers"] == pytest.approx(float(want["mahalanobis_layers"][i]),
-                                                                         rel=1e-4, abs=1e-4)  # fmt: skip
+        assert p["ood"]["scores"]["mahalanobis_layers"] == pytest.approx(
+            float(want["mahalanobis_layers"][i]), rel=1e-4, abs=1e-4
+        )
         assert p["ood"]["score"] == p["ood"]["scores"]["mahalanobis_layers"]
     bad = {**m, "model": {**m["model"], "outputs": ["logits", "features"]}}
     with pytest.raises(ArtifactError, match="layer_features"):
@@ -152,8 +165,9 @@ def test_manifest_refuses_a_feature_score_without_statistics_or_features(ood_art
 
 def test_statistics_for_another_model_refuse_to_load(ood_artifact, tmp_path):
     """OOD statistics of a model with other classes: the server refuses the artifact at start-up, naming the file."""
-    other = make_tiny_artifact(tmp_path / "other", "vit", labels=["a", "b"], ood=True, ood_score="mahalanobis",
-                               ood_threshold=None)  # fmt: skip
+    other = make_tiny_artifact(
+        tmp_path / "other", "vit", labels=["a", "b"], ood=True, ood_score="mahalanobis", ood_threshold=None
+    )
     (ood_artifact.parent / "mixed").mkdir(exist_ok=True)
     mixed = ood_artifact.parent / "mixed"
     for f in ood_artifact.iterdir():

@@ -56,14 +56,26 @@ def _backbone_artifact(out: Path) -> tuple[Path, dict]:
     overlay = arch["pretrained_cfg_overlay"]
     labels = [data_mod.FASHION_CLASSES[c] for c in data_mod.FASHION_ID_CLASSES]
     manifest = build_manifest(
-        name="fashion-backbone", family="vit", task="classification", base_model={"name": rec["name"]},
-        heads=[[list(range(h)) for h in cfg["num_heads"]]], strategy={"name": "random", "seeds": [0]}, labels=labels,
-        preprocessing=ImagePreprocessing(size=(28, 28), mean=overlay["mean"], std=overlay["std"],
-                                         interpolation="bilinear", channels=1),
+        name="fashion-backbone",
+        family="vit",
+        task="classification",
+        base_model={"name": rec["name"]},
+        heads=[[list(range(h)) for h in cfg["num_heads"]]],
+        strategy={"name": "random", "seeds": [0]},
+        labels=labels,
+        preprocessing=ImagePreprocessing(
+            size=(28, 28), mean=overlay["mean"], std=overlay["std"], interpolation="bilinear", channels=1
+        ),
         uncertainty={"temperature": 1.0, "ood_score": "msp", "ood_threshold": 0.0, "tpr": 0.95},
-        model={"config": cfg, "weights": "model.safetensors", "inputs": ["pixel_values"], "output": "logits",
-               "shape": "(B, M, C)", "outputs": ["logits"]},
-    )  # fmt: skip
+        model={
+            "config": cfg,
+            "weights": "model.safetensors",
+            "inputs": ["pixel_values"],
+            "output": "logits",
+            "shape": "(B, M, C)",
+            "outputs": ["logits"],
+        },
+    )
     write_manifest(out, manifest)
     return out, rec
 

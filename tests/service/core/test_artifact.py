@@ -120,8 +120,15 @@ def test_files_the_manifest_points_to_must_be_listed(artifact):
 
 def test_image_preprocessing_checks_its_values():
     ok = ImagePreprocessing(size=(16, 16), mean=[0.5], std=[0.25], channels=1)
-    assert ok.to_dict() == {"type": "image", "size": [16, 16], "mean": [0.5], "std": [0.25],
-                            "interpolation": "bilinear", "channels": 1, "resize": "direct"}  # fmt: skip
+    assert ok.to_dict() == {
+        "type": "image",
+        "size": [16, 16],
+        "mean": [0.5],
+        "std": [0.25],
+        "interpolation": "bilinear",
+        "channels": 1,
+        "resize": "direct",
+    }
     with pytest.raises(ValueError, match="std must be > 0"):
         ImagePreprocessing(size=(16, 16), mean=[0.5], std=[0.0], channels=1)
     with pytest.raises(ValueError, match="mean needs 1 or 3 values, got 2"):

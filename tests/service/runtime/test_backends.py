@@ -126,8 +126,11 @@ def test_bf16_backend_stores_gemm_weights_in_bf16_with_the_same_outputs(family):
     model = build_model(tiny_config(family)).eval()
     model.with_features = True
     reference = copy.deepcopy(model)
-    inputs = ({"pixel_values": torch.randn(3, 1, 16, 16)} if family == "vit"
-              else {"input_ids": torch.randint(0, 1000, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.long)})
+    inputs = (
+        {"pixel_values": torch.randn(3, 1, 16, 16)}
+        if family == "vit"
+        else {"input_ids": torch.randint(0, 1000, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.long)}
+    )
     names = list(inputs)
     backend = TorchBackend(model, names, "cpu", "bf16")
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -136,5 +139,8 @@ def test_bf16_backend_stores_gemm_weights_in_bf16_with_the_same_outputs(family):
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w.float())
     low = {n for n, p in backend.model.named_parameters() if p.dtype == torch.bfloat16}
-    assert low and all(n.endswith(".weight") and ("attn." in n or "mlp." in n or n.split(".")[0] in
-                                                  ("patch_embed", "head", "classifier", "pooler")) for n in low), low
+    assert low and all(
+        n.endswith(".weight")
+        and ("attn." in n or "mlp." in n or n.split(".")[0] in ("patch_embed", "head", "classifier", "pooler"))
+        for n in low
+    ), low
