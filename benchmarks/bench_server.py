@@ -117,7 +117,7 @@ def raw_throughput(
     backend = load_backend(
         artifact, manifest, Plan(plan["backend"], plan["device"], plan["precision"], "bench"), threads=threads
     )
-    pre = make_preprocessor(manifest["preprocessing"], artifact, 10**9)
+    pre = make_preprocessor(manifest.preprocessing, artifact, 10**9)
     if isinstance(pre, ImagePreprocessor):
         item = pre(decode_base64(body["image"], "image"))
     else:
@@ -202,9 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--requests must be in 1..100000 and --duration in (0, 600]")
 
     tmp = tempfile.TemporaryDirectory(prefix="hydra-bench-")
-    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
-    name = manifest["name"]
-    body = harness.payload(manifest)
+    artifact, doc = harness.open_artifact(args, Path(tmp.name))
+    from service.core.artifact import load_manifest
+
+    manifest = load_manifest(artifact)
+    name = manifest.name
+    body = harness.payload(doc)
     port = harness.free_port()
     env = {
         "HYDRA_BACKEND": args.backend,
@@ -275,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not args.tiny
         else f"tiny {args.tiny} (random weights)",
-        "family": manifest["family"],
-        "members": manifest["members"],
+        "family": manifest.family,
+        "members": manifest.members,
         **plan,
         "settings": {
             "max_batch": args.max_batch,

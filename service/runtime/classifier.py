@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from ..core.artifact import ArtifactError
+from ..core.artifact import ArtifactError, Manifest
 from ..core.backends import Backend, BackendConfigError
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
 from ..metrics import Metrics
@@ -31,14 +31,14 @@ class ClassifierRuntime(Runtime):
 
     task = "classification"
 
-    def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
+    def __init__(self, root: Path, manifest: Manifest, settings: Settings, metrics: Metrics | None) -> None:
         super().__init__(root, manifest, settings, metrics)
-        prep = manifest["preprocessing"]
+        prep = manifest.preprocessing
         try:
             self.pre: ImagePreprocessor | TextPreprocessor = make_preprocessor(prep, root, settings.max_image_pixels)
         except (ValueError, KeyError, OSError) as e:
             raise ArtifactError(f"{root}: bad preprocessing in the manifest: {e}") from e
-        cfg = manifest["model"]["config"]
+        cfg = manifest.model.config  # the fused architecture (free form: service.core.registry reads it)
         if isinstance(self.pre, TextPreprocessor) and self.pre.max_length > int(cfg.get("max_position", 1 << 30)):
             raise ArtifactError(
                 f"{root}: preprocessing.max_length {self.pre.max_length} exceeds the model's "

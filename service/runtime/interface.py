@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, artifact_version
+from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, Manifest, artifact_version
 from ..core.drift import DriftFeed, DriftMonitor
 from ..core.errors import InvalidInput
 from ..core.guarantees import load_guarantees, outlier_oriented
@@ -163,36 +163,35 @@ def preprocess_images(
     return out
 
 
-def load_ood_stats(root: Path, manifest: dict[str, Any]) -> OODStats | None:
+def load_ood_stats(root: Path, manifest: Manifest) -> OODStats | None:
     """The artifact's OOD statistics (manifest ``ood``; None without it), checked against the model's shape: class
     Gaussians of a classifier, or (``ood.label_free``, zero-shot) one Gaussian of the ID images per member."""
-    spec = manifest.get("ood")
+    spec = manifest.ood
     if spec is None:
         return None
+    path = root / spec.file
     try:
-        stats = ood_from_tensors(load_file(str(root / spec["file"])))
+        stats = ood_from_tensors(load_file(str(path)))
     except (OSError, ValueError, KeyError) as e:
-        raise ArtifactError(f"{root / spec['file']}: unreadable OOD statistics ({e})") from e
-    missing = [s for s in spec["scores"] if s in PER_MEMBER_SCORES and s not in stats.norms]
+        raise ArtifactError(f"{path}: unreadable OOD statistics ({e})") from e
+    missing = [s for s in spec.scores if s in PER_MEMBER_SCORES and s not in stats.norms]
     if missing:
-        raise ArtifactError(f"{root / spec['file']}: no norms for the scores {missing} the manifest lists")
-    if "mahalanobis_layers" in spec["scores"]:
-        if stats.layers is None or list(stats.layers.ids) != list(spec.get("layers") or []):
+        raise ArtifactError(f"{path}: no norms for the scores {missing} the manifest lists")
+    if "mahalanobis_layers" in spec.scores:
+        if stats.layers is None or list(stats.layers.ids) != list(spec.layers or []):
             raise ArtifactError(
-                f"{root / spec['file']}: the layer statistics of mahalanobis_layers do not match "
-                f"ood.layers {spec.get('layers')}"
+                f"{path}: the layer statistics of mahalanobis_layers do not match ood.layers {spec.layers}"
             )
-        if stats.layers.members != int(manifest["members"]):
+        if stats.layers.members != manifest.members:
             raise ArtifactError(
-                f"{root / spec['file']}: layer statistics for {stats.layers.members} members, the "
-                f"model has {manifest['members']}"
+                f"{path}: layer statistics for {stats.layers.members} members, the model has {manifest.members}"
             )
     g = stats.gaussians
-    classes = 1 if spec.get("label_free") else len(manifest["labels"])  # zero-shot: one Gaussian of ID images
-    if g is not None and (g.members != int(manifest["members"]) or g.means.shape[1] != classes):
+    classes = 1 if spec.label_free else len(manifest.labels or [])  # zero-shot: one Gaussian of ID images
+    if g is not None and (g.members != manifest.members or g.means.shape[1] != classes):
         raise ArtifactError(
-            f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
-            f"classes, the model has {manifest['members']} and {classes}"
+            f"{path}: statistics for {g.members} members and {g.means.shape[1]} classes, the model has "
+            f"{manifest.members} and {classes}"
         )
     return stats
 
@@ -203,22 +202,22 @@ class Runtime(abc.ABC):
     task: ClassVar[str]
     pre: ImagePreprocessor | TextPreprocessor  # the inputs' decoding and preprocessing (set by the subclass)
 
-    def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
+    def __init__(self, root: Path, manifest: Manifest, settings: Settings, metrics: Metrics | None) -> None:
         self.root = root
         self.manifest = manifest
         self.settings = settings
         self.metrics = metrics
-        self.name: str = manifest["name"]
+        self.name: str = manifest.name
         try:
             self.version: str = artifact_version(manifest)
         except ArtifactError as e:
             raise ArtifactError(f"{root}: {e}") from None
-        self.family: str = manifest["family"]
-        self.members: int = int(manifest["members"])
-        unc = manifest["uncertainty"]
-        self.temperature = float(unc["temperature"])
-        self.ood_metric = str(unc["ood_score"])
-        self.ood_threshold = float(unc["ood_threshold"])
+        self.family: str = manifest.family
+        self.members: int = manifest.members
+        unc = manifest.uncertainty
+        self.temperature = unc.temperature
+        self.ood_metric: str = unc.ood_score
+        self.ood_threshold = unc.ood_threshold
         if self.ood_metric not in OOD_METRICS:
             raise ArtifactError(f"{root}: uncertainty.ood_score {self.ood_metric!r} is not in {sorted(OOD_METRICS)}")
         if not self.temperature > 0:
@@ -263,7 +262,7 @@ class Runtime(abc.ABC):
     @property
     def labels(self) -> list[str]:
         """The artifact's own labels (the classes of ``/predict``)."""
-        return list(self.manifest.get("labels") or [])
+        return list(self.manifest.labels or [])
 
     def answers(self, task: str) -> bool:
         """Whether this runtime answers the endpoint of ``task`` (``classification``: ``/predict``,
@@ -492,7 +491,7 @@ class Runtime(abc.ABC):
                 "temperature": self.temperature,
                 "ood_score": self.ood_metric,
                 "ood_threshold": self.ood_threshold,
-                "tpr": self.manifest["uncertainty"].get("tpr"),
+                "tpr": self.manifest.uncertainty.tpr,
             },
             "guarantees": self._describe_guarantees(),
         }

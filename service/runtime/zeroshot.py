@@ -30,7 +30,7 @@ import anyio
 import torch
 from prometheus_client import Counter
 
-from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError
+from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, ImagePreprocessing, Manifest
 from ..core.errors import InvalidInput
 from ..core.fused_clip import FusedCLIP, zero_shot_logits
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor
@@ -93,21 +93,19 @@ class CLIPZeroShotRuntime(Runtime):
 
     task = "zero-shot"
 
-    def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
+    def __init__(self, root: Path, manifest: Manifest, settings: Settings, metrics: Metrics | None) -> None:
         super().__init__(root, manifest, settings, metrics)
-        prep = manifest.get("preprocessing") or {}
-        zs = manifest.get("zero_shot") or {}
-        model = manifest.get("model")
-        if not isinstance(model, dict) or "config" not in model or "weights" not in model:
-            raise ArtifactError(f"{root / 'manifest.json'}: manifest lacks the 'model' block (config, weights)")
-        if model["config"].get("arch") != "clip":
+        prep = manifest.preprocessing
+        if manifest.model.config.get("arch") != "clip":
             raise ArtifactError(f"{root}: a zero-shot artifact needs model.config.arch 'clip'")
+        if not isinstance(prep, ImagePreprocessing) or prep.text is None:  # refused at load; narrows the type
+            raise ArtifactError(f"{root}: a zero-shot artifact needs image preprocessing with a text part")
         try:
             self.pre = ImagePreprocessor(prep, settings.max_image_pixels)
-            self.text_pre = TextPreprocessor({**prep["text"], "type": "text"}, root)
+            self.text_pre = TextPreprocessor(prep.text, root)
         except (ValueError, KeyError, TypeError, OSError) as e:
             raise ArtifactError(f"{root}: bad preprocessing in the manifest: {e}") from e
-        self.template: str = str(zs.get("template", DEFAULT_TEMPLATE))
+        self.template: str = manifest.zero_shot.template if manifest.zero_shot is not None else DEFAULT_TEMPLATE
         self.model: FusedCLIP | None = None
         self.cache = TextCache(TEXT_CACHE_SIZE)
         self._fixed: torch.Tensor | None = None  # (C, M, D) text embeddings of the manifest's labels
@@ -136,9 +134,9 @@ class CLIPZeroShotRuntime(Runtime):
         if self.plan is None:
             self.resolve()
         assert self.plan is not None
-        cfg = self.manifest["model"]
+        spec = self.manifest.model
         try:
-            model = load_model(self.root / cfg["weights"], cfg["config"], device=self.plan.device)
+            model = load_model(self.root / spec.weights, spec.config, device=self.plan.device)
         except Exception as e:  # weights not matching the config, unreadable file, ...
             raise ArtifactError(f"{self.root}: cannot load the zero-shot model: {e}") from e
         assert isinstance(model, FusedCLIP)
@@ -245,10 +243,10 @@ class CLIPZeroShotRuntime(Runtime):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        zs = self.manifest.get("zero_shot") or {}
+        zs = self.manifest.zero_shot
         d["zero_shot"] = {
             "template": self.template,
-            "embed_dim": zs.get("embed_dim"),
+            "embed_dim": zs.embed_dim if zs is not None else None,
             "text_cache_size": self.cache.size,
         }
         return d

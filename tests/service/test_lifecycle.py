@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from pydantic import ValidationError
 
 from benchmarks.harness import free_port
 from service.__main__ import freeze_startup_heap
+from service.core.artifact import load_manifest
 from service.lifecycle import StartupError
 from service.main import create_app
 from service.runtime import ClassifierRuntime
@@ -225,8 +225,7 @@ def test_python_m_service_serves_and_stops_on_sigterm(artifacts, artifact_copy):
             proc.kill()
     # a corrupt artifact: exit status 3 and the bad file named in the log
     art = artifact_copy("vit")
-    manifest = json.loads((art / "manifest.json").read_text())
-    (art / manifest["exports"]["onnx"]["file"]).write_bytes(b"garbage")
+    (art / load_manifest(art).export_file("onnx")).write_bytes(b"garbage")
     bad = subprocess.run(
         [sys.executable, "-m", "service"],
         cwd=ROOT,

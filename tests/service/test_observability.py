@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from service import settings as settings_module
-from service.core.artifact import ArtifactError, artifact_version, load_manifest, write_manifest
+from service.core.artifact import ArtifactError, artifact_version, load_manifest, parse_manifest, write_manifest
 from service.core.jsonlog import json_formatter
 from service.logs import RequestContextFilter, configure_logging
 from service.main import create_app
@@ -280,7 +280,7 @@ def rewrite(root: Path, **changes) -> None:
         else:
             doc[section] = value
     doc.pop("files")
-    write_manifest(root, doc)
+    write_manifest(root, parse_manifest(doc))
 
 
 def test_version_is_a_hash_of_the_manifest_unless_recorded(artifact_copy):
@@ -295,11 +295,10 @@ def test_version_is_a_hash_of_the_manifest_unless_recorded(artifact_copy):
     assert artifact_version(load_manifest(root)) == "v7"
     with pytest.raises(ArtifactError, match="manifest field version"):
         rewrite(root, version="has space")
-    doc = load_manifest(root)
-    doc.pop("version")
-    doc["build"]["version"] = "a/b"
+    m = load_manifest(root)
+    bad = m.model_copy(update={"version": None, "build": {**(m.build or {}), "version": "a/b"}})
     with pytest.raises(ArtifactError, match="build.version 'a/b' is not a version"):
-        artifact_version(doc)
+        artifact_version(bad)
 
 
 def test_version_everywhere(artifact_copy):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from safetensors.torch import save_file
 
-from service.core.artifact import write_manifest
+from service.core.artifact import OODSpec, load_manifest, write_manifest
 from service.core.fused_clip import FusedCLIP, zero_shot_logits
 from service.core.preprocess import ImagePreprocessor, TextPreprocessor
 from service.core.registry import build_model
@@ -50,21 +49,21 @@ def rgb_png(seed: int) -> bytes:
 
 def reference_probs(root: Path, images: list[bytes], labels: list[str], template: str) -> dict[str, torch.Tensor]:
     """Direct computation: FusedCLIP from the artifact, embeddings, zero_shot_logits, summarize."""
-    m = json.loads((root / "manifest.json").read_text())
-    model = build_model(m["model"]["config"])
+    m = load_manifest(root)
+    model = build_model(m.model.config)
     from safetensors.torch import load_file
 
-    model.load_state_dict(load_file(str(root / "model.safetensors")))
+    model.load_state_dict(load_file(str(root / m.model.weights)))
     model.eval()
     assert isinstance(model, FusedCLIP)
-    pre = ImagePreprocessor(m["preprocessing"], 10**8)
-    tpre = TextPreprocessor({**m["preprocessing"]["text"], "type": "text"}, root)
+    pre = ImagePreprocessor(m.preprocessing, 10**8)
+    tpre = TextPreprocessor(m.preprocessing.text, root)
     batch = tpre.collate(tpre.encode([template.format(label=lab) for lab in labels]))
     with torch.no_grad():
         img = model.encode_image(torch.stack([pre(x) for x in images]))  # (B, M, D)
         txt = model.encode_text(batch["input_ids"], batch["attention_mask"])  # (L, M, D)
         logits = zero_shot_logits(img, txt, model.logit_scale.exp(), model.logit_bias)  # (B, M, L)
-    return summarize(logits, m["uncertainty"]["temperature"])
+    return summarize(logits, m.uncertainty.temperature)
 
 
 def probs_of(pred: dict, labels: list[str]) -> np.ndarray:
@@ -260,11 +259,11 @@ def zs_label_free(zs_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -
 
     out = tmp_path_factory.mktemp("zs-lf") / "tiny-clip-lf"
     shutil.copytree(zs_artifact, out)
-    m = json.loads((out / "manifest.json").read_text())
-    model = build_model(m["model"]["config"])
+    m = load_manifest(out)
+    model = build_model(m.model.config)
     from safetensors.torch import load_file
 
-    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    model.load_state_dict(load_file(str(out / m.model.weights)))
     pre = ImagePreprocessor(PREP, 10**8)
     with torch.no_grad():
         fit = model.eval().image_features(torch.stack([pre(rgb_png(100 + i)) for i in range(40)]))
@@ -273,18 +272,22 @@ def zs_label_free(zs_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -
     layers = fit_layer_stats(fit[1], torch.zeros(40, dtype=torch.int64), 1, val[1], label_free_scores(val[0], stats))
     stats = with_layers(stats, layers)
     save_file(ood_tensors(stats), str(out / "ood.safetensors"))
-    m["uncertainty"] = {**m["uncertainty"], "ood_score": "mahalanobis_layers", "ood_threshold": 1.0}
-    m["ood"] = {
-        "file": "ood.safetensors",
-        "scores": ["mahalanobis", "mahalanobis_layers"],
-        "selected": "mahalanobis_layers",
-        "forced": True,
-        "label_free": True,
-        "layers": [0],
+    served = m.uncertainty.model_copy(update={"ood_score": "mahalanobis_layers", "ood_threshold": 1.0})
+    ood = OODSpec(
+        scores=["mahalanobis", "mahalanobis_layers"],
+        selected="mahalanobis_layers",
+        forced=True,
+        label_free=True,
+        layers=[0],
+    )
+    outputs = ["logits", "features", "layer_features"]
+    update = {
+        "uncertainty": served,
+        "ood": ood,
+        "model": m.model.model_copy(update={"outputs": outputs}),
+        "files": None,
     }
-    m["model"]["outputs"] = ["logits", "features", "layer_features"]
-    m.pop("files", None)
-    write_manifest(out, m)
+    write_manifest(out, m.model_copy(update=update))
     return out
 
 
@@ -310,8 +313,8 @@ def test_label_free_flag_is_the_builders_and_ignores_the_labels(zs_label_free: P
             },
         )
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
-    m = json.loads((zs_label_free / "manifest.json").read_text())
-    model = build_model(m["model"]["config"])
+    m = load_manifest(zs_label_free)
+    model = build_model(m.model.config)
     model.load_state_dict(load_file(str(zs_label_free / "model.safetensors")))
     pre = ImagePreprocessor(PREP, 10**8)
     with torch.no_grad():

@@ -32,13 +32,13 @@ TEXTS = ["I love this phone", "terrible service, never again", "the match ended 
 def direct(artifact: Path, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The fused model run directly (eager, fp32) and summarised with the artifact's temperature and threshold."""
     m = load_manifest(artifact)
-    model = load_model(artifact / "model.safetensors", m["model"]["config"])
+    model = load_model(artifact / m.model.weights, m.model.config)
     with torch.inference_mode():
-        logits = model(*[inputs[k] for k in m["model"]["inputs"]])
-    unc = m["uncertainty"]
-    s = summarize(logits, unc["temperature"])
-    s["score"] = ood_score(s, unc["ood_score"])
-    s["flag"] = ood_flag(s["score"], unc["ood_score"], unc["ood_threshold"])
+        logits = model(*[inputs[k] for k in m.model.inputs])
+    unc = m.uncertainty
+    s = summarize(logits, unc.temperature)
+    s["score"] = ood_score(s, unc.ood_score)
+    s["flag"] = ood_flag(s["score"], unc.ood_score, unc.ood_threshold)
     return s
 
 

@@ -4,7 +4,6 @@ same numbers as the builder's code on the same inputs."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
+from service.core.artifact import load_manifest
 from service.core.conformal import SetCalibrator, keep_top
 from service.core.preprocess import ImagePreprocessor
 from service.core.registry import load_model
@@ -41,11 +41,11 @@ def g_client(g_artifact: Path) -> Iterator[TestClient]:
 
 def _direct(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
     """The builder-side computation: probabilities and MSP of the eager model, p-values and LAC sets from the file."""
-    m = json.loads((root / "manifest.json").read_text())
-    model = load_model(root / "model.safetensors", m["model"]["config"])
-    pre = ImagePreprocessor(m["preprocessing"], 1 << 20)
+    m = load_manifest(root)
+    model = load_model(root / m.model.weights, m.model.config)
+    pre = ImagePreprocessor(m.preprocessing, 1 << 20)
     with torch.inference_mode():
-        s = summarize(model(torch.stack([pre(png(a)) for a in images])), m["uncertainty"]["temperature"])
+        s = summarize(model(torch.stack([pre(png(a)) for a in images])), m.uncertainty.temperature)
     t = load_file(str(root / "guarantees.safetensors"))
     cal = t["ood.scores"].numpy()  # outlier-oriented: -MSP, sorted
     msp = s["msp"].double().numpy()
@@ -65,8 +65,8 @@ def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_ar
     r = g_client.post("/predict", json={"images": [b64(png(a)) for a in images]})
     assert r.status_code == 200, r.text
     want = _direct(g_artifact, images)
-    spec = json.loads((g_artifact / "manifest.json").read_text())["guarantees"]
-    lam = next(t.get("threshold") for t in spec["selective"]["targets"] if t["risk"] == 0.5)
+    spec = load_manifest(g_artifact).guarantees
+    lam = next(t.threshold for t in spec.selective.targets if t.risk == 0.5)
     assert lam is not None  # certified on the calibration split
     for i, p in enumerate(r.json()["predictions"]):
         assert p["ood"]["p_value"] == pytest.approx(want["p"][i], abs=1e-12)
@@ -245,7 +245,7 @@ def test_the_per_request_path_computes_what_the_array_functions_compute(g_artifa
 
     from service.core.guarantees import load_guarantees
 
-    g = load_guarantees(g_artifact, json.loads((g_artifact / "manifest.json").read_text()))
+    g = load_guarantees(g_artifact, load_manifest(g_artifact))
     g = replace(g, mondrian=mondrian)
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.ones(len(TINY_LABELS)), size=64)

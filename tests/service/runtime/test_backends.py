@@ -7,27 +7,26 @@ import platform
 import pytest
 import torch
 
-from service.core.artifact import load_manifest
+from service.core.artifact import Manifest, load_manifest
 from service.core.backends import BackendConfigError, OnnxBackend, TorchBackend, TorchScriptBackend
 from service.core.hardware import cpu_has_native_bf16, cpu_name
 from service.core.registry import load_model
 from service.runtime.plan import resolve_plan
 from tests.fixtures.tiny_artifact import example_inputs
+from tests.service.helpers import manifest_of
 
 
-def manifest(onnx: bool = True, ts: bool = True, bf16_ok: bool | None = True) -> dict:
+def manifest(onnx: bool = True, ts: bool = True, bf16_ok: bool | None = True) -> Manifest:
     exports = {}
     if onnx:
-        exports["onnx"] = {"file": "model.onnx", "max_abs_diff": 1e-6}
+        exports["onnx"] = {"file": "model.onnx", "max_abs_diff": 1e-6, "tolerance": 1e-4}
     if ts:
-        exports["torchscript"] = {"file": "model.ts", "max_abs_diff": 0.0}
-    m = {"name": "m", "exports": exports}
-    if bf16_ok is not None:
-        m["precision"] = {"bf16": {"ok": bf16_ok, "argmax_agreement": 0.999}}
-    return m
+        exports["torchscript"] = {"file": "model.ts", "max_abs_diff": 0.0, "tolerance": 1e-4}
+    precision = {"bf16": {"ok": bf16_ok, "argmax_agreement": 0.999}} if bf16_ok is not None else {}
+    return manifest_of(exports=exports, precision=precision)
 
 
-def plan(m: dict, **kw) -> tuple[str, str, str]:
+def plan(m: Manifest, **kw) -> tuple[str, str, str]:
     hw = {"cuda_available": False, "cpu_bf16": False, "onnx_available": True}
     hw.update({k: kw.pop(k) for k in list(kw) if k in hw})
     p = resolve_plan(m, **kw, **hw)
@@ -97,8 +96,8 @@ def test_cpu_name(tmp_path):
 def test_three_backends_agree(artifacts, family):
     root = artifacts[family]
     m = load_manifest(root)
-    names = m["model"]["inputs"]
-    model = load_model(root / "model.safetensors", m["model"]["config"])
+    names = m.model.inputs
+    model = load_model(root / m.model.weights, m.model.config)
     x = example_inputs(family, batch=5, seq=13, seed=7)  # other batch and length than the export traced
     eager = TorchBackend(model, names, "cpu", "fp32")(x)
     assert eager.shape == (5, 3, 4)
