@@ -39,7 +39,7 @@ from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 from ..metrics import Metrics
 from ..settings import Settings
-from .batching import Batcher, BatchResult
+from .batching import Batcher, BatchLimits, BatchResult
 from .plan import Plan
 
 __all__ = [
@@ -234,16 +234,14 @@ class Runtime(abc.ABC):
             metrics.drift_alarm.labels(self.name).set(0)
             metrics.drift_statistic.labels(self.name).set(0.0)
             metrics.drift_threshold.labels(self.name).set(float(np.log10(1 / self.guarantees.drift_delta)))
+        limits = BatchLimits(settings.max_batch, settings.max_wait_ms / 1000, settings.max_queue, settings.batch_fill)
         self.batcher = Batcher(
             self.name,
             self._run,
-            max_batch=settings.max_batch,
-            max_wait_s=settings.max_wait_ms / 1000,
-            max_queue=settings.max_queue,
+            limits,
             metrics=metrics,
             unhealthy_after=settings.unready_after_failures,
             on_health=self._health_changed,
-            fill=settings.batch_fill,
         )
         self.ready = False
         self._prober: asyncio.Task | None = None
