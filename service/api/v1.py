@@ -271,6 +271,14 @@ def install_routes(app: FastAPI) -> None:
     path: the middleware labels the requests answered before routing by them, and deployment checks read them.
     Each route declares the errors it may answer (401: the middleware's, on every route but the probes and metrics;
     500: any unexpected failure), all with the contract's body; ``/docs`` and the document: :func:`install_docs`."""
+    _install_health(app)
+    _install_models(app)
+    _install_inference(app)
+    install_docs(app)
+
+
+def _install_health(app: FastAPI) -> None:
+    """The probes and the metrics: no authentication."""
     app.get("/healthz", response_model=HealthResponse, tags=["health"], summary="Alive")(healthz)
     app.get(
         "/readyz",
@@ -280,6 +288,10 @@ def install_routes(app: FastAPI) -> None:
         responses=_errors(503),
     )(readyz)
     app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)(metrics)
+
+
+def _install_models(app: FastAPI) -> None:
+    """The loaded models and their drift tests."""
     app.get(
         "/v1/models",
         response_model=ModelsResponse,
@@ -299,6 +311,10 @@ def install_routes(app: FastAPI) -> None:
         summary="Start a fresh drift test (authenticated callers)",
         responses=_errors(401, 403, 404, 500),
     )(drift_reset)
+
+
+def _install_inference(app: FastAPI) -> None:
+    """``/predict`` and ``/zero-shot``, with their form bodies and examples documented."""
     errors = _errors(400, 401, 413, 415, 422, 500, 503)
     app.post(
         "/predict",
@@ -327,4 +343,3 @@ def install_routes(app: FastAPI) -> None:
             {"image": EXAMPLE_IMAGE, "labels": ["shirt", "dress", "coat"], "top_k": 2},
         ),
     )(zero_shot)
-    install_docs(app)
