@@ -96,8 +96,14 @@ async def drive(port: int, body: dict[str, Any], concurrency: int, requests: int
     }
 
 
-def raw_throughput(artifact: Path, plan: dict[str, str], body: dict[str, Any], batches: list[int],
-                   min_seconds: float, threads: int | None) -> dict[str, Any]:  # fmt: skip
+def raw_throughput(
+    artifact: Path,
+    plan: dict[str, str],
+    body: dict[str, Any],
+    batches: list[int],
+    min_seconds: float,
+    threads: int | None,
+) -> dict[str, Any]:
     """The backend the server chose, alone: inputs/s of one forward pass at each batch size (median of runs)."""
     import torch
 
@@ -108,9 +114,10 @@ def raw_throughput(artifact: Path, plan: dict[str, str], body: dict[str, Any], b
     if threads:
         torch.set_num_threads(threads)
     manifest = load_manifest(artifact)
-    backend = load_backend(artifact, manifest, Plan(plan["backend"], plan["device"], plan["precision"], "bench"),
-                           threads=threads)  # fmt: skip
-    pre = make_preprocessor(manifest["preprocessing"], artifact, 10**9)
+    backend = load_backend(
+        artifact, manifest, Plan(plan["backend"], plan["device"], plan["precision"], "bench"), threads=threads
+    )
+    pre = make_preprocessor(manifest.preprocessing, artifact, 10**9)
     if isinstance(pre, ImagePreprocessor):
         item = pre(decode_base64(body["image"], "image"))
     else:
@@ -126,8 +133,12 @@ def raw_throughput(artifact: Path, plan: dict[str, str], body: dict[str, Any], b
             backend(inputs)
             times.append(time.perf_counter() - t0)
         med = statistics.median(times)
-        out[str(b)] = {"batch": b, "latency_ms": round(med * 1000, 3), "throughput_ips": round(b / med, 2),
-                       "runs": len(times)}  # fmt: skip
+        out[str(b)] = {
+            "batch": b,
+            "latency_ms": round(med * 1000, 3),
+            "throughput_ips": round(b / med, 2),
+            "runs": len(times),
+        }
         print(f"  batch {b:3d}: {b / med:9.1f} inputs/s  ({med * 1000:.2f} ms per batch)", flush=True)
     return out
 
@@ -176,9 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="HYDRA_THREADS (torch / ORT intra-op threads)")
     p.add_argument("--raw-seconds", type=float, default=3.0, help="time per batch size for the raw model")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/server_<name>.json)")
-    p.add_argument("--batch-fill", nargs="+", default=["in_system"], choices=["in_system", "recent"],
-                   help="HYDRA_BATCH_FILL: several start one server each, driven in turn at every level (the order "
-                        "alternating per level), so the rules are compared side by side in one run")
+    p.add_argument(
+        "--batch-fill",
+        nargs="+",
+        default=["in_system"],
+        choices=["in_system", "recent"],
+        help="HYDRA_BATCH_FILL: several start one server each, driven in turn at every level (the order "
+        "alternating per level), so the rules are compared side by side in one run",
+    )
     args = p.parse_args(argv)
     if any(not 1 <= c <= 64 for c in args.concurrency):
         p.error("--concurrency values must be between 1 and 64")
@@ -186,13 +202,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--requests must be in 1..100000 and --duration in (0, 600]")
 
     tmp = tempfile.TemporaryDirectory(prefix="hydra-bench-")
-    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
-    name = manifest["name"]
-    body = harness.payload(manifest)
+    artifact, doc = harness.open_artifact(args, Path(tmp.name))
+    from service.core.artifact import load_manifest
+
+    manifest = load_manifest(artifact)
+    name = manifest.name
+    body = harness.payload(doc)
     port = harness.free_port()
-    env = {"HYDRA_BACKEND": args.backend, "HYDRA_PRECISION": args.precision, "HYDRA_DEVICE": args.device,
-           "HYDRA_MAX_BATCH": str(args.max_batch),
-           "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.concurrency))), "HYDRA_LOG_LEVEL": "warning"}  # fmt: skip
+    env = {
+        "HYDRA_BACKEND": args.backend,
+        "HYDRA_PRECISION": args.precision,
+        "HYDRA_DEVICE": args.device,
+        "HYDRA_MAX_BATCH": str(args.max_batch),
+        "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.concurrency))),
+        "HYDRA_LOG_LEVEL": "warning",
+    }
     if args.max_wait_ms is not None:
         env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
     if args.threads:
@@ -200,8 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     from service.runtime.plan import resolve_plan
 
     # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
-    plan = dict(zip(("backend", "device", "precision"), _plan_tuple(resolve_plan(
-        manifest, device=args.device, backend=args.backend, precision=args.precision)), strict=True))  # fmt: skip
+    plan = dict(
+        zip(
+            ("backend", "device", "precision"),
+            _plan_tuple(resolve_plan(manifest, device=args.device, backend=args.backend, precision=args.precision)),
+            strict=True,
+        )
+    )
     batches = sorted(set(args.concurrency))
     print(f"raw model, before the server ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
     raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]
@@ -211,17 +240,22 @@ def main(argv: list[str] | None = None) -> int:
         for fill in args.batch_fill:
             port = port if not servers else harness.free_port()
             print(f"starting the server (HYDRA_BATCH_FILL={fill}) on port {port} with {artifact}", flush=True)
-            servers[fill] = (harness.start_server(artifact, port, {**env, "HYDRA_BATCH_FILL": fill},
-                                                  inherit_output=True), port)  # fmt: skip
+            servers[fill] = (
+                harness.start_server(artifact, port, {**env, "HYDRA_BATCH_FILL": fill}, inherit_output=True),
+                port,
+            )
             check_served(servers[fill], name, plan)
         for i, c in enumerate(args.concurrency):
             order = args.batch_fill if i % 2 == 0 else args.batch_fill[::-1]  # load drift hits both rules alike
             for fill in order:
                 res = drive_level(servers[fill][1], body, c, args.requests, args.duration)
                 by_fill[fill].append({**res, "batch_fill": fill})
-                print(f"  {fill:>9} concurrency {c:3d}: {res['throughput_rps']:9.1f} req/s  p50 {res['p50_ms']:8.1f} "
-                      f"ms  p95 {res['p95_ms']:8.1f} ms  p99 {res['p99_ms']:8.1f} ms  mean batch "
-                      f"{res['mean_batch']:5.1f}  errors {res['errors'] or 0}", flush=True)  # fmt: skip
+                print(
+                    f"  {fill:>9} concurrency {c:3d}: {res['throughput_rps']:9.1f} req/s  p50 {res['p50_ms']:8.1f} "
+                    f"ms  p95 {res['p95_ms']:8.1f} ms  p99 {res['p99_ms']:8.1f} ms  mean batch "
+                    f"{res['mean_batch']:5.1f}  errors {res['errors'] or 0}",
+                    flush=True,
+                )
     finally:
         for proc, _ in servers.values():
             harness.stop_server(proc)
@@ -239,15 +273,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"server at concurrency {top['concurrency']} / best raw = {ratio:.2f} (target >= 0.80)")
     result = {
         "name": name,
-        "artifact": (str(artifact.resolve().relative_to(ROOT)) if artifact.resolve().is_relative_to(ROOT)
-                     else str(artifact)) if not args.tiny else f"tiny {args.tiny} (random weights)",
-        "family": manifest["family"],
-        "members": manifest["members"],
+        "artifact": (
+            str(artifact.resolve().relative_to(ROOT)) if artifact.resolve().is_relative_to(ROOT) else str(artifact)
+        )
+        if not args.tiny
+        else f"tiny {args.tiny} (random weights)",
+        "family": manifest.family,
+        "members": manifest.members,
         **plan,
-        "settings": {"max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms or "server default",
-                     "batch_fill": args.batch_fill,
-                     "threads": args.threads,
-                     "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]},
+        "settings": {
+            "max_batch": args.max_batch,
+            "max_wait_ms": args.max_wait_ms or "server default",
+            "batch_fill": args.batch_fill,
+            "threads": args.threads,
+            "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+        },
         "machine": harness.machine(),
         "server": levels,
         "server_by_batch_fill": by_fill,

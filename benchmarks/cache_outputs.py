@@ -32,6 +32,7 @@ from service.core.uncertainty import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--artifact", required=True)
@@ -39,22 +40,24 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     root = Path(args.artifact)
     m = load_manifest(root)
-    if m["task"] != "classification":
-        raise SystemExit("cache_outputs: a classifier artifact is needed")
-    cfg = load_config(None, m["build"]["config"])
+    if m.task != "classification" or m.build is None:
+        raise SystemExit("cache_outputs: a classifier artifact written by the builder is needed")
+    cfg = load_config(None, m.build["config"])
     data = load_data(cfg)
     if data.calibration is None:
         raise SystemExit("cache_outputs: the build drew no calibration split")
-    model = load_model(root / m["model"]["weights"], m["model"]["config"])
-    outputs = m["model"].get("outputs", ["logits"])
-    model.with_features = "features" in outputs
-    model.with_layer_features = "layer_features" in outputs
-    pre = make_preprocessor(m["preprocessing"], root, EVAL_MAX_PIXELS)
-    stats = ood_from_tensors(load_file(str(root / m["ood"]["file"]))) if m.get("ood") else None
-    T, metric = m["uncertainty"]["temperature"], m["uncertainty"]["ood_score"]
-    splits = {"calibration": (data.calibration.inputs, data.calibration.labels), "val": (data.val.inputs,
-              data.val.labels), "test": (data.test.inputs, data.test.labels),
-              **{f"ood:{n}": (x, np.zeros(len(x), int)) for n, (x, _) in data.ood_test.items()}}  # fmt: skip
+    model = load_model(root / m.model.weights, m.model.config)
+    model.with_features = "features" in m.model.outputs
+    model.with_layer_features = "layer_features" in m.model.outputs
+    pre = make_preprocessor(m.preprocessing, root, EVAL_MAX_PIXELS)
+    stats = ood_from_tensors(load_file(str(root / m.ood.file))) if m.ood is not None else None
+    T, metric = m.uncertainty.temperature, m.uncertainty.ood_score
+    splits = {
+        "calibration": (data.calibration.inputs, data.calibration.labels),
+        "val": (data.val.inputs, data.val.labels),
+        "test": (data.test.inputs, data.test.labels),
+        **{f"ood:{n}": (x, np.zeros(len(x), int)) for n, (x, _) in data.ood_test.items()},
+    }
     arrays: dict[str, np.ndarray] = {}
     for name, (x, y) in splits.items():
         batches, _ = eval_batches(pre, x, y, sort=False)
@@ -63,8 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         arrays[f"{name}/labels"] = torch.cat([yy for _, yy in batches]).numpy().astype(np.int64)
         arrays[f"{name}/score"] = scores_np(run, stats, T)[metric]
         print(name, len(y), flush=True)
-    meta = {"artifact": m["name"], "version": m.get("version"), "metric": metric, "labels": m["labels"],
-            "guarantees": m.get("guarantees", {}).get("conformal", {}).get("method")}  # fmt: skip
+    meta = {
+        "artifact": m.name,
+        "version": m.version,
+        "metric": metric,
+        "labels": m.labels,
+        "guarantees": m.guarantees.conformal.method if m.guarantees is not None else None,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(out, meta=np.asarray(json.dumps(meta)), **arrays)

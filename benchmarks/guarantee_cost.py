@@ -137,7 +137,7 @@ async def run(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         raise SystemExit(f"{args.artifact}: built without guarantees (no calibration split): nothing to measure")
     rt.start()
     try:
-        body = harness.payload(rt.manifest)
+        body = harness.payload(rt.manifest.to_dict())
         field = "text" if "text" in body else "image"
         prepared = rt.prepare([body[field]], field, base64_encoded=field == "image")
         return await measure(rt, prepared, args), rt

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from timm.data import resolve_data_config
 from torch import nn
 
-from service.core.artifact import OOD_FILE, Manifest, build_manifest, file_sha256
+from service.core.artifact import OOD_FILE, Manifest, file_sha256
 from service.core.ood import ensemble_scores, ood_tensors
 from service.core.preprocess import make_preprocessor
 from service.core.uncertainty import SUMMARY_SCORES, ood_flag, summarize
@@ -434,8 +434,8 @@ def finish(
     timer.lap("export")
 
     def manifest(metrics: dict[str, Any]) -> Manifest:
-        return build_manifest(
-            name=cfg.name, family=cfg.family, task="classification", base_model=base_desc,
+        return Manifest(
+            name=cfg.name, family=cfg.family, task="classification", base_model=base_desc, members=len(members),
             heads=[adapter.kept_heads(m) for m in members], strategy=strategy, labels=list(data.class_names),
             preprocessing=prep, uncertainty=cal.uncertainty(), ood=ood_spec(cal, data),
             model={"config": fcfg, "weights": "model.safetensors", "inputs": list(latency), "output": "logits",

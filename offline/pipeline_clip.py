@@ -49,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoTokenizer, CLIPTokenizer
 
-from service.core.artifact import OOD_FILE, Manifest, build_manifest, file_sha256
+from service.core.artifact import OOD_FILE, Manifest, file_sha256
 from service.core.fused_clip import zero_shot_logits
 from service.core.ood import ood_tensors
 from service.core.preprocess import ImagePreprocessor
@@ -451,8 +451,8 @@ def finish_zero_shot(
     timer.lap("export")
 
     def manifest(metrics: dict[str, Any]) -> Manifest:
-        return build_manifest(
-            name=cfg.name, family="clip", task="zero-shot", base_model=base_desc,
+        return Manifest(
+            name=cfg.name, family="clip", task="zero-shot", base_model=base_desc, members=len(members),
             heads=[split_heads(base, adapter.kept_heads(m)) for m in members], head_index=HEAD_INDEX,
             strategy=strategy, labels=list(data.class_names),
             zero_shot={"template": lit.TEMPLATE, "logit_scale": fcfg["logit_scale"], "logit_bias": fcfg["logit_bias"],

@@ -185,8 +185,11 @@ async def shutdown(state: ServerState) -> None:
     for rt in list(state.runtimes.values()):
         await rt.close()
     if state.runtimes:
-        log.info("stopped: every queued request answered, model workers stopped (%d requests received, %d answered)",
-                 state.requests_received, state.requests_answered)  # fmt: skip
+        log.info(
+            "stopped: every queued request answered, model workers stopped (%d requests received, %d answered)",
+            state.requests_received,
+            state.requests_answered,
+        )
 
 
 def not_ready_reason(state: ServerState) -> str | None:

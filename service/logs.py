@@ -113,8 +113,17 @@ def log_access(fields: dict[str, Any], *, json_format: bool) -> None:
         access_log.log(level, "request", extra=fields)
         return
     model = f" model={fields['model']}@{fields['model_version']} inputs={fields['inputs']}" if "model" in fields else ""
-    access_log.log(level, "%s %s -> %s in %.1f ms (request %s)%s", fields["method"], fields["endpoint"],
-                   fields["status"], fields["latency_ms"], fields["request_id"], model, extra=fields)  # fmt: skip
+    access_log.log(
+        level,
+        "%s %s -> %s in %.1f ms (request %s)%s",
+        fields["method"],
+        fields["endpoint"],
+        fields["status"],
+        fields["latency_ms"],
+        fields["request_id"],
+        model,
+        extra=fields,
+    )
 
 
 def log_predictions(note: InferenceNote, rows: list[dict[str, Any]], *, json_format: bool) -> None:

@@ -88,10 +88,12 @@ def create_app(settings: Settings | None = None) -> HydraApp:
     app.add_middleware(GuardMiddleware, state=state)
     if settings.cors_origins:  # outermost, so that 401/413 answers carry CORS headers too
         app.add_middleware(
-            CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["GET", "POST"],
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "X-Request-ID", "traceparent"],
             expose_headers=["X-Request-ID"],
-        )  # fmt: skip
+        )
     install_routes(app)
     install_oip_routes(app)
     if settings.otel:

@@ -1,90 +1,140 @@
-"""Prometheus metrics of the server (docs/api.md), in a registry of their own per app (tests build many apps)."""
+"""Prometheus metrics of the server (docs/api.md), in a registry of their own per app (tests build many apps).
+
+Every metric is one row of :data:`SPECS` (its attribute on :class:`Metrics`, type, name, help text, labels and
+buckets); :class:`Metrics` registers them in that order.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["Metrics", "LATENCY_BUCKETS", "BATCH_BUCKETS", "CONTENT_TYPE_LATEST"]
+__all__ = ["BATCH_BUCKETS", "CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "SPECS", "Metrics"]
 
 # seconds: sub-millisecond (tiny models, health checks) to tens of seconds (big batches on CPU)
-LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # OOD p-values: the usual levels, so a dashboard reads the share below each (on ID traffic: at most the level)
 P_VALUE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 SET_SIZE_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 20, 50, 100, 1000)
 
 
+@dataclass(frozen=True)
+class Spec:
+    """One metric: its type, name, help text, label names and (histograms) bucket bounds."""
+
+    kind: type[Counter] | type[Gauge] | type[Histogram]
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+MODEL = ("model",)
+# the attribute of each metric on Metrics -> what it is, in the order they are registered (and rendered)
+SPECS: dict[str, Spec] = {
+    "request_duration": Spec(
+        Histogram,
+        "hydra_request_duration_seconds",
+        "HTTP request latency, from first byte in to response sent.",
+        ("endpoint", "status"),
+        LATENCY_BUCKETS,
+    ),
+    "inference_duration": Spec(
+        Histogram,
+        "hydra_inference_duration_seconds",
+        "Time of one batch through the model (collate, forward, uncertainty).",
+        MODEL,
+        LATENCY_BUCKETS,
+    ),
+    "batch_size": Spec(Histogram, "hydra_batch_size", "Inputs per model forward pass.", MODEL, BATCH_BUCKETS),
+    "queue_depth": Spec(Gauge, "hydra_queue_depth", "Inputs waiting for a batch.", MODEL),
+    "predictions": Spec(Counter, "hydra_predictions_total", "Predictions answered, by OOD flag.", ("model", "ood")),
+    "queue_wait": Spec(
+        Histogram, "hydra_queue_wait_seconds", "Time an input waited before its batch started.", MODEL, LATENCY_BUCKETS
+    ),
+    "batch_errors": Spec(
+        Counter, "hydra_batch_errors_total", "Model batches that raised (their requests got 500 internal).", MODEL
+    ),
+    "model_info": Spec(
+        Gauge,
+        "hydra_model_info",
+        "Loaded models (value 1) with their version, backend, device and precision.",
+        ("model", "version", "family", "task", "backend", "device", "precision"),
+    ),
+    "ready": Spec(Gauge, "hydra_ready", "1 while /readyz answers 200: every model loaded, warmed up and healthy."),
+    "model_healthy": Spec(
+        Gauge,
+        "hydra_model_healthy",
+        "0 after HYDRA_UNREADY_AFTER_FAILURES failed batches in a row, until a batch runs.",
+        MODEL,
+    ),
+    "in_flight": Spec(Gauge, "hydra_requests_in_flight", "HTTP requests received and not yet answered."),
+    # the guarantees (artifacts with a calibration split: docs/api.md "Guarantees")
+    "drift_alarm": Spec(
+        Gauge,
+        "hydra_drift_alarm",
+        "1 once the drift test has rejected exchangeability with the calibration data "
+        "(latched until reset or restart), else 0.",
+        MODEL,
+    ),
+    "drift_statistic": Spec(
+        Gauge, "hydra_drift_statistic", "log10 of the drift test martingale (the alarm fires at log10(1/delta)).", MODEL
+    ),
+    "drift_threshold": Spec(
+        Gauge, "hydra_drift_threshold", "log10(1/delta): the drift statistic's alarm level.", MODEL
+    ),
+    "drift_inputs": Spec(
+        Gauge, "hydra_drift_inputs", "Inputs the drift test has seen since its start (start-up or reset).", MODEL
+    ),
+    "ood_p_value": Spec(
+        Histogram, "hydra_ood_p_value", "Conformal OOD p-values of served inputs.", MODEL, P_VALUE_BUCKETS
+    ),
+    "set_size": Spec(
+        Histogram,
+        "hydra_prediction_set_size",
+        "Labels in the conformal prediction sets answered.",
+        MODEL,
+        SET_SIZE_BUCKETS,
+    ),
+    "selective": Spec(
+        Counter,
+        "hydra_selective_total",
+        "Answers with a risk target, by whether the certified rule accepted them.",
+        ("model", "risk", "accept"),
+    ),
+}
+
+
 class Metrics:
-    """The server's metrics; ``render()`` gives the Prometheus text format."""
+    """The server's metrics, one attribute per row of :data:`SPECS`; ``render()`` gives the Prometheus text format."""
+
+    request_duration: Histogram
+    inference_duration: Histogram
+    batch_size: Histogram
+    queue_depth: Gauge
+    predictions: Counter
+    queue_wait: Histogram
+    batch_errors: Counter
+    model_info: Gauge
+    ready: Gauge
+    model_healthy: Gauge
+    in_flight: Gauge
+    drift_alarm: Gauge
+    drift_statistic: Gauge
+    drift_threshold: Gauge
+    drift_inputs: Gauge
+    ood_p_value: Histogram
+    set_size: Histogram
+    selective: Counter
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.request_duration = Histogram(
-            "hydra_request_duration_seconds", "HTTP request latency, from first byte in to response sent.",
-            ["endpoint", "status"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.inference_duration = Histogram(
-            "hydra_inference_duration_seconds", "Time of one batch through the model (collate, forward, uncertainty).",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.batch_size = Histogram(
-            "hydra_batch_size", "Inputs per model forward pass.", ["model"], buckets=BATCH_BUCKETS, registry=r
-        )
-        self.queue_depth = Gauge("hydra_queue_depth", "Inputs waiting for a batch.", ["model"], registry=r)
-        self.predictions = Counter(
-            "hydra_predictions_total", "Predictions answered, by OOD flag.", ["model", "ood"], registry=r
-        )
-        self.queue_wait = Histogram(
-            "hydra_queue_wait_seconds", "Time an input waited before its batch started.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.batch_errors = Counter(
-            "hydra_batch_errors_total", "Model batches that raised (their requests got 500 internal).", ["model"],
-            registry=r,
-        )  # fmt: skip
-        self.model_info = Gauge(
-            "hydra_model_info", "Loaded models (value 1) with their version, backend, device and precision.",
-            ["model", "version", "family", "task", "backend", "device", "precision"], registry=r,
-        )  # fmt: skip
-        self.ready = Gauge(
-            "hydra_ready", "1 while /readyz answers 200: every model loaded, warmed up and healthy.", registry=r
-        )
-        self.model_healthy = Gauge(
-            "hydra_model_healthy", "0 after HYDRA_UNREADY_AFTER_FAILURES failed batches in a row, until a batch runs.",
-            ["model"], registry=r,
-        )  # fmt: skip
-        self.in_flight = Gauge("hydra_requests_in_flight", "HTTP requests received and not yet answered.", registry=r)
-        # the guarantees (artifacts with a calibration split: docs/api.md "Guarantees")
-        self.drift_alarm = Gauge(
-            "hydra_drift_alarm", "1 once the drift test has rejected exchangeability with the calibration data "
-            "(latched until reset or restart), else 0.", ["model"], registry=r,
-        )  # fmt: skip
-        self.drift_statistic = Gauge(
-            "hydra_drift_statistic", "log10 of the drift test martingale (the alarm fires at log10(1/delta)).",
-            ["model"], registry=r,
-        )  # fmt: skip
-        self.drift_threshold = Gauge(
-            "hydra_drift_threshold", "log10(1/delta): the drift statistic's alarm level.", ["model"], registry=r
-        )
-        self.drift_inputs = Gauge(
-            "hydra_drift_inputs", "Inputs the drift test has seen since its start (start-up or reset).", ["model"],
-            registry=r,
-        )  # fmt: skip
-        self.ood_p_value = Histogram(
-            "hydra_ood_p_value", "Conformal OOD p-values of served inputs.", ["model"], buckets=P_VALUE_BUCKETS,
-            registry=r,
-        )  # fmt: skip
-        self.set_size = Histogram(
-            "hydra_prediction_set_size", "Labels in the conformal prediction sets answered.", ["model"],
-            buckets=SET_SIZE_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.selective = Counter(
-            "hydra_selective_total", "Answers with a risk target, by whether the certified rule accepted them.",
-            ["model", "risk", "accept"], registry=r,
-        )  # fmt: skip
+        for attr, spec in SPECS.items():
+            extra: dict[str, Any] = {} if spec.buckets is None else {"buckets": spec.buckets}
+            setattr(self, attr, spec.kind(spec.name, spec.help, spec.labels, registry=self.registry, **extra))
         # registered by the first zero-shot model (service.runtime.zeroshot.text_cache_counter): a server without
         # one does not list it
         self.zero_shot_text_cache: Counter | None = None

@@ -195,8 +195,12 @@ class Server(uvicorn.Server):
             if (not queued and not waiting and now >= settled) or self.force_exit:  # force: a second SIGINT
                 break
             if now - t0 >= limit:
-                log.warning("stopping with %d connection(s) queued and %d without a request after %.1f s",
-                            queued, waiting, limit)  # fmt: skip
+                log.warning(
+                    "stopping with %d connection(s) queued and %d without a request after %.1f s",
+                    queued,
+                    waiting,
+                    limit,
+                )
                 break
             await asyncio.sleep(0.005)
         log.info("accept queue drained in %.0f ms", (time.monotonic() - t0) * 1000)

@@ -35,15 +35,23 @@ def predict_response(rt: Runtime, out: Outcome, query: Query, t0: float, request
     """The answer to one request (``/predict``, ``/zero-shot``): its results over their labels, with timings;
     ``t0`` is when the request arrived (``total_ms``)."""
     predictions = build_predictions(
-        out.results, out.labels, top_k=query.top_k, return_members=query.return_members,
-        metric=rt.ood_metric, threshold=rt.ood_threshold, return_scores=query.return_scores,
+        out.results,
+        out.labels,
+        top_k=query.top_k,
+        return_members=query.return_members,
+        metric=rt.ood_metric,
+        threshold=rt.ood_threshold,
+        return_scores=query.return_scores,
         guarantees=rt.guarantees,
-    )  # fmt: skip
+    )
     # total_ms last: it covers building the answer too
     return PredictResponse(
-        id=request_id, model=rt.name, model_version=rt.version, predictions=predictions,
+        id=request_id,
+        model=rt.name,
+        model_version=rt.version,
+        predictions=predictions,
         timing=timing(out.batch, t0),
-    )  # fmt: skip
+    )
 
 
 def timing(res: BatchResult, t0: float) -> Timing:
@@ -78,20 +86,29 @@ def build_predictions(
         members = None
         if return_members:
             idx = r.member_probs.argmax(-1)  # (M,) each member's own prediction
-            members = [MemberPrediction(label=labels[int(j)], confidence=float(r.member_probs[m, j]))
-                       for m, j in enumerate(idx)]  # fmt: skip
-        out.append(Prediction(
-            label=labels[r.prediction],
-            label_index=r.prediction,
-            confidence=float(r.probs[r.prediction]),
-            top_k=[TopK(label=labels[j], prob=float(r.probs[j])) for j in order],
-            uncertainty=Uncertainty(msp=r.msp, entropy=r.entropy, expected_entropy=r.expected_entropy,
-                                    mutual_information=r.mutual_information, disagreement=r.disagreement),
-            ood=_ood(r, metric, threshold, return_scores),
-            conformal=_conformal(r, labels, guarantees),
-            selective=_selective(r, metric, guarantees),
-            members=members,
-        ))  # fmt: skip
+            members = [
+                MemberPrediction(label=labels[int(j)], confidence=float(r.member_probs[m, j]))
+                for m, j in enumerate(idx)
+            ]
+        out.append(
+            Prediction(
+                label=labels[r.prediction],
+                label_index=r.prediction,
+                confidence=float(r.probs[r.prediction]),
+                top_k=[TopK(label=labels[j], prob=float(r.probs[j])) for j in order],
+                uncertainty=Uncertainty(
+                    msp=r.msp,
+                    entropy=r.entropy,
+                    expected_entropy=r.expected_entropy,
+                    mutual_information=r.mutual_information,
+                    disagreement=r.disagreement,
+                ),
+                ood=_ood(r, metric, threshold, return_scores),
+                conformal=_conformal(r, labels, guarantees),
+                selective=_selective(r, metric, guarantees),
+                members=members,
+            )
+        )
     return out
 
 
@@ -104,10 +121,22 @@ def _ood(r: ItemResult, metric: str, threshold: float, return_scores: bool) -> O
         reason = f"the {metric} score {r.ood_score:.4g} is {past} the threshold {threshold:.4g}" if r.ood_flag else None
     else:
         cut = r.flag_threshold
-        reason = (f"p-value {r.p_value:.4g} <= alpha {r.ood_alpha:g}: the {metric} score {r.ood_score:.4g} is {past} "
-                  f"{cut:.4g}, the threshold at this level" if r.ood_flag and cut is not None else None)  # fmt: skip
-    return OOD(flag=r.ood_flag, score=r.ood_score, metric=metric, threshold=cut, p_value=r.p_value,
-               alpha=r.ood_alpha, reason=reason, scores=_all_scores(r) if return_scores else None)  # fmt: skip
+        reason = (
+            f"p-value {r.p_value:.4g} <= alpha {r.ood_alpha:g}: the {metric} score {r.ood_score:.4g} is {past} "
+            f"{cut:.4g}, the threshold at this level"
+            if r.ood_flag and cut is not None
+            else None
+        )
+    return OOD(
+        flag=r.ood_flag,
+        score=r.ood_score,
+        metric=metric,
+        threshold=cut,
+        p_value=r.p_value,
+        alpha=r.ood_alpha,
+        reason=reason,
+        scores=_all_scores(r) if return_scores else None,
+    )
 
 
 def _selective(r: ItemResult, metric: str, g: Guarantees | None) -> Selective | None:
@@ -128,8 +157,14 @@ def _selective(r: ItemResult, metric: str, g: Guarantees | None) -> Selective | 
         if conf < lam:
             why.append(f"confidence {conf:.4g} is below the rule's threshold {lam:.4g}")
         reason = "; ".join(why)
-    return Selective(accept=r.accept, risk=r.risk, certified=lam is not None, threshold=lam,
-                     ood_threshold=g.ood_threshold, reason=reason)  # fmt: skip
+    return Selective(
+        accept=r.accept,
+        risk=r.risk,
+        certified=lam is not None,
+        threshold=lam,
+        ood_threshold=g.ood_threshold,
+        reason=reason,
+    )
 
 
 def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> ConformalSet | None:
@@ -138,8 +173,15 @@ def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> Confor
         return None
     idx = [int(j) for j in np.argsort(-r.probs, kind="stable") if r.prediction_set[j]]
     method = cast(Literal["lac", "aps", "raps"], g.sets.method)  # SetCalibrator accepts these alone
-    return ConformalSet(alpha=r.set_alpha, set=[labels[j] for j in idx], size=len(idx), method=method,
-                        mondrian=g.mondrian, below_min_alpha=r.below_min_alpha, filled=r.set_filled)  # fmt: skip
+    return ConformalSet(
+        alpha=r.set_alpha,
+        set=[labels[j] for j in idx],
+        size=len(idx),
+        method=method,
+        mondrian=g.mondrian,
+        below_min_alpha=r.below_min_alpha,
+        filled=r.set_filled,
+    )
 
 
 def _all_scores(r: ItemResult) -> dict[str, float]:

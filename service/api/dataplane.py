@@ -76,8 +76,16 @@ async def run_inference(request: Request, parsed: ParsedRequest) -> tuple[Runtim
 def _rows(out: Outcome) -> list[dict[str, Any]]:
     """What the prediction log keeps of each input: label, confidence, uncertainty, OOD flag and score."""
     return [
-        {"label": out.labels[r.prediction], "confidence": float(r.probs[r.prediction]), "msp": r.msp,
-         "entropy": r.entropy, "expected_entropy": r.expected_entropy, "mutual_information": r.mutual_information,
-         "disagreement": r.disagreement, "ood_score": r.ood_score, "ood_flag": r.ood_flag}
+        {
+            "label": out.labels[r.prediction],
+            "confidence": float(r.probs[r.prediction]),
+            "msp": r.msp,
+            "entropy": r.entropy,
+            "expected_entropy": r.expected_entropy,
+            "mutual_information": r.mutual_information,
+            "disagreement": r.disagreement,
+            "ood_score": r.ood_score,
+            "ood_flag": r.ood_flag,
+        }
         for r in out.results
-    ]  # fmt: skip
+    ]

@@ -86,10 +86,13 @@ class RequestContext:
         if not access_log_enabled(json_format=json_format):  # text logs above debug: no line, nothing to build
             return
         fields: dict[str, Any] = {
-            "request_id": scope["hydra.request_id"], "trace_id": scope.get("hydra.trace_id"),
-            "method": scope.get("method"), "endpoint": endpoint_label(scope), "status": status,
+            "request_id": scope["hydra.request_id"],
+            "trace_id": scope.get("hydra.trace_id"),
+            "method": scope.get("method"),
+            "endpoint": endpoint_label(scope),
+            "status": status,
             "latency_ms": round((time.perf_counter() - t0) * 1000, 3),
-        }  # fmt: skip
+        }
         note = scope.get("hydra.inference")
         if isinstance(note, InferenceNote):
             fields.update(asdict(note))

@@ -57,15 +57,17 @@ class OutputSpec:
 
 def _optional(key: str, dtype: Any, missing: Any) -> Callable[[Outcome], np.ndarray]:
     """A guarantee field per input (``missing`` where the request's labels have none: zero-shot sets)."""
-    return lambda out: np.array([missing if getattr(r, key) is None else getattr(r, key) for r in out.results],
-                                dtype=dtype)  # fmt: skip
+    return lambda out: np.array(
+        [missing if getattr(r, key) is None else getattr(r, key) for r in out.results], dtype=dtype
+    )
 
 
 def _sets(out: Outcome) -> np.ndarray:
     """``(B, C)`` bool: each input's prediction set over the answer's labels (all false where none holds)."""
     c = len(out.labels)
-    return np.stack([r.prediction_set if r.prediction_set is not None else np.zeros(c, dtype=bool)
-                     for r in out.results]).astype(bool)  # fmt: skip
+    return np.stack(
+        [r.prediction_set if r.prediction_set is not None else np.zeros(c, dtype=bool) for r in out.results]
+    ).astype(bool)
 
 
 def _classes(rt: Runtime) -> int:
@@ -85,7 +87,7 @@ OUTPUTS: dict[str, OutputSpec] = {
         "FP32",
         lambda rt: [rt.members, _classes(rt)],
         lambda out: np.stack([r.member_probs for r in out.results]).astype(np.float32),
-    ),  # (B, M, C)  # fmt: skip
+    ),  # (B, M, C)
     "label": OutputSpec(
         "BYTES", lambda rt: [], lambda out: np.array([out.labels[r.prediction] for r in out.results], dtype=object)
     ),  # (B,)
@@ -126,10 +128,16 @@ def input_metadata(rt: Runtime) -> list[dict[str, Any]]:
 def model_metadata(rt: Runtime) -> dict[str, Any]:
     """``$metadata_model_response`` of a model."""
     backend = rt.plan.backend if rt.plan is not None else "none"
-    outputs = [_tensor(name, spec.datatype, [-1, *spec.dims(rt)]) for name, spec in OUTPUTS.items()
-               if spec.available(rt)]  # fmt: skip
-    return {"name": rt.name, "versions": [rt.version], "platform": f"hydra-serve_{backend}",
-            "inputs": input_metadata(rt), "outputs": outputs}  # fmt: skip
+    outputs = [
+        _tensor(name, spec.datatype, [-1, *spec.dims(rt)]) for name, spec in OUTPUTS.items() if spec.available(rt)
+    ]
+    return {
+        "name": rt.name,
+        "versions": [rt.version],
+        "platform": f"hydra-serve_{backend}",
+        "inputs": input_metadata(rt),
+        "outputs": outputs,
+    }
 
 
 def find_model(state: ServerState, name: str, version: str | None) -> Runtime:

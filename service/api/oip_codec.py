@@ -40,9 +40,17 @@ __all__ = [
 HEADER_LENGTH = "inference-header-content-length"
 # the protocol's datatypes this server reads and writes, as little-endian numpy dtypes (BYTES: Python objects)
 DTYPES: dict[str, str] = {
-    "BOOL": "?", "UINT8": "u1", "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
-    "FP16": "<f2", "FP32": "<f4", "FP64": "<f8", "BYTES": "O",
-}  # fmt: skip
+    "BOOL": "?",
+    "UINT8": "u1",
+    "INT8": "i1",
+    "INT16": "<i2",
+    "INT32": "<i4",
+    "INT64": "<i8",
+    "FP16": "<f2",
+    "FP32": "<f4",
+    "FP64": "<f8",
+    "BYTES": "O",
+}
 _LENGTH = struct.Struct("<I")
 
 

@@ -38,8 +38,9 @@ JSON_BODIES: dict[str, type[PredictRequest] | type[ZeroShotRequest]] = {
 }
 FORM_FIELDS: dict[str, frozenset[str]] = {
     "classification": frozenset({"model", "top_k", "return_members", "return_scores", "alpha", "ood_alpha", "risk"}),
-    "zero-shot": frozenset({"model", "top_k", "return_members", "return_scores", "labels", "template", "alpha",
-                            "ood_alpha", "risk"}),
+    "zero-shot": frozenset(
+        {"model", "top_k", "return_members", "return_scores", "labels", "template", "alpha", "ood_alpha", "risk"}
+    ),
 }
 NO_FILES: dict[str, str] = {
     "classification": "file: no file parts; send one or more images as 'file' (curl -F file=@img.png)",
@@ -65,10 +66,14 @@ class ParsedRequest:
     def check_limits(self, settings: Settings) -> None:
         """Raise :class:`InvalidInput` naming the field when the request exceeds a configured limit."""
         check_limits(
-            self.items, self.field, max_items=settings.max_items,
+            self.items,
+            self.field,
+            max_items=settings.max_items,
             max_chars=settings.max_text_chars if self.modality == "text" else None,
-            labels=self.query.labels, max_labels=settings.max_labels, max_label_chars=settings.max_text_chars,
-        )  # fmt: skip
+            labels=self.query.labels,
+            max_labels=settings.max_labels,
+            max_label_chars=settings.max_text_chars,
+        )
 
     async def close(self) -> None:
         """Release the multipart form's uploaded parts (nothing for JSON)."""
@@ -104,12 +109,26 @@ def from_json(req: PredictRequest | ZeroShotRequest, task: str) -> ParsedRequest
     if isinstance(req, ZeroShotRequest):
         # a single image is `image` in error messages, whichever of `image` / `images` carried it
         field = "images" if len(items) > 1 else "image"
-        query = Query(req.top_k, req.return_members, check_labels(req.labels), req.template, req.return_scores,
-                      req.alpha, req.ood_alpha, req.risk)  # fmt: skip
+        query = Query(
+            req.top_k,
+            req.return_members,
+            check_labels(req.labels),
+            req.template,
+            req.return_scores,
+            req.alpha,
+            req.ood_alpha,
+            req.risk,
+        )
         return ParsedRequest(task, "image", field, items, True, req.model, query)
     field = next(k for k in ("text", "texts", "image", "images") if getattr(req, k) is not None)
-    query = Query(req.top_k, req.return_members, return_scores=req.return_scores, alpha=req.alpha,
-                  ood_alpha=req.ood_alpha, risk=req.risk)  # fmt: skip
+    query = Query(
+        req.top_k,
+        req.return_members,
+        return_scores=req.return_scores,
+        alpha=req.alpha,
+        ood_alpha=req.ood_alpha,
+        risk=req.risk,
+    )
     return ParsedRequest(task, req.modality, field, items, True, req.model, query)
 
 
@@ -137,8 +156,16 @@ async def parse_multipart(request: Request, task: str, max_items: int) -> Parsed
     except BaseException:
         await form.close()
         raise
-    query = Query(opts.top_k, opts.return_members, labels, opts.template, opts.return_scores, opts.alpha,
-                  opts.ood_alpha, opts.risk)  # fmt: skip
+    query = Query(
+        opts.top_k,
+        opts.return_members,
+        labels,
+        opts.template,
+        opts.return_scores,
+        opts.alpha,
+        opts.ood_alpha,
+        opts.risk,
+    )
     return ParsedRequest(task, "image", "file", files, False, opts.model, query, form)
 
 

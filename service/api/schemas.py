@@ -45,9 +45,12 @@ __all__ = [
 
 _STRICT = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
+
 # OpenAPI: exactly one of the given properties is present and not null (null is read as absent)
 def _one_of(*names: str) -> JsonDict:
     return {"oneOf": [{"required": [n], "properties": {n: {"not": {"type": "null"}}}} for n in names]}
+
+
 # OpenAPI: what check_template accepts: text, {{ and }}, and at least one bare {label}
 TEMPLATE_PATTERN = r"^(?:[^{}]|\{\{|\}\}|\{label\})*\{label\}(?:[^{}]|\{\{|\}\}|\{label\})*$"
 # a character that is not whitespace, a control (Cc) or an invisible format character (zero-width, bidi marks, BOM):
@@ -68,8 +71,10 @@ def check_template(template: str) -> str:
     for f, spec, conv in fields:
         if f != "label" or spec or conv:
             shown = "{" + f + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
-            raise ValueError(f"template may only hold the placeholder {{label}}, found {shown}; "
-                             "write literal braces as {{ and }}")  # fmt: skip
+            raise ValueError(
+                f"template may only hold the placeholder {{label}}, found {shown}; "
+                "write literal braces as {{ and }}"
+            )
     if not fields:
         raise ValueError("template must contain the placeholder {label}")
     return template
@@ -82,12 +87,27 @@ class _Options(BaseModel):
     top_k: int = Field(5, ge=1, strict=True, description="labels returned per input; clamped to the label count")
     return_members: bool = Field(False, strict=True, description="add each member's prediction")
     return_scores: bool = Field(False, strict=True, description="add every OOD score the model computes (ood.scores)")
-    alpha: float | None = Field(None, gt=0, lt=1, description="miscoverage of the prediction sets (conformal.set "
-                                "holds the true label with probability >= 1 - alpha); default: the model's")
-    ood_alpha: float | None = Field(None, gt=0, lt=1, description="level of the OOD flag: flag = ood.p_value <= "
-                                    "ood_alpha (at most this share of in-distribution inputs flagged)")
-    risk: float | None = Field(None, gt=0, lt=1, description="target error rate of selective.accept: one of the "
-                               "model's certified targets (GET /v1/models); default: the model's")
+    alpha: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="miscoverage of the prediction sets (conformal.set "
+        "holds the true label with probability >= 1 - alpha); default: the model's",
+    )
+    ood_alpha: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="level of the OOD flag: flag = ood.p_value <= "
+        "ood_alpha (at most this share of in-distribution inputs flagged)",
+    )
+    risk: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="target error rate of selective.accept: one of the "
+        "model's certified targets (GET /v1/models); default: the model's",
+    )
 
     @field_validator("alpha", "ood_alpha", "risk", mode="before")
     @classmethod
@@ -147,13 +167,17 @@ class ZeroShotRequest(_Options):
     image: str | None = Field(None, min_length=1, description="one image: base64 or data URL")
     images: list[str] | None = Field(None, min_length=1, description="several images")
     labels: list[str] = Field(
-        ..., min_length=2, description="two or more distinct candidate labels",
+        ...,
+        min_length=2,
+        description="two or more distinct candidate labels",
         json_schema_extra={"uniqueItems": True, "items": {"type": "string", "minLength": 1}},
-    )  # fmt: skip
+    )
     template: str = Field(
-        DEFAULT_TEMPLATE, min_length=1, json_schema_extra={"pattern": TEMPLATE_PATTERN},
+        DEFAULT_TEMPLATE,
+        min_length=1,
+        json_schema_extra={"pattern": TEMPLATE_PATTERN},
         description="prompt with a {label} placeholder; no other {field}; {{ and }} for literal braces",
-    )  # fmt: skip
+    )
 
     @field_validator("template")
     @classmethod
@@ -252,16 +276,23 @@ class Uncertainty(BaseModel):
 
 
 class OOD(BaseModel):
-    flag: bool = Field(description="true when flagged OOD: p_value <= alpha (models with a calibration split), "
-                       "else the score past the threshold; either way exactly when the score is past `threshold` "
-                       "(above it; below it for msp)")
+    flag: bool = Field(
+        description="true when flagged OOD: p_value <= alpha (models with a calibration split), "
+        "else the score past the threshold; either way exactly when the score is past `threshold` "
+        "(above it; below it for msp)"
+    )
     score: float = Field(description="the served score of this input")
     metric: Literal[OOD_SCORES] = Field(description="the served score's name")  # type: ignore[valid-type]
-    threshold: float | None = Field(description="the threshold the flag applied: with a p-value, the score at which "
-                                    "p_value <= alpha at this request's level; else the build's threshold fitted on "
-                                    "validation data. Absent: no score is flagged at this level (alpha < 1 / (n + 1))")
-    p_value: float | None = Field(None, description="conformal p-value of the score against the calibration split's "
-                                  "ID scores: (1 + #{s_i >= s}) / (n + 1)")
+    threshold: float | None = Field(
+        description="the threshold the flag applied: with a p-value, the score at which "
+        "p_value <= alpha at this request's level; else the build's threshold fitted on "
+        "validation data. Absent: no score is flagged at this level (alpha < 1 / (n + 1))"
+    )
+    p_value: float | None = Field(
+        None,
+        description="conformal p-value of the score against the calibration split's "
+        "ID scores: (1 + #{s_i >= s}) / (n + 1)",
+    )
     alpha: float | None = Field(None, description="the level the flag used (the request's ood_alpha or the model's)")
     reason: str | None = Field(None, description="only when flagged: the rule that fired, with its numbers")
     scores: dict[str, float] | None = Field(None, description="only with return_scores: every score computed")
@@ -273,23 +304,34 @@ class ConformalSet(BaseModel):
     size: int
     method: Literal["lac", "aps", "raps"] = Field(description="the nonconformity score")
     mondrian: bool = Field(description="class-conditional: coverage >= 1 - alpha for every class")
-    below_min_alpha: bool = Field(description="alpha is below 1 / (n + 1) of the calibration split (for some "
-                                  "class, with mondrian): those labels are always in; marginal sets hold every label")
-    filled: bool = Field(False, description="no label passed the set's threshold at this alpha (the input is unlike "
-                         "the calibration inputs of every class), so the set is the prediction alone: sets are never "
-                         "empty, and a superset covers at least as often, so the guarantee holds")
+    below_min_alpha: bool = Field(
+        description="alpha is below 1 / (n + 1) of the calibration split (for some "
+        "class, with mondrian): those labels are always in; marginal sets hold every label"
+    )
+    filled: bool = Field(
+        False,
+        description="no label passed the set's threshold at this alpha (the input is unlike "
+        "the calibration inputs of every class), so the set is the prediction alone: sets are never "
+        "empty, and a superset covers at least as often, so the guarantee holds",
+    )
 
 
 class Selective(BaseModel):
     accept: bool = Field(description="the certified rule of the target risk accepts this input")
-    risk: float = Field(description="the target: among accepted in-distribution inputs at most this error rate, "
-                        "with probability >= 1 - delta over the calibration draw")
+    risk: float = Field(
+        description="the target: among accepted in-distribution inputs at most this error rate, "
+        "with probability >= 1 - delta over the calibration draw"
+    )
     certified: bool = Field(description="false: no rule met this target on the calibration split (accepts nothing)")
-    threshold: float | None = Field(None, description="the rule's confidence threshold: accepted inputs have "
-                                    "confidence >= it (null: not certified)")
-    ood_threshold: float | None = Field(None, description="the rule's OOD cut, calibrated with it: accepted inputs "
-                                        "have an OOD score at most it (at least it for msp). It is the build's "
-                                        "validation threshold, not the flag's level: an unflagged input can be past it")
+    threshold: float | None = Field(
+        None, description="the rule's confidence threshold: accepted inputs have confidence >= it (null: not certified)"
+    )
+    ood_threshold: float | None = Field(
+        None,
+        description="the rule's OOD cut, calibrated with it: accepted inputs "
+        "have an OOD score at most it (at least it for msp). It is the build's "
+        "validation threshold, not the flag's level: an unflagged input can be past it",
+    )
     reason: str | None = Field(None, description="only when not accepted: which of the rule's conditions failed")
 
 

@@ -48,8 +48,11 @@ __all__ = ["DOCS_ASSETS", "contract_openapi", "infer", "install_docs", "install_
 
 # Swagger UI's files, served by the app itself from the pinned swagger-ui-bundle package (no CDN: /docs works
 # offline): URL path under DOCS_ASSETS -> media type. A fixed list, each its own route: no request names a file.
-SWAGGER_ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css",
-                  "favicon-32x32.png": "image/png"}  # fmt: skip
+SWAGGER_ASSETS = {
+    "swagger-ui-bundle.js": "text/javascript",
+    "swagger-ui.css": "text/css",
+    "favicon-32x32.png": "image/png",
+}
 DOCS_ASSETS = "/docs/assets"
 ERROR_REF = "#/components/schemas/ErrorResponse"
 # the documented /zero-shot request's image: an 8x8 grey PNG, base64
@@ -85,9 +88,15 @@ def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any], example:
     "Try it out" and schemathesis' examples send it), or a multipart form of ``file`` parts."""
     json_schema = json_model.model_json_schema()
     # the guarantees' levels, as in JSON: a number in (0, 1) (a risk the model was not built with is 422)
-    levels = {k: {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1,
-                  "description": json_schema["properties"][k].get("description", "")}
-              for k in ("alpha", "ood_alpha", "risk")}  # fmt: skip
+    levels = {
+        k: {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "exclusiveMaximum": 1,
+            "description": json_schema["properties"][k].get("description", ""),
+        }
+        for k in ("alpha", "ood_alpha", "risk")
+    }
     form_schema = {
         "type": "object",
         "properties": {
@@ -105,8 +114,10 @@ def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any], example:
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": json_schema, "example": example},
-                        "multipart/form-data": {"schema": form_schema}},  # fmt: skip
+            "content": {
+                "application/json": {"schema": json_schema, "example": example},
+                "multipart/form-data": {"schema": form_schema},
+            },
         }
     }
 
@@ -154,8 +165,10 @@ async def drift_reset(request: Request, model_name: str) -> dict[str, Any]:
     """Start a fresh drift test after an investigation; only for an authenticated caller (``HYDRA_API_KEY``)."""
     name = model_name
     if not server_state(request).settings.api_key:
-        raise Forbidden("resetting a drift alarm needs an authenticated caller: start the server with HYDRA_API_KEY "
-                        "set and send Authorization: Bearer <key>")  # fmt: skip
+        raise Forbidden(
+            "resetting a drift alarm needs an authenticated caller: start the server with HYDRA_API_KEY "
+            "set and send Authorization: Bearer <key>"
+        )
     rt = _runtime(request, name)
     if rt.drift_state() is None:
         raise NotFound(f"model {name!r} has no drift test (it was built without a calibration split)")
@@ -188,12 +201,13 @@ async def swagger_ui(request: Request) -> HTMLResponse:
     ``root_path`` too); no validator badge, which Swagger UI would fetch from outside."""
     root = request.scope.get("root_path", "").rstrip("/")
     return get_swagger_ui_html(
-        openapi_url=root + (request.app.openapi_url or "/openapi.json"), title=f"{request.app.title} - Swagger UI",
+        openapi_url=root + (request.app.openapi_url or "/openapi.json"),
+        title=f"{request.app.title} - Swagger UI",
         swagger_js_url=f"{root}{DOCS_ASSETS}/swagger-ui-bundle.js",
         swagger_css_url=f"{root}{DOCS_ASSETS}/swagger-ui.css",
         swagger_favicon_url=f"{root}{DOCS_ASSETS}/favicon-32x32.png",
         swagger_ui_parameters={"validatorUrl": None},
-    )  # fmt: skip
+    )
 
 
 def install_docs(app: FastAPI) -> None:
@@ -227,12 +241,17 @@ def contract_openapi(schema: dict[str, Any]) -> dict[str, Any]:
             responses = op.get("responses", {})
             if "HTTPValidationError" not in json.dumps(responses.get("422", {})):
                 continue
-            params = [p for p in op.get("parameters", []) if p.get("in") != "path" or p.get("schema", {}).get(
-                "type") != "string"]  # fmt: skip
+            params = [
+                p
+                for p in op.get("parameters", [])
+                if p.get("in") != "path" or p.get("schema", {}).get("type") != "string"
+            ]
             if params or "requestBody" in op:
                 description = ERROR_RESPONSES[422]["description"]
-                responses["422"] = {"description": description,
-                                    "content": {"application/json": {"schema": {"$ref": ERROR_REF}}}}  # fmt: skip
+                responses["422"] = {
+                    "description": description,
+                    "content": {"application/json": {"schema": {"$ref": ERROR_REF}}},
+                }
             else:
                 del responses["422"]
     components = schema.get("components", {}).get("schemas", {})
@@ -252,39 +271,75 @@ def install_routes(app: FastAPI) -> None:
     path: the middleware labels the requests answered before routing by them, and deployment checks read them.
     Each route declares the errors it may answer (401: the middleware's, on every route but the probes and metrics;
     500: any unexpected failure), all with the contract's body; ``/docs`` and the document: :func:`install_docs`."""
+    _install_health(app)
+    _install_models(app)
+    _install_inference(app)
+    install_docs(app)
+
+
+def _install_health(app: FastAPI) -> None:
+    """The probes and the metrics: no authentication."""
     app.get("/healthz", response_model=HealthResponse, tags=["health"], summary="Alive")(healthz)
     app.get(
-        "/readyz", response_model=ReadyResponse, tags=["health"], summary="Every model loaded and warmed up",
+        "/readyz",
+        response_model=ReadyResponse,
+        tags=["health"],
+        summary="Every model loaded and warmed up",
         responses=_errors(503),
-    )(readyz)  # fmt: skip
+    )(readyz)
     app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)(metrics)
+
+
+def _install_models(app: FastAPI) -> None:
+    """The loaded models and their drift tests."""
     app.get(
-        "/v1/models", response_model=ModelsResponse, tags=["models"], summary="Loaded models",
+        "/v1/models",
+        response_model=ModelsResponse,
+        tags=["models"],
+        summary="Loaded models",
         responses=_errors(401, 500),
-    )(models)  # fmt: skip
+    )(models)
     app.get(
-        "/v1/models/{model_name}/drift", tags=["models"],
+        "/v1/models/{model_name}/drift",
+        tags=["models"],
         summary="The model's drift test: alarm, statistic, inputs seen",
         responses=_errors(401, 404, 500),
-    )(drift)  # fmt: skip
+    )(drift)
     app.post(
-        "/v1/models/{model_name}/drift/reset", tags=["models"],
+        "/v1/models/{model_name}/drift/reset",
+        tags=["models"],
         summary="Start a fresh drift test (authenticated callers)",
         responses=_errors(401, 403, 404, 500),
-    )(drift_reset)  # fmt: skip
+    )(drift_reset)
+
+
+def _install_inference(app: FastAPI) -> None:
+    """``/predict`` and ``/zero-shot``, with their form bodies and examples documented."""
     errors = _errors(400, 401, 413, 415, 422, 500, 503)
     app.post(
-        "/predict", response_model=PredictResponse, tags=["inference"], responses=errors,
+        "/predict",
+        response_model=PredictResponse,
+        tags=["inference"],
+        responses=errors,
         summary="Classify texts or images, with uncertainty and an OOD flag",
         openapi_extra=body_doc(PredictRequest, {}, {"text": "I love this phone, best purchase ever", "top_k": 2}),
-    )(predict)  # fmt: skip
+    )(predict)
     app.post(
-        "/zero-shot", response_model=PredictResponse, tags=["inference"], responses=errors,
+        "/zero-shot",
+        response_model=PredictResponse,
+        tags=["inference"],
+        responses=errors,
         summary="Classify images against labels given in the request (zero-shot model)",
-        openapi_extra=body_doc(ZeroShotRequest, {
-            "labels": {"type": "string", "description": 'JSON list (["cat","dog"]), one field per label, or one '
-                       "comma-separated field; two or more, distinct once case-folded and stripped"},
-            "template": {"type": "string", "default": "A photo of a {label}.", "pattern": TEMPLATE_PATTERN},
-        }, {"image": EXAMPLE_IMAGE, "labels": ["shirt", "dress", "coat"], "top_k": 2}),
-    )(zero_shot)  # fmt: skip
-    install_docs(app)
+        openapi_extra=body_doc(
+            ZeroShotRequest,
+            {
+                "labels": {
+                    "type": "string",
+                    "description": 'JSON list (["cat","dog"]), one field per label, or one '
+                    "comma-separated field; two or more, distinct once case-folded and stripped",
+                },
+                "template": {"type": "string", "default": "A photo of a {label}.", "pattern": TEMPLATE_PATTERN},
+            },
+            {"image": EXAMPLE_IMAGE, "labels": ["shirt", "dress", "coat"], "top_k": 2},
+        ),
+    )(zero_shot)

@@ -5,7 +5,8 @@
   AOTInductor, ONNX Runtime);
 * statistics, pure functions over member logits ``(B, M, C)``: :mod:`.uncertainty`, :mod:`.ood`,
   :mod:`.conformal`, :mod:`.drift`, :mod:`.guarantees`;
-* the artifact contract: :mod:`.artifact` (the manifest's typed model, its one writer and reader);
+* the artifact contract: :mod:`.manifest` (the manifest's typed model) and :mod:`.artifact` (its one writer and
+  reader, the files' hashes);
 * inputs: :mod:`.preprocess` (decoding and preprocessing, the same for a build and a request), raising the
   domain errors of :mod:`.errors`; facts about the machine: :mod:`.hardware`; the JSON log line: :mod:`.jsonlog`.
 

@@ -187,10 +187,16 @@ class DriftMonitor:
     """
 
     def __init__(
-        self, calibration_scores: np.ndarray | torch.Tensor | Sequence[float], delta: float = 0.01, bins: int = 2048,
-        seed: int = 0, *, edges: np.ndarray | Sequence[float] | None = None,
-        levels: Sequence[float] = (0.01, 0.05, 0.2), fractions: Sequence[float] = (0.1, 0.3, 0.6),
-    ) -> None:  # fmt: skip
+        self,
+        calibration_scores: np.ndarray | torch.Tensor | Sequence[float],
+        delta: float = 0.01,
+        bins: int = 2048,
+        seed: int = 0,
+        *,
+        edges: np.ndarray | Sequence[float] | None = None,
+        levels: Sequence[float] = (0.01, 0.05, 0.2),
+        fractions: Sequence[float] = (0.1, 0.3, 0.6),
+    ) -> None:
         cal = np.asarray(calibration_scores, dtype=np.float64).ravel()
         if not np.all(np.isfinite(cal)):
             raise ValueError("calibration_scores must be finite")
@@ -261,8 +267,9 @@ class DriftMonitor:
         p = (at_least[b] - equal + above_in + theta * (equal + equal_in + 1)) / n_t
         self._counts += np.bincount(b, minlength=self._counts.shape[0])
         self._n += size
-        log_m, self._log_a = mixture_log_martingale(p, self._log_a, self._count, self._levels, self._log_hi,
-                                                    self._log_lo)  # fmt: skip
+        log_m, self._log_a = mixture_log_martingale(
+            p, self._log_a, self._count, self._levels, self._log_hi, self._log_lo
+        )
         if self._alarm_at is None:
             hit = np.flatnonzero(log_m >= self._log_threshold)
             if hit.size:
@@ -327,9 +334,12 @@ class DriftFeed:
     """
 
     def __init__(
-        self, monitor: DriftMonitor, every: int = 64, max_delay_s: float = 1.0,
+        self,
+        monitor: DriftMonitor,
+        every: int = 64,
+        max_delay_s: float = 1.0,
         on_update: Callable[[DriftMonitor], None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if every < 1 or max_delay_s < 0:
             raise ValueError(f"every must be >= 1 and max_delay_s >= 0, got {every!r}, {max_delay_s!r}")
         self.monitor = monitor

@@ -261,6 +261,8 @@ class FusedCLIP(nn.Module):
         self, pixel_values: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor:
         return zero_shot_logits(
-            self.encode_image(pixel_values), self.text(input_ids, attention_mask), self.logit_scale.exp(),
+            self.encode_image(pixel_values),
+            self.text(input_ids, attention_mask),
+            self.logit_scale.exp(),
             self.logit_bias,
         )

@@ -24,12 +24,11 @@ import bisect
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from safetensors.torch import load_file
 
-from .artifact import ArtifactError
+from .artifact import ArtifactError, Manifest
 from .conformal import SetCalibrator, keep_top, ood_p_values
 from .drift import DriftMonitor
 from .uncertainty import OOD_METRICS
@@ -140,7 +139,7 @@ class Guarantees:
 
     def prediction_sets(
         self, probs: np.ndarray, alpha: float, mondrian: bool | None = None, checked: bool = False
-    ) -> tuple[np.ndarray, bool, np.ndarray]:  # fmt: skip
+    ) -> tuple[np.ndarray, bool, np.ndarray]:
         """``(sets (B, C) bool, below_min_alpha, filled (B,))``: the conformal sets of ``probs (B, C)`` at ``alpha``,
         never empty (:func:`~service.core.conformal.keep_top`: ``filled`` marks the sets that were empty and got the
         prediction); ``below_min_alpha`` when ``alpha`` is below what the split supports (for some class, with
@@ -169,17 +168,18 @@ class Guarantees:
 
     def monitor(self) -> DriftMonitor:
         """A fresh drift alarm whose reference is the calibration split's scores (:mod:`service.core.drift`)."""
-        return DriftMonitor(self.ood_scores, delta=self.drift_delta, bins=self.drift_bins, seed=0,
-                            edges=self.drift_edges)  # fmt: skip
+        return DriftMonitor(
+            self.ood_scores, delta=self.drift_delta, bins=self.drift_bins, seed=0, edges=self.drift_edges
+        )
 
 
-def load_guarantees(root: Path, manifest: dict[str, Any]) -> Guarantees | None:
+def load_guarantees(root: Path, manifest: Manifest) -> Guarantees | None:
     """The artifact's guarantees (manifest ``guarantees``; None without), checked against the model: a file that
     does not fit refuses the artifact at start-up, naming it."""
-    spec = manifest.get("guarantees")
-    if not spec:
+    spec = manifest.guarantees
+    if spec is None:
         return None
-    path = Path(root) / spec.get("file", GUARANTEES_FILE)
+    path = Path(root) / spec.file
     try:
         t = load_file(str(path))
         sets = SetCalibrator.from_tensors(t, "conformal.")
@@ -187,22 +187,30 @@ def load_guarantees(root: Path, manifest: dict[str, Any]) -> Guarantees | None:
         edges = t["drift.edges"].double().numpy()
     except (OSError, ValueError, KeyError) as e:
         raise ArtifactError(f"{path}: unreadable guarantees ({e})") from e
-    labels = manifest.get("labels") or []
+    labels = manifest.labels or []
     if sets.num_classes != len(labels):
         raise ArtifactError(f"{path}: prediction sets for {sets.num_classes} classes, the model has {len(labels)}")
-    sel, conf, o, drift = spec["selective"], spec["conformal"], spec["ood"], spec["drift"]
+    sel, o, drift = spec.selective, spec.ood, spec.drift
     if ood.shape != (sets.scores.shape[0],) or np.any(np.diff(ood) < 0):
         raise ArtifactError(f"{path}: {ood.shape[0]} OOD calibration scores (sorted) for {sets.scores.shape[0]} inputs")
-    if edges.shape != (int(drift["bins"]) - 1,):
-        raise ArtifactError(f"{path}: {edges.shape[0]} drift bin edges for {drift['bins']} bins")
-    served = manifest["uncertainty"]["ood_score"]
-    if o["score"] != served:
-        raise ArtifactError(f"{path}: OOD p-values of {o['score']!r}, the artifact serves {served!r}")
+    if edges.shape != (drift.bins - 1,):
+        raise ArtifactError(f"{path}: {edges.shape[0]} drift bin edges for {drift.bins} bins")
+    served = manifest.uncertainty.ood_score
+    if o.score != served:
+        raise ArtifactError(f"{path}: OOD p-values of {o.score!r}, the artifact serves {served!r}")
     return Guarantees(
-        sets=sets, ood_scores=ood, metric=served, ood_threshold=float(sel["ood_cut"]["threshold"]),
-        rules={float(r["risk"]): (None if r.get("threshold") is None else float(r["threshold"]))
-               for r in sel["targets"]},
-        alpha=float(conf["alpha"]), ood_alpha=float(o["alpha"]), risk=float(sel["default_risk"]),
-        mondrian=bool(conf.get("mondrian", False)), delta=float(sel["delta"]), drift_delta=float(drift["delta"]),
-        drift_bins=int(drift["bins"]), drift_edges=edges, label_free=bool(o.get("label_free", False)),
-    )  # fmt: skip
+        sets=sets,
+        ood_scores=ood,
+        metric=served,
+        ood_threshold=sel.ood_cut.threshold,
+        rules={r.risk: r.threshold for r in sel.targets},
+        alpha=spec.conformal.alpha,
+        ood_alpha=o.alpha,
+        risk=sel.default_risk,
+        mondrian=spec.conformal.mondrian,
+        delta=sel.delta,
+        drift_delta=drift.delta,
+        drift_bins=drift.bins,
+        drift_edges=edges,
+        label_free=o.label_free,
+    )

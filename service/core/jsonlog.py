@@ -17,6 +17,8 @@ def json_formatter() -> logging.Formatter:
     field of the record (the server's :class:`service.logs.RequestContextFilter` adds ``request_id`` and
     ``trace_id``)."""
     return JsonFormatter(
-        "%(levelname)s %(name)s %(message)s", rename_fields={"levelname": "level", "name": "logger"}, timestamp="time",
+        "%(levelname)s %(name)s %(message)s",
+        rename_fields={"levelname": "level", "name": "logger"},
+        timestamp="time",
         reserved_attrs=[*RESERVED_ATTRS, "color_message"],  # uvicorn's message with terminal colours: left out
-    )  # fmt: skip
+    )

@@ -225,8 +225,10 @@ class LayerStats:
         if k == 0 or pairs % k:
             raise ValueError(f"LayerStats: {pairs} (member, layer) Gaussians for {k} layers")
         if any(t.shape != (pairs,) for t in self.pair_norms) or any(t.shape != (k + 1,) for t in self.column_norms):
-            raise ValueError(f"LayerStats norms must be ({pairs},) and ({k + 1},), got "
-                             f"{[tuple(t.shape) for t in (*self.pair_norms, *self.column_norms)]}")  # fmt: skip
+            raise ValueError(
+                f"LayerStats norms must be ({pairs},) and ({k + 1},), got "
+                f"{[tuple(t.shape) for t in (*self.pair_norms, *self.column_norms)]}"
+            )
         if list(self.ids) != sorted(set(self.ids)) or min(self.ids) < 0:
             raise ValueError(f"LayerStats.ids must be distinct, ascending and >= 0, got {list(self.ids)}")
 
@@ -256,8 +258,10 @@ def layer_scores(layer_features: torch.Tensor, stats: LayerStats) -> torch.Tenso
     B, M = layer_features.shape[:2]
     k = len(stats.ids)
     if M != stats.members or max(stats.ids) >= layer_features.shape[2]:
-        raise ValueError(f"layer features {tuple(layer_features.shape)} do not fit statistics of {stats.members} "
-                         f"members and layers {list(stats.ids)}")  # fmt: skip
+        raise ValueError(
+            f"layer features {tuple(layer_features.shape)} do not fit statistics of {stats.members} "
+            f"members and layers {list(stats.ids)}"
+        )
     f = layer_features[:, :, list(stats.ids)]  # (B, M, K, d)
     md = mahalanobis(f.reshape(B, M * k, f.shape[-1]), stats.gaussians)  # (B, M*K)
     return standardize(md, *stats.pair_norms).view(B, M, k).mean(dim=1)  # (B, K)
@@ -288,9 +292,13 @@ def member_scores(
 
 
 def ensemble_scores(
-    logits: torch.Tensor, features: torch.Tensor | None, stats: OODStats | None, temperature: float = 1.0,
-    summary: dict[str, torch.Tensor] | None = None, layer_features: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+    logits: torch.Tensor,
+    features: torch.Tensor | None,
+    stats: OODStats | None,
+    temperature: float = 1.0,
+    summary: dict[str, torch.Tensor] | None = None,
+    layer_features: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
     """Every score :data:`HIGHER_IS_ID` names that the inputs allow, one value per input ``(B,)``, float64.
 
     ``msp``, ``entropy``, ``mutual_information`` are the ensemble's (``summary``: a
@@ -318,8 +326,9 @@ def ensemble_scores(
     if "mahalanobis" in out and "energy" in out:  # feature space and logit space: each catches what the other misses
         out["mahalanobis_energy"] = out["mahalanobis"] + out["energy"]
     if "mahalanobis" in out and stats.layers is not None and layer_features is not None:
-        out["mahalanobis_layers"] = layers_max(out["mahalanobis"], layer_scores(layer_features, stats.layers),
-                                               stats.layers.column_norms)  # fmt: skip
+        out["mahalanobis_layers"] = layers_max(
+            out["mahalanobis"], layer_scores(layer_features, stats.layers), stats.layers.column_norms
+        )
     return out
 
 
@@ -335,12 +344,14 @@ def fit_norms(scores: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, 
 
 def layer_tensors(stats: LayerStats, prefix: str = "layers.") -> dict[str, torch.Tensor]:
     """The tensors of :class:`LayerStats` by name (``prefix`` + field), for a safetensors file."""
-    return {prefix + "ids": torch.tensor(stats.ids, dtype=torch.int64),
-            **stats_tensors(stats.gaussians, prefix + "gaussian."),
-            prefix + "pair_norms.mean": stats.pair_norms[0].contiguous(),
-            prefix + "pair_norms.std": stats.pair_norms[1].contiguous(),
-            prefix + "column_norms.mean": stats.column_norms[0].contiguous(),
-            prefix + "column_norms.std": stats.column_norms[1].contiguous()}  # fmt: skip
+    return {
+        prefix + "ids": torch.tensor(stats.ids, dtype=torch.int64),
+        **stats_tensors(stats.gaussians, prefix + "gaussian."),
+        prefix + "pair_norms.mean": stats.pair_norms[0].contiguous(),
+        prefix + "pair_norms.std": stats.pair_norms[1].contiguous(),
+        prefix + "column_norms.mean": stats.column_norms[0].contiguous(),
+        prefix + "column_norms.std": stats.column_norms[1].contiguous(),
+    }
 
 
 def layers_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "layers.") -> LayerStats | None:
@@ -374,6 +385,8 @@ def ood_from_tensors(tensors: dict[str, torch.Tensor]) -> OODStats:
     """:class:`OODStats` back from :func:`ood_tensors`' names."""
     gaussians = stats_from_tensors(tensors) if any(k.startswith("gaussian.") for k in tensors) else None
     names = {k.split(".")[1] for k in tensors if k.startswith("norm.")}
-    norms = {n: (tensors[f"norm.{n}.mean"].to(torch.float64), tensors[f"norm.{n}.std"].to(torch.float64))
-             for n in sorted(names)}  # fmt: skip
+    norms = {
+        n: (tensors[f"norm.{n}.mean"].to(torch.float64), tensors[f"norm.{n}.std"].to(torch.float64))
+        for n in sorted(names)
+    }
     return OODStats(gaussians, norms, layers_from_tensors(tensors))

@@ -20,6 +20,7 @@ import json
 import math
 import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from .errors import InvalidInput, PayloadTooLarge, ServiceError, UnsupportedMediaType
+from .manifest import ClipTextPreprocessing, ImagePreprocessing, TextPreprocessing
 
 __all__ = ["ImagePreprocessor", "TextPreprocessor", "decode_base64", "make_preprocessor", "ACCEPTED_IMAGE_FORMATS"]
 
@@ -35,11 +37,23 @@ ACCEPTED_IMAGE_FORMATS = ("JPEG", "PNG", "WEBP")
 # Pillow warns between 1x and 2x MAX_IMAGE_PIXELS; we refuse above 1x ourselves, so the warning is noise.
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
-_RESAMPLE = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
-             "nearest": Image.Resampling.NEAREST, "lanczos": Image.Resampling.LANCZOS}  # fmt: skip
+_RESAMPLE = {
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "nearest": Image.Resampling.NEAREST,
+    "lanczos": Image.Resampling.LANCZOS,
+}
 # magic numbers of image formats we recognise but do not accept (for a 415 instead of a 400)
-_OTHER_FORMATS = ((b"GIF87a", "GIF"), (b"GIF89a", "GIF"), (b"BM", "BMP"), (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"),
-                  (b"\x00\x00\x01\x00", "ICO"), (b"8BPS", "PSD"), (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"))  # fmt: skip
+_OTHER_FORMATS = (
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"8BPS", "PSD"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
+)
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,", re.IGNORECASE)
 _WS = re.compile(r"\s+")
 
@@ -64,37 +78,25 @@ def decode_base64(value: str, where: str) -> bytes:
 class ImagePreprocessor:
     """Image bytes -> normalised ``(C, H, W)`` float32 tensor, as the manifest's ``preprocessing`` says.
 
-    ``spec``: ``{"type": "image", "size": [H, W], "mean": [..], "std": [..],
-    "interpolation": "bilinear"|"bicubic", "channels": 1|3, "resize": "direct"}``.
+    ``spec``: the manifest's :class:`~service.core.manifest.ImagePreprocessing`, or its JSON form (a builder's
+    dict: ``{"type": "image", "size": [H, W], "mean": [..], "std": [..], ...}``), validated by that model.
     """
 
     modality = "image"
     inputs = ("pixel_values",)
 
-    def __init__(self, spec: dict[str, Any], max_pixels: int) -> None:
-        self.size = (int(spec["size"][0]), int(spec["size"][1]))  # (H, W)
-        self.channels = int(spec.get("channels", 3))
-        if self.channels not in (1, 3):
-            raise ValueError(f"preprocessing.channels must be 1 or 3, got {self.channels}")
+    def __init__(self, spec: ImagePreprocessing | Mapping[str, Any], max_pixels: int) -> None:
+        spec = spec if isinstance(spec, ImagePreprocessing) else ImagePreprocessing.model_validate(dict(spec))
+        self.size = spec.size  # (H, W)
+        self.channels = spec.channels
         self.mode = "L" if self.channels == 1 else "RGB"
-        mean = np.asarray(spec["mean"], dtype=np.float32).reshape(-1)
-        std = np.asarray(spec["std"], dtype=np.float32).reshape(-1)
-        if mean.size not in (1, self.channels) or std.size not in (1, self.channels):
-            raise ValueError(f"preprocessing mean/std need 1 or {self.channels} values, got {mean.size}/{std.size}")
-        if (std <= 0).any():
-            raise ValueError(f"preprocessing.std must be > 0, got {std.tolist()}")
+        mean = np.asarray(spec.mean, dtype=np.float32)  # (1,) or (C,)
+        std = np.asarray(spec.std, dtype=np.float32)  # (1,) or (C,), all > 0
         self.mean = np.broadcast_to(mean, (self.channels,)).reshape(-1, 1, 1).copy()  # (C, 1, 1)
         self.std = np.broadcast_to(std, (self.channels,)).reshape(-1, 1, 1).copy()  # (C, 1, 1)
-        interp = spec.get("interpolation", "bilinear")
-        if interp not in _RESAMPLE:
-            raise ValueError(f"preprocessing.interpolation {interp!r} is not one of {sorted(_RESAMPLE)}")
-        self.resample = _RESAMPLE[interp]
-        self.resize = spec.get("resize", "direct")
-        if self.resize not in ("direct", "shorter_crop"):
-            raise ValueError(f"preprocessing.resize {self.resize!r} is not 'direct' or 'shorter_crop'")
-        self.crop_pct = float(spec.get("crop_pct") or 1.0)
-        if not 0 < self.crop_pct <= 1:
-            raise ValueError(f"preprocessing.crop_pct must be in (0, 1], got {self.crop_pct}")
+        self.resample = _RESAMPLE[spec.interpolation]
+        self.resize = spec.resize
+        self.crop_pct = spec.crop_pct or 1.0
         self.max_pixels = int(max_pixels)
         # Pillow's own guard too (raises DecompressionBombError above 2x); ours below refuses above 1x.
         Image.MAX_IMAGE_PIXELS = self.max_pixels
@@ -206,25 +208,30 @@ def _eight_bit(im: Image.Image) -> Image.Image:
     if im.mode.startswith("I;16") or (im.mode == "I" and arr.size and arr.min() >= 0 and arr.max() <= 65535):
         eight = np.round(arr.astype(np.float64) / 257.0).astype(np.uint8)  # (H, W)
         return Image.fromarray(eight)  # uint8 (H, W): mode L
-    raise UnsupportedMediaType(f"{im.mode} images ({'floating point' if im.mode == 'F' else '32-bit integer'} "
-                               "pixels) are not accepted; send 8- or 16-bit JPEG, PNG or WebP")
+    raise UnsupportedMediaType(
+        f"{im.mode} images ({'floating point' if im.mode == 'F' else '32-bit integer'} "
+        "pixels) are not accepted; send 8- or 16-bit JPEG, PNG or WebP"
+    )
 
 
 class TextPreprocessor:
     """Text -> token ids with the artifact's tokenizer; :meth:`collate` pads a batch to its longest text.
 
-    ``spec``: ``{"type": "text", "max_length": 48, "tokenizer": "tokenizer"}`` (a directory
-    of the artifact holding Hugging Face tokenizer files).
+    ``spec``: the manifest's :class:`~service.core.manifest.TextPreprocessing` (or the ``text`` part of a zero-shot
+    artifact's image preprocessing), or its JSON form ``{"type": "text", "max_length": 48, "tokenizer":
+    "tokenizer"}``: ``tokenizer`` is a directory of the artifact holding Hugging Face tokenizer files.
     """
 
     modality = "text"
     inputs = ("input_ids", "attention_mask")
 
-    def __init__(self, spec: dict[str, Any], root: str | Path) -> None:
-        self.max_length = int(spec["max_length"])
+    def __init__(self, spec: TextPreprocessing | ClipTextPreprocessing | Mapping[str, Any], root: str | Path) -> None:
+        if not isinstance(spec, (TextPreprocessing, ClipTextPreprocessing)):
+            spec = TextPreprocessing.model_validate(dict(spec))
+        self.max_length = spec.max_length
         if self.max_length < 2:
             raise ValueError(f"preprocessing.max_length must be >= 2, got {self.max_length}")
-        tok_dir = Path(root) / spec.get("tokenizer", "tokenizer")
+        tok_dir = Path(root) / spec.tokenizer
         if not tok_dir.is_dir():
             raise FileNotFoundError(f"{tok_dir}: tokenizer directory named by preprocessing.tokenizer is missing")
         self._fast = None
@@ -285,9 +292,13 @@ class TextPreprocessor:
 
 
 def make_preprocessor(
-    spec: dict[str, Any], root: str | Path, max_image_pixels: int
+    spec: ImagePreprocessing | TextPreprocessing | Mapping[str, Any], root: str | Path, max_image_pixels: int
 ) -> ImagePreprocessor | TextPreprocessor:
-    """The preprocessor of a manifest's ``preprocessing`` block."""
+    """The preprocessor of a manifest's ``preprocessing`` block (typed, or its JSON form)."""
+    if isinstance(spec, ImagePreprocessing):
+        return ImagePreprocessor(spec, max_image_pixels)
+    if isinstance(spec, TextPreprocessing):
+        return TextPreprocessor(spec, root)
     kind = spec.get("type")
     if kind == "image":
         return ImagePreprocessor(spec, max_image_pixels)

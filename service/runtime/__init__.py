@@ -52,13 +52,9 @@ def open_runtime(root: str | Path, settings: Settings, metrics: Metrics | None =
         raise ArtifactError(f"{root}: artifact directory does not exist (HYDRA_ARTIFACTS)")
     manifest = load_manifest(root)
     verify_files(root, manifest)
-    if manifest["task"] == "classification" and not isinstance(manifest.get("model"), dict):
-        raise ArtifactError(f"{root / 'manifest.json'}: manifest lacks the 'model' block (config, weights, inputs)")
-    cls = RUNTIMES.get(manifest["task"])
+    cls = RUNTIMES.get(manifest.task)
     if cls is None:
-        raise ArtifactError(
-            f"{root}: task {manifest['task']!r} has no runtime in this server (known: {sorted(RUNTIMES)})"
-        )
+        raise ArtifactError(f"{root}: task {manifest.task!r} has no runtime in this server (known: {sorted(RUNTIMES)})")
     rt = cls(root, manifest, settings, metrics)
     rt.resolve()
     return rt

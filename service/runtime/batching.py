@@ -49,7 +49,7 @@ from typing import Any
 from ..core.errors import InternalError, NotReady, Overloaded, ServiceError
 from ..metrics import Metrics
 
-__all__ = ["FILL_RULES", "Batcher", "BatchResult"]
+__all__ = ["FILL_RULES", "BatchLimits", "Batcher", "BatchResult"]
 
 FILL_RULES = ("in_system", "recent")  # how full a batch waits to be under lower load (module docstring)
 # in_system: the longest wait for a batch to fill, as a share of the last forward pass. A wait buys a larger batch
@@ -77,16 +77,29 @@ class _Request:
     enqueued: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(frozen=True)
+class BatchLimits:
+    """How one model's batches form (``HYDRA_MAX_BATCH``, ``HYDRA_MAX_WAIT_MS``, ``HYDRA_MAX_QUEUE``,
+    ``HYDRA_BATCH_FILL``; the module docstring says how)."""
+
+    max_batch: int  # most inputs per ``run`` call
+    max_wait_s: float  # longest wait of the oldest queued request for its batch to fill
+    max_queue: int  # most inputs waiting; more -> Overloaded (503, Retry-After)
+    fill: str = "in_system"  # how full a batch waits to be under lower load: one of FILL_RULES
+
+    def __post_init__(self) -> None:
+        if self.fill not in FILL_RULES:
+            raise ValueError(f"fill must be one of {FILL_RULES}, got {self.fill!r}")
+
+
 class Batcher:
     """Queue of one model: ``await submit(items)`` -> :class:`BatchResult`.
 
     Args:
         name: model name (metrics label, messages).
         run: ``run(items) -> results``, one result per item; called in the worker thread
-            with at most ``max_batch`` items.
-        max_batch: most inputs per ``run`` call.
-        max_wait_s: longest wait of the oldest queued request for its batch to fill.
-        max_queue: most inputs waiting; more -> :class:`Overloaded` (503, Retry-After).
+            with at most ``limits.max_batch`` items.
+        limits: the batch size, wait, queue bound and fill rule (:class:`BatchLimits`).
         metrics: where batch sizes, inference times, queue waits and depth go.
         unhealthy_after: failed batches in a row that make the batcher unhealthy; 0 = never.
         on_health: called on the event loop with the new value when ``healthy`` changes.
@@ -96,25 +109,20 @@ class Batcher:
         self,
         name: str,
         run: Callable[[list[Any]], list[Any]],
+        limits: BatchLimits,
         *,
-        max_batch: int,
-        max_wait_s: float,
-        max_queue: int,
         metrics: Metrics | None = None,
         unhealthy_after: int = 0,
         on_health: Callable[[bool], None] | None = None,
-        fill: str = "in_system",
     ) -> None:
-        if fill not in FILL_RULES:
-            raise ValueError(f"fill must be one of {FILL_RULES}, got {fill!r}")
         self.name = name
-        self.fill = fill
+        self.fill = limits.fill
         self._running_inputs = 0  # inputs of the batch the worker runs now
         self._cycle_peak = 0  # most inputs in the system (queued + running) since the last batch started
         self._fn = run
-        self.max_batch = max_batch
-        self.max_wait_s = max_wait_s
-        self.max_queue = max_queue
+        self.max_batch = limits.max_batch
+        self.max_wait_s = limits.max_wait_s
+        self.max_queue = limits.max_queue
         self.metrics = metrics
         self._queue: deque[_Request] = deque()
         self._depth = 0  # inputs waiting (not yet taken into a batch)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from ..core.artifact import ArtifactError
+from ..core.artifact import ArtifactError, Manifest
 from ..core.backends import Backend, BackendConfigError
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
 from ..metrics import Metrics
@@ -31,14 +31,14 @@ class ClassifierRuntime(Runtime):
 
     task = "classification"
 
-    def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
+    def __init__(self, root: Path, manifest: Manifest, settings: Settings, metrics: Metrics | None) -> None:
         super().__init__(root, manifest, settings, metrics)
-        prep = manifest["preprocessing"]
+        prep = manifest.preprocessing
         try:
             self.pre: ImagePreprocessor | TextPreprocessor = make_preprocessor(prep, root, settings.max_image_pixels)
         except (ValueError, KeyError, OSError) as e:
             raise ArtifactError(f"{root}: bad preprocessing in the manifest: {e}") from e
-        cfg = manifest["model"]["config"]
+        cfg = manifest.model.config  # the fused architecture (free form: service.core.registry reads it)
         if isinstance(self.pre, TextPreprocessor) and self.pre.max_length > int(cfg.get("max_position", 1 << 30)):
             raise ArtifactError(
                 f"{root}: preprocessing.max_length {self.pre.max_length} exceeds the model's "
@@ -72,8 +72,14 @@ class ClassifierRuntime(Runtime):
             raise ArtifactError(f"{self.root}: cannot load the model for the {self.plan.backend} backend: {e}") from e
         if self.backend.device != self.plan.device:  # e.g. ONNX Runtime without its CUDA provider
             self.plan = Plan(self.plan.backend, self.backend.device, self.plan.precision, self.plan.reason)
-        log.info("%s: %s on %s, %s (%s)", self.name, self.plan.backend, self.plan.device, self.plan.precision,
-                 self.plan.reason)  # fmt: skip
+        log.info(
+            "%s: %s on %s, %s (%s)",
+            self.name,
+            self.plan.backend,
+            self.plan.device,
+            self.plan.precision,
+            self.plan.reason,
+        )
 
     # -- request side (event loop or a request thread): one bad input fails only its request
     def prepare(self, raw: Sequence[str | bytes], field: str, *, base64_encoded: bool) -> list[Any]:
@@ -93,8 +99,9 @@ class ClassifierRuntime(Runtime):
             )
         features = outs[1] if len(outs) > 1 else None  # (B, M, D)
         layers = outs[2] if len(outs) > 2 else None  # (B, M, L-1, d)
-        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats,
-                              layers)  # fmt: skip
+        return summarize_rows(
+            logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats, layers
+        )
 
     async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
         """Prepared inputs of one request -> its results over the artifact's labels."""

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, artifact_version
+from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, Manifest, artifact_version
 from ..core.drift import DriftFeed, DriftMonitor
 from ..core.errors import InvalidInput
 from ..core.guarantees import load_guarantees, outlier_oriented
@@ -39,7 +39,7 @@ from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 from ..metrics import Metrics
 from ..settings import Settings
-from .batching import Batcher, BatchResult
+from .batching import Batcher, BatchLimits, BatchResult
 from .plan import Plan
 
 __all__ = [
@@ -108,9 +108,14 @@ class Query:
 
 
 def summarize_rows(
-    logits: torch.Tensor, temperature: float, metric: str, threshold: float, features: torch.Tensor | None = None,
-    stats: OODStats | None = None, layer_features: torch.Tensor | None = None,
-) -> list[ItemResult]:  # fmt: skip
+    logits: torch.Tensor,
+    temperature: float,
+    metric: str,
+    threshold: float,
+    features: torch.Tensor | None = None,
+    stats: OODStats | None = None,
+    layer_features: torch.Tensor | None = None,
+) -> list[ItemResult]:
     """Member logits ``(B, M, C)`` (and features ``(B, M, D)``, layer features ``(B, M, L-1, d)``) -> one
     :class:`ItemResult` per input.
 
@@ -118,8 +123,11 @@ def summarize_rows(
     score of :func:`service.core.ood.ensemble_scores` is computed too, and ``metric`` may name any of them.
     """
     s = summarize(logits, temperature)
-    all_scores = (ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features)
-                  if stats is not None else None)  # fmt: skip
+    all_scores = (
+        ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features)
+        if stats is not None
+        else None
+    )
     score = all_scores[metric] if all_scores is not None else ood_score(s, metric)  # float64 with statistics
     flag = ood_flag(score, metric, threshold)
     probs = s["probs"].numpy()  # (B, C)
@@ -155,31 +163,36 @@ def preprocess_images(
     return out
 
 
-def load_ood_stats(root: Path, manifest: dict[str, Any]) -> OODStats | None:
+def load_ood_stats(root: Path, manifest: Manifest) -> OODStats | None:
     """The artifact's OOD statistics (manifest ``ood``; None without it), checked against the model's shape: class
     Gaussians of a classifier, or (``ood.label_free``, zero-shot) one Gaussian of the ID images per member."""
-    spec = manifest.get("ood")
+    spec = manifest.ood
     if spec is None:
         return None
+    path = root / spec.file
     try:
-        stats = ood_from_tensors(load_file(str(root / spec["file"])))
+        stats = ood_from_tensors(load_file(str(path)))
     except (OSError, ValueError, KeyError) as e:
-        raise ArtifactError(f"{root / spec['file']}: unreadable OOD statistics ({e})") from e
-    missing = [s for s in spec["scores"] if s in PER_MEMBER_SCORES and s not in stats.norms]
+        raise ArtifactError(f"{path}: unreadable OOD statistics ({e})") from e
+    missing = [s for s in spec.scores if s in PER_MEMBER_SCORES and s not in stats.norms]
     if missing:
-        raise ArtifactError(f"{root / spec['file']}: no norms for the scores {missing} the manifest lists")
-    if "mahalanobis_layers" in spec["scores"]:
-        if stats.layers is None or list(stats.layers.ids) != list(spec.get("layers") or []):
-            raise ArtifactError(f"{root / spec['file']}: the layer statistics of mahalanobis_layers do not match "
-                                f"ood.layers {spec.get('layers')}")  # fmt: skip
-        if stats.layers.members != int(manifest["members"]):
-            raise ArtifactError(f"{root / spec['file']}: layer statistics for {stats.layers.members} members, the "
-                                f"model has {manifest['members']}")  # fmt: skip
+        raise ArtifactError(f"{path}: no norms for the scores {missing} the manifest lists")
+    if "mahalanobis_layers" in spec.scores:
+        if stats.layers is None or list(stats.layers.ids) != list(spec.layers or []):
+            raise ArtifactError(
+                f"{path}: the layer statistics of mahalanobis_layers do not match ood.layers {spec.layers}"
+            )
+        if stats.layers.members != manifest.members:
+            raise ArtifactError(
+                f"{path}: layer statistics for {stats.layers.members} members, the model has {manifest.members}"
+            )
     g = stats.gaussians
-    classes = 1 if spec.get("label_free") else len(manifest["labels"])  # zero-shot: one Gaussian of ID images
-    if g is not None and (g.members != int(manifest["members"]) or g.means.shape[1] != classes):
-        raise ArtifactError(f"{root / spec['file']}: statistics for {g.members} members and {g.means.shape[1]} "
-                            f"classes, the model has {manifest['members']} and {classes}")  # fmt: skip
+    classes = 1 if spec.label_free else len(manifest.labels or [])  # zero-shot: one Gaussian of ID images
+    if g is not None and (g.members != manifest.members or g.means.shape[1] != classes):
+        raise ArtifactError(
+            f"{path}: statistics for {g.members} members and {g.means.shape[1]} classes, the model has "
+            f"{manifest.members} and {classes}"
+        )
     return stats
 
 
@@ -189,22 +202,22 @@ class Runtime(abc.ABC):
     task: ClassVar[str]
     pre: ImagePreprocessor | TextPreprocessor  # the inputs' decoding and preprocessing (set by the subclass)
 
-    def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
+    def __init__(self, root: Path, manifest: Manifest, settings: Settings, metrics: Metrics | None) -> None:
         self.root = root
         self.manifest = manifest
         self.settings = settings
         self.metrics = metrics
-        self.name: str = manifest["name"]
+        self.name: str = manifest.name
         try:
             self.version: str = artifact_version(manifest)
         except ArtifactError as e:
             raise ArtifactError(f"{root}: {e}") from None
-        self.family: str = manifest["family"]
-        self.members: int = int(manifest["members"])
-        unc = manifest["uncertainty"]
-        self.temperature = float(unc["temperature"])
-        self.ood_metric = str(unc["ood_score"])
-        self.ood_threshold = float(unc["ood_threshold"])
+        self.family: str = manifest.family
+        self.members: int = manifest.members
+        unc = manifest.uncertainty
+        self.temperature = unc.temperature
+        self.ood_metric: str = unc.ood_score
+        self.ood_threshold = unc.ood_threshold
         if self.ood_metric not in OOD_METRICS:
             raise ArtifactError(f"{root}: uncertainty.ood_score {self.ood_metric!r} is not in {sorted(OOD_METRICS)}")
         if not self.temperature > 0:
@@ -213,18 +226,23 @@ class Runtime(abc.ABC):
         self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
         # the drift test, fed from the request path in chunks (service.core.drift.DriftFeed: the statistic is that of
         # every score fed at once; /metrics may lag by up to 63 inputs or a second)
-        self.drift = (DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics)
-                      if self.guarantees is not None else None)  # fmt: skip
+        self.drift = (
+            DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics) if self.guarantees is not None else None
+        )
         self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
         if self.guarantees is not None and metrics is not None:
             metrics.drift_alarm.labels(self.name).set(0)
             metrics.drift_statistic.labels(self.name).set(0.0)
             metrics.drift_threshold.labels(self.name).set(float(np.log10(1 / self.guarantees.drift_delta)))
+        limits = BatchLimits(settings.max_batch, settings.max_wait_ms / 1000, settings.max_queue, settings.batch_fill)
         self.batcher = Batcher(
-            self.name, self._run, max_batch=settings.max_batch, max_wait_s=settings.max_wait_ms / 1000,
-            max_queue=settings.max_queue, metrics=metrics, unhealthy_after=settings.unready_after_failures,
-            on_health=self._health_changed, fill=settings.batch_fill,
-        )  # fmt: skip
+            self.name,
+            self._run,
+            limits,
+            metrics=metrics,
+            unhealthy_after=settings.unready_after_failures,
+            on_health=self._health_changed,
+        )
         self.ready = False
         self._prober: asyncio.Task | None = None
 
@@ -242,7 +260,7 @@ class Runtime(abc.ABC):
     @property
     def labels(self) -> list[str]:
         """The artifact's own labels (the classes of ``/predict``)."""
-        return list(self.manifest.get("labels") or [])
+        return list(self.manifest.labels or [])
 
     def answers(self, task: str) -> bool:
         """Whether this runtime answers the endpoint of ``task`` (``classification``: ``/predict``,
@@ -293,9 +311,11 @@ class Runtime(abc.ABC):
         g = self.guarantees
         if query.risk is not None and (g is None or query.risk not in g.rules):
             targets = sorted(g.rules) if g is not None else []
-            raise InvalidInput(f"risk: {query.risk} is not a target this model was built with; available: "
-                               f"{targets if targets else 'none (the model has no calibration split)'}",
-                               status=422)  # fmt: skip
+            raise InvalidInput(
+                f"risk: {query.risk} is not a target this model was built with; available: "
+                f"{targets if targets else 'none (the model has no calibration split)'}",
+                status=422,
+            )
 
     def _guarantees(self, results: list[ItemResult], query: Query) -> None:
         """Each result's OOD p-value and flag at the request's level, prediction set and risk decision. The drift
@@ -308,7 +328,7 @@ class Runtime(abc.ABC):
         risk = g.risk if query.risk is None else query.risk
         probs = None
         if self.sets_hold(query):  # (B, C) float64
-            probs = (results[0].probs[None, :] if len(results) == 1 else np.stack([r.probs for r in results]))
+            probs = results[0].probs[None, :] if len(results) == 1 else np.stack([r.probs for r in results])
             probs = probs.astype(np.float64, copy=False)
         ans = g.answer(scores, probs, alpha, risk)
         p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
@@ -325,8 +345,14 @@ class Runtime(abc.ABC):
         except RuntimeError:  # no event loop (a direct call): now
             self._record(*record)
 
-    def _record(self, scores: list[float] | None, p: list[float], sets: np.ndarray | None,
-                accepted: list[bool] | None, risk: float) -> None:  # fmt: skip
+    def _record(
+        self,
+        scores: list[float] | None,
+        p: list[float],
+        sets: np.ndarray | None,
+        accepted: list[bool] | None,
+        risk: float,
+    ) -> None:
         """The drift test fed (``scores``: None for the server's own warm-up and probe inputs) and the guarantees'
         metrics: p-values, set sizes, accept decisions."""
         g = self.guarantees
@@ -369,8 +395,9 @@ class Runtime(abc.ABC):
     def reset_drift(self) -> dict[str, Any]:
         """Start a fresh drift test (after an investigation): the alarm cleared, the statistic back to 1."""
         if self.drift is None:
-            raise InvalidInput(f"model {self.name!r} has no drift test (it was built without a calibration split)",
-                               status=409)  # fmt: skip
+            raise InvalidInput(
+                f"model {self.name!r} has no drift test (it was built without a calibration split)", status=409
+            )
         before = self.drift_state()
         self.drift.reset()
         if self.metrics is not None:
@@ -384,9 +411,14 @@ class Runtime(abc.ABC):
         if self.drift is None or self.guarantees is None:
             return None
         d = self.drift.flush()  # the buffered inputs first: the state of every input served
-        return {"alarm": d.alarm, "log10_statistic": d.log10_statistic,
-                "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)), "inputs": d.count,
-                "alarm_at": d.alarm_at, "delta": self.guarantees.drift_delta}  # fmt: skip
+        return {
+            "alarm": d.alarm,
+            "log10_statistic": d.log10_statistic,
+            "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)),
+            "inputs": d.count,
+            "alarm_at": d.alarm_at,
+            "delta": self.guarantees.drift_delta,
+        }
 
     @abc.abstractmethod
     async def warmup(self) -> None:
@@ -453,19 +485,32 @@ class Runtime(abc.ABC):
             "device": plan.device if plan else "none",
             "precision": plan.precision if plan else "none",
             "max_batch": self.settings.max_batch,
-            "uncertainty": {"temperature": self.temperature, "ood_score": self.ood_metric,
-                            "ood_threshold": self.ood_threshold, "tpr": self.manifest["uncertainty"].get("tpr")},
+            "uncertainty": {
+                "temperature": self.temperature,
+                "ood_score": self.ood_metric,
+                "ood_threshold": self.ood_threshold,
+                "tpr": self.manifest.uncertainty.tpr,
+            },
             "guarantees": self._describe_guarantees(),
-        }  # fmt: skip
+        }
 
     def _describe_guarantees(self) -> dict[str, Any] | None:
         """What a client may ask for: the defaults, the certified risk targets, the smallest alpha; the drift test."""
         g = self.guarantees
         if g is None:
             return None
-        return {"calibration_size": g.n, "method": g.sets.method, "alpha": g.alpha, "min_alpha": g.min_alpha,
-                "mondrian": g.mondrian, "ood_alpha": g.ood_alpha, "risk": g.risk, "delta": g.delta,
-                "risks": {str(k): v for k, v in sorted(g.rules.items())}, "drift": self.drift_state()}  # fmt: skip
+        return {
+            "calibration_size": g.n,
+            "method": g.sets.method,
+            "alpha": g.alpha,
+            "min_alpha": g.min_alpha,
+            "mondrian": g.mondrian,
+            "ood_alpha": g.ood_alpha,
+            "risk": g.risk,
+            "delta": g.delta,
+            "risks": {str(k): v for k, v in sorted(g.rules.items())},
+            "drift": self.drift_state(),
+        }
 
     def _count(self, results: list[ItemResult]) -> None:
         if self.metrics is not None:

@@ -30,7 +30,7 @@ import anyio
 import torch
 from prometheus_client import Counter
 
-from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError
+from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, ImagePreprocessing, Manifest
 from ..core.errors import InvalidInput
 from ..core.fused_clip import FusedCLIP, zero_shot_logits
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor
@@ -52,9 +52,11 @@ def text_cache_counter(metrics: Metrics) -> Counter:
     """``hydra_zero_shot_text_cache_total{model, result="hit"|"miss"}``, registered once per :class:`Metrics`."""
     if metrics.zero_shot_text_cache is None:
         metrics.zero_shot_text_cache = Counter(
-            "hydra_zero_shot_text_cache", "Zero-shot text-embedding cache lookups, by result (hit or miss).",
-            ["model", "result"], registry=metrics.registry,
-        )  # fmt: skip
+            "hydra_zero_shot_text_cache",
+            "Zero-shot text-embedding cache lookups, by result (hit or miss).",
+            ["model", "result"],
+            registry=metrics.registry,
+        )
     return metrics.zero_shot_text_cache
 
 
@@ -91,21 +93,19 @@ class CLIPZeroShotRuntime(Runtime):
 
     task = "zero-shot"
 
-    def __init__(self, root: Path, manifest: dict[str, Any], settings: Settings, metrics: Metrics | None) -> None:
+    def __init__(self, root: Path, manifest: Manifest, settings: Settings, metrics: Metrics | None) -> None:
         super().__init__(root, manifest, settings, metrics)
-        prep = manifest.get("preprocessing") or {}
-        zs = manifest.get("zero_shot") or {}
-        model = manifest.get("model")
-        if not isinstance(model, dict) or "config" not in model or "weights" not in model:
-            raise ArtifactError(f"{root / 'manifest.json'}: manifest lacks the 'model' block (config, weights)")
-        if model["config"].get("arch") != "clip":
+        prep = manifest.preprocessing
+        if manifest.model.config.get("arch") != "clip":
             raise ArtifactError(f"{root}: a zero-shot artifact needs model.config.arch 'clip'")
+        if not isinstance(prep, ImagePreprocessing) or prep.text is None:  # refused at load; narrows the type
+            raise ArtifactError(f"{root}: a zero-shot artifact needs image preprocessing with a text part")
         try:
             self.pre = ImagePreprocessor(prep, settings.max_image_pixels)
-            self.text_pre = TextPreprocessor({**prep["text"], "type": "text"}, root)
+            self.text_pre = TextPreprocessor(prep.text, root)
         except (ValueError, KeyError, TypeError, OSError) as e:
             raise ArtifactError(f"{root}: bad preprocessing in the manifest: {e}") from e
-        self.template: str = str(zs.get("template", DEFAULT_TEMPLATE))
+        self.template: str = manifest.zero_shot.template if manifest.zero_shot is not None else DEFAULT_TEMPLATE
         self.model: FusedCLIP | None = None
         self.cache = TextCache(TEXT_CACHE_SIZE)
         self._fixed: torch.Tensor | None = None  # (C, M, D) text embeddings of the manifest's labels
@@ -125,17 +125,18 @@ class CLIPZeroShotRuntime(Runtime):
     def resolve(self) -> None:
         """Torch eager on ``HYDRA_DEVICE``; fp32 on CPU, bf16 autocast on CUDA (unless ``HYDRA_PRECISION``)."""
         s = self.settings
-        self.plan = resolve_plan(self.manifest, device=s.device, backend=s.backend, precision=s.precision,
-                                 eager_only=True)  # fmt: skip
+        self.plan = resolve_plan(
+            self.manifest, device=s.device, backend=s.backend, precision=s.precision, eager_only=True
+        )
 
     def load(self) -> None:
         """Read the fused weights and embed the manifest's labels with its template (blocking)."""
         if self.plan is None:
             self.resolve()
         assert self.plan is not None
-        cfg = self.manifest["model"]
+        spec = self.manifest.model
         try:
-            model = load_model(self.root / cfg["weights"], cfg["config"], device=self.plan.device)
+            model = load_model(self.root / spec.weights, spec.config, device=self.plan.device)
         except Exception as e:  # weights not matching the config, unreadable file, ...
             raise ArtifactError(f"{self.root}: cannot load the zero-shot model: {e}") from e
         assert isinstance(model, FusedCLIP)
@@ -159,8 +160,9 @@ class CLIPZeroShotRuntime(Runtime):
         with torch.inference_mode(), self._autocast():
             for i in range(0, len(ids), TEXT_CHUNK):
                 batch = self.text_pre.collate(ids[i : i + TEXT_CHUNK])
-                emb = self.model.encode_text(batch["input_ids"].to(self.plan.device),
-                                             batch["attention_mask"].to(self.plan.device))  # fmt: skip
+                emb = self.model.encode_text(
+                    batch["input_ids"].to(self.plan.device), batch["attention_mask"].to(self.plan.device)
+                )
                 out.append(emb.float().cpu())
         return torch.cat(out)
 
@@ -193,9 +195,7 @@ class CLIPZeroShotRuntime(Runtime):
         per_layer = layers.float().cpu().unbind(0) if layers is not None else [None] * len(items)
         return list(zip(emb.float().cpu().unbind(0), per_layer, strict=True))
 
-    def _results(
-        self, image: torch.Tensor, text: torch.Tensor, layers: torch.Tensor | None = None
-    ) -> list[ItemResult]:
+    def _results(self, image: torch.Tensor, text: torch.Tensor, layers: torch.Tensor | None = None) -> list[ItemResult]:
         """Image ``(B, M, D)`` and text ``(L, M, D)`` embeddings (and the images' layer features) -> one
         :class:`ItemResult` per image; with label-free statistics the OOD scores of the image side too."""
         assert self.model is not None
@@ -205,8 +205,9 @@ class CLIPZeroShotRuntime(Runtime):
             logits = zero_shot_logits(image, text, scale, bias)  # (B, M, L)
         if self.ood_stats is None:
             return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold)
-        return summarize_rows(logits, self.temperature, self.ood_metric, self.ood_threshold, image, self.ood_stats,
-                              layers)  # fmt: skip
+        return summarize_rows(
+            logits, self.temperature, self.ood_metric, self.ood_threshold, image, self.ood_stats, layers
+        )
 
     def sets_hold(self, query: Query) -> bool:
         """The sets and risk rules were calibrated on the build's labels and template: they hold for ``/predict``
@@ -242,7 +243,10 @@ class CLIPZeroShotRuntime(Runtime):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        zs = self.manifest.get("zero_shot") or {}
-        d["zero_shot"] = {"template": self.template, "embed_dim": zs.get("embed_dim"),
-                          "text_cache_size": self.cache.size}  # fmt: skip
+        zs = self.manifest.zero_shot
+        d["zero_shot"] = {
+            "template": self.template,
+            "embed_dim": zs.embed_dim if zs is not None else None,
+            "text_cache_size": self.cache.size,
+        }
         return d

@@ -31,9 +31,9 @@ def artifact(user_files, tmp_path_factory):
 
 def test_the_package_is_checked_listed_and_served_like_onnx(artifact):
     m = load_manifest(artifact)
-    exp = m["exports"]["aoti"]
-    assert exp["file"] == "model.pt2" and exp["max_abs_diff"] <= exp["tolerance"]
-    assert "model.pt2" in m["files"]
+    exp = m.exports["aoti"]
+    assert exp.file == "model.pt2" and exp.max_abs_diff <= exp.tolerance
+    assert "model.pt2" in m.files
     answers = {}
     for backend in ("aoti", "onnx"):
         with TestClient(create_app(settings_for(artifact, backend=backend))) as c:
@@ -54,7 +54,7 @@ def test_the_package_is_checked_listed_and_served_like_onnx(artifact):
 
 def test_asking_for_aoti_without_a_package_is_one_clear_error(artifact):
     m = load_manifest(artifact)
-    m["exports"].pop("aoti")
+    m = m.model_copy(update={"exports": {k: e for k, e in m.exports.items() if k != "aoti"}})
     with pytest.raises(BackendConfigError, match="no AOTInductor package"):
         resolve_plan(m, backend="aoti")
     with pytest.raises(BackendConfigError, match="compiled for the CPU"):

@@ -48,9 +48,9 @@ def test_stages_build_the_artifact_one_process_builds(user_files, tmp_path, caps
     assert _run(config, staged, flags, "--stage", "finish") == 0
 
     one, two = load_manifest(tmp_path / "one"), load_manifest(staged)
-    assert two["files"]["model.safetensors"] == one["files"]["model.safetensors"]  # the same weights, bit for bit
-    assert two["heads"] == one["heads"] and two["uncertainty"] == one["uncertainty"]
-    times = two["build"]["timings_s"]
+    assert two.files["model.safetensors"] == one.files["model.safetensors"]  # the same weights, bit for bit
+    assert two.heads == one.heads and two.uncertainty == one.uncertainty
+    times = two.build["timings_s"]
     assert any(k.startswith("stage member1: ") for k in times) and "calibration" in times
     assert not (staged / ".checkpoints").exists()  # the shared state goes once the artifact is written
 

@@ -89,8 +89,9 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
     })
     out = build(cfg, tmp_path / "artifact")
 
-    manifest = load_manifest(out)
-    verify_files(out, manifest)
+    typed = load_manifest(out)
+    verify_files(out, typed)
+    manifest = typed.to_dict()  # its JSON form, as written: the checks below read the document
     assert (manifest["family"], manifest["task"], manifest["members"]) == ("clip", "zero-shot", 3)
     assert manifest["labels"] == CLASSES
     assert manifest["zero_shot"]["template"] == "A photo of a {label}."

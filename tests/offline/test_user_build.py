@@ -27,8 +27,8 @@ def test_hf_checkpoint_and_csv_build_serve_and_predict(user_files, tmp_path):
     cfg = load_config(None, ticket_build(ckpt, data))
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)
-    assert m["labels"] == LABELS  # from the CSV's label column, sorted
-    assert m["ood"]["selected"] == m["uncertainty"]["ood_score"] == "mahalanobis"  # no OOD data: the fallback
+    assert m.labels == LABELS  # from the CSV's label column, sorted
+    assert m.ood.selected == m.uncertainty.ood_score == "mahalanobis"  # no OOD data: the fallback
     assert "no OOD data" in (out / "report.md").read_text()
     texts = ["I was charged twice on my card", "where is my parcel", "thanks, great service"]
     app = create_app(settings_for(out, backend="onnx"))
@@ -38,11 +38,11 @@ def test_hf_checkpoint_and_csv_build_serve_and_predict(user_files, tmp_path):
     served = torch.tensor([[{t["label"]: t["prob"] for t in p["top_k"]}[label] for label in LABELS]
                            for p in r.json()["predictions"]])  # fmt: skip
     # the builder's evaluation path: the artifact's preprocessing and the fused eager model, at its temperature
-    pre = make_preprocessor(m["preprocessing"], out, 1 << 20)
-    model = load_model(out / "model.safetensors", m["model"]["config"])
+    pre = make_preprocessor(m.preprocessing, out, 1 << 20)
+    model = load_model(out / "model.safetensors", m.model.config)
     with torch.inference_mode():
         logits = model(**pre.collate(pre.encode(texts)))
-    want = summarize(logits, m["uncertainty"]["temperature"])["probs"]
+    want = summarize(logits, m.uncertainty.temperature)["probs"]
     torch.testing.assert_close(served, want, atol=1e-4, rtol=0)
 
 
@@ -90,9 +90,9 @@ def test_timm_checkpoint_and_photo_folder_build_serve_and_predict(photo_folder, 
     })  # fmt: skip
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)
-    assert m["labels"] == ["forest", "sand", "sea"]  # the folder names, sorted
-    prep = m["preprocessing"]
-    assert (prep["resize"], prep["size"], prep["channels"]) == ("shorter_crop", [32, 32], 3) and prep["crop_pct"] > 0
+    assert m.labels == ["forest", "sand", "sea"]  # the folder names, sorted
+    prep = m.preprocessing
+    assert (prep.resize, prep.size, prep.channels) == ("shorter_crop", (32, 32), 3) and prep.crop_pct > 0
     query = tmp_path / "query.jpg"
     _photo(query, (97, 61), (35, 150, 70), fmt="JPEG")
     app = create_app(settings_for(out, backend="onnx"))
@@ -100,12 +100,12 @@ def test_timm_checkpoint_and_photo_folder_build_serve_and_predict(photo_folder, 
         r = c.post("/predict", files=[("file", ("q.jpg", query.read_bytes(), "image/jpeg"))], data={"top_k": "3"})
     assert r.status_code == 200, r.text
     p = r.json()["predictions"][0]
-    served = torch.tensor([{t["label"]: t["prob"] for t in p["top_k"]}[label] for label in m["labels"]])
+    served = torch.tensor([{t["label"]: t["prob"] for t in p["top_k"]}[label] for label in m.labels])
     pre = make_preprocessor(prep, out, 1 << 24)
-    model = load_model(out / "model.safetensors", m["model"]["config"])
+    model = load_model(out / "model.safetensors", m.model.config)
     with torch.inference_mode():
         logits = model(pre(query.read_bytes()).unsqueeze(0))
-    want = summarize(logits, m["uncertainty"]["temperature"])["probs"][0]
+    want = summarize(logits, m.uncertainty.temperature)["probs"][0]
     torch.testing.assert_close(served, want, atol=1e-4, rtol=0)
 
 
@@ -134,7 +134,7 @@ def test_deep_ensemble_baseline_row(user_files, tmp_path):
     assert len(list((tmp_path / "bases").iterdir())) == 2  # both bases cached, apart
     plain = build(load_config(None, over), tmp_path / "without")  # reuses the cached first base
     assert "deep_ensemble" not in {r["method"] for r in json.loads((plain / "report.json").read_text())["rows"]}
-    assert load_manifest(plain)["files"]["model.safetensors"] == load_manifest(out)["files"]["model.safetensors"]
+    assert load_manifest(plain).files["model.safetensors"] == load_manifest(out).files["model.safetensors"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -152,9 +152,9 @@ def test_build_under_bf16_autocast_writes_an_fp32_artifact(user_files, tmp_path,
         "build.device": device, "build.precision": "bf16", "build.eval_precision": "bf16", "build.workers": 1}))
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)
-    assert m["build"]["config"]["build"] == {"device": device, "precision": "bf16", "eval_precision": "bf16",
+    assert m.build["config"]["build"] == {"device": device, "precision": "bf16", "eval_precision": "bf16",
                                              "workers": 1}  # fmt: skip
-    assert m["exports"]["onnx"]["max_abs_diff"] <= m["exports"]["onnx"]["tolerance"]
+    assert m.exports["onnx"].max_abs_diff <= m.exports["onnx"].tolerance
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
     with TestClient(create_app(settings_for(out, backend="onnx"))) as c:

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from service.core.errors import InvalidInput
 from service.main import create_app
-from service.runtime.batching import Batcher
+from service.runtime.batching import Batcher, BatchLimits
 from tests.service.helpers import b64, noise_images, png, settings_for
 
 
@@ -130,7 +130,7 @@ def test_batcher_health_known_answer():
         return list(items)
 
     async def main() -> list[tuple[int, bool]]:
-        b = Batcher("m", run, max_batch=4, max_wait_s=0, max_queue=16, unhealthy_after=3, on_health=events.append)
+        b = Batcher("m", run, BatchLimits(4, 0, 16), unhealthy_after=3, on_health=events.append)
         b.start()
         trace = []
         for _ in range(9):

@@ -13,7 +13,32 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from service.core.artifact import Manifest
 from service.settings import Settings
+
+# the blocks of a small valid manifest of each task (JSON form), for tests that need a manifest but no artifact
+_BLOCKS: dict[str, dict[str, Any]] = {
+    "classification": {
+        "family": "vit",
+        "heads": [[[0, 1]]],
+        "labels": ["a", "b"],
+        "preprocessing": {"type": "image", "size": [8, 8], "mean": [0.5], "std": [0.5], "channels": 1},
+        "model": {"config": {"arch": "vit", "num_classes": 2}, "inputs": ["pixel_values"]},
+    },
+    "zero-shot": {
+        "family": "clip",
+        "heads": [{"vision": [[0]], "text": [[0]]}],
+        "zero_shot": {"logit_scale": 10.0, "embed_dim": 4},
+        "preprocessing": {
+            "type": "image",
+            "size": [8, 8],
+            "mean": [0.5],
+            "std": [0.5],
+            "text": {"max_length": 8},
+        },
+        "model": {"config": {"arch": "clip"}, "inputs": ["pixel_values", "input_ids", "attention_mask"]},
+    },
+}
 
 
 def settings_for(*dirs: Path, **overrides) -> Settings:
@@ -21,9 +46,30 @@ def settings_for(*dirs: Path, **overrides) -> Settings:
     # start-up set it back to True)
     # precision="fp32": the suite compares answers with the fp32 model; "auto" would serve bf16 on a CPU with native
     # bf16 (AMX: some machines of CI's kind have it). What "auto" picks is tested in test_backends.py.
-    base = {"artifacts": [str(d) for d in dirs], "device": "cpu", "max_wait_ms": 2.0, "load_in_background": False,
-            "precision": "fp32"}
+    base = {
+        "artifacts": [str(d) for d in dirs],
+        "device": "cpu",
+        "max_wait_ms": 2.0,
+        "load_in_background": False,
+        "precision": "fp32",
+    }
     return Settings(**{**base, **overrides})
+
+
+def manifest_of(task: str = "classification", **fields: Any) -> Manifest:
+    """A valid one-member manifest of ``task`` without files (a vit classifier over two labels, or a zero-shot
+    CLIP); ``fields`` replace its top-level fields (in their JSON form)."""
+    doc = {
+        "name": "m",
+        "task": task,
+        "base_model": {"name": "test"},
+        "members": 1,
+        "strategy": {"name": "random", "seeds": [0]},
+        "uncertainty": {"temperature": 1.0, "ood_score": "msp", "ood_threshold": 0.5},
+        **_BLOCKS[task],
+        **fields,
+    }
+    return Manifest.model_validate(doc)
 
 
 def png(value: int | np.ndarray = 128, size: tuple[int, int] = (16, 16), mode: str = "L", fmt: str = "PNG") -> bytes:

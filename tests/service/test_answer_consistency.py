@@ -18,15 +18,30 @@ from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from tests.service.helpers import b64, noise_images, png, settings_for
 
 RISKS = {"risks": [0.05, 0.3, 0.5], "risk": 0.5}
-LEVELS = [{}, {"ood_alpha": 0.01}, {"ood_alpha": 0.2}, {"ood_alpha": 0.6, "alpha": 0.5}, {"alpha": 0.9},
-          {"risk": 0.05}, {"risk": 0.3, "ood_alpha": 0.001}, {"alpha": 0.02, "ood_alpha": 0.5}]  # fmt: skip
+LEVELS = [
+    {},
+    {"ood_alpha": 0.01},
+    {"ood_alpha": 0.2},
+    {"ood_alpha": 0.6, "alpha": 0.5},
+    {"alpha": 0.9},
+    {"risk": 0.05},
+    {"risk": 0.3, "ood_alpha": 0.001},
+    {"alpha": 0.02, "ood_alpha": 0.5},
+]
 
 
 @pytest.fixture(scope="module", params=[("msp", 0.3), ("energy", None)], ids=["msp", "energy"])
 def consistent_client(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     score, cut = request.param
-    art = make_tiny_artifact(tmp_path_factory.mktemp("c") / "vit", "vit", name="tiny-c", guarantees=RISKS,
-                             ood_score=score, ood_threshold=cut, ood=score != "msp")  # fmt: skip
+    art = make_tiny_artifact(
+        tmp_path_factory.mktemp("c") / "vit",
+        "vit",
+        name="tiny-c",
+        guarantees=RISKS,
+        ood_score=score,
+        ood_threshold=cut,
+        ood=score != "msp",
+    )
     with TestClient(create_app(settings_for(art))) as c:
         yield c
 
@@ -57,8 +72,11 @@ def test_every_field_follows_its_stated_rule(consistent_client):
             assert (ood.get("reason") is not None) == ood["flag"]
             seen["flag" if ood["flag"] else "no_flag"] += 1
             # the risk rule: certified, confident enough and inside its OOD cut
-            ok = (sel["certified"] and p["confidence"] >= sel["threshold"]
-                  and not _past(ood["score"], sel["ood_threshold"], ood["metric"]))  # fmt: skip
+            ok = (
+                sel["certified"]
+                and p["confidence"] >= sel["threshold"]
+                and not _past(ood["score"], sel["ood_threshold"], ood["metric"])
+            )
             assert sel["accept"] == ok
             assert (sel.get("reason") is not None) == (not sel["accept"])
             seen["accept" if sel["accept"] else "reject"] += 1
@@ -87,8 +105,9 @@ def test_flag_threshold_is_the_p_value_rule_exactly():
             if not 0 < a < 1:
                 continue
             thr = g.flag_threshold(float(a))
-            flagged = np.zeros(len(scores), bool) if thr is None else (
-                scores < thr if metric == "msp" else scores > thr)  # fmt: skip
+            flagged = (
+                np.zeros(len(scores), bool) if thr is None else (scores < thr if metric == "msp" else scores > thr)
+            )
             np.testing.assert_array_equal(flagged, p <= a, err_msg=f"n={n} {metric} alpha={a}")
 
 

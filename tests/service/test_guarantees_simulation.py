@@ -42,8 +42,11 @@ def outputs(request: pytest.FixtureRequest) -> dict:
 def _pool(o: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """ID inputs no fitting touched, exchangeable: the calibration split and ID test together."""
     cal, test = o["calibration"], o["test"]
-    return (np.concatenate([cal["probs"], test["probs"]]).astype(np.float64),
-            np.concatenate([cal["labels"], test["labels"]]), np.concatenate([cal["score"], test["score"]]))
+    return (
+        np.concatenate([cal["probs"], test["probs"]]).astype(np.float64),
+        np.concatenate([cal["labels"], test["labels"]]),
+        np.concatenate([cal["score"], test["score"]]),
+    )
 
 
 def _splits(n_total: int, n_cal: int, seed: int = 0):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from pydantic import ValidationError
 
 from benchmarks.harness import free_port
 from service.__main__ import freeze_startup_heap
+from service.core.artifact import load_manifest
 from service.lifecycle import StartupError
 from service.main import create_app
 from service.runtime import ClassifierRuntime
@@ -77,17 +77,31 @@ def test_settings_are_validated(monkeypatch):
     d = Settings()
     assert (d.artifacts, d.host, d.port, d.cors_origins, d.api_key) == ([], "127.0.0.1", 8000, [], None)
     assert Settings(api_key="  ").api_key is None  # an empty secret means auth off, not an empty token
-    for key, value in {"HYDRA_ARTIFACTS": " a, b ,,", "HYDRA_MAX_BATCH": "8", "HYDRA_PORT": "9000",
-                       "HYDRA_API_KEY": "tok-9f8e7d", "HYDRA_CORS_ORIGINS": "https://a.example,https://b.example",
-                       "HYDRA_LOG_LEVEL": "WARNING"}.items():  # fmt: skip
+    for key, value in {
+        "HYDRA_ARTIFACTS": " a, b ,,",
+        "HYDRA_MAX_BATCH": "8",
+        "HYDRA_PORT": "9000",
+        "HYDRA_API_KEY": "tok-9f8e7d",
+        "HYDRA_CORS_ORIGINS": "https://a.example,https://b.example",
+        "HYDRA_LOG_LEVEL": "WARNING",
+    }.items():
         monkeypatch.setenv(key, value)
     s = Settings()
     assert s.artifacts == ["a", "b"] and s.max_batch == 8 and s.port == 9000 and s.log_level == "warning"
     assert s.api_key.get_secret_value() == "tok-9f8e7d" and "tok-9f8e7d" not in repr(s)
     assert s.cors_origins == ["https://a.example", "https://b.example"]
-    for bad in ({"max_batch": 0}, {"device": "tpu"}, {"backend": "tensorrt"}, {"precision": "fp8"}, {"port": 0},
-                {"max_wait_ms": -1}, {"max_queue": 4, "max_items": 8}, {"unknown_setting": 1}, {"loop": "trio"},
-                {"http": "zttp"}):  # fmt: skip
+    for bad in (
+        {"max_batch": 0},
+        {"device": "tpu"},
+        {"backend": "tensorrt"},
+        {"precision": "fp8"},
+        {"port": 0},
+        {"max_wait_ms": -1},
+        {"max_queue": 4, "max_items": 8},
+        {"unknown_setting": 1},
+        {"loop": "trio"},
+        {"http": "zttp"},
+    ):
         with pytest.raises(ValidationError):
             Settings(**bad)
 
@@ -178,10 +192,17 @@ def test_import_loads_nothing_and_server_does_not_import_the_builder():
 @pytest.mark.slow
 def test_python_m_service_serves_and_stops_on_sigterm(artifacts, artifact_copy):
     port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HYDRA_ARTIFACTS": str(artifacts["vit"]),
-           "HYDRA_PORT": str(port), "HYDRA_LOG_LEVEL": "info"}  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "HYDRA_ARTIFACTS": str(artifacts["vit"]),
+        "HYDRA_PORT": str(port),
+        "HYDRA_LOG_LEVEL": "info",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
@@ -204,9 +225,14 @@ def test_python_m_service_serves_and_stops_on_sigterm(artifacts, artifact_copy):
             proc.kill()
     # a corrupt artifact: exit status 3 and the bad file named in the log
     art = artifact_copy("vit")
-    manifest = json.loads((art / "manifest.json").read_text())
-    (art / manifest["exports"]["onnx"]["file"]).write_bytes(b"garbage")
-    bad = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env={**env, "HYDRA_ARTIFACTS": str(art)},
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    (art / load_manifest(art).export_file("onnx")).write_bytes(b"garbage")
+    bad = subprocess.run(
+        [sys.executable, "-m", "service"],
+        cwd=ROOT,
+        env={**env, "HYDRA_ARTIFACTS": str(art)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 3
     assert "model.onnx" in bad.stderr and "refusing to start" in bad.stderr

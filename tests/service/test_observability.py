@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from service import settings as settings_module
-from service.core.artifact import ArtifactError, artifact_version, load_manifest, write_manifest
+from service.core.artifact import ArtifactError, artifact_version, load_manifest, parse_manifest, write_manifest
 from service.core.jsonlog import json_formatter
 from service.logs import RequestContextFilter, configure_logging
 from service.main import create_app
@@ -58,9 +58,16 @@ def lines(out: io.StringIO, logger: str | None = None) -> list[dict]:
 # ----------------------------------------------------------------------------- request IDs
 @pytest.mark.parametrize(
     ("header", "kept"),
-    [(None, False), ("abc-123", True), ("req:7/x@y+z=1.2_3", True), ("has space", False), ("x" * 129, False),
-     ("new\nline", False), ("", False)],
-)  # fmt: skip
+    [
+        (None, False),
+        ("abc-123", True),
+        ("req:7/x@y+z=1.2_3", True),
+        ("has space", False),
+        ("x" * 129, False),
+        ("new\nline", False),
+        ("", False),
+    ],
+)
 def test_request_id_is_the_clients_when_sane(header: str | None, kept: bool):
     got = request_id(None if header is None else header.encode())
     if kept:
@@ -71,10 +78,16 @@ def test_request_id_is_the_clients_when_sane(header: str | None, kept: bool):
 
 @pytest.mark.parametrize(
     ("value", "want"),
-    [(TRACEPARENT, TRACE), (TRACEPARENT.upper(), None), (f"ff-{TRACE}-00f067aa0ba902b7-01", None),
-     (f"00-{'0' * 32}-00f067aa0ba902b7-01", None), (f"00-{TRACE}-{'0' * 16}-01", None), ("garbage", None),
-     (None, None)],
-)  # fmt: skip
+    [
+        (TRACEPARENT, TRACE),
+        (TRACEPARENT.upper(), None),
+        (f"ff-{TRACE}-00f067aa0ba902b7-01", None),
+        (f"00-{'0' * 32}-00f067aa0ba902b7-01", None),
+        (f"00-{TRACE}-{'0' * 16}-01", None),
+        ("garbage", None),
+        (None, None),
+    ],
+)
 def test_traceparent_trace_id(value: str | None, want: str | None):
     assert trace_id(None if value is None else value.encode()) == want
 
@@ -84,8 +97,11 @@ def test_every_answer_carries_the_request_id(client: TestClient, artifacts: dict
     assert r.headers["x-request-id"] == "client-42" and r.json()["id"] == "client-42"
     r = client.post("/predict", json={"text": "hello there"})
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"]) and r.json()["id"] == r.headers["x-request-id"]
-    oip = client.post("/v2/models/tiny-bert/infer", json={"inputs": [{"name": "text", "shape": [1], "datatype":
-                      "BYTES", "data": ["hi"]}]}, headers={"X-Request-ID": "oip-1"})  # fmt: skip
+    oip = client.post(
+        "/v2/models/tiny-bert/infer",
+        json={"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]},
+        headers={"X-Request-ID": "oip-1"},
+    )
     assert oip.headers["x-request-id"] == "oip-1" and oip.json()["id"] == "oip-1"
     for r in (client.get("/healthz"), client.get("/metrics"), client.get("/nowhere"), client.post("/predict")):
         assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"]), r.status_code
@@ -107,8 +123,11 @@ def test_every_answer_carries_the_request_id(client: TestClient, artifacts: dict
 
 def test_zero_shot_answers_carry_id_and_version(zs_artifact: Path):  # noqa: F811 (fixture below)
     with TestClient(create_app(settings_for(zs_artifact))) as c:
-        r = c.post("/zero-shot", json={"image": b64(png(5, mode="RGB")), "labels": ["a", "b"]},
-                   headers={"X-Request-ID": "zs-1"})  # fmt: skip
+        r = c.post(
+            "/zero-shot",
+            json={"image": b64(png(5, mode="RGB")), "labels": ["a", "b"]},
+            headers={"X-Request-ID": "zs-1"},
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["id"] == "zs-1" and body["model_version"] == artifact_version(load_manifest(zs_artifact))
@@ -137,11 +156,18 @@ def test_json_access_line_per_request(artifacts: dict[str, Path], json_log: io.S
     assert first["max_mutual_information"] == pytest.approx(max(p["uncertainty"]["mutual_information"] for p in preds))
     assert first["latency_ms"] > 0
     probe = access[1]
-    assert (probe["request_id"], probe["endpoint"], probe["status"], probe["trace_id"]) == ("probe-1", "/healthz",
-                                                                                         200, None)  # fmt: skip
+    assert (probe["request_id"], probe["endpoint"], probe["status"], probe["trace_id"]) == (
+        "probe-1",
+        "/healthz",
+        200,
+        None,
+    )
     assert "model" not in probe
-    assert (access[2]["endpoint"], access[2]["model"], access[2]["inputs"]) == ("/v2/models/{model_name}/infer",
-                                                                               "tiny-bert", 1)  # fmt: skip
+    assert (access[2]["endpoint"], access[2]["model"], access[2]["inputs"]) == (
+        "/v2/models/{model_name}/infer",
+        "tiny-bert",
+        1,
+    )
     # refused before the model ran (texts sent to an image model... here: no image model at all)
     assert (access[3]["status"], access[3]["request_id"]) == (400, "bad-1") and "model" not in access[3]
     assert TEXT not in json_log.getvalue() and not lines(json_log, "hydra.predictions")
@@ -194,7 +220,11 @@ def test_configure_logging_json_and_text(capsys: pytest.CaptureFixture):
         logging.getLogger("hydra.test").warning("hello %s", "there", extra={"model": "m"})
         line = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
         assert {k: line[k] for k in ("level", "logger", "message", "model")} == {
-            "level": "WARNING", "logger": "hydra.test", "message": "hello there", "model": "m"}  # fmt: skip
+            "level": "WARNING",
+            "logger": "hydra.test",
+            "message": "hello there",
+            "model": "m",
+        }
         assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d", line["time"]) and line["request_id"] is None
         configure_logging(Settings(log_format="TEXT"))
         logging.getLogger("hydra.test").warning("plain")
@@ -250,7 +280,7 @@ def rewrite(root: Path, **changes) -> None:
         else:
             doc[section] = value
     doc.pop("files")
-    write_manifest(root, doc)
+    write_manifest(root, parse_manifest(doc))
 
 
 def test_version_is_a_hash_of_the_manifest_unless_recorded(artifact_copy):
@@ -265,11 +295,10 @@ def test_version_is_a_hash_of_the_manifest_unless_recorded(artifact_copy):
     assert artifact_version(load_manifest(root)) == "v7"
     with pytest.raises(ArtifactError, match="manifest field version"):
         rewrite(root, version="has space")
-    doc = load_manifest(root)
-    doc.pop("version")
-    doc["build"]["version"] = "a/b"
+    m = load_manifest(root)
+    bad = m.model_copy(update={"version": None, "build": {**(m.build or {}), "version": "a/b"}})
     with pytest.raises(ArtifactError, match="build.version 'a/b' is not a version"):
-        artifact_version(doc)
+        artifact_version(bad)
 
 
 def test_version_everywhere(artifact_copy):

@@ -123,8 +123,16 @@ def _stop_with_a_full_queue(server_class: type[uvicorn.Server], loop: str, http:
     kernel's accept queue when the server is told to stop (as by SIGTERM); one more client comes right after.
     Returns how the ``n`` and the late one ended."""
     port = free_port()
-    config = uvicorn.Config(_hello, host="127.0.0.1", port=port, loop=loop, http=http, lifespan="off",
-                            log_level="warning", timeout_graceful_shutdown=5)  # fmt: skip
+    config = uvicorn.Config(
+        _hello,
+        host="127.0.0.1",
+        port=port,
+        loop=loop,
+        http=http,
+        lifespan="off",
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+    )
     server = server_class(config)
     queued: list[str] = []
     late: list[str] = []

@@ -25,7 +25,15 @@ from offline import data as data_mod
 from offline.checkpoints import load_timm
 from offline.families import get_adapter
 from offline.fusion import fuse
-from service.core.artifact import ImagePreprocessing, build_manifest, write_manifest
+from service.core.artifact import (
+    BaseModelInfo,
+    ImagePreprocessing,
+    Manifest,
+    ModelSpec,
+    Strategy,
+    Uncertainty,
+    write_manifest,
+)
 from service.main import create_app
 from tests.service.helpers import b64, png, settings_for
 
@@ -55,15 +63,21 @@ def _backbone_artifact(out: Path) -> tuple[Path, dict]:
     save_file({k: v.contiguous() for k, v in fused.state_dict().items()}, str(out / "model.safetensors"))
     overlay = arch["pretrained_cfg_overlay"]
     labels = [data_mod.FASHION_CLASSES[c] for c in data_mod.FASHION_ID_CLASSES]
-    manifest = build_manifest(
-        name="fashion-backbone", family="vit", task="classification", base_model={"name": rec["name"]},
-        heads=[[list(range(h)) for h in cfg["num_heads"]]], strategy={"name": "random", "seeds": [0]}, labels=labels,
-        preprocessing=ImagePreprocessing(size=(28, 28), mean=overlay["mean"], std=overlay["std"],
-                                         interpolation="bilinear", channels=1),
-        uncertainty={"temperature": 1.0, "ood_score": "msp", "ood_threshold": 0.0, "tpr": 0.95},
-        model={"config": cfg, "weights": "model.safetensors", "inputs": ["pixel_values"], "output": "logits",
-               "shape": "(B, M, C)", "outputs": ["logits"]},
-    )  # fmt: skip
+    manifest = Manifest(
+        name="fashion-backbone",
+        family="vit",
+        task="classification",
+        base_model=BaseModelInfo(name=rec["name"]),
+        members=1,
+        heads=[[list(range(h)) for h in cfg["num_heads"]]],
+        strategy=Strategy(name="random", seeds=[0]),
+        labels=labels,
+        preprocessing=ImagePreprocessing(
+            size=(28, 28), mean=overlay["mean"], std=overlay["std"], interpolation="bilinear", channels=1
+        ),
+        uncertainty=Uncertainty(temperature=1.0, ood_score="msp", ood_threshold=0.0),
+        model=ModelSpec(config=cfg, inputs=["pixel_values"]),
+    )
     write_manifest(out, manifest)
     return out, rec
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from safetensors.torch import save_file
 
-from service.core.artifact import write_manifest
+from service.core.artifact import OODSpec, load_manifest, write_manifest
 from service.core.fused_clip import FusedCLIP, zero_shot_logits
 from service.core.preprocess import ImagePreprocessor, TextPreprocessor
 from service.core.registry import build_model
@@ -50,21 +49,21 @@ def rgb_png(seed: int) -> bytes:
 
 def reference_probs(root: Path, images: list[bytes], labels: list[str], template: str) -> dict[str, torch.Tensor]:
     """Direct computation: FusedCLIP from the artifact, embeddings, zero_shot_logits, summarize."""
-    m = json.loads((root / "manifest.json").read_text())
-    model = build_model(m["model"]["config"])
+    m = load_manifest(root)
+    model = build_model(m.model.config)
     from safetensors.torch import load_file
 
-    model.load_state_dict(load_file(str(root / "model.safetensors")))
+    model.load_state_dict(load_file(str(root / m.model.weights)))
     model.eval()
     assert isinstance(model, FusedCLIP)
-    pre = ImagePreprocessor(m["preprocessing"], 10**8)
-    tpre = TextPreprocessor({**m["preprocessing"]["text"], "type": "text"}, root)
+    pre = ImagePreprocessor(m.preprocessing, 10**8)
+    tpre = TextPreprocessor(m.preprocessing.text, root)
     batch = tpre.collate(tpre.encode([template.format(label=lab) for lab in labels]))
     with torch.no_grad():
         img = model.encode_image(torch.stack([pre(x) for x in images]))  # (B, M, D)
         txt = model.encode_text(batch["input_ids"], batch["attention_mask"])  # (L, M, D)
         logits = zero_shot_logits(img, txt, model.logit_scale.exp(), model.logit_bias)  # (B, M, L)
-    return summarize(logits, m["uncertainty"]["temperature"])
+    return summarize(logits, m.uncertainty.temperature)
 
 
 def probs_of(pred: dict, labels: list[str]) -> np.ndarray:
@@ -83,15 +82,25 @@ def test_registered_and_described(zs_client: TestClient):
     assert RUNTIMES["zero-shot"] is CLIPZeroShotRuntime
     (model,) = zs_client.get("/v1/models").json()["models"]
     assert (model["task"], model["modality"], model["backend"], model["device"], model["precision"]) == (
-        "zero-shot", "image", "torch", "cpu", "fp32")  # fmt: skip
+        "zero-shot",
+        "image",
+        "torch",
+        "cpu",
+        "fp32",
+    )
     assert model["labels"] == LABELS
 
 
 def test_zero_shot_matches_direct_computation(zs_client: TestClient, zs_artifact: Path):
     labels, template = ["truck", "frog", "airplane", "horse"], "a blurry picture of the {label}"
     images = [rgb_png(1), rgb_png(2)]
-    body = {"images": [b64(x) for x in images], "labels": labels, "template": template, "top_k": 4,
-            "return_members": True}  # fmt: skip
+    body = {
+        "images": [b64(x) for x in images],
+        "labels": labels,
+        "template": template,
+        "top_k": 4,
+        "return_members": True,
+    }
     r = zs_client.post("/zero-shot", json=body)
     assert r.status_code == 200, r.text
     preds = r.json()["predictions"]
@@ -120,12 +129,16 @@ def test_text_cache_hit_on_second_call(zs_client: TestClient):
     assert first.json()["predictions"] == second.json()["predictions"]
     # another template is another entry; multipart uses the same cache
     files = [("file", ("a.png", rgb_png(3), "image/png"))]
-    r = zs_client.post("/zero-shot", files=files, data={"labels": '["apple", "pear", "plum"]',
-                                                        "template": "{label}, a fruit"})  # fmt: skip
+    r = zs_client.post(
+        "/zero-shot", files=files, data={"labels": '["apple", "pear", "plum"]', "template": "{label}, a fruit"}
+    )
     assert r.status_code == 200, r.text
     assert cache_count(zs_client, "hit") == hits + 2
-    np.testing.assert_allclose(probs_of(r.json()["predictions"][0], ["apple", "pear", "plum"]),
-                               probs_of(first.json()["predictions"][0], ["apple", "pear", "plum"]), atol=1e-6)
+    np.testing.assert_allclose(
+        probs_of(r.json()["predictions"][0], ["apple", "pear", "plum"]),
+        probs_of(first.json()["predictions"][0], ["apple", "pear", "plum"]),
+        atol=1e-6,
+    )
 
 
 def test_text_cache_is_bounded_lru():
@@ -157,17 +170,22 @@ def test_bad_inputs(zs_client: TestClient):
     ok = {"image": img, "labels": ["cat", "dog"]}
     assert_error(zs_client.post("/zero-shot", json={**ok, "labels": ["cat"]}), 422, "invalid_input", "labels")
     many = [f"label {i}" for i in range(10_000)]
-    assert_error(zs_client.post("/zero-shot", json={**ok, "labels": many}), 400, "invalid_input", "labels",
-                 "HYDRA_MAX_LABELS")  # fmt: skip
-    assert_error(zs_client.post("/zero-shot", json={**ok, "labels": ["cat", " "]}), 400, "invalid_input",
-                 "labels[1]", "empty")  # fmt: skip
-    assert_error(zs_client.post("/zero-shot", json={**ok, "template": "no placeholder"}), 422, "invalid_input",
-                 "template")  # fmt: skip
-    assert_error(zs_client.post("/zero-shot", json={**ok, "image": b64(b"not an image at all")}), 400,
-                 "invalid_input", "image")  # fmt: skip
+    assert_error(
+        zs_client.post("/zero-shot", json={**ok, "labels": many}), 400, "invalid_input", "labels", "HYDRA_MAX_LABELS"
+    )
+    assert_error(
+        zs_client.post("/zero-shot", json={**ok, "labels": ["cat", " "]}), 400, "invalid_input", "labels[1]", "empty"
+    )
+    assert_error(
+        zs_client.post("/zero-shot", json={**ok, "template": "no placeholder"}), 422, "invalid_input", "template"
+    )
+    assert_error(
+        zs_client.post("/zero-shot", json={**ok, "image": b64(b"not an image at all")}), 400, "invalid_input", "image"
+    )
     files = [("file", ("x.txt", b"hello, not an image", "text/plain"))]
-    assert_error(zs_client.post("/zero-shot", files=files, data={"labels": '["cat", "dog"]'}), 400,
-                 "invalid_input", "file")  # fmt: skip
+    assert_error(
+        zs_client.post("/zero-shot", files=files, data={"labels": '["cat", "dog"]'}), 400, "invalid_input", "file"
+    )
     # the server still answers after the bad requests
     assert zs_client.post("/zero-shot", json=ok).status_code == 200
 
@@ -187,9 +205,13 @@ def _form_route(c: TestClient, labels: list[str], template: str | None) -> tuple
 
 
 def _oip_route(c: TestClient, labels: list[str], template: str | None) -> tuple[int, str]:
-    body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": [b64(rgb_png(9))]},
-                       {"name": "labels", "shape": [len(labels)], "datatype": "BYTES", "data": labels}],
-            "parameters": {"template": template} if template else {}}  # fmt: skip
+    body = {
+        "inputs": [
+            {"name": "image", "shape": [1], "datatype": "BYTES", "data": [b64(rgb_png(9))]},
+            {"name": "labels", "shape": [len(labels)], "datatype": "BYTES", "data": labels},
+        ],
+        "parameters": {"template": template} if template else {},
+    }
     r = c.post("/v2/models/tiny-clip/infer", json=body)
     assert set(r.json()) == {"error"} and isinstance(r.json()["error"], str), r.text  # the protocol's body
     return r.status_code, r.json()["error"]
@@ -237,11 +259,11 @@ def zs_label_free(zs_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -
 
     out = tmp_path_factory.mktemp("zs-lf") / "tiny-clip-lf"
     shutil.copytree(zs_artifact, out)
-    m = json.loads((out / "manifest.json").read_text())
-    model = build_model(m["model"]["config"])
+    m = load_manifest(out)
+    model = build_model(m.model.config)
     from safetensors.torch import load_file
 
-    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    model.load_state_dict(load_file(str(out / m.model.weights)))
     pre = ImagePreprocessor(PREP, 10**8)
     with torch.no_grad():
         fit = model.eval().image_features(torch.stack([pre(rgb_png(100 + i)) for i in range(40)]))
@@ -250,12 +272,22 @@ def zs_label_free(zs_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -
     layers = fit_layer_stats(fit[1], torch.zeros(40, dtype=torch.int64), 1, val[1], label_free_scores(val[0], stats))
     stats = with_layers(stats, layers)
     save_file(ood_tensors(stats), str(out / "ood.safetensors"))
-    m["uncertainty"] = {**m["uncertainty"], "ood_score": "mahalanobis_layers", "ood_threshold": 1.0}
-    m["ood"] = {"file": "ood.safetensors", "scores": ["mahalanobis", "mahalanobis_layers"], "selected":
-                "mahalanobis_layers", "forced": True, "label_free": True, "layers": [0]}  # fmt: skip
-    m["model"]["outputs"] = ["logits", "features", "layer_features"]
-    m.pop("files", None)
-    write_manifest(out, m)
+    served = m.uncertainty.model_copy(update={"ood_score": "mahalanobis_layers", "ood_threshold": 1.0})
+    ood = OODSpec(
+        scores=["mahalanobis", "mahalanobis_layers"],
+        selected="mahalanobis_layers",
+        forced=True,
+        label_free=True,
+        layers=[0],
+    )
+    outputs = ["logits", "features", "layer_features"]
+    update = {
+        "uncertainty": served,
+        "ood": ood,
+        "model": m.model.model_copy(update={"outputs": outputs}),
+        "files": None,
+    }
+    write_manifest(out, m.model_copy(update=update))
     return out
 
 
@@ -268,13 +300,21 @@ def test_label_free_flag_is_the_builders_and_ignores_the_labels(zs_label_free: P
 
     images = [rgb_png(7), rgb_png(8), bytes(_blank_png())]
     with TestClient(create_app(settings_for(zs_label_free))) as c:
-        a = c.post("/zero-shot", json={"images": [b64(x) for x in images], "labels": ["cat", "dog"],
-                                       "return_scores": True})  # fmt: skip
-        b = c.post("/zero-shot", json={"images": [b64(x) for x in images], "labels": ["a", "b", "c", "d"],
-                                       "template": "{label}", "return_scores": True})  # fmt: skip
+        a = c.post(
+            "/zero-shot", json={"images": [b64(x) for x in images], "labels": ["cat", "dog"], "return_scores": True}
+        )
+        b = c.post(
+            "/zero-shot",
+            json={
+                "images": [b64(x) for x in images],
+                "labels": ["a", "b", "c", "d"],
+                "template": "{label}",
+                "return_scores": True,
+            },
+        )
     assert a.status_code == 200 and b.status_code == 200, (a.text, b.text)
-    m = json.loads((zs_label_free / "manifest.json").read_text())
-    model = build_model(m["model"]["config"])
+    m = load_manifest(zs_label_free)
+    model = build_model(m.model.config)
     model.load_state_dict(load_file(str(zs_label_free / "model.safetensors")))
     pre = ImagePreprocessor(PREP, 10**8)
     with torch.no_grad():

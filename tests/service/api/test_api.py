@@ -32,13 +32,13 @@ TEXTS = ["I love this phone", "terrible service, never again", "the match ended 
 def direct(artifact: Path, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The fused model run directly (eager, fp32) and summarised with the artifact's temperature and threshold."""
     m = load_manifest(artifact)
-    model = load_model(artifact / "model.safetensors", m["model"]["config"])
+    model = load_model(artifact / m.model.weights, m.model.config)
     with torch.inference_mode():
-        logits = model(*[inputs[k] for k in m["model"]["inputs"]])
-    unc = m["uncertainty"]
-    s = summarize(logits, unc["temperature"])
-    s["score"] = ood_score(s, unc["ood_score"])
-    s["flag"] = ood_flag(s["score"], unc["ood_score"], unc["ood_threshold"])
+        logits = model(*[inputs[k] for k in m.model.inputs])
+    unc = m.uncertainty
+    s = summarize(logits, unc.temperature)
+    s["score"] = ood_score(s, unc.ood_score)
+    s["flag"] = ood_flag(s["score"], unc.ood_score, unc.ood_threshold)
     return s
 
 
@@ -55,8 +55,12 @@ def check_against(preds: list[dict], s: dict[str, torch.Tensor], labels: list[st
         for key in ("msp", "entropy", "expected_entropy", "mutual_information", "disagreement"):
             assert p["uncertainty"][key] == pytest.approx(float(s[key][i]), abs=1e-5), key
         ood = {k: v for k, v in p["ood"].items() if k != "reason"}  # a flagged input may say why (its own test)
-        assert ood == {"flag": bool(s["flag"][i]), "score": pytest.approx(float(s["score"][i]), abs=1e-5),
-                       "metric": metric, "threshold": threshold}  # fmt: skip
+        assert ood == {
+            "flag": bool(s["flag"][i]),
+            "score": pytest.approx(float(s["score"][i]), abs=1e-5),
+            "metric": metric,
+            "threshold": threshold,
+        }
         if "members" in p:
             mp = s["member_probs"][i]  # (M, C)
             assert [m["label"] for m in p["members"]] == [labels[j] for j in mp.argmax(-1)]
@@ -117,11 +121,13 @@ def test_openapi_declares_the_contract_error_body_only(client):
         form = spec["paths"][path]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
         assert form["required"] == ["file"] and form["additionalProperties"] is False
         assert {"file", "model", "top_k", "return_members", "return_scores", "alpha", "ood_alpha", "risk"} <= set(
-            form["properties"])  # fmt: skip
+            form["properties"]
+        )
         for key in ("alpha", "ood_alpha", "risk"):
             assert form["properties"][key]["exclusiveMinimum"] == 0 and form["properties"][key]["exclusiveMaximum"] == 1
     assert {"labels", "template"} <= set(
-        spec["paths"]["/zero-shot"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"])
+        spec["paths"]["/zero-shot"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]
+    )
 
 
 def test_multipart_takes_the_guarantees_levels(client):
@@ -187,8 +193,13 @@ def test_metrics_count_what_was_served(artifacts):
             preds += r.json()["predictions"]
         c.post("/predict", json={"image": "%%%"})
         families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
-    for name in ("hydra_request_duration_seconds", "hydra_inference_duration_seconds", "hydra_batch_size",
-                 "hydra_queue_depth", "hydra_predictions"):  # fmt: skip
+    for name in (
+        "hydra_request_duration_seconds",
+        "hydra_inference_duration_seconds",
+        "hydra_batch_size",
+        "hydra_queue_depth",
+        "hydra_predictions",
+    ):
         assert name in families, name
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
     n_ood = sum(p["ood"]["flag"] for p in preds)
@@ -381,10 +392,19 @@ def test_bad_json_requests(client, body, status, code, fragments):
 
 def test_limits_on_items_and_text_length(client):
     s = client.app.state.hydra.settings
-    assert_error(client.post("/predict", json={"texts": ["a"] * (s.max_items + 1)}), 400, "invalid_input",
-                 f"{s.max_items + 1} inputs", "HYDRA_MAX_ITEMS")  # fmt: skip
-    assert_error(client.post("/predict", json={"text": "x" * (s.max_text_chars + 1)}), 400, "invalid_input",
-                 "HYDRA_MAX_TEXT_CHARS")  # fmt: skip
+    assert_error(
+        client.post("/predict", json={"texts": ["a"] * (s.max_items + 1)}),
+        400,
+        "invalid_input",
+        f"{s.max_items + 1} inputs",
+        "HYDRA_MAX_ITEMS",
+    )
+    assert_error(
+        client.post("/predict", json={"text": "x" * (s.max_text_chars + 1)}),
+        400,
+        "invalid_input",
+        "HYDRA_MAX_TEXT_CHARS",
+    )
     assert client.post("/predict", json={"text": "x" * s.max_text_chars}).status_code == 200  # truncated to 48 tokens
 
 
@@ -393,16 +413,25 @@ def test_images_refused_by_kind(client):
     bomb = huge_png_header(20_000, 20_000)
     assert_error(client.post("/predict", json={"image": b64(bomb)}), 413, "payload_too_large", "HYDRA_MAX_IMAGE_PIXELS")
     truncated = png(noise_images(1)[0])[:80]
-    assert_error(client.post("/predict", files=[("file", ("t.png", truncated, "image/png"))]), 400, "invalid_input",
-                 "file")  # fmt: skip
+    assert_error(
+        client.post("/predict", files=[("file", ("t.png", truncated, "image/png"))]), 400, "invalid_input", "file"
+    )
 
 
 def test_content_types(client):
-    assert_error(client.post("/predict", content=b"hello", headers={"content-type": "text/plain"}), 415,
-                 "unsupported_media_type", "text/plain", "application/json")  # fmt: skip
+    assert_error(
+        client.post("/predict", content=b"hello", headers={"content-type": "text/plain"}),
+        415,
+        "unsupported_media_type",
+        "text/plain",
+        "application/json",
+    )
     assert_error(client.post("/predict", content=b"hello"), 415, "unsupported_media_type", "(none)")
-    assert_error(client.post("/zero-shot", content=b"<x/>", headers={"content-type": "application/xml"}), 415,
-                 "unsupported_media_type")  # fmt: skip
+    assert_error(
+        client.post("/zero-shot", content=b"<x/>", headers={"content-type": "application/xml"}),
+        415,
+        "unsupported_media_type",
+    )
 
 
 def test_multipart_errors(client):
@@ -414,8 +443,9 @@ def test_multipart_errors(client):
     broken = b"--b\r\n\r\n--b--\r\n"  # a part without Content-Disposition
     r = client.post("/predict", content=broken, headers={"content-type": "multipart/form-data; boundary=b"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_input"
-    assert_error(client.post("/predict", data={"file": "not a file"}, files={"z": ("z", b"")}), 400, "invalid_input",
-                 "file")  # fmt: skip
+    assert_error(
+        client.post("/predict", data={"file": "not a file"}, files={"z": ("z", b"")}), 400, "invalid_input", "file"
+    )
 
 
 def test_not_found_and_method_not_allowed(client):
@@ -459,8 +489,9 @@ def test_routing_between_models(artifacts, tmp_path):
     other = make_tiny_artifact(tmp_path / "vit2", "vit", name="tiny-vit-2", seed=5, exports=())
     app = create_app(settings_for(artifacts["vit"], other, artifacts["bert"]))
     with TestClient(app) as c:
-        assert_error(c.post("/predict", json={"image": b64(png(1))}), 400, "invalid_input", "several models",
-                     "tiny-vit-2")  # fmt: skip
+        assert_error(
+            c.post("/predict", json={"image": b64(png(1))}), 400, "invalid_input", "several models", "tiny-vit-2"
+        )
         a = c.post("/predict", json={"image": b64(png(1)), "model": "tiny-vit"}).json()
         b = c.post("/predict", json={"image": b64(png(1)), "model": "tiny-vit-2"}).json()
         assert (a["model"], b["model"]) == ("tiny-vit", "tiny-vit-2")
@@ -476,11 +507,13 @@ def test_zero_shot_without_a_zero_shot_model(client):
     r = client.post("/zero-shot", files=files, data={"labels": '["cat", "dog"]'})
     assert_error(r, 400, "invalid_input", "no zero-shot model is loaded")
     assert_error(client.post("/zero-shot", json={**body, "labels": ["cat"]}), 422, "invalid_input", "labels")
-    assert_error(client.post("/zero-shot", json={**body, "template": "no placeholder"}), 422, "invalid_input",
-                 "{label}")  # fmt: skip
+    assert_error(
+        client.post("/zero-shot", json={**body, "template": "no placeholder"}), 422, "invalid_input", "{label}"
+    )
     assert_error(client.post("/zero-shot", json={**body, "labels": ["cat", "cat"]}), 422, "invalid_input", "duplicate")
-    assert_error(client.post("/zero-shot", json={**body, "model": "tiny-vit"}), 400, "invalid_input",
-                 "classification model")  # fmt: skip
+    assert_error(
+        client.post("/zero-shot", json={**body, "model": "tiny-vit"}), 400, "invalid_input", "classification model"
+    )
 
 
 def test_overloaded_queue_answers_503_with_retry_after(artifacts):

@@ -46,7 +46,6 @@ def image_file(name: str) -> bytes:
     return buf.getvalue()
 
 
-
 # ----------------------------------------------------------------------------- the examples, from the Markdown
 @dataclass
 class Example:
@@ -143,8 +142,9 @@ def parse_curl(where: str, cmd: str) -> Example | None:
             ex.body, ex.method = next(args).encode(), "POST"
         elif a in ("-F", "--form"):
             name, value = next(args).split("=", 1)
-            (ex.files if value.startswith("@") else ex.fields).append((name, value.lstrip("@") if
-                                                                       value.startswith("@") else value))  # fmt: skip
+            (ex.files if value.startswith("@") else ex.fields).append(
+                (name, value.lstrip("@") if value.startswith("@") else value)
+            )
             ex.method = "POST"
         elif a in ("-X", "--request"):
             ex.method = next(args)
@@ -182,8 +182,7 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCli
     """The three default artifacts' names, tasks and labels, as tiny models; the classifiers with a calibration
     split (the builder's default guarantees: risks 1, 2, 5 and 10 %), as the default artifacts have."""
     root = tmp_path_factory.mktemp("default")
-    text = make_tiny_artifact(root / "text", "bert", name=TEXT, labels=LABELS[TEXT], exports=(),
-                              seed=1, guarantees={})  # fmt: skip
+    text = make_tiny_artifact(root / "text", "bert", name=TEXT, labels=LABELS[TEXT], exports=(), seed=1, guarantees={})
     image = make_tiny_artifact(root / "image", "vit", name=IMAGE, labels=LABELS[IMAGE], exports=(), guarantees={})
     zero_shot = make_tiny_clip_artifact(root / "zeroshot", name=ZERO_SHOT, labels=LABELS[ZERO_SHOT])
     with TestClient(create_app(settings_for(text, image, zero_shot))) as c:
@@ -278,8 +277,16 @@ def check_shape(ex: Example, r: Any) -> None:
 
 def test_the_docs_have_examples_of_every_route():
     routes = {re.sub(r"^(https?://)?[^/]+", "", ex.url) for ex in EXAMPLES}
-    for path in ("/healthz", "/readyz", "/metrics", "/v1/models", "/predict", "/zero-shot", "/openapi.json",
-                 f"/v2/models/{TEXT}/infer"):  # fmt: skip
+    for path in (
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/v1/models",
+        "/predict",
+        "/zero-shot",
+        "/openapi.json",
+        f"/v2/models/{TEXT}/infer",
+    ):
         assert path in routes, path
     assert len(EXAMPLES) >= 25, [ex.where for ex in EXAMPLES]
     assert not any("my-text" in ex.url or b"my-text" in (ex.body or b"") for ex in EXAMPLES)

@@ -4,7 +4,6 @@ same numbers as the builder's code on the same inputs."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
+from service.core.artifact import load_manifest
 from service.core.conformal import SetCalibrator, keep_top
 from service.core.preprocess import ImagePreprocessor
 from service.core.registry import load_model
@@ -28,8 +28,9 @@ CUT = 0.3  # the served MSP threshold: the OOD cut of the risk rules lets most o
 
 @pytest.fixture(scope="module")
 def g_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_artifact(tmp_path_factory.mktemp("g") / "vit", "vit", name="tiny-g", guarantees=RISKS,
-                              ood_threshold=CUT)  # fmt: skip
+    return make_tiny_artifact(
+        tmp_path_factory.mktemp("g") / "vit", "vit", name="tiny-g", guarantees=RISKS, ood_threshold=CUT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +41,23 @@ def g_client(g_artifact: Path) -> Iterator[TestClient]:
 
 def _direct(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
     """The builder-side computation: probabilities and MSP of the eager model, p-values and LAC sets from the file."""
-    m = json.loads((root / "manifest.json").read_text())
-    model = load_model(root / "model.safetensors", m["model"]["config"])
-    pre = ImagePreprocessor(m["preprocessing"], 1 << 20)
+    m = load_manifest(root)
+    model = load_model(root / m.model.weights, m.model.config)
+    pre = ImagePreprocessor(m.preprocessing, 1 << 20)
     with torch.inference_mode():
-        s = summarize(model(torch.stack([pre(png(a)) for a in images])), m["uncertainty"]["temperature"])
+        s = summarize(model(torch.stack([pre(png(a)) for a in images])), m.uncertainty.temperature)
     t = load_file(str(root / "guarantees.safetensors"))
     cal = t["ood.scores"].numpy()  # outlier-oriented: -MSP, sorted
     msp = s["msp"].double().numpy()
     p = (1 + (cal[None, :] >= -msp[:, None]).sum(1)) / (len(cal) + 1)
     sets = SetCalibrator.from_tensors(t)
-    return {"probs": s["probs"].double().numpy(), "msp": msp, "p": p, "calibrator": sets,
-            "calibrator_ood": set(cal.tolist())}
+    return {
+        "probs": s["probs"].double().numpy(),
+        "msp": msp,
+        "p": p,
+        "calibrator": sets,
+        "calibrator_ood": set(cal.tolist()),
+    }
 
 
 def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_artifact):
@@ -59,8 +65,8 @@ def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_ar
     r = g_client.post("/predict", json={"images": [b64(png(a)) for a in images]})
     assert r.status_code == 200, r.text
     want = _direct(g_artifact, images)
-    spec = json.loads((g_artifact / "manifest.json").read_text())["guarantees"]
-    lam = next(t.get("threshold") for t in spec["selective"]["targets"] if t["risk"] == 0.5)
+    spec = load_manifest(g_artifact).guarantees
+    lam = next(t.threshold for t in spec.selective.targets if t.risk == 0.5)
     assert lam is not None  # certified on the calibration split
     for i, p in enumerate(r.json()["predictions"]):
         assert p["ood"]["p_value"] == pytest.approx(want["p"][i], abs=1e-12)
@@ -95,8 +101,11 @@ def test_the_request_chooses_the_levels(g_client, g_artifact):
     strict = g_client.post("/predict", json={"image": img, "risk": 0.05}).json()["predictions"][0]["selective"]
     assert strict.pop("reason").startswith("no rule met the risk target 0.05")
     assert strict == {"accept": False, "risk": 0.05, "certified": False, "ood_threshold": CUT}  # not met on the split
-    form = g_client.post("/predict", files=[("file", ("a.png", png(noise_images(1, seed=8)[0]), "image/png"))],
-                         data={"alpha": "0.6", "risk": "0.05"})  # fmt: skip
+    form = g_client.post(
+        "/predict",
+        files=[("file", ("a.png", png(noise_images(1, seed=8)[0]), "image/png"))],
+        data={"alpha": "0.6", "risk": "0.05"},
+    )
     assert form.status_code == 200, form.text
     fp = form.json()["predictions"][0]
     assert fp["conformal"]["set"] == wide["conformal"]["set"] and fp["selective"]["risk"] == 0.05
@@ -104,10 +113,18 @@ def test_the_request_chooses_the_levels(g_client, g_artifact):
 
 @pytest.mark.parametrize(
     "body, fragment",
-    [({"alpha": 0}, "alpha"), ({"alpha": 1}, "alpha"), ({"alpha": 1.5}, "alpha"), ({"alpha": "0.1"}, "alpha"),
-     ({"alpha": True}, "alpha"), ({"ood_alpha": -0.1}, "ood_alpha"), ({"ood_alpha": "a lot"}, "ood_alpha"),
-     ({"risk": 0}, "risk"), ({"risk": None, "alpha": [0.1]}, "alpha")],
-)  # fmt: skip
+    [
+        ({"alpha": 0}, "alpha"),
+        ({"alpha": 1}, "alpha"),
+        ({"alpha": 1.5}, "alpha"),
+        ({"alpha": "0.1"}, "alpha"),
+        ({"alpha": True}, "alpha"),
+        ({"ood_alpha": -0.1}, "ood_alpha"),
+        ({"ood_alpha": "a lot"}, "ood_alpha"),
+        ({"risk": 0}, "risk"),
+        ({"risk": None, "alpha": [0.1]}, "alpha"),
+    ],
+)
 def test_bad_levels_are_422_naming_the_field(g_client, body, fragment):
     r = g_client.post("/predict", json={"image": b64(png(3)), **body})
     assert_error(r, 422, "invalid_input", fragment)
@@ -119,8 +136,9 @@ def test_a_risk_the_model_was_not_built_with_lists_the_available_ones(g_client, 
     with TestClient(create_app(settings_for(artifacts["vit"]))) as c:  # no calibration split at all
         plain = c.post("/predict", json={"image": b64(png(3))}).json()["predictions"][0]
         assert "conformal" not in plain and "selective" not in plain and "p_value" not in plain["ood"]
-        assert_error(c.post("/predict", json={"image": b64(png(3)), "risk": 0.5}), 422, "invalid_input",
-                     "no calibration split")  # fmt: skip
+        assert_error(
+            c.post("/predict", json={"image": b64(png(3)), "risk": 0.5}), 422, "invalid_input", "no calibration split"
+        )
 
 
 def test_models_list_the_guarantees_and_metrics_count_them(g_client):
@@ -148,8 +166,15 @@ def _like_calibration(n: int, seed: int) -> list[np.ndarray]:
 def test_drift_alarm_fires_on_foreign_traffic_and_warm_up_does_not_count(tmp_path):
     """Traffic like the calibration inputs keeps the alarm quiet; a stream of white frames, far from them in the
     members' features (served Mahalanobis), raises it, and the metric follows; the warm-up input is not traffic."""
-    root = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-drift", guarantees=RISKS, ood=True,
-                              ood_score="mahalanobis", ood_threshold=None)  # fmt: skip
+    root = make_tiny_artifact(
+        tmp_path / "vit",
+        "vit",
+        name="tiny-drift",
+        guarantees=RISKS,
+        ood=True,
+        ood_score="mahalanobis",
+        ood_threshold=None,
+    )
     with TestClient(create_app(settings_for(root))) as c:
         assert c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]["inputs"] == 0
         ok = [b64(png(a)) for a in _like_calibration(32, seed=11)]
@@ -191,8 +216,10 @@ def test_open_inference_protocol_outputs_and_parameters(g_client, g_artifact):
     meta = g_client.get("/v2/models/tiny-g").json()
     names = {o["name"]: o for o in meta["outputs"]}
     assert {"ood_p_value", "prediction_set", "accept"} <= set(names) and names["prediction_set"]["shape"] == [-1, 4]
-    body = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1], "data": [img]}],
-            "parameters": {"alpha": 0.6, "ood_alpha": 0.9, "risk": 0.05}}  # fmt: skip
+    body = {
+        "inputs": [{"name": "image", "datatype": "BYTES", "shape": [1], "data": [img]}],
+        "parameters": {"alpha": 0.6, "ood_alpha": 0.9, "risk": 0.05},
+    }
     r = g_client.post("/v2/models/tiny-g/infer", json=body)
     assert r.status_code == 200, r.text
     out = {o["name"]: o["data"] for o in r.json()["outputs"]}
@@ -201,7 +228,8 @@ def test_open_inference_protocol_outputs_and_parameters(g_client, g_artifact):
     assert out["ood_p_value"][0] == pytest.approx(p["ood"]["p_value"], rel=1e-6)
     assert out["ood_flag"] == [p["ood"]["flag"]] and out["accept"] == [p["selective"]["accept"]]
     assert [lab for lab, x in zip(TINY_LABELS, out["prediction_set"], strict=True) if x] == sorted(
-        p["conformal"]["set"], key=TINY_LABELS.index)  # fmt: skip
+        p["conformal"]["set"], key=TINY_LABELS.index
+    )
     for bad in ({"alpha": 0}, {"ood_alpha": "high"}, {"risk": True}):
         r = g_client.post("/v2/models/tiny-g/infer", json={**body, "parameters": bad})
         assert r.status_code == 422 and list(bad)[0] in r.json()["error"], r.text
@@ -217,7 +245,7 @@ def test_the_per_request_path_computes_what_the_array_functions_compute(g_artifa
 
     from service.core.guarantees import load_guarantees
 
-    g = load_guarantees(g_artifact, json.loads((g_artifact / "manifest.json").read_text()))
+    g = load_guarantees(g_artifact, load_manifest(g_artifact))
     g = replace(g, mondrian=mondrian)
     rng = np.random.default_rng(0)
     probs = rng.dirichlet(np.ones(len(TINY_LABELS)), size=64)

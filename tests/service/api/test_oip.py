@@ -74,10 +74,16 @@ def test_model_metadata_and_versions(client: TestClient):
     ]
     shapes = {o["name"]: (o["datatype"], o["shape"]) for o in meta["outputs"]}
     assert shapes == {
-        "probabilities": ("FP32", [-1, 4]), "member_probabilities": ("FP32", [-1, 3, 4]), "label": ("BYTES", [-1]),
-        "msp": ("FP32", [-1]), "entropy": ("FP32", [-1]), "mutual_information": ("FP32", [-1]),
-        "disagreement": ("FP32", [-1]), "ood_score": ("FP32", [-1]), "ood_flag": ("BOOL", [-1]),
-    }  # fmt: skip
+        "probabilities": ("FP32", [-1, 4]),
+        "member_probabilities": ("FP32", [-1, 3, 4]),
+        "label": ("BYTES", [-1]),
+        "msp": ("FP32", [-1]),
+        "entropy": ("FP32", [-1]),
+        "mutual_information": ("FP32", [-1]),
+        "disagreement": ("FP32", [-1]),
+        "ood_score": ("FP32", [-1]),
+        "ood_flag": ("BOOL", [-1]),
+    }
     assert client.get("/v2/models/tiny-bert").json()["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
     assert client.get(f"/v2/models/tiny-vit/versions/{version}/ready").json() == {"name": "tiny-vit", "ready": True}
     assert client.get("/v2/models/tiny-bert/ready").status_code == 200
@@ -93,8 +99,11 @@ def test_text_infer_equals_predict(client: TestClient):
     r = client.post("/v2/models/tiny-bert/infer", json={"id": "req-7", "inputs": [tensor("text", TEXTS)]})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert (body["model_name"], body["model_version"], body["id"]) == ("tiny-bert", version_of(client, "tiny-bert"),
-                                                                      "req-7")  # fmt: skip
+    assert (body["model_name"], body["model_version"], body["id"]) == (
+        "tiny-bert",
+        version_of(client, "tiny-bert"),
+        "req-7",
+    )
     out = outputs_of(body)
     # every output but member_probabilities, in order (the guarantees' only where the model has a calibration split)
     assert list(out) == [n for n in DEFAULT_OUTPUTS if not OUTPUTS[n].guarantee]
@@ -125,8 +134,10 @@ def test_image_infer_base64_and_preprocessed_tensor(client: TestClient):
     assert r2.status_code == 200, r2.text
     np.testing.assert_allclose(outputs_of(r2.json())["probabilities"]["data"], probs, atol=1e-6)
     # [B, 1] BYTES and a data URL are fine too
-    r3 = client.post("/v2/models/tiny-vit/infer", json={"inputs": [
-        tensor("image", [["data:image/png;base64," + encoded[0]]], shape=[1, 1])]})  # fmt: skip
+    r3 = client.post(
+        "/v2/models/tiny-vit/infer",
+        json={"inputs": [tensor("image", [["data:image/png;base64," + encoded[0]]], shape=[1, 1])]},
+    )
     np.testing.assert_allclose(outputs_of(r3.json())["probabilities"]["data"], probs[:4], atol=1e-6)
 
 
@@ -180,11 +191,23 @@ def split_binary_answer(r) -> tuple[dict, dict[str, np.ndarray]]:
 
 def test_binary_tensors_both_ways(client: TestClient):
     imgs = [png(a) for a in noise_images(2, seed=9)]
-    header = {"inputs": [{"name": "image", "shape": [2], "datatype": "BYTES",
-                          "parameters": {"binary_data_size": len(bytes_elements(imgs))}}],
-              "parameters": {"binary_data_output": True},
-              "outputs": [{"name": "probabilities"}, {"name": "label"}, {"name": "ood_flag"},
-                          {"name": "msp", "parameters": {"binary_data": False}}]}  # fmt: skip
+    header = {
+        "inputs": [
+            {
+                "name": "image",
+                "shape": [2],
+                "datatype": "BYTES",
+                "parameters": {"binary_data_size": len(bytes_elements(imgs))},
+            }
+        ],
+        "parameters": {"binary_data_output": True},
+        "outputs": [
+            {"name": "probabilities"},
+            {"name": "label"},
+            {"name": "ood_flag"},
+            {"name": "msp", "parameters": {"binary_data": False}},
+        ],
+    }
     content, headers = binary_request(header, [bytes_elements(imgs)])
     r = client.post("/v2/models/tiny-vit/infer", content=content, headers=headers)
     assert r.status_code == 200, r.text[:300]
@@ -197,13 +220,22 @@ def test_binary_tensors_both_ways(client: TestClient):
     assert arrays["ood_flag"].dtype == bool and arrays["ood_flag"].shape == (2,)
     # a binary FP32 input
     x = np.stack([((a.astype(np.float32) / 255 - 0.5) / 0.25)[None] for a in noise_images(2, seed=9)]).astype("<f4")
-    header = {"inputs": [{"name": "pixel_values", "shape": list(x.shape), "datatype": "FP32",
-                          "parameters": {"binary_data_size": x.nbytes}}]}  # fmt: skip
+    header = {
+        "inputs": [
+            {
+                "name": "pixel_values",
+                "shape": list(x.shape),
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": x.nbytes},
+            }
+        ]
+    }
     content, headers = binary_request(header, [x.tobytes()])
     r2 = client.post("/v2/models/tiny-vit/infer", content=content, headers=headers)
     assert r2.status_code == 200 and r2.headers["content-type"] == "application/json", r2.text
-    np.testing.assert_allclose(outputs_of(r2.json())["probabilities"]["data"], arrays["probabilities"].reshape(-1),
-                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        outputs_of(r2.json())["probabilities"]["data"], arrays["probabilities"].reshape(-1), atol=1e-6
+    )
 
 
 def test_zero_shot_over_oip(zs_artifact: Path):  # noqa: F811 (the fixture)
@@ -213,8 +245,10 @@ def test_zero_shot_over_oip(zs_artifact: Path):  # noqa: F811 (the fixture)
         assert next(o["shape"] for o in meta["outputs"] if o["name"] == "probabilities") == [-1, -1]
         img = rgb_png(6)
         labels = ["truck", "frog", "airplane"]
-        body = {"inputs": [tensor("image", [b64(img)]), tensor("labels", labels)],
-                "parameters": {"template": "a blurry picture of the {label}"}}  # fmt: skip
+        body = {
+            "inputs": [tensor("image", [b64(img)]), tensor("labels", labels)],
+            "parameters": {"template": "a blurry picture of the {label}"},
+        }
         out = outputs_of(c.post("/v2/models/tiny-clip/infer", json=body).json())
         ref = reference_probs(zs_artifact, [img], labels, "a blurry picture of the {label}")
         np.testing.assert_allclose(out["probabilities"]["data"], ref["probs"][0].numpy(), atol=1e-5)
@@ -248,9 +282,12 @@ BAD_REQUESTS = [
     ({"inputs": [tensor("text", ["a"])], "parameters": {"binary_data_output": "yes"}}, 400, "binary_data_output"),
     ({"inputs": [tensor("text", ["a"])], "model_name": "tiny-vit"}, 400, "differs from the path's model"),
     ({"inputs": [tensor("text", ["a"])], "extra": 1}, 422, "extra: unknown field"),
-    ({"inputs": [tensor("text", ["a"])], "outputs": [{"name": "label", "parameters": {"classification": 2}}]}, 400,
-     "classification extension"),
-]  # fmt: skip
+    (
+        {"inputs": [tensor("text", ["a"])], "outputs": [{"name": "label", "parameters": {"classification": 2}}]},
+        400,
+        "classification extension",
+    ),
+]
 
 
 @pytest.mark.parametrize(("body", "status", "fragments"), [(b, s, f) for b, s, *f in BAD_REQUESTS])

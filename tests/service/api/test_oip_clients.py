@@ -67,8 +67,10 @@ def predict_probs(live: Live, body: dict) -> np.ndarray:
     r = httpx.post(f"{live.base}/predict", json={**body, "top_k": len(TINY_LABELS)}, headers=auth(), timeout=30)
     assert r.status_code == 200, r.text
     preds = r.json()["predictions"]
-    return np.array([[next(t["prob"] for t in p["top_k"] if t["label"] == lab) for lab in TINY_LABELS]
-                     for p in preds], dtype=np.float32)  # fmt: skip
+    return np.array(
+        [[next(t["prob"] for t in p["top_k"] if t["label"] == lab) for lab in TINY_LABELS] for p in preds],
+        dtype=np.float32,
+    )
 
 
 def model_version(live: Live, name: str) -> str:
@@ -109,8 +111,11 @@ def test_triton_infer_json_tensors(triton: httpclient.InferenceServerClient, liv
     outputs = [httpclient.InferRequestedOutput(n, binary_data=False) for n in names]
     res = triton.infer("tiny-bert", [text], outputs=outputs, request_id="triton-1", headers=auth())
     body = res.get_response()
-    assert (body["id"], body["model_name"], body["model_version"]) == ("triton-1", "tiny-bert",
-                                                                      model_version(live, "tiny-bert"))  # fmt: skip
+    assert (body["id"], body["model_name"], body["model_version"]) == (
+        "triton-1",
+        "tiny-bert",
+        model_version(live, "tiny-bert"),
+    )
     probs = res.as_numpy("probabilities")
     assert probs.shape == (3, 4) and probs.dtype == np.float32
     np.testing.assert_array_equal(probs, predict_probs(live, {"texts": TEXTS}))  # equal, not close
@@ -136,8 +141,9 @@ def test_triton_infer_binary_tensors(triton: httpclient.InferenceServerClient, l
     x = np.stack([((a.astype(np.float32) / 255 - 0.5) / 0.25)[None] for a in noise_images(3, seed=11)])
     pixels = httpclient.InferInput("pixel_values", list(x.shape), "FP32")
     pixels.set_data_from_numpy(x, binary_data=True)
-    res2 = triton.infer("tiny-vit", [pixels], outputs=[httpclient.InferRequestedOutput("probabilities")],
-                        headers=auth())  # fmt: skip
+    res2 = triton.infer(
+        "tiny-vit", [pixels], outputs=[httpclient.InferRequestedOutput("probabilities")], headers=auth()
+    )
     np.testing.assert_allclose(res2.as_numpy("probabilities"), probs, atol=1e-6)
     with pytest.raises(httpclient.InferenceServerException, match="not taken by model 'tiny-vit'"):
         bad = httpclient.InferInput("text", [1], "BYTES")
@@ -198,8 +204,9 @@ def test_kserve_infer(live: Live):
     np.testing.assert_array_equal(probs2, probs)
 
     async def refused(client):
-        request = kserve.InferRequest(model_name="tiny-vit", infer_inputs=[kserve.InferInput("image", [1], "BYTES",
-                                                                                             data=["!!"])])  # fmt: skip
+        request = kserve.InferRequest(
+            model_name="tiny-vit", infer_inputs=[kserve.InferInput("image", [1], "BYTES", data=["!!"])]
+        )
         return await client.infer(live.base, request, model_name="tiny-vit", headers=auth())
 
     with pytest.raises(httpx.HTTPStatusError, match="not valid base64.*400 Bad Request"):

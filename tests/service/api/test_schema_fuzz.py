@@ -61,9 +61,18 @@ def test_the_document_declares_only_the_contract_error_body(api_schema: schemath
     assert set(INFERENCE) <= set(operations(api_schema))
 
 
-CASES = [(op, GenerationMode.POSITIVE) for op in (*INFERENCE, "GET /v1/models", "GET /readyz", "GET /healthz",
-                                                 "GET /metrics", "GET /v1/models/{model_name}/drift",
-                                                 "POST /v1/models/{model_name}/drift/reset")]  # fmt: skip
+CASES = [
+    (op, GenerationMode.POSITIVE)
+    for op in (
+        *INFERENCE,
+        "GET /v1/models",
+        "GET /readyz",
+        "GET /healthz",
+        "GET /metrics",
+        "GET /v1/models/{model_name}/drift",
+        "POST /v1/models/{model_name}/drift/reset",
+    )
+]
 CASES += [(op, GenerationMode.NEGATIVE) for op in INFERENCE]
 
 
@@ -77,8 +86,13 @@ def test_every_answer_is_declared_and_matches_its_schema(
     checks = CHECKS + [negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=MAX_EXAMPLES.get(label, OTHERS), deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=MAX_EXAMPLES.get(label, OTHERS),
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     def run(case: schemathesis.Case) -> None:
         response = case.call_and_validate(checks=checks)
         seen[response.status_code] = seen.get(response.status_code, 0) + 1

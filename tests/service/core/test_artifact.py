@@ -9,9 +9,14 @@ import pytest
 
 from service.core.artifact import (
     ArtifactError,
+    BaseModelInfo,
+    FileEntry,
     ImagePreprocessing,
+    Manifest,
+    ModelSpec,
+    Strategy,
     TextPreprocessing,
-    build_manifest,
+    Uncertainty,
     file_sha256,
     load_manifest,
     parse_manifest,
@@ -20,21 +25,20 @@ from service.core.artifact import (
 )
 
 
-def _manifest() -> dict:
-    return build_manifest(
+def _manifest() -> Manifest:
+    return Manifest(
         name="t",
         family="bert",
         task="classification",
-        base_model={"name": "x"},
+        base_model=BaseModelInfo(name="x"),
+        members=2,
         heads=[[[0, 1]], [[1, 2]]],
-        strategy={"name": "random", "seeds": [0, 1]},
+        strategy=Strategy(name="random", seeds=[0, 1]),
         labels=["a", "b"],
         preprocessing=TextPreprocessing(max_length=8),
-        uncertainty={"temperature": 1.0, "ood_score": "msp", "ood_threshold": 0.5, "tpr": 0.95},
-        model={"config": {"arch": "bert", "num_classes": 2}, "inputs": ["input_ids", "attention_mask"]},
-        exports={},
-        metrics={},
-    ).to_dict()
+        uncertainty=Uncertainty(temperature=1.0, ood_score="msp", ood_threshold=0.5),
+        model=ModelSpec(config={"arch": "bert", "num_classes": 2}, inputs=["input_ids", "attention_mask"]),
+    )
 
 
 @pytest.fixture
@@ -50,9 +54,9 @@ def artifact(tmp_path):
 
 def test_manifest_lists_every_file_with_hash(artifact):
     m = load_manifest(artifact)
-    assert set(m["files"]) == {"model.safetensors", "tokenizer/vocab.txt"}
-    assert m["files"]["model.safetensors"]["sha256"] == file_sha256(artifact / "model.safetensors")
-    assert m["files"]["model.safetensors"]["size"] == 70
+    assert m.files is not None and set(m.files) == {"model.safetensors", "tokenizer/vocab.txt"}
+    assert m.files["model.safetensors"].sha256 == file_sha256(artifact / "model.safetensors")
+    assert m.files["model.safetensors"].size == 70
     verify_files(artifact, m)
 
 
@@ -62,14 +66,14 @@ def test_corrupt_and_missing_files_are_named(artifact):
     with pytest.raises(ArtifactError, match=r"model\.safetensors: sha256"):
         verify_files(artifact, m)
     (artifact / "tokenizer" / "vocab.txt").unlink()
-    m["files"].pop("model.safetensors")
+    m.files.pop("model.safetensors")
     with pytest.raises(ArtifactError, match=r"vocab\.txt: listed in the manifest but missing"):
         verify_files(artifact, m)
 
 
 def test_paths_outside_the_artifact_are_refused(artifact):
     m = load_manifest(artifact)
-    m["files"]["../etc/passwd"] = {"sha256": "0", "size": 1}
+    m.files["../etc/passwd"] = FileEntry(sha256="0" * 64, size=1)
     with pytest.raises(ArtifactError, match="outside the artifact"):
         verify_files(artifact, m)
 
@@ -77,13 +81,13 @@ def test_paths_outside_the_artifact_are_refused(artifact):
 def test_invalid_manifests_are_refused(tmp_path):
     with pytest.raises(ArtifactError, match="no manifest.json"):
         load_manifest(tmp_path)
-    bad = _manifest()
+    bad = _manifest().to_dict()
     del bad["uncertainty"]
     (tmp_path / "manifest.json").write_text(json.dumps({**bad, "files": {}}))
     with pytest.raises(ArtifactError, match="uncertainty"):
         load_manifest(tmp_path)
     with pytest.raises(ArtifactError, match="heads lists 2 members"):
-        write_manifest(tmp_path, {**_manifest(), "members": 3})
+        write_manifest(tmp_path, _manifest().model_copy(update={"members": 3}))
 
 
 @pytest.mark.parametrize(
@@ -120,15 +124,24 @@ def test_files_the_manifest_points_to_must_be_listed(artifact):
 
 def test_image_preprocessing_checks_its_values():
     ok = ImagePreprocessing(size=(16, 16), mean=[0.5], std=[0.25], channels=1)
-    assert ok.to_dict() == {"type": "image", "size": [16, 16], "mean": [0.5], "std": [0.25],
-                            "interpolation": "bilinear", "channels": 1, "resize": "direct"}  # fmt: skip
+    assert ok.to_dict() == {
+        "type": "image",
+        "size": [16, 16],
+        "mean": [0.5],
+        "std": [0.25],
+        "interpolation": "bilinear",
+        "channels": 1,
+        "resize": "direct",
+    }
     with pytest.raises(ValueError, match="std must be > 0"):
         ImagePreprocessing(size=(16, 16), mean=[0.5], std=[0.0], channels=1)
     with pytest.raises(ValueError, match="mean needs 1 or 3 values, got 2"):
         ImagePreprocessing(size=(16, 16), mean=[0.5, 0.5], std=[0.25], channels=3)
 
 
-def test_build_manifest_round_trips_through_write_and_load(artifact):
-    doc = load_manifest(artifact)
-    assert doc["members"] == 2 and doc["format_version"] == 1
-    assert parse_manifest(doc).to_dict() == doc
+def test_the_manifest_round_trips_through_write_and_load(artifact):
+    m = load_manifest(artifact)
+    assert m.members == 2 and m.format_version == 1
+    assert m.to_dict() == {**_manifest().to_dict(), "files": m.to_dict()["files"]}
+    doc = json.loads((artifact / "manifest.json").read_text())
+    assert m.to_dict() == parse_manifest(doc).to_dict() == doc

@@ -224,8 +224,9 @@ def test_same_aps_raps_sets_as_mapie(method: str, k_reg: int, lam: float):
         ref.classes = np.arange(6)
         # MAPIE's RAPS would re-fit k_star and lambda_star on a split of its own here; its quantile is APS's
         ref.quantiles_ = APSConformityScore().get_conformity_score_quantiles(ref_scores, np.array([alpha]), cv="prefit")
-        ref_sets = ref.get_prediction_sets(probs[test][:, :, None], ref_scores, np.array([alpha]), cv="prefit",
-                                           include_last_label=False)[:, :, 0]  # fmt: skip
+        ref_sets = ref.get_prediction_sets(
+            probs[test][:, :, None], ref_scores, np.array([alpha]), cv="prefit", include_last_label=False
+        )[:, :, 0]
         ours = SetCalibrator.fit(probs[cal], y[cal], method, k_reg=k_reg, lam=lam)
         np.testing.assert_array_equal(ref_scores.ravel(), true_label_scores(probs[cal], y[cal], method, k_reg, lam))
         assert ours.qhat(alpha) == ref.quantiles_[0]

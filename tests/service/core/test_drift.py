@@ -93,9 +93,15 @@ def test_martingale_first_step_known_answer():
     assert math.exp(log_m[0]) == pytest.approx(g2 + (1 - g2) * np.mean(f), rel=1e-12)
     lp, lr = change_weights(np.array([1, 10, 10**6]))
     np.testing.assert_allclose(np.exp(lr), 1 / np.log(np.array([1, 10, 10**6]) + math.e), rtol=1e-12)
-    np.testing.assert_allclose(np.exp(lp), [1 - g2, 1 / math.log(9 + math.e) - 1 / math.log(10 + math.e),
-                                            1 / math.log(10**6 - 1 + math.e) - 1 / math.log(10**6 + math.e)],
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        np.exp(lp),
+        [
+            1 - g2,
+            1 / math.log(9 + math.e) - 1 / math.log(10 + math.e),
+            1 / math.log(10**6 - 1 + math.e) - 1 / math.log(10**6 + math.e),
+        ],
+        rtol=1e-6,
+    )
 
 
 def test_martingale_matches_the_plain_recursion():
@@ -239,8 +245,12 @@ def test_drift_feed_gives_the_statistic_of_feeding_every_score_at_once(monkeypat
     clock = [0.0]
     monkeypatch.setattr("service.core.drift.time.monotonic", lambda: clock[0])
     updates: list[int] = []
-    feed = DriftFeed(DriftMonitor(cal, delta=0.01, bins=256, seed=5), every=64, max_delay_s=1.0,
-                     on_update=lambda m: updates.append(m.count))  # fmt: skip
+    feed = DriftFeed(
+        DriftMonitor(cal, delta=0.01, bins=256, seed=5),
+        every=64,
+        max_delay_s=1.0,
+        on_update=lambda m: updates.append(m.count),
+    )
     i, quiet = 0, False
     for size in rng.integers(1, 9, size=10_000):
         if i >= stream.size:

@@ -201,9 +201,15 @@ def test_layer_features_match_naive_members(family, first_token_readout):
 def test_vit_variants_match_naive_members(act, pool):
     """Layer scale, average or first-token pooling, fc_norm, norm_pre, other activations."""
     model = _model(
-        "vit", False, act=act, layer_scale=True, global_pool=pool, fc_norm=True, final_norm=pool == "token",
+        "vit",
+        False,
+        act=act,
+        layer_scale=True,
+        global_pool=pool,
+        fc_norm=True,
+        final_norm=pool == "token",
         norm_pre=True,
-    )  # fmt: skip
+    )
     assert model.first_token_readout == (pool == "token")
     batch = _vit_input()
     with torch.no_grad():
@@ -334,9 +340,15 @@ def test_torchscript_and_onnx_exports_with_dynamic_axes(family, tmp_path):
         traced = torch.jit.trace(model, args)
         dyn = {k: ({0: "batch", 1: "seq"} if family == "bert" else {0: "batch"}) for k in names}
         torch.onnx.export(
-            model, args, str(tmp_path / "m.onnx"), input_names=names, output_names=["logits"],
-            dynamic_axes={**dyn, "logits": {0: "batch"}}, opset_version=17, dynamo=False,
-        )  # fmt: skip
+            model,
+            args,
+            str(tmp_path / "m.onnx"),
+            input_names=names,
+            output_names=["logits"],
+            dynamic_axes={**dyn, "logits": {0: "batch"}},
+            opset_version=17,
+            dynamo=False,
+        )
         ref = model(**other)
         got_ts = traced(*(other[k] for k in names))
     sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])

@@ -113,8 +113,12 @@ def test_ood_statistics_round_trip_and_combination():
     from service.core.ood import GaussianStats, OODStats, ensemble_scores, fit_norms, ood_from_tensors, ood_tensors
 
     M, C, D = 2, 3, 4
-    g = GaussianStats(torch.zeros(M, C, D, dtype=torch.float64), torch.eye(D, dtype=torch.float64).repeat(M, 1, 1),
-                      torch.zeros(M, D, dtype=torch.float64), torch.eye(D, dtype=torch.float64).repeat(M, 1, 1))
+    g = GaussianStats(
+        torch.zeros(M, C, D, dtype=torch.float64),
+        torch.eye(D, dtype=torch.float64).repeat(M, 1, 1),
+        torch.zeros(M, D, dtype=torch.float64),
+        torch.eye(D, dtype=torch.float64).repeat(M, 1, 1),
+    )
     id_scores = {"mahalanobis": torch.tensor([[1.0, 3.0], [3.0, 5.0]]), "mutual_information": torch.tensor([0.0, 2.0])}
     norms = fit_norms(id_scores)
     assert torch.equal(norms["mahalanobis"][0], torch.tensor([2.0, 4.0], dtype=torch.float64))

@@ -15,8 +15,14 @@ from service.core.preprocess import ImagePreprocessor, TextPreprocessor, decode_
 from tests.service.helpers import b64, png
 
 GREY = {"type": "image", "size": [16, 16], "mean": [0.5], "std": [0.25], "interpolation": "bilinear", "channels": 1}
-RGB = {"type": "image", "size": [8, 12], "mean": [0.1, 0.2, 0.3], "std": [0.5, 0.25, 0.125],
-       "interpolation": "bicubic", "channels": 3}  # fmt: skip
+RGB = {
+    "type": "image",
+    "size": [8, 12],
+    "mean": [0.1, 0.2, 0.3],
+    "std": [0.5, 0.25, 0.125],
+    "interpolation": "bicubic",
+    "channels": 3,
+}
 
 
 def huge_png_header(width: int, height: int) -> bytes:
@@ -120,8 +126,9 @@ def test_missing_tokenizer_dir(tmp_path):
 
 
 @pytest.mark.parametrize("channels", [1, 3])
-@pytest.mark.parametrize(("mode", "fmt"), [("I;16", "PNG"), ("CMYK", "JPEG"), ("LA", "PNG"), ("P", "PNG"),
-                                           ("1", "PNG"), ("RGBA", "WEBP")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("mode", "fmt"), [("I;16", "PNG"), ("CMYK", "JPEG"), ("LA", "PNG"), ("P", "PNG"), ("1", "PNG"), ("RGBA", "WEBP")]
+)
 def test_unusual_modes_are_converted(mode, fmt, channels):
     import io
 
@@ -143,8 +150,16 @@ def test_shorter_crop_is_timms_evaluation_transform(size):
 
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False)
     dc = resolve_data_config({}, model=model)
-    spec = {"type": "image", "size": list(dc["input_size"][1:]), "mean": list(dc["mean"]), "std": list(dc["std"]),
-            "interpolation": dc["interpolation"], "channels": 3, "resize": "shorter_crop", "crop_pct": dc["crop_pct"]}
+    spec = {
+        "type": "image",
+        "size": list(dc["input_size"][1:]),
+        "mean": list(dc["mean"]),
+        "std": list(dc["std"]),
+        "interpolation": dc["interpolation"],
+        "channels": 3,
+        "resize": "shorter_crop",
+        "crop_pct": dc["crop_pct"],
+    }
     rng = np.random.default_rng(0)
     im = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
     pre = ImagePreprocessor(spec, 1 << 24)  # first: it sets Pillow's pixel limit, which timm's transform meets too

@@ -7,27 +7,26 @@ import platform
 import pytest
 import torch
 
-from service.core.artifact import load_manifest
+from service.core.artifact import Manifest, load_manifest
 from service.core.backends import BackendConfigError, OnnxBackend, TorchBackend, TorchScriptBackend
 from service.core.hardware import cpu_has_native_bf16, cpu_name
 from service.core.registry import load_model
 from service.runtime.plan import resolve_plan
 from tests.fixtures.tiny_artifact import example_inputs
+from tests.service.helpers import manifest_of
 
 
-def manifest(onnx: bool = True, ts: bool = True, bf16_ok: bool | None = True) -> dict:
+def manifest(onnx: bool = True, ts: bool = True, bf16_ok: bool | None = True) -> Manifest:
     exports = {}
     if onnx:
-        exports["onnx"] = {"file": "model.onnx", "max_abs_diff": 1e-6}
+        exports["onnx"] = {"file": "model.onnx", "max_abs_diff": 1e-6, "tolerance": 1e-4}
     if ts:
-        exports["torchscript"] = {"file": "model.ts", "max_abs_diff": 0.0}
-    m = {"name": "m", "exports": exports}
-    if bf16_ok is not None:
-        m["precision"] = {"bf16": {"ok": bf16_ok, "argmax_agreement": 0.999}}
-    return m
+        exports["torchscript"] = {"file": "model.ts", "max_abs_diff": 0.0, "tolerance": 1e-4}
+    precision = {"bf16": {"ok": bf16_ok, "argmax_agreement": 0.999}} if bf16_ok is not None else {}
+    return manifest_of(exports=exports, precision=precision)
 
 
-def plan(m: dict, **kw) -> tuple[str, str, str]:
+def plan(m: Manifest, **kw) -> tuple[str, str, str]:
     hw = {"cuda_available": False, "cpu_bf16": False, "onnx_available": True}
     hw.update({k: kw.pop(k) for k in list(kw) if k in hw})
     p = resolve_plan(m, **kw, **hw)
@@ -97,8 +96,8 @@ def test_cpu_name(tmp_path):
 def test_three_backends_agree(artifacts, family):
     root = artifacts[family]
     m = load_manifest(root)
-    names = m["model"]["inputs"]
-    model = load_model(root / "model.safetensors", m["model"]["config"])
+    names = m.model.inputs
+    model = load_model(root / m.model.weights, m.model.config)
     x = example_inputs(family, batch=5, seq=13, seed=7)  # other batch and length than the export traced
     eager = TorchBackend(model, names, "cpu", "fp32")(x)
     assert eager.shape == (5, 3, 4)
@@ -126,8 +125,11 @@ def test_bf16_backend_stores_gemm_weights_in_bf16_with_the_same_outputs(family):
     model = build_model(tiny_config(family)).eval()
     model.with_features = True
     reference = copy.deepcopy(model)
-    inputs = ({"pixel_values": torch.randn(3, 1, 16, 16)} if family == "vit"
-              else {"input_ids": torch.randint(0, 1000, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.long)})
+    inputs = (
+        {"pixel_values": torch.randn(3, 1, 16, 16)}
+        if family == "vit"
+        else {"input_ids": torch.randint(0, 1000, (3, 7)), "attention_mask": torch.ones(3, 7, dtype=torch.long)}
+    )
     names = list(inputs)
     backend = TorchBackend(model, names, "cpu", "bf16")
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -136,5 +138,8 @@ def test_bf16_backend_stores_gemm_weights_in_bf16_with_the_same_outputs(family):
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w.float())
     low = {n for n, p in backend.model.named_parameters() if p.dtype == torch.bfloat16}
-    assert low and all(n.endswith(".weight") and ("attn." in n or "mlp." in n or n.split(".")[0] in
-                                                  ("patch_embed", "head", "classifier", "pooler")) for n in low), low
+    assert low and all(
+        n.endswith(".weight")
+        and ("attn." in n or "mlp." in n or n.split(".")[0] in ("patch_embed", "head", "classifier", "pooler"))
+        for n in low
+    ), low

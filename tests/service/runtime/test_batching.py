@@ -11,7 +11,7 @@ import pytest
 
 from service.core.errors import InternalError, NotReady, Overloaded
 from service.metrics import Metrics
-from service.runtime.batching import Batcher
+from service.runtime.batching import Batcher, BatchLimits
 
 
 def run(coro):
@@ -31,7 +31,7 @@ def held() -> tuple[threading.Event, Callable[[list], list]]:
 
 def started(fn: Callable[[list], list], **limits: float) -> Batcher:
     """A running batcher of model ``m`` around ``fn`` with ``limits`` (max_batch, max_wait_s, max_queue)."""
-    b = Batcher("m", fn, **limits)
+    b = Batcher("m", fn, BatchLimits(**limits))
     b.start()
     return b
 
@@ -44,7 +44,7 @@ def test_requests_are_batched_up_to_max_batch():
         return [x * x for x in items]
 
     async def main():
-        b = Batcher("m", square, max_batch=4, max_wait_s=0.2, max_queue=100)
+        b = Batcher("m", square, BatchLimits(max_batch=4, max_wait_s=0.2, max_queue=100))
         b.start()
         res = await asyncio.gather(*(b.submit([i]) for i in range(10)))
         await b.close()
@@ -59,7 +59,7 @@ def test_requests_are_batched_up_to_max_batch():
 
 def test_max_wait_bounds_the_wait_of_a_lonely_request():
     async def main():
-        b = Batcher("m", lambda xs: xs, max_batch=64, max_wait_s=0.05, max_queue=100)
+        b = Batcher("m", lambda xs: xs, BatchLimits(max_batch=64, max_wait_s=0.05, max_queue=100))
         b.start()
         t0 = time.perf_counter()
         r = await b.submit(["x"])
@@ -80,7 +80,7 @@ def test_big_request_runs_in_chunks_of_max_batch():
         return list(items)
 
     async def main():
-        b = Batcher("m", ident, max_batch=3, max_wait_s=0.0, max_queue=100)
+        b = Batcher("m", ident, BatchLimits(max_batch=3, max_wait_s=0.0, max_queue=100))
         b.start()
         r = await b.submit(list(range(8)))
         await b.close()
@@ -124,7 +124,7 @@ def test_a_failing_input_fails_only_its_own_request():
 
     async def main():
         m = Metrics()
-        b = Batcher("m", picky, max_batch=8, max_wait_s=0.1, max_queue=100, metrics=m)
+        b = Batcher("m", picky, BatchLimits(max_batch=8, max_wait_s=0.1, max_queue=100), metrics=m)
         b.start()
         res = await asyncio.gather(b.submit(["a"]), b.submit(["poison"]), b.submit(["b", "c"]), return_exceptions=True)
         after = await b.submit(["d"])  # still serving
@@ -166,7 +166,7 @@ def test_cancelled_request_is_skipped():
         return list(items)
 
     async def main():
-        b = Batcher("m", record, max_batch=8, max_wait_s=0.1, max_queue=10)
+        b = Batcher("m", record, BatchLimits(max_batch=8, max_wait_s=0.1, max_queue=10))
         b.start()
         doomed = asyncio.ensure_future(b.submit(["gone"]))
         kept = asyncio.ensure_future(b.submit(["kept"]))
@@ -198,7 +198,7 @@ def test_medium_load_fills_batches_with_the_clients_in_flight(fill, lo, hi):
             await b.submit(["x"])
 
     async def main() -> None:
-        b = Batcher("m", model, max_batch=32, max_wait_s=0.1, max_queue=100, fill=fill)
+        b = Batcher("m", model, BatchLimits(max_batch=32, max_wait_s=0.1, max_queue=100, fill=fill))
         b.start()
         first = [asyncio.create_task(client(b, 12)) for _ in range(4)]
         await asyncio.sleep(0.005)
@@ -215,4 +215,4 @@ def test_medium_load_fills_batches_with_the_clients_in_flight(fill, lo, hi):
 
 def test_fill_rule_is_checked():
     with pytest.raises(ValueError, match="fill must be one of"):
-        Batcher("m", lambda xs: xs, max_batch=4, max_wait_s=0.01, max_queue=10, fill="greedy")
+        Batcher("m", lambda xs: xs, BatchLimits(max_batch=4, max_wait_s=0.01, max_queue=10, fill="greedy"))

@@ -12,6 +12,7 @@ from service.api.schemas import PredictResponse, Timing
 from service.core.backends import BackendConfigError
 from service.runtime import RUNTIMES, ClassifierRuntime, CLIPZeroShotRuntime, summarize_rows
 from service.runtime.plan import resolve_plan
+from tests.service.helpers import manifest_of
 
 LABELS = ["cat", "dog", "ship"]
 
@@ -38,7 +39,7 @@ def test_answer_is_the_response_model_and_members_only_when_asked():
 
 
 HW = {"cuda_available": False, "cpu_bf16": True, "onnx_available": True}
-ZS = {"name": "zs", "task": "zero-shot", "precision": {"bf16": {"ok": True}}, "exports": {}}
+ZS = manifest_of("zero-shot", name="zs", precision={"bf16": {"ok": True}})
 
 
 @pytest.mark.parametrize(
