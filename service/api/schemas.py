@@ -383,6 +383,7 @@ class ModelInfo(BaseModel):
     max_batch: int
     uncertainty: dict[str, Any]
     guarantees: dict[str, Any] | None = None  # models with a calibration split: defaults, risk targets, drift test
+    zero_shot: dict[str, Any] | None = None  # zero-shot models: the prompt template, embedding size, text cache
 
 
 class ModelsResponse(BaseModel):

@@ -89,6 +89,10 @@ def test_registered_and_described(zs_client: TestClient):
         "fp32",
     )
     assert model["labels"] == LABELS
+    zs = model["zero_shot"]  # what the runtime describes reaches the answer
+    assert zs["template"] and "{label}" in zs["template"]
+    assert isinstance(zs["embed_dim"], int) and zs["embed_dim"] > 0
+    assert isinstance(zs["text_cache_size"], int)
 
 
 def test_zero_shot_matches_direct_computation(zs_client: TestClient, zs_artifact: Path):
