@@ -1,4 +1,5 @@
-"""The structure rules a newcomer can rely on, checked: short functions in ``service/`` and ``offline/``.
+"""The structure rules a newcomer can rely on, checked: short files, short functions and short signatures in
+``service/``, ``offline/`` and ``benchmarks/``, and formatted code.
 
 (Import rules, three layers (``offline`` and the server over ``service.core``) and no cycles, are import-linter
 contracts in ``pyproject.toml``, run by ``make test`` as ``lint-imports``.)
@@ -8,32 +9,82 @@ from __future__ import annotations
 
 import ast
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_LINES = 80
+PACKAGES = ("service", "offline", "benchmarks")
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 60
+MAX_PARAMETERS = 8  # self / cls not counted
 # model forward passes stay whole: each is one read from input to output, with a shape comment per step
 EXEMPT = frozenset({"forward", "_forward"})
 
 
-def long_functions(packages: tuple[str, ...] = ("service", "offline"), limit: int = MAX_LINES) -> list[str]:
+def _sources(packages: tuple[str, ...] = PACKAGES) -> list[Path]:
+    return [p for pkg in packages for p in sorted((ROOT / pkg).rglob("*.py"))]
+
+
+def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def long_functions(packages: tuple[str, ...] = PACKAGES, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     """``path:line name (n lines)`` of every function longer than ``limit`` lines (decorators excluded)."""
     out = []
-    for pkg in packages:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            tree = ast.parse(path.read_text(), filename=str(path))
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in EXEMPT:
-                    n = node.end_lineno - node.lineno + 1
-                    if n > limit:
-                        out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    for path in _sources(packages):
+        for node in _functions(path):
+            n = node.end_lineno - node.lineno + 1
+            if n > limit and node.name not in EXEMPT:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
     return out
 
 
-def test_no_function_in_service_or_offline_is_longer_than_80_lines():
+def long_signatures(packages: tuple[str, ...] = PACKAGES, limit: int = MAX_PARAMETERS) -> list[str]:
+    """``path:line name (n parameters)`` of every function taking more than ``limit`` parameters."""
+    out = []
+    for path in _sources(packages):
+        for node in _functions(path):
+            a = node.args
+            params = [*a.posonlyargs, *a.args, *a.kwonlyargs] + [x for x in (a.vararg, a.kwarg) if x is not None]
+            n = len(params) - (1 if params and params[0].arg in ("self", "cls") else 0)
+            if n > limit:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} parameters)")
+    return out
+
+
+def long_files(packages: tuple[str, ...] = PACKAGES, limit: int = MAX_FILE_LINES) -> list[str]:
+    """``path (n lines)`` of every file longer than ``limit`` lines."""
+    counts = {p: p.read_text().count("\n") for p in _sources(packages)}
+    return [f"{p.relative_to(ROOT)} ({n} lines)" for p, n in counts.items() if n > limit]
+
+
+def test_no_function_is_longer_than_60_lines():
     assert long_functions() == []
+
+
+def test_no_signature_takes_more_than_8_parameters():
+    assert long_signatures() == []
+
+
+def test_no_file_is_longer_than_600_lines():
+    assert long_files() == []
+
+
+def test_the_code_is_formatted_and_nothing_opts_out():
+    """``ruff format --check`` passes on every package and the tests, and no line opts out of the formatter."""
+    ruff = Path(sys.executable).with_name("ruff")
+    if not ruff.is_file():
+        pytest.skip("ruff is not installed next to this interpreter")
+    dirs = [*PACKAGES, "tests", "deploy"]
+    checked = subprocess.run([str(ruff), "format", "--check", *dirs], cwd=ROOT, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout[-2000:]
+    marker = "fmt: " + "skip"
+    skipped = [str(p.relative_to(ROOT)) for p in _sources((*PACKAGES, "tests", "deploy")) if marker in p.read_text()]
+    assert skipped == []
 
 
 def test_nothing_cites_a_spec_outside_the_repository():
