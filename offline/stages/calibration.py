@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from service.core.ood import OODStats
+from service.core.ood import LayerStats, OODStats
 from service.core.uncertainty import SUMMARY_SCORES, summarize
 from service.core.uncertainty import ood_score as ood_score_of
 
@@ -114,7 +114,7 @@ def _served(
     id_val: dict[str, np.ndarray],
     ood_val: dict[str, dict[str, np.ndarray]],
     stats: OODStats | None,
-    layers: Any,
+    layers: LayerStats | None,
 ) -> Calibration:
     """The served score among every candidate's validation scores (``id_val``; ``ood_val`` per OOD validation set):
     the best mean recall unless the config names one; a ``mahalanobis_layers`` candidate serves the statistics of its
