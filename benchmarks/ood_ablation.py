@@ -50,6 +50,8 @@ from offline.ood_fit import (
 from offline.pipeline import load_base, scoring_batches
 from offline.stages import (
     EVAL_MAX_PIXELS,
+    BuildContext,
+    Members,
     Timer,
     build_members,
     collect,
@@ -87,10 +89,10 @@ def outputs(cfg: Any, work: Path) -> tuple[dict[str, dict[str, tuple]], dict[str
     torch.manual_seed(cfg.data.seed)
     data = load_data(cfg)
     adapter = get_adapter(cfg.family)
-    base, prep, tok, _ = load_base(cfg, data, work)
-    timer = Timer()
-    members, _ = build_members(cfg, adapter, base, scoring_batches(cfg, data, prep, tok), timer)
-    members = finetune_members(cfg, adapter, members, data, prep, tok, work, timer)
+    ctx = BuildContext.create(cfg, work, data, load_base(cfg, data, work), Timer())
+    base, prep = ctx.base.model, ctx.base.preprocessing
+    scored = Members(*build_members(cfg, adapter, base, scoring_batches(ctx), ctx.timer))
+    members = finetune_members(ctx, scored).models
     fused, _ = fuse(adapter, members, mlp=cfg.hydra.mlp)
     fused.with_features = fused.with_layer_features = True
     pre = make_preprocessor(prep, work, EVAL_MAX_PIXELS)

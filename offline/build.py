@@ -6,8 +6,8 @@ The same command, installed: ``hydra-build`` (``[project.scripts]`` in ``pyproje
 Thin entry point: configuration parsing and validation live in ``offline.config``;
 :func:`build` dispatches by family to the classifier pipeline (``offline.pipeline``:
 ``vit``, ``bert``) or the zero-shot one (``offline.pipeline_clip``: ``clip``), both
-compositions of ``offline.stages``. Every config value can be overridden by a flag;
-``--help`` lists them all.
+chains of ``offline.stages`` over one build context. Every config value can be
+overridden by a flag; ``--help`` lists them all.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ def configure_logging(log_format: str | None = None) -> None:
         root.removeHandler(configure_logging._handler)  # type: ignore[attr-defined]
     handler = logging.StreamHandler(sys.stderr)
     log_format = log_format or "text"
-    handler.setFormatter(json_formatter() if log_format == "json" else
-                         logging.Formatter("%(asctime)s %(name)s: %(message)s"))  # fmt: skip
+    handler.setFormatter(
+        json_formatter() if log_format == "json" else logging.Formatter("%(asctime)s %(name)s: %(message)s")
+    )
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     configure_logging._handler = handler  # type: ignore[attr-defined]
@@ -68,11 +69,15 @@ def check_presets(cfg: BuildConfig) -> None:
     """The training presets the config names exist (checked before any data or weights load)."""
     known = sorted(lit.LIT_PRESETS) if cfg.base.source == "lit" else sorted(train.PRESETS)
     if cfg.base.preset not in known:
-        raise ConfigError(f"base.preset {cfg.base.preset!r} is not a preset of base.source {cfg.base.source!r}; "
-                          f"known: {', '.join(known)}")  # fmt: skip
+        raise ConfigError(
+            f"base.preset {cfg.base.preset!r} is not a preset of base.source {cfg.base.source!r}; "
+            f"known: {', '.join(known)}"
+        )
     if cfg.hydra.finetune_preset is not None and cfg.hydra.finetune_preset not in train.PRESETS:
-        raise ConfigError(f"hydra.finetune_preset {cfg.hydra.finetune_preset!r} is not a preset; "
-                          f"known: {', '.join(sorted(train.PRESETS))}")  # fmt: skip
+        raise ConfigError(
+            f"hydra.finetune_preset {cfg.hydra.finetune_preset!r} is not a preset; "
+            f"known: {', '.join(sorted(train.PRESETS))}"
+        )
 
 
 def build(cfg: BuildConfig, out: str | Path, stage: str | None = None, member: int | None = None) -> Path:
@@ -125,8 +130,10 @@ def closest_flags(flag: str, known: list[str], n: int = 3, cutoff: float = 0.8) 
         return f.lstrip("-").rsplit(".", 1)[-1]
 
     def score(k: str) -> float:
-        return max(difflib.SequenceMatcher(None, flag, k).ratio(),
-                   0.9 * difflib.SequenceMatcher(None, key(flag), key(k)).ratio())  # fmt: skip
+        return max(
+            difflib.SequenceMatcher(None, flag, k).ratio(),
+            0.9 * difflib.SequenceMatcher(None, key(flag), key(k)).ratio(),
+        )
 
     scored = sorted(((score(k), k) for k in known), key=lambda t: -t[0])
     return [k for s, k in scored[:n] if s >= cutoff]
@@ -144,16 +151,31 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, help="YAML config (examples in offline/configs/)")
     parser.add_argument("--out", required=True, help="artifact directory to write")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty --out directory")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bars: progress lines instead (the default when stderr is not a terminal, "
-                             "e.g. CI or a Kubernetes Job)")  # fmt: skip
-    parser.add_argument("--progress-every", type=float, default=DEFAULT_EVERY,
-                        help="seconds between a long stage's progress lines when no bar is drawn")
-    parser.add_argument("--log-format", choices=("text", "json"), default="text",
-                        help="log lines as text, or one JSON object per line (progress lines' fields as keys)")
-    parser.add_argument("--stage", choices=pipeline.STAGES, default=None,
-                        help="run one stage of a classifier build in --out (shared by the stages): base, score, "
-                             "member (with --member K; members fine-tune in parallel), finish; default: all of them")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bars: progress lines instead (the default when stderr is not a terminal, "
+        "e.g. CI or a Kubernetes Job)",
+    )
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=DEFAULT_EVERY,
+        help="seconds between a long stage's progress lines when no bar is drawn",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="log lines as text, or one JSON object per line (progress lines' fields as keys)",
+    )
+    parser.add_argument(
+        "--stage",
+        choices=pipeline.STAGES,
+        default=None,
+        help="run one stage of a classifier build in --out (shared by the stages): base, score, "
+        "member (with --member K; members fine-tune in parallel), finish; default: all of them",
+    )
     parser.add_argument("--member", type=int, default=None, help="the member --stage member fine-tunes (0..M-1)")
     add_arguments(parser)
     return parser

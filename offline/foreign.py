@@ -235,8 +235,12 @@ def _graphic(rng: np.random.Generator) -> list[ForeignImage]:
         im = Image.new("L", (w, h), bg)
         d = ImageDraw.Draw(im)
         for line in range(int(rng.integers(1, 6))):
-            d.text((int(rng.integers(0, max(1, w // 3))), 4 + 14 * line), words[(i + line) % len(words)], fill=fg,
-                   font=font)  # fmt: skip
+            d.text(
+                (int(rng.integers(0, max(1, w // 3))), 4 + 14 * line),
+                words[(i + line) % len(words)],
+                fill=fg,
+                font=font,
+            )
         out.append(ForeignImage("graphic", f"text-{i}", np.asarray(im)))
     for i in range(16):  # random shapes on a coloured background
         h, w = SIZES[i % len(SIZES)]
@@ -273,9 +277,15 @@ def _scan(rng: np.random.Generator) -> list[ForeignImage]:
 
 
 _MAKERS: dict[str, Callable[[np.random.Generator], list[ForeignImage]]] = {
-    "noise": _noise, "constant": _constant, "gradient": _gradient, "pattern": _pattern, "texture": _texture,
-    "photo": _photo, "graphic": _graphic, "scan": _scan,
-}  # fmt: skip
+    "noise": _noise,
+    "constant": _constant,
+    "gradient": _gradient,
+    "pattern": _pattern,
+    "texture": _texture,
+    "photo": _photo,
+    "graphic": _graphic,
+    "scan": _scan,
+}
 
 
 def foreign_images(seed: int = 0, kinds: tuple[str, ...] = FOREIGN_KINDS) -> list[ForeignImage]:
@@ -292,8 +302,17 @@ def foreign_images(seed: int = 0, kinds: tuple[str, ...] = FOREIGN_KINDS) -> lis
 
 
 # The nine inputs a newcomer tries first (the issue that asked for this set): each as an image a user would send.
-NINE_INPUTS = ("rgb-noise-400x300", "grey-noise-28x28", "white", "mid-grey", "horizontal-gradient", "checkerboard",
-               "building-photo", "flower-photo", "black")  # fmt: skip
+NINE_INPUTS = (
+    "rgb-noise-400x300",
+    "grey-noise-28x28",
+    "white",
+    "mid-grey",
+    "horizontal-gradient",
+    "checkerboard",
+    "building-photo",
+    "flower-photo",
+    "black",
+)
 
 
 def nine_inputs(seed: int = 0) -> list[ForeignImage]:

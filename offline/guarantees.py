@@ -41,8 +41,15 @@ from service.core.conformal import (
 from service.core.drift import DriftMonitor
 from service.core.guarantees import GUARANTEES_FILE, outlier_oriented
 
-__all__ = ["GUARANTEES_FILE", "CalibrationOutputs", "Fitted", "drift_edges", "evaluate_guarantees", "fit_guarantees",
-           "grid_of"]
+__all__ = [
+    "GUARANTEES_FILE",
+    "CalibrationOutputs",
+    "Fitted",
+    "drift_edges",
+    "evaluate_guarantees",
+    "fit_guarantees",
+    "grid_of",
+]
 
 GRID = 201  # candidate confidence thresholds: quantiles of the validation confidences at i / (GRID - 1)
 # a target's candidates start where the validation inputs' accept rate promises this many times the fewest accepted
@@ -53,6 +60,12 @@ GRID_MARGIN = 1.25
 # at least this many inputs): a start certified by a lucky handful of validation inputs fails on calibration
 START_MIN_INPUTS = 30
 START_LEVEL = 0.2
+# how the manifest describes the candidate grid and the drift bins
+GRID_SOURCE = (
+    "quantiles of the validation confidences of the inputs passing the OOD cut; each target's "
+    "from where validation alone would certify it"
+)
+DRIFT_EDGES_SOURCE = "quantiles of the validation inputs' OOD scores"
 
 
 @dataclass
@@ -83,9 +96,14 @@ def grid_of(confidences: np.ndarray, size: int = GRID) -> np.ndarray:
 
 
 def target_grid(
-    grid: np.ndarray, val_conf: np.ndarray, val_correct: np.ndarray, n_val: int, n_cal: int, eps: float,
+    grid: np.ndarray,
+    val_conf: np.ndarray,
+    val_correct: np.ndarray,
+    n_val: int,
+    n_cal: int,
+    eps: float,
     delta: float,
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """The candidates of one target ``eps``, tested from the highest down (fixed sequence, which stops at the first
     candidate it cannot certify): ``grid`` from the highest threshold at which the validation inputs alone would
     certify the target with room to spare (binomial p-value at most ``START_LEVEL * delta`` on at least
@@ -111,9 +129,14 @@ def drift_edges(val_scores: np.ndarray, bins: int) -> np.ndarray:
 
 
 def fit_guarantees(
-    g: Any, cal: CalibrationOutputs, val: CalibrationOutputs, metric: str, ood_threshold: float,
-    split_record: dict[str, Any], label_free: bool = False,
-) -> Fitted:  # fmt: skip
+    g: Any,
+    cal: CalibrationOutputs,
+    val: CalibrationOutputs,
+    metric: str,
+    ood_threshold: float,
+    split_record: dict[str, Any],
+    label_free: bool = False,
+) -> Fitted:
     """The guarantees of ``g`` (the config's ``guarantees`` section) fitted on the calibration split ``cal``; the
     validation split ``val`` fixes the candidate thresholds and the drift bins (never the calibration split).
 
@@ -123,11 +146,59 @@ def fit_guarantees(
     """
     sets = SetCalibrator.fit(cal.probs, cal.labels, g.method, g.k_reg, g.lam)
     ood = np.sort(outlier_oriented(cal.ood_score, metric))
+    rules, sizes = risk_rules(g, cal, val, metric, ood_threshold)
+    edges = drift_edges(outlier_oriented(val.ood_score, metric), g.drift_bins)
+    tensors = {
+        **sets.to_tensors("conformal."),
+        "ood.scores": torch.from_numpy(np.ascontiguousarray(ood)),
+        "drift.edges": torch.from_numpy(np.ascontiguousarray(edges, dtype=np.float64)),
+    }
+    n = int(cal.labels.shape[0])
+    spec = {
+        "file": GUARANTEES_FILE,
+        "calibration": split_record,
+        "conformal": {
+            "method": g.method,
+            "k_reg": g.k_reg,
+            "lam": g.lam,
+            "alpha": g.alpha,
+            "mondrian": g.mondrian,
+            "min_alpha": float(min_alpha(n)),
+            "min_alpha_per_class": [float(a) for a in sets.min_alpha(mondrian=True)],
+            "labels": "the build's" if label_free else "the model's",
+        },
+        "ood": {
+            "score": metric,
+            "alpha": g.ood_alpha,
+            "n": n,
+            "min_alpha": float(min_alpha(n)),
+            "label_free": label_free,
+        },
+        "selective": {
+            "delta": g.delta,
+            "p_value": g.p_value,
+            "confidence": "msp",
+            "default_risk": g.risk,
+            "ood_cut": {"score": metric, "threshold": ood_threshold},
+            "grid": {"from": GRID_SOURCE, "sizes": sizes},
+            "targets": [rule_record(r) for r in rules],
+        },
+        "drift": {"delta": g.drift_delta, "bins": g.drift_bins, "seed": 0, "edges": DRIFT_EDGES_SOURCE},
+    }
+    return Fitted(tensors, spec, sets, rules)
+
+
+def risk_rules(
+    g: Any, cal: CalibrationOutputs, val: CalibrationOutputs, metric: str, ood_threshold: float
+) -> tuple[list[Any], list[int]]:
+    """The answers with a risk bound: per target risk of ``g.risks``, the confidence threshold certified on the
+    calibration split among the inputs passing the OOD cut, tested over that target's candidates from validation
+    (:func:`target_grid`); and each target's candidate count."""
+    cut = outlier_oriented(np.asarray([ood_threshold]), metric)[0]
+    eligible = outlier_oriented(cal.ood_score, metric) <= cut
+    val_eligible = outlier_oriented(val.ood_score, metric) <= cut
     conf = cal.probs.max(axis=1)
     correct = cal.probs.argmax(axis=1) == cal.labels
-    eligible = outlier_oriented(cal.ood_score, metric) <= outlier_oriented(np.asarray([ood_threshold]), metric)[0]
-    val_eligible = outlier_oriented(val.ood_score, metric) <= outlier_oriented(np.asarray([ood_threshold]),
-                                                                                 metric)[0]  # fmt: skip
     val_conf = val.probs.max(axis=1)[val_eligible]
     val_correct = (val.probs.argmax(axis=1) == val.labels)[val_eligible]
     grid = grid_of(val_conf)
@@ -137,36 +208,20 @@ def fit_guarantees(
         own = target_grid(grid, val_conf, val_correct, len(val.labels), n, eps, g.delta)
         rules += selective_thresholds(conf, correct, [eps], g.delta, eligible=eligible, p_value=g.p_value, grid=own)
         sizes.append(int(own.size))
-    edges = drift_edges(outlier_oriented(val.ood_score, metric), g.drift_bins)
-    tensors = {**sets.to_tensors("conformal."), "ood.scores": torch.from_numpy(np.ascontiguousarray(ood)),
-               "drift.edges": torch.from_numpy(np.ascontiguousarray(edges, dtype=np.float64))}  # fmt: skip
-    per_class = sets.min_alpha(mondrian=True)
-    spec = {
-        "file": GUARANTEES_FILE,
-        "calibration": split_record,
-        "conformal": {"method": g.method, "k_reg": g.k_reg, "lam": g.lam, "alpha": g.alpha, "mondrian": g.mondrian,
-                      "min_alpha": float(min_alpha(n)), "min_alpha_per_class": [float(a) for a in per_class],
-                      "labels": "the build's" if label_free else "the model's"},
-        "ood": {"score": metric, "alpha": g.ood_alpha, "n": n, "min_alpha": float(min_alpha(n)),
-                "label_free": label_free},
-        "selective": {
-            "delta": g.delta, "p_value": g.p_value, "confidence": "msp", "default_risk": g.risk,
-            "ood_cut": {"score": metric, "threshold": ood_threshold},
-            "grid": {"from": "quantiles of the validation confidences of the inputs passing the OOD cut; each target's "
-                             "from where validation alone would certify it", "sizes": sizes},
-            "targets": [rule_record(r) for r in rules],
-        },
-        "drift": {"delta": g.drift_delta, "bins": g.drift_bins, "seed": 0,
-                  "edges": "quantiles of the validation inputs' OOD scores"},
-    }  # fmt: skip
-    return Fitted(tensors, spec, sets, rules)
+    return rules, sizes
 
 
 def rule_record(r: Any) -> dict[str, Any]:
     """One certified (or not) target of the manifest's ``selective.targets``."""
-    return {"risk": r.eps, "certified": r.threshold is not None, "threshold": r.threshold,
-            "calibration_accept_rate": r.accept_rate, "calibration_risk": None if r.n_accepted == 0 else r.risk,
-            "n_accepted": r.n_accepted, "p_value": r.p_value}  # fmt: skip
+    return {
+        "risk": r.eps,
+        "certified": r.threshold is not None,
+        "threshold": r.threshold,
+        "calibration_accept_rate": r.accept_rate,
+        "calibration_risk": None if r.n_accepted == 0 else r.risk,
+        "n_accepted": r.n_accepted,
+        "p_value": r.p_value,
+    }
 
 
 # ----------------------------------------------------------------------------- what the report shows
@@ -188,9 +243,13 @@ def coverage_table(fitted: Fitted, test: CalibrationOutputs, mondrian: bool = Fa
         hit = sets[np.arange(len(test.labels)), test.labels]
         per_class = [float(hit[test.labels == c].mean()) if (test.labels == c).any() else None for c in range(classes)]
         valid = [v for v in per_class if v is not None]
-        out[str(a)] = {"coverage": float(hit.mean()), "mean_size": float(sets.sum(1).mean()),
-                       "per_class": per_class, "min_class": min(valid) if valid else None,
-                       "empty": float((raw.sum(1) == 0).mean())}  # fmt: skip
+        out[str(a)] = {
+            "coverage": float(hit.mean()),
+            "mean_size": float(sets.sum(1).mean()),
+            "per_class": per_class,
+            "min_class": min(valid) if valid else None,
+            "empty": float((raw.sum(1) == 0).mean()),
+        }
     return out
 
 
@@ -200,9 +259,13 @@ def p_value_table(fitted: Fitted, metric: str, test: CalibrationOutputs, ood: di
     cal = np.sort(fitted.tensors["ood.scores"].numpy())
     p_id = ood_p_values(outlier_oriented(test.ood_score, metric), cal)
     p_ood = {k: ood_p_values(outlier_oriented(v, metric), cal) for k, v in ood.items()}
-    return {str(a): {"false_alarm": float((p_id <= a).mean()), "recall": {k: float((v <= a).mean())
-                                                                          for k, v in p_ood.items()}}
-            for a in REPORT_ALPHAS}  # fmt: skip
+    return {
+        str(a): {
+            "false_alarm": float((p_id <= a).mean()),
+            "recall": {k: float((v <= a).mean()) for k, v in p_ood.items()},
+        }
+        for a in REPORT_ALPHAS
+    }
 
 
 def selective_table(fitted: Fitted, metric: str, ood_threshold: float, test: CalibrationOutputs) -> list[dict]:
@@ -213,9 +276,16 @@ def selective_table(fitted: Fitted, metric: str, ood_threshold: float, test: Cal
     rows = []
     for r in fitted.rules:
         acc = eligible & (conf >= r.threshold) if r.threshold is not None else np.zeros_like(eligible)
-        rows.append({"risk": r.eps, "certified": r.threshold is not None, "threshold": r.threshold,
-                     "test_accept_rate": float(acc.mean()), "test_risk": float(wrong[acc].mean()) if acc.any()
-                     else None, "calibration_accept_rate": r.accept_rate})  # fmt: skip
+        rows.append(
+            {
+                "risk": r.eps,
+                "certified": r.threshold is not None,
+                "threshold": r.threshold,
+                "test_accept_rate": float(acc.mean()),
+                "test_risk": float(wrong[acc].mean()) if acc.any() else None,
+                "calibration_accept_rate": r.accept_rate,
+            }
+        )
     return rows
 
 
@@ -232,8 +302,9 @@ def risk_coverage_curve(test: CalibrationOutputs, metric: str, ood_threshold: fl
     return {"accept_rate": rate.tolist(), "risk": [None if np.isnan(v) else float(v) for v in risk]}
 
 
-def drift_runs(fitted: Fitted, g: Any, metric: str, test: np.ndarray, ood: dict[str, np.ndarray],
-               val: np.ndarray, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def drift_runs(
+    fitted: Fitted, g: Any, metric: str, test: np.ndarray, ood: dict[str, np.ndarray], val: np.ndarray, seed: int = 0
+) -> dict[str, Any]:
     """The drift alarm on simulated streams of served scores (outlier-oriented inside): ID test inputs resampled,
     then each OOD test set resampled; the statistic along each (log10, every 10th input), the alarm point; and the
     false alarms of :data:`NULL_STREAMS` ID streams of :data:`NULL_STREAM_INPUTS` inputs resampled from ID test and
@@ -250,24 +321,36 @@ def drift_runs(fitted: Fitted, g: Any, metric: str, test: np.ndarray, ood: dict[
             mon.update(outlier_oriented(stream[i : i + 10], metric))
             trace.append(mon.log10_statistic)
         at = mon.alarm_at
-        runs[name] = {"trace_every_10": trace, "alarm_at": at,
-                      "delay": None if at is None or at <= DRIFT_ID_INPUTS else at - DRIFT_ID_INPUTS,
-                      "false_alarm": at is not None and at <= DRIFT_ID_INPUTS}  # fmt: skip
+        runs[name] = {
+            "trace_every_10": trace,
+            "alarm_at": at,
+            "delay": None if at is None or at <= DRIFT_ID_INPUTS else at - DRIFT_ID_INPUTS,
+            "false_alarm": at is not None and at <= DRIFT_ID_INPUTS,
+        }
     pool = np.concatenate([test, val])
     alarms = 0
     for k in range(NULL_STREAMS):
         mon = DriftMonitor(cal, delta=g.drift_delta, bins=g.drift_bins, seed=seed + 1 + k, edges=edges)
         mon.update(outlier_oriented(rng.choice(pool, NULL_STREAM_INPUTS), metric))
         alarms += mon.alarm
-    return {"switch_at": DRIFT_ID_INPUTS, "log10_threshold": float(np.log10(1 / g.drift_delta)), "runs": runs,
-            "null_streams": NULL_STREAMS, "null_stream_inputs": NULL_STREAM_INPUTS, "null_alarms": int(alarms),
-            "delta": g.drift_delta}  # fmt: skip
+    return {
+        "switch_at": DRIFT_ID_INPUTS,
+        "log10_threshold": float(np.log10(1 / g.drift_delta)),
+        "runs": runs,
+        "null_streams": NULL_STREAMS,
+        "null_stream_inputs": NULL_STREAM_INPUTS,
+        "null_alarms": int(alarms),
+        "delta": g.drift_delta,
+    }
 
 
 def evaluate_guarantees(
-    g: Any, by_method: dict[str, dict[str, CalibrationOutputs]], thresholds: dict[str, float], metric: str,
+    g: Any,
+    by_method: dict[str, dict[str, CalibrationOutputs]],
+    thresholds: dict[str, float],
+    metric: str,
     served: str = "hydra",
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """The report's guarantees section. ``by_method``: per method (Single, members, the Deep Ensemble, Hydra), its
     outputs at its own temperature with its own OOD statistics of the served score's family on ``calibration``,
     ``val``, ``test`` and each ``ood:<set>``; ``thresholds``: each method's OOD threshold on its own validation
@@ -277,9 +360,12 @@ def evaluate_guarantees(
     for name, o in by_method.items():
         fitted = fit_guarantees(g, o["calibration"], o["val"], metric, thresholds[name], {})
         ood = {k[4:]: v.ood_score for k, v in o.items() if k.startswith("ood:")}
-        row = {"coverage": coverage_table(fitted, o["test"]), "p_values": p_value_table(fitted, metric, o["test"], ood),
-               "selective": selective_table(fitted, metric, thresholds[name], o["test"]),
-               "calibration_size": int(len(o["calibration"].labels))}  # fmt: skip
+        row = {
+            "coverage": coverage_table(fitted, o["test"]),
+            "p_values": p_value_table(fitted, metric, o["test"], ood),
+            "selective": selective_table(fitted, metric, thresholds[name], o["test"]),
+            "calibration_size": int(len(o["calibration"].labels)),
+        }
         if name == served:
             row["mondrian"] = coverage_table(fitted, o["test"], mondrian=True)
             row["risk_coverage"] = risk_coverage_curve(o["test"], metric, thresholds[name])

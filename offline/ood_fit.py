@@ -107,22 +107,27 @@ def fit_gaussians(features: torch.Tensor, labels: torch.Tensor, classes: int) ->
         means=torch.from_numpy(means),
         precision=torch.from_numpy(np.stack([p for _, p in fits])),
         background_mean=torch.from_numpy(f.mean(0)),  # = the class means weighted by their counts
-        background_precision=torch.from_numpy(np.stack([mixture_precision(c, means[m], counts.astype(np.float64))
-                                                        for m, (c, _) in enumerate(fits)])),
-    )  # fmt: skip
+        background_precision=torch.from_numpy(
+            np.stack([mixture_precision(c, means[m], counts.astype(np.float64)) for m, (c, _) in enumerate(fits)])
+        ),
+    )
 
 
 # one method's outputs on one set: logits (N, M, C), penultimate features (N, M, D) or None, layer features
-# (N, M, L-1, d) or None (offline.stages.collect)
+# (N, M, L-1, d) or None (offline.stages.data.collect)
 Run = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 LAYERS = "mahalanobis_layers"  # the multi-layer score; its candidates are named LAYERS@<ids> (layer_candidates)
 
 
 # ----------------------------------------------------------------------------- statistics, selection, evaluation
 def fit_ood_stats(
-    fit_features: torch.Tensor, fit_labels: torch.Tensor, classes: int, val_logits: torch.Tensor,
-    val_features: torch.Tensor, temperature: float,
-) -> OODStats:  # fmt: skip
+    fit_features: torch.Tensor,
+    fit_labels: torch.Tensor,
+    classes: int,
+    val_logits: torch.Tensor,
+    val_features: torch.Tensor,
+    temperature: float,
+) -> OODStats:
     """The statistics every score needs: Gaussians on the fit split's features ``(N, M, D)``, then each per-member
     score's norms (and MI's) on the ID validation outputs, at ``temperature``."""
     gaussians = fit_gaussians(fit_features, fit_labels, classes)
@@ -132,9 +137,13 @@ def fit_ood_stats(
 
 
 def fit_layer_stats(
-    fit_layers: torch.Tensor, fit_labels: torch.Tensor, classes: int, val_layers: torch.Tensor,
-    val_mahalanobis: torch.Tensor, ids: tuple[int, ...] | None = None,
-) -> LayerStats:  # fmt: skip
+    fit_layers: torch.Tensor,
+    fit_labels: torch.Tensor,
+    classes: int,
+    val_layers: torch.Tensor,
+    val_mahalanobis: torch.Tensor,
+    ids: tuple[int, ...] | None = None,
+) -> LayerStats:
     """:class:`service.core.ood.LayerStats` of layers ``ids`` (default: all): a Gaussian per (member, layer) on the fit
     split's layer features ``(N, M, L-1, d)``, the pairs' and the columns' norms on ID validation (``val_layers``;
     ``val_mahalanobis (N',)``: the last feature's combined ``mahalanobis`` on the same inputs, column 0)."""
@@ -160,8 +169,12 @@ def restrict_layers(stats: LayerStats, ids: tuple[int, ...]) -> LayerStats:
     g = stats.gaussians
     sub = GaussianStats(g.means[pairs], g.precision[pairs], g.background_mean[pairs], g.background_precision[pairs])
     cols = [0] + [1 + p for p in pos]
-    return LayerStats(tuple(ids), sub, tuple(t[pairs] for t in stats.pair_norms),  # type: ignore[arg-type]
-                      tuple(t[cols] for t in stats.column_norms))  # type: ignore[arg-type]  # fmt: skip
+    return LayerStats(
+        tuple(ids),
+        sub,
+        tuple(t[pairs] for t in stats.pair_norms),  # type: ignore[arg-type]
+        tuple(t[cols] for t in stats.column_norms),
+    )  # type: ignore[arg-type]
 
 
 MAX_SCORE_LAYERS = 3  # the most layers mahalanobis_layers reads: its cost at batch 1 must not grow with depth
@@ -194,8 +207,9 @@ def scores_np(run: Run, stats: OODStats | None, T: float) -> dict:
     """Every score of :func:`service.core.ood.ensemble_scores` of one run (logits, features, layer features) as float64
     arrays ``(N,)``."""
     logits, features, layers = run
-    return {k: v.double().numpy()
-            for k, v in ensemble_scores(logits, features, stats, T, layer_features=layers).items()}  # fmt: skip
+    return {
+        k: v.double().numpy() for k, v in ensemble_scores(logits, features, stats, T, layer_features=layers).items()
+    }
 
 
 def layer_columns(run: Run, stats: OODStats, full: LayerStats, T: float) -> np.ndarray:
@@ -262,14 +276,19 @@ def select_score(
     for name in order:  # the served scores in OOD_METRICS' order, then candidate variants (mahalanobis_layers@...)
         t = calibrate_threshold(id_val[name], base_score(name), tpr=tpr)
         recall = {s: flag_rate(scores[name], name, t) for s, scores in ood_val.items()}
-        candidates[name] = {"threshold": t, "id_val_flag_rate": flag_rate(id_val[name], name, t),
-                            "val_recall": recall, "val_mean_recall": float(np.mean(list(recall.values())))
-                            if recall else None}  # fmt: skip
+        candidates[name] = {
+            "threshold": t,
+            "id_val_flag_rate": flag_rate(id_val[name], name, t),
+            "val_recall": recall,
+            "val_mean_recall": float(np.mean(list(recall.values()))) if recall else None,
+        }
     if forced is not None:
         served = [n for n in candidates if base_score(n) == forced]
         if not served:
-            raise ValueError(f"calibration.ood_score {forced!r} cannot be computed for this model; "
-                             f"available: {sorted({base_score(n) for n in candidates})}")  # fmt: skip
+            raise ValueError(
+                f"calibration.ood_score {forced!r} cannot be computed for this model; "
+                f"available: {sorted({base_score(n) for n in candidates})}"
+            )
         if len(served) == 1:
             return served[0], candidates
         candidates_of = {n: candidates[n] for n in served}  # the forced score's best variant on validation

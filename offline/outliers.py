@@ -52,8 +52,9 @@ def _one(img: np.ndarray, kind: str, other: np.ndarray, rng: np.random.Generator
         tiles = core.reshape(ph, PATCH, pw, PATCH, -1).transpose(0, 2, 1, 3, 4).reshape(ph * pw, PATCH, PATCH, -1)
         tiles = tiles[rng.permutation(ph * pw)]
         f = f.copy().reshape(h, w, -1)
-        f[: ph * PATCH, : pw * PATCH] = tiles.reshape(ph, pw, PATCH, PATCH, -1).transpose(0, 2, 1, 3, 4).reshape(
-            ph * PATCH, pw * PATCH, -1)
+        f[: ph * PATCH, : pw * PATCH] = (
+            tiles.reshape(ph, pw, PATCH, PATCH, -1).transpose(0, 2, 1, 3, 4).reshape(ph * PATCH, pw * PATCH, -1)
+        )
         f = f.reshape(img.shape)
     elif kind == "blur":
         f = _box_blur(f, radius=max(1, min(h, w) // 14))

@@ -60,21 +60,31 @@ def enabled() -> bool:
 
 def _duration(seconds: float) -> str:
     s = int(round(seconds))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else (
-        f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s")  # fmt: skip
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 class ProgressLog:
     """A stage's progress as log lines (start, every ``every`` seconds, end): the part of tqdm's interface the
     build uses (iteration, ``update``, ``set_postfix``, ``close``, a context manager)."""
 
-    def __init__(self, iterable: Iterable[Any] | None = None, *, desc: str, total: int | None = None,
-                 initial: int = 0, every: float | None = None, clock: Any = time.monotonic,
-                 heartbeat: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        iterable: Iterable[Any] | None = None,
+        *,
+        desc: str,
+        total: int | None = None,
+        initial: int = 0,
+        every: float | None = None,
+        clock: Any = time.monotonic,
+        heartbeat: bool = False,
+    ) -> None:
         self.iterable = iterable
         self.desc = desc
-        self.total = total if total is not None else (len(iterable) + initial  # type: ignore[arg-type]
-                                                       if hasattr(iterable, "__len__") else None)
+        if total is None and hasattr(iterable, "__len__"):
+            total = len(iterable) + initial  # type: ignore[arg-type]
+        self.total = total
         self.n = initial
         self.initial = initial
         self.every = _every if every is None else every
@@ -147,8 +157,11 @@ class ProgressLog:
 
     def _emit(self, event: str) -> None:
         f = self.fields(event)
-        text = [f'stage="{f["stage"]}"', f"event={event}",
-                f"step={f['step']}/{f['total']}" if f["total"] is not None else f"step={f['step']}"]  # fmt: skip
+        text = [
+            f'stage="{f["stage"]}"',
+            f"event={event}",
+            f"step={f['step']}/{f['total']}" if f["total"] is not None else f"step={f['step']}",
+        ]
         if "pct" in f:
             text.append(f"pct={f['pct']}")
         text += [f"{k}={v}" for k, v in self.postfix.items()]
@@ -160,8 +173,9 @@ class ProgressLog:
         log.info("progress %s", " ".join(text), extra=f)
 
 
-def bar(iterable: Iterable[Any] | None = None, *, desc: str, total: int | None = None, initial: int = 0,
-        wanted: bool = True) -> Any:  # fmt: skip
+def bar(
+    iterable: Iterable[Any] | None = None, *, desc: str, total: int | None = None, initial: int = 0, wanted: bool = True
+) -> Any:
     """A stage's progress: a tqdm bar on a terminal, else a :class:`ProgressLog` (``wanted``: the caller's own
     switch, e.g. a quiet benchmark run, which silences both)."""
     if wanted and enabled():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -192,6 +193,51 @@ class HiddenStateCache:
         return torch.cat(out)
 
 
+class _Ablations:
+    """A model under circuit extraction: its permanent ablations so far, the hidden states cached for them, and the
+    objective S on the validation batches (ID, and OOD unless S is accuracy alone)."""
+
+    def __init__(
+        self,
+        adapter: FamilyAdapter,
+        model: nn.Module,
+        id_batches: Sequence[Batch],
+        id_labels: torch.Tensor,
+        ood_batches: Sequence[Batch] | None,
+        objective: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], float],
+    ) -> None:
+        self.adapter, self.model, self.id_labels, self.objective = adapter, model, id_labels, objective
+        self.id_cache = HiddenStateCache(adapter, model, id_batches)
+        self.ood_cache = HiddenStateCache(adapter, model, ood_batches) if ood_batches is not None else None
+
+    def evaluate(self, start: int) -> float:
+        """S of the model as it is, recomputing layers ``start..L-1`` (the ones an ablation in ``start`` changes)."""
+        lo = self.ood_cache.logits_from(start) if self.ood_cache is not None else torch.empty(0)
+        return self.objective(self.id_cache.logits_from(start), self.id_labels, lo)
+
+    def best(self, candidates: list[tuple[int, int]], full: set[int], bar: Any) -> tuple[tuple[int, int] | None, float]:
+        """The candidate ``(layer, head)`` whose temporary ablation gives the highest S, and that S (the heads of the
+        ``full`` layers are not candidates this round); the first of equals wins."""
+        best, best_s = None, -np.inf
+        for layer, h in candidates:
+            if layer not in full:
+                with self.adapter.ablate(self.model, {layer: [h]}):
+                    s = self.evaluate(layer)
+                if s > best_s:
+                    best, best_s = (layer, h), s
+            bar.update(1)
+        return best, best_s
+
+    def remove(self, layer: int, h: int) -> None:
+        """AblatePerm: zero the head's output columns for good, then refresh the caches from that layer on."""
+        w = self.adapter.out_proj(self.model, layer).weight
+        hd = self.adapter.head_dim(self.model)
+        w[:, h * hd : (h + 1) * hd] = 0
+        self.id_cache.refresh(layer)
+        if self.ood_cache is not None:
+            self.ood_cache.refresh(layer)
+
+
 @torch.no_grad()
 def circuit_ranking(
     adapter: FamilyAdapter,
@@ -220,31 +266,16 @@ def circuit_ranking(
     if budget > len(candidates):
         raise ValueError(f"circuit budget {budget} exceeds the {len(candidates)} heads of the model")
     model.eval()
-    id_cache = HiddenStateCache(adapter, model, id_batches)
-    ood_cache = HiddenStateCache(adapter, model, ood_batches) if score != "acc" else None
-    empty = torch.empty(0)
-
-    def evaluate(start: int) -> float:
-        lo = ood_cache.logits_from(start) if ood_cache is not None else empty
-        return objective(id_cache.logits_from(start), id_labels, lo)
-
-    base_score = evaluate(L)
+    run = _Ablations(adapter, model, id_batches, id_labels, ood_batches if score != "acc" else None, objective)
+    base_score = run.evaluate(L)
     removed: dict[int, list[int]] = {}
     ranking: list[tuple[int, int]] = []
     scores: list[float] = []
     total = sum(len(candidates) - t for t in range(budget))
     bar = progress_bar(desc=f"circuit extraction ({score}, evaluations)", total=total, wanted=progress)
     for _ in range(budget):
-        best, best_s = None, -np.inf
-        for layer, h in candidates:
-            if max_per_layer is not None and len(removed.get(layer, [])) >= max_per_layer[layer]:
-                bar.update(1)
-                continue
-            with adapter.ablate(model, {layer: [h]}):
-                s = evaluate(layer)
-            bar.update(1)
-            if s > best_s:
-                best, best_s = (layer, h), s
+        full = set() if max_per_layer is None else {i for i in range(L) if len(removed.get(i, [])) >= max_per_layer[i]}
+        best, best_s = run.best(candidates, full, bar)
         if best is None:
             break
         layer, h = best
@@ -252,13 +283,7 @@ def circuit_ranking(
         candidates.remove(best)
         ranking.append(best)
         scores.append(float(best_s))
-        # AblatePerm: zero the head's output columns for good, then refresh the caches from that layer on
-        w = adapter.out_proj(model, layer).weight
-        hd = adapter.head_dim(model)
-        w[:, h * hd : (h + 1) * hd] = 0
-        id_cache.refresh(layer)
-        if ood_cache is not None:
-            ood_cache.refresh(layer)
+        run.remove(layer, h)
     bar.close()
     return CircuitResult(ranking, scores, float(base_score))
 

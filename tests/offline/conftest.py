@@ -82,8 +82,15 @@ def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from offline.train import minilm_path
 
     root = tmp_path_factory.mktemp("user")
-    cfg = BertConfig(vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=96, max_position_embeddings=64, num_labels=1000)  # fmt: skip
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        num_labels=1000,
+    )
     torch.manual_seed(0)
     BertForSequenceClassification(cfg).save_pretrained(root / "ckpt")
     AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(root / "ckpt")
@@ -99,9 +106,21 @@ def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def ticket_build(ckpt: Path, data: Path, **extra: object) -> dict[str, object]:
     """Config overrides of a tiny build from ``user_files`` (the HF checkpoint and its CSV), plus ``extra``."""
     return {
-        "name": "tickets", "family": "bert", "base.source": f"hf:{ckpt}", "base.preset": "bert_fast",
-        "base.steps": 6, "base.max_length": 24, "data.setting": "text-file", "data.path": str(data),
-        "data.max_train": 90, "data.max_val": 30, "data.max_test": 30, "hydra.prune_per_layer": 1,
-        "hydra.calib_samples": 8, "hydra.finetune_steps": 2, "export.torchscript": False, "export.bf16_check": False,
+        "name": "tickets",
+        "family": "bert",
+        "base.source": f"hf:{ckpt}",
+        "base.preset": "bert_fast",
+        "base.steps": 6,
+        "base.max_length": 24,
+        "data.setting": "text-file",
+        "data.path": str(data),
+        "data.max_train": 90,
+        "data.max_val": 30,
+        "data.max_test": 30,
+        "hydra.prune_per_layer": 1,
+        "hydra.calib_samples": 8,
+        "hydra.finetune_steps": 2,
+        "export.torchscript": False,
+        "export.bf16_check": False,
         **extra,
-    }  # fmt: skip
+    }

@@ -18,8 +18,13 @@ from tests.service.helpers import settings_for
 
 from .conftest import ticket_build
 
-TEXTS = ["I was charged twice on my card and nobody answers", "where is my parcel", "thanks, great service",
-         "refund please", "the courier left it at the wrong address again, third time this month"]
+TEXTS = [
+    "I was charged twice on my card and nobody answers",
+    "where is my parcel",
+    "thanks, great service",
+    "refund please",
+    "the courier left it at the wrong address again, third time this month",
+]
 
 
 @pytest.fixture(scope="module")

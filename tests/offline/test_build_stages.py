@@ -16,8 +16,8 @@ from .conftest import ticket_build
 
 
 def _flags(ckpt: Path, data: Path) -> list[str]:
-    over = ticket_build(ckpt, data, **{"hydra.strategy": "taylor", "hydra.finetune_steps": 4,
-                                       "hydra.member_data": "bootstrap", "hydra.reinit_head": True})
+    recipe = {"strategy": "taylor", "finetune_steps": 4, "member_data": "bootstrap", "reinit_head": True}
+    over = ticket_build(ckpt, data, **{f"hydra.{k}": v for k, v in recipe.items()})
     return [f for k, v in over.items() for f in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
 
 

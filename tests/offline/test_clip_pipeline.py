@@ -14,6 +14,12 @@ from service.core.artifact import file_sha256
 from service.core.registry import load_model
 
 CLASSES = ["square", "bar", "cross"]
+TINY_CLIP = {  # an OpenCLIP model config: two layers per tower, the real tokenizer's vocabulary
+    "embed_dim": 16,
+    "quick_gelu": True,
+    "vision_cfg": {"image_size": 16, "patch_size": 4, "width": 32, "layers": 2, "head_width": 8, "mlp_ratio": 2},
+    "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 24, "heads": 3, "layers": 2},
+}
 
 
 def _images(n: int, seed: int, kind: str = "id") -> tuple[np.ndarray, np.ndarray]:
@@ -39,7 +45,11 @@ def synthetic_data() -> Data:
     noise_test, _ = _images(20, 4, "noise")
     blank = np.zeros((16, 28, 28), dtype=np.uint8)
     return Data(
-        "image", CLASSES, Split(xtr, ytr), Split(xva, yva), Split(xte, yte),
+        "image",
+        CLASSES,
+        Split(xtr, ytr),
+        Split(xva, yva),
+        Split(xte, yte),
         ood_val={"noise": noise_val, "blank": blank[:8]},
         ood_test={"noise": (noise_test, "far"), "blank": (blank, "far")},
         splits={"setting": "synthetic", "id": {"train": {"size": 64}}},
@@ -53,11 +63,7 @@ def tiny_checkpoint(tmp_path):
     import open_clip
 
     cfg_path = tmp_path / "tiny-clip-build-test.json"
-    cfg_path.write_text(json.dumps({
-        "embed_dim": 16, "quick_gelu": True,
-        "vision_cfg": {"image_size": 16, "patch_size": 4, "width": 32, "layers": 2, "head_width": 8, "mlp_ratio": 2},
-        "text_cfg": {"context_length": 12, "vocab_size": 49408, "width": 24, "heads": 3, "layers": 2},
-    }))
+    cfg_path.write_text(json.dumps(TINY_CLIP))
     open_clip.add_model_config(cfg_path)
     torch.manual_seed(0)
     model = open_clip.create_model("tiny-clip-build-test")
@@ -72,9 +78,6 @@ def tiny_checkpoint(tmp_path):
 
 @pytest.mark.slow  # a whole build: circuits, fusion, calibration, evaluation, four exports (~1-2 min on 2 cores)
 def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, monkeypatch):
-    import open_clip
-    from transformers import AutoTokenizer
-
     from offline import pipeline_clip
     from offline.build import build
     from offline.config import load_config
@@ -82,11 +85,20 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
 
     cfg_path, weights = tiny_checkpoint
     monkeypatch.setattr(pipeline_clip, "load_data", lambda cfg: synthetic_data())
-    cfg = load_config(None, {
-        "name": "tiny-zs", "family": "clip", "base.source": f"openclip:{cfg_path}", "base.path": str(weights),
-        "hydra.members": 3, "hydra.strategy": "circuit-avg", "hydra.prune_total": 3, "hydra.calib_samples": 32,
-        "export.bf16_check": False,
-    })
+    cfg = load_config(
+        None,
+        {
+            "name": "tiny-zs",
+            "family": "clip",
+            "base.source": f"openclip:{cfg_path}",
+            "base.path": str(weights),
+            "hydra.members": 3,
+            "hydra.strategy": "circuit-avg",
+            "hydra.prune_total": 3,
+            "hydra.calib_samples": 32,
+            "export.bf16_check": False,
+        },
+    )
     out = build(cfg, tmp_path / "artifact")
 
     typed = load_manifest(out)
@@ -111,19 +123,28 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
     assert ood["label_free"] is True and ood["selected"] == manifest["uncertainty"]["ood_score"]
     assert ood["selected"] in ("mahalanobis", "mahalanobis_layers") and (out / ood["file"]).is_file()
     assert {"mahalanobis", "mahalanobis_layers@0", "mahalanobis_layers@0,1"} & set(ood["candidates"])
+    _served_model_is_the_members(out, manifest, cfg_path, weights)
+    _guarantees_on_the_calibration_split(out, manifest, cfg.guarantees.risks)
 
-    # the artifact's tokenizer reproduces open_clip's ids for the prompts
+
+def _served_model_is_the_members(out, manifest, cfg_path, weights) -> None:
+    """The artifact's tokenizer reproduces open_clip's ids for the prompts, and the served model is exactly the
+    members the manifest names, pruned from the checkpoint."""
+    import open_clip
+    from transformers import AutoTokenizer
+
+    from offline import pipeline_clip
+
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     prompts = [manifest["zero_shot"]["template"].format(label=c) for c in CLASSES]
     text = manifest["preprocessing"]["text"]
     enc = tok(prompts, padding=text["padding"], truncation=True, max_length=text["max_length"], return_tensors="pt")
     assert torch.equal(enc["input_ids"], open_clip.tokenize(prompts, context_length=12))
 
-    # the served model is exactly the members the manifest names, pruned from the checkpoint
     fused = load_model(out / manifest["model"]["weights"], manifest["model"]["config"])
     base = pipeline_clip.load_openclip(str(cfg_path), str(weights))
     adapter = get_adapter("clip")
-    members = [adapter.prune_to(base, h["vision"] + h["text"]) for h in heads]
+    members = [adapter.prune_to(base, h["vision"] + h["text"]) for h in manifest["heads"]]
     px = torch.randn(4, 3, 16, 16)
     batch = {"pixel_values": px, "input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
     with torch.no_grad():
@@ -131,9 +152,12 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
         for m, member in enumerate(members):
             torch.testing.assert_close(logits[:, m], adapter.forward(member, batch), atol=1e-5, rtol=0)
         assert manifest["zero_shot"]["logit_scale"] == pytest.approx(float(base.logit_scale.exp()), rel=1e-6)
+
+
+def _guarantees_on_the_calibration_split(out, manifest, risks) -> None:
+    """The guarantees, fitted on the calibration split, and the report's tables of them on ID test and OOD test."""
     report = json.loads((out / "report.json").read_text())
     assert {r["method"] for r in report["rows"]} >= {"single", "single_ts", "hydra"}
-    # the guarantees, fitted on the calibration split, and the report's tables of them on ID test and OOD test
     g = manifest["guarantees"]
     assert g["conformal"]["min_alpha"] == pytest.approx(1 / 61) and g["ood"]["label_free"] is True
     hydra = report["extra"]["guarantees_report"]["methods"]["hydra"]
@@ -142,6 +166,6 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
         assert 0.0 <= cell["mean_size"] <= 3.0 and 0.0 <= cell["coverage"] <= 1.0
     assert hydra["coverage"]["0.01"]["mean_size"] == 3.0
     assert set(hydra["p_values"]["0.05"]["recall"]) == {"noise", "blank"}
-    assert {r["risk"] for r in hydra["selective"]} == set(cfg.guarantees.risks)
+    assert {r["risk"] for r in hydra["selective"]} == set(risks)
     assert set(hydra["drift"]["runs"]) == {"noise", "blank"}
     assert "## Guarantees (calibration split)" in (out / "report.md").read_text()

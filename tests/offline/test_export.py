@@ -142,7 +142,8 @@ def test_shared_eager_reference_gives_the_same_checks(case):
     export_torchscript(model, example, d / "shared.ts")
     ref = eager_outputs(model, batches)
     assert check_parity(model, d / "shared.ts", "torchscript", batches, TOL, reference=ref) == check_parity(
-        model, d / "shared.ts", "torchscript", batches, TOL)
+        model, d / "shared.ts", "torchscript", batches, TOL
+    )
     assert bf16_agreement(model, batches, 1.5, reference=ref) == bf16_agreement(model, batches, 1.5)
     # a reference that is not the model's own output is what gets compared against
     shifted = [tuple(o + 0.01 for o in r) for r in ref]

@@ -78,8 +78,10 @@ def test_detection_known_answers():
     from offline.ood_fit import detection
 
     id_scores = {"msp": np.array([0.9, 0.8, 0.95]), "energy": np.array([-3.0, -2.0, -2.5])}
-    ood = {"far": {"msp": np.array([0.2, 0.3]), "energy": np.array([1.0, 2.0])},  # perfectly separated
-           "same": {"msp": np.array([0.9, 0.8, 0.95]), "energy": np.array([-3.0, -2.0, -2.5])}}  # indistinguishable
+    ood = {
+        "far": {"msp": np.array([0.2, 0.3]), "energy": np.array([1.0, 2.0])},  # perfectly separated
+        "same": {"msp": np.array([0.9, 0.8, 0.95]), "energy": np.array([-3.0, -2.0, -2.5])},  # indistinguishable
+    }
     d = detection(id_scores, ood)
     for name in ("msp", "energy"):  # MSP is oriented (higher = ID) before scoring
         assert d[name]["ood"]["far"]["auroc"] == pytest.approx(1.0)
@@ -194,8 +196,11 @@ def test_layer_candidates_equal_the_served_score_on_their_restricted_statistics(
     # a layer set fitted on its own equals the restriction of the full fit
     alone = fit_layer_stats(layers[fit], y[fit], 3, layers[val], val_md, ids=(0, 2))
     again = restrict_layers(full, (0, 2))
-    for a, b in ((alone.gaussians.means, again.gaussians.means), (alone.pair_norms[1], again.pair_norms[1]),
-                 (alone.column_norms[0], again.column_norms[0])):
+    for a, b in (
+        (alone.gaussians.means, again.gaussians.means),
+        (alone.pair_norms[1], again.pair_norms[1]),
+        (alone.column_norms[0], again.column_norms[0]),
+    ):
         torch.testing.assert_close(a, b)
 
 

@@ -36,8 +36,12 @@ def test_each_corruption_in_turn_keeps_shape_and_dtype_and_is_seeded():
 
 def test_lists_of_images_of_any_size_and_colour():
     rng = np.random.default_rng(1)
-    imgs = [rng.integers(0, 256, (9, 13, 3), dtype=np.uint8), rng.integers(0, 256, (20, 20), dtype=np.uint8),
-            rng.integers(0, 256, (16, 8), dtype=np.uint8), rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)]
+    imgs = [
+        rng.integers(0, 256, (9, 13, 3), dtype=np.uint8),
+        rng.integers(0, 256, (20, 20), dtype=np.uint8),
+        rng.integers(0, 256, (16, 8), dtype=np.uint8),
+        rng.integers(0, 256, (12, 12, 3), dtype=np.uint8),
+    ]
     out = corrupted(imgs, seed=0)
     assert isinstance(out, list) and [o.shape for o in out] == [i.shape for i in imgs]
     assert corrupted([], seed=0) == []

@@ -40,14 +40,13 @@ def test_build_no_progress_flag_switches_bars_off(tmp_path):
     from offline.build import main
 
     progress.set_enabled(True)
-    main(["--config", "offline/configs/text-fast.yaml", "--out", str(tmp_path), "--no-progress",
-          "--calibration.tpr", "high"])  # fmt: skip
+    argv = ["--config", "offline/configs/text-fast.yaml", "--out", str(tmp_path), "--no-progress"]
+    main([*argv, "--calibration.tpr", "high"])
     assert not progress.enabled()
 
 
 def test_every_bar_of_the_builder_goes_through_offline_progress():
-    direct = [p.name for p in (ROOT / "offline").rglob("*.py")
-              if p.name != "progress.py" and "tqdm(" in p.read_text()]  # fmt: skip
+    direct = [p.name for p in (ROOT / "offline").rglob("*.py") if p.name != "progress.py" and "tqdm(" in p.read_text()]
     assert direct == []
 
 
@@ -91,7 +90,7 @@ def test_a_stage_without_a_total_and_the_interval_setting(caplog):
     finally:
         progress.set_every(progress.DEFAULT_EVERY)
     msgs = [r.getMessage() for r in caplog.records if r.name == "hydra.progress"]
-    assert msgs[0].startswith('progress stage="export" event=start step=0 ') and 'event=end' in msgs[-1]
+    assert msgs[0].startswith('progress stage="export" event=start step=0 ') and "event=end" in msgs[-1]
 
 
 def test_a_stage_without_steps_logs_a_line_every_interval_while_it_runs(caplog):
@@ -133,16 +132,23 @@ def test_a_tiny_build_with_stderr_to_a_pipe_logs_progress_lines(user_files, tmp_
         d[last] = value
     cfg = tmp_path / "tickets.yaml"
     cfg.write_text(yaml.safe_dump(nested))
-    r = subprocess.run([sys.executable, "offline/build.py", "--config", str(cfg), "--out", str(tmp_path / "a"),
-                        "--progress-every", "0.001", "--log-format", "json"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)  # fmt: skip
+    flags = ["--progress-every", "0.001", "--log-format", "json"]
+    command = [sys.executable, "offline/build.py", "--config", str(cfg), "--out", str(tmp_path / "a"), *flags]
+    r = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "\r" not in r.stderr
     records = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
     prog = [x for x in records if x.get("logger") == "hydra.progress"]
     stages = {x["stage"] for x in prog}
-    for stage in ("fine-tune", "taylor scoring (layers)", "member 0", "member 1", "evaluation (methods x sets)",
-                  "calibration", "export"):  # fmt: skip
+    for stage in (
+        "fine-tune",
+        "taylor scoring (layers)",
+        "member 0",
+        "member 1",
+        "evaluation (methods x sets)",
+        "calibration",
+        "export",
+    ):
         events = [x["event"] for x in prog if x["stage"] == stage]
         assert events[:1] == ["start"] and events[-1:] == ["end"], (stage, events, sorted(stages))
     member = [x for x in prog if x["stage"] == "member 0" and x["event"] == "update"]

@@ -131,8 +131,9 @@ def test_circuit_bert_with_padding_and_per_layer_cap():
     model = tiny_bert()
     adapter = get_adapter("bert")
     batch, y = bert_batch(batch=8), torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
-    res = circuit_ranking(adapter, model, [batch], y, [bert_batch(batch=8, seed=3)], score="avg",
-                          max_per_layer=[2, 2, 2], progress=False)
+    res = circuit_ranking(
+        adapter, model, [batch], y, [bert_batch(batch=8, seed=3)], score="avg", max_per_layer=[2, 2, 2], progress=False
+    )
     assert len(res.ranking) == 6
     assert all(sum(1 for lay, _ in res.ranking if lay == layer) == 2 for layer in range(3))
 
@@ -164,7 +165,7 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
     """Circuit extraction's text batches pad only to their own longest text; labels stay with their texts."""
     from transformers import AutoTokenizer
 
-    from offline.stages import circuit_batches
+    from offline.stages.data import circuit_batches
     from offline.train import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
@@ -174,8 +175,11 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
     prep = {"type": "text", "max_length": 32}
     batches = circuit_batches(texts, labels, prep, tok)
     assert [len(y) for _, y in batches] == [32, 32, 6]
-    got = [(tok.decode(ids[m.bool()], skip_special_tokens=True), int(label))
-           for b, y in batches for ids, m, label in zip(b["input_ids"], b["attention_mask"], y, strict=True)]
+    got = [
+        (tok.decode(ids[m.bool()], skip_special_tokens=True), int(label))
+        for b, y in batches
+        for ids, m, label in zip(b["input_ids"], b["attention_mask"], y, strict=True)
+    ]
     want = {(" ".join(t.split()[:30]), int(label)) for t, label in zip(texts, labels, strict=True)}  # 30 + [CLS], [SEP]
     assert set(got) == want
     widths = [b["input_ids"].shape[1] for b, _ in batches]
@@ -185,7 +189,7 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
 def test_length_sorted_batches_order_maps_back_to_the_inputs():
     from transformers import AutoTokenizer
 
-    from offline.stages import length_sorted_batches
+    from offline.stages.data import length_sorted_batches
     from offline.train import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())

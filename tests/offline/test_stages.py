@@ -1,4 +1,4 @@
-"""The build's shared stages (offline/stages.py): evaluation batches through the server's preprocessing, the
+"""The build's shared stages (offline/stages/): evaluation batches through the server's preprocessing, the
 members' fine-tuning recipe levers, features from a model's classifier head."""
 
 from __future__ import annotations
@@ -11,16 +11,8 @@ from torch import nn
 
 from offline.config import ConfigError, load_config
 from offline.data import Data, Split
-from offline.stages import (
-    MEMBER_SEED_STRIDE,
-    collect,
-    eval_batches,
-    head_module,
-    member_data,
-    member_train_config,
-    reinit_head,
-    with_features,
-)
+from offline.stages.data import collect, eval_batches, head_module, with_features
+from offline.stages.finetune import MEMBER_SEED_STRIDE, member_data, member_train_config, reinit_head
 from service.core.preprocess import ImagePreprocessor
 
 
@@ -93,6 +85,7 @@ def test_with_features_returns_the_heads_input():
 def test_with_features_pools_every_block_but_the_last_as_the_fused_model_does():
     """Layer features of a single model: each block's output (but the last's) averaged over the tokens, over the
     real tokens only when the batch has an attention mask (padding left out)."""
+
     class Blocks(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -125,7 +118,7 @@ def test_image_eval_batches_are_the_servers_tensors():
     spec = {"type": "image", "size": [6, 6], "mean": [0.3], "std": [0.2], "interpolation": "bicubic", "channels": 3}
     pre = ImagePreprocessor(spec, 1 << 20)
     images = np.random.default_rng(0).integers(0, 256, (3, 9, 7), dtype=np.uint8)  # resized and made RGB
-    (batch, y), = eval_batches(pre, images, [1, 0, 1])[0]
+    ((batch, y),) = eval_batches(pre, images, [1, 0, 1])[0]
     want = torch.stack([pre.to_tensor(Image.fromarray(a)) for a in images])
     assert torch.equal(batch["pixel_values"], want) and batch["pixel_values"].shape == (3, 3, 6, 6)
     assert y.tolist() == [1, 0, 1]

@@ -35,8 +35,9 @@ def test_hf_checkpoint_and_csv_build_serve_and_predict(user_files, tmp_path):
     with TestClient(app) as c:
         r = c.post("/predict", json={"texts": texts, "top_k": 3})
     assert r.status_code == 200, r.text
-    served = torch.tensor([[{t["label"]: t["prob"] for t in p["top_k"]}[label] for label in LABELS]
-                           for p in r.json()["predictions"]])  # fmt: skip
+    served = torch.tensor(
+        [[{t["label"]: t["prob"] for t in p["top_k"]}[label] for label in LABELS] for p in r.json()["predictions"]]
+    )
     # the builder's evaluation path: the artifact's preprocessing and the fused eager model, at its temperature
     pre = make_preprocessor(m.preprocessing, out, 1 << 20)
     model = load_model(out / "model.safetensors", m.model.config)
@@ -81,13 +82,28 @@ def test_timm_checkpoint_and_photo_folder_build_serve_and_predict(photo_folder, 
     torch.manual_seed(0)
     source = timm.create_model("vit_tiny_patch16_224", pretrained=False, num_classes=1000, **arch)
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(tmp_path / "vit.safetensors"))
-    cfg = load_config(None, {
-        "name": "scenes", "family": "vit", "base.source": "timm:vit_tiny_patch16_224",
-        "base.path": str(tmp_path / "vit.safetensors"), "base.arch": arch, "base.preset": "vit_fast",
-        "base.steps": 4, "data.setting": "image-folder", "data.path": str(photo_folder), "data.max_train": 30,
-        "data.max_val": 6, "data.max_test": 6, "hydra.prune_per_layer": 1, "hydra.calib_samples": 8,
-        "hydra.finetune_steps": 2, "export.torchscript": False, "export.bf16_check": False,
-    })  # fmt: skip
+    cfg = load_config(
+        None,
+        {
+            "name": "scenes",
+            "family": "vit",
+            "base.source": "timm:vit_tiny_patch16_224",
+            "base.path": str(tmp_path / "vit.safetensors"),
+            "base.arch": arch,
+            "base.preset": "vit_fast",
+            "base.steps": 4,
+            "data.setting": "image-folder",
+            "data.path": str(photo_folder),
+            "data.max_train": 30,
+            "data.max_val": 6,
+            "data.max_test": 6,
+            "hydra.prune_per_layer": 1,
+            "hydra.calib_samples": 8,
+            "hydra.finetune_steps": 2,
+            "export.torchscript": False,
+            "export.bf16_check": False,
+        },
+    )
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)
     assert m.labels == ["forest", "sand", "sea"]  # the folder names, sorted
@@ -148,12 +164,17 @@ def test_build_under_bf16_autocast_writes_an_fp32_artifact(user_files, tmp_path,
     from safetensors import safe_open
 
     ckpt, data = user_files
-    cfg = load_config(None, ticket_build(ckpt, data, **{
-        "build.device": device, "build.precision": "bf16", "build.eval_precision": "bf16", "build.workers": 1}))
+    cfg = load_config(
+        None,
+        ticket_build(
+            ckpt,
+            data,
+            **{"build.device": device, "build.precision": "bf16", "build.eval_precision": "bf16", "build.workers": 1},
+        ),
+    )
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)
-    assert m.build["config"]["build"] == {"device": device, "precision": "bf16", "eval_precision": "bf16",
-                                             "workers": 1}  # fmt: skip
+    assert m.build["config"]["build"] == {"device": device, "precision": "bf16", "eval_precision": "bf16", "workers": 1}
     assert m.exports["onnx"].max_abs_diff <= m.exports["onnx"].tolerance
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
