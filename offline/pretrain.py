@@ -43,7 +43,7 @@ from service.core.hardware import cpu_name
 from . import data as data_mod
 from .config import read_yaml_mapping
 from .data import Split
-from .train import GRAY_MEAN, GRAY_STD, TrainConfig, accuracy, make_batches, train_base_vit
+from .train import GRAY_MEAN, GRAY_STD, TrainConfig, accuracy, make_batches, recorded, train_base_vit
 
 __all__ = ["PretrainConfig", "load_pretrain_config", "main", "pretrain", "test_accuracy"]
 
@@ -94,7 +94,7 @@ class PretrainConfig:
             "name": self.name,
             "timm": self.timm,
             "arch": self.arch,
-            "train": vars(self.train),
+            "train": recorded(self.train),
             "weights_dtype": self.weights_dtype,
             "max_train": self.max_train,
         }

@@ -33,8 +33,9 @@ MEMBER_SEED_STRIDE = 1009  # member i's fine-tuning seed: data.seed + stride * (
 
 
 def member_train_config(cfg: BuildConfig, i: int) -> train_mod.TrainConfig:
-    """Member ``i``'s fine-tuning recipe: the preset's, with the ``hydra`` levers (steps, what trains, batch order,
-    label smoothing, learning rate, flips) applied."""
+    """Member ``i``'s fine-tuning recipe: the preset's, with the ``hydra`` levers (steps, what trains and in which
+    blocks, batch order, label smoothing, learning rate, flips, distillation and member ``i``'s temperature)
+    applied."""
     h = cfg.hydra
     preset = train_mod.PRESETS[h.finetune_preset or cfg.base.preset]["finetune"]
     own = h.member_data != "same"
@@ -46,6 +47,11 @@ def member_train_config(cfg: BuildConfig, i: int) -> train_mod.TrainConfig:
     for key, value in (("label_smoothing", h.label_smoothing), ("lr", h.lr), ("hflip", h.augment)):
         if value is not None:
             over[key] = value
+    if h.finetune_blocks:
+        over["last_blocks"] = h.finetune_blocks
+    if h.distill > 0:  # left at the defaults otherwise: runs without distillation keep their checkpoints
+        temps = h.distill_temperatures or [h.distill_temperature]
+        over.update(distill_weight=h.distill, distill_temperature=temps[i % len(temps)])
     return train_mod.TrainConfig(**{**preset, **over, **train_compute(cfg)})
 
 
@@ -99,4 +105,5 @@ def finetune_one(ctx: BuildContext, member: nn.Module, i: int) -> nn.Module:
         tcfg,
         resume=train_mod.Resume(member_checkpoints(ctx.out, i), key),
         desc=f"member {i}",
+        teacher=ctx.base.model if cfg.hydra.distill > 0 else None,
     ).eval()

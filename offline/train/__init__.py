@@ -37,7 +37,17 @@ from .batches import (
     val_batches,
 )
 from .decode import DECODED, IMAGE_FILE_LIMIT, DecodeCache, files_to_tensor
-from .loop import Forward, Resume, accuracy, batch_indices, distillation_loss, fingerprint, fit, step_batches
+from .loop import (
+    Forward,
+    Resume,
+    accuracy,
+    batch_indices,
+    distillation_loss,
+    fingerprint,
+    fit,
+    recorded,
+    step_batches,
+)
 from .parts import PARTS, block_of, param_part, trainable_names, unfreeze_parts
 from .presets import GRAY_MEAN, GRAY_STD, PRESETS, TrainConfig
 from .runs import (
@@ -59,6 +69,7 @@ __all__ = [
     "IMAGE_FILE_LIMIT",
     "PARTS",
     "block_of",
+    "recorded",
     "distillation_loss",
     "PRESETS",
     "TRAIN_LOG_ATTR",

@@ -48,6 +48,13 @@ class Resume:
     key: Any = None
 
 
+def recorded(tcfg: TrainConfig) -> dict[str, Any]:
+    """``tcfg`` as records keep it: every field, but those added later (distillation, partial fine-tuning) only
+    when they are set, so the records of runs that predate them still read the same."""
+    later = {"distill_weight": 0.0, "distill_temperature": 1.0, "last_blocks": 0}
+    return {k: v for k, v in vars(tcfg).items() if k not in later or v != later[k]}
+
+
 def fingerprint(tcfg: TrainConfig, n: int, extra: Any) -> str:
     """What a checkpoint must match to be resumed: the config fields that change the result, data size, model."""
     cfg = {k: v for k, v in asdict(tcfg).items() if k not in ("progress", "checkpoint_every", "device", "workers")}

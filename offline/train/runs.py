@@ -159,8 +159,10 @@ def finetune_member(
     tcfg: TrainConfig,
     resume: Resume,
     desc: str,
+    teacher: nn.Module | None = None,
 ) -> nn.Module:
-    """Fine-tune one structurally pruned member in place (``tcfg.unfreeze`` picks what trains); resumable.
+    """Fine-tune one structurally pruned member in place (``tcfg.unfreeze`` and ``tcfg.last_blocks`` pick what
+    trains); resumable; with ``teacher`` (the unpruned base) and ``tcfg.distill_weight`` it distils from it.
 
     Batches come from ``data.train`` preprocessed per ``prep``; logits from ``adapter.forward``. A
     checkpoint (weights as safetensors; optimizer, scheduler, step and RNG with ``torch.save``) is
@@ -173,7 +175,7 @@ def finetune_member(
     y = np.asarray(data.train.labels, dtype=np.int64)
     get = data_batcher(data.train.inputs, y, prep, tok, tcfg)
     key = {"family": adapter.name, "heads": adapter.kept_heads(member), **(resume.key or {})}
-    losses = fit(member, fwd, get, len(y), tcfg, desc, Resume(Path(resume.folder), key))
+    losses = fit(member, fwd, get, len(y), tcfg, desc, Resume(Path(resume.folder), key), teacher)
     acc, n_val = _validate(member, fwd, data.val, prep, tok, tcfg)
     _record(member, desc, losses, acc, n_val, t0)
     return member.eval()
