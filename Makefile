@@ -43,6 +43,7 @@ test-all: data
 
 lint: install
 	$(VENV)/bin/ruff check service offline tests benchmarks deploy
+	$(VENV)/bin/ruff format --check service offline tests benchmarks deploy
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint --config deploy/hadolint.yaml Dockerfile deploy/build/Dockerfile

@@ -173,7 +173,7 @@ def _plan_tuple(p: Any) -> tuple[str, str, str]:
     return p.backend, p.device, p.precision
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_artifact_arguments(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="client counts (each <= 64)")
@@ -200,15 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--concurrency values must be between 1 and 64")
     if not 1 <= args.requests <= 100_000 or not 0 < args.duration <= 600:
         p.error("--requests must be in 1..100000 and --duration in (0, 600]")
+    return args
 
-    tmp = tempfile.TemporaryDirectory(prefix="hydra-bench-")
-    artifact, doc = harness.open_artifact(args, Path(tmp.name))
-    from service.core.artifact import load_manifest
 
-    manifest = load_manifest(artifact)
-    name = manifest.name
-    body = harness.payload(doc)
-    port = harness.free_port()
+def server_env(args: argparse.Namespace) -> dict[str, str]:
+    """The servers' environment: the backend, precision, device and batching the run asks for."""
     env = {
         "HYDRA_BACKEND": args.backend,
         "HYDRA_PRECISION": args.precision,
@@ -221,33 +217,26 @@ def main(argv: list[str] | None = None) -> int:
         env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
     if args.threads:
         env["HYDRA_THREADS"] = str(args.threads)
-    from service.runtime.plan import resolve_plan
+    return env
 
-    # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
-    plan = dict(
-        zip(
-            ("backend", "device", "precision"),
-            _plan_tuple(resolve_plan(manifest, device=args.device, backend=args.backend, precision=args.precision)),
-            strict=True,
-        )
-    )
-    batches = sorted(set(args.concurrency))
-    print(f"raw model, before the server ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
-    raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]
+
+def drive_servers(
+    args: argparse.Namespace, artifact: Path, name: str, plan: dict[str, str], body: Any
+) -> dict[str, list[dict[str, Any]]]:
+    """One server per batch fill rule, each driven at every concurrency level (the rules' order alternating per
+    level, so load drift hits them alike); the levels' results per rule."""
+    env = server_env(args)
     servers = {}  # batch fill rule -> (process, port)
     by_fill: dict[str, list[dict[str, Any]]] = {f: [] for f in args.batch_fill}
     try:
         for fill in args.batch_fill:
-            port = port if not servers else harness.free_port()
+            port = harness.free_port()
             print(f"starting the server (HYDRA_BATCH_FILL={fill}) on port {port} with {artifact}", flush=True)
-            servers[fill] = (
-                harness.start_server(artifact, port, {**env, "HYDRA_BATCH_FILL": fill}, inherit_output=True),
-                port,
-            )
+            proc = harness.start_server(artifact, port, {**env, "HYDRA_BATCH_FILL": fill}, inherit_output=True)
+            servers[fill] = (proc, port)
             check_served(servers[fill], name, plan)
         for i, c in enumerate(args.concurrency):
-            order = args.batch_fill if i % 2 == 0 else args.batch_fill[::-1]  # load drift hits both rules alike
-            for fill in order:
+            for fill in args.batch_fill if i % 2 == 0 else args.batch_fill[::-1]:
                 res = drive_level(servers[fill][1], body, c, args.requests, args.duration)
                 by_fill[fill].append({**res, "batch_fill": fill})
                 print(
@@ -259,25 +248,48 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc, _ in servers.values():
             harness.stop_server(proc)
-    levels = by_fill[args.batch_fill[0]]
-    print("raw model, after the server:", flush=True)
-    raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
-    # the better of the two runs per batch size: the server is compared with the raw model at its best
+    return by_fill
+
+
+def best_raw(raw_runs: list[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    """The better of the raw runs per batch size: the server is compared with the raw model at its best."""
     raw = {b: max((run[b] for run in raw_runs), key=lambda r: r["throughput_ips"]) for b in raw_runs[0]}
     print("raw model, the better of the two runs:")
     for r in raw.values():
         print(f"  batch {r['batch']:3d}: {r['throughput_ips']:9.1f} inputs/s  ({r['latency_ms']:.2f} ms per batch)")
-    best_raw = max(r["throughput_ips"] for r in raw.values())
+    return raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    tmp = tempfile.TemporaryDirectory(prefix="hydra-bench-")
+    artifact, doc = harness.open_artifact(args, Path(tmp.name))
+    from service.core.artifact import load_manifest
+    from service.runtime.plan import resolve_plan
+
+    manifest = load_manifest(artifact)
+    body = harness.payload(doc)
+    # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
+    resolved = resolve_plan(manifest, device=args.device, backend=args.backend, precision=args.precision)
+    plan = dict(zip(("backend", "device", "precision"), _plan_tuple(resolved), strict=True))
+    batches = sorted(set(args.concurrency))
+    print(f"raw model, before the server ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
+    raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]
+    by_fill = drive_servers(args, artifact, manifest.name, plan, body)
+    levels = by_fill[args.batch_fill[0]]
+    print("raw model, after the server:", flush=True)
+    raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
+    raw = best_raw(raw_runs)
+    top_raw = max(r["throughput_ips"] for r in raw.values())
     top = max(levels, key=lambda x: x["concurrency"])
-    ratio = top["throughput_rps"] / best_raw if best_raw else float("nan")
+    ratio = top["throughput_rps"] / top_raw if top_raw else float("nan")
     print(f"server at concurrency {top['concurrency']} / best raw = {ratio:.2f} (target >= 0.80)")
+    where = artifact.resolve()
     result = {
-        "name": name,
-        "artifact": (
-            str(artifact.resolve().relative_to(ROOT)) if artifact.resolve().is_relative_to(ROOT) else str(artifact)
-        )
-        if not args.tiny
-        else f"tiny {args.tiny} (random weights)",
+        "name": manifest.name,
+        "artifact": f"tiny {args.tiny} (random weights)"
+        if args.tiny
+        else (str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(artifact)),
         "family": manifest.family,
         "members": manifest.members,
         **plan,
@@ -298,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "target_met": bool(ratio >= 0.8),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = harness.write_result(result, args.out, f"server_{name}.json")
+    out = harness.write_result(result, args.out, f"server_{manifest.name}.json")
     print(f"wrote {out}")
     tmp.cleanup()
     return 0

@@ -312,14 +312,32 @@ def write_classifier(
 
     def manifest(metrics: dict[str, Any]) -> Manifest:
         return Manifest(
-            name=cfg.name, family=cfg.family, task="classification", base_model=base_desc, members=len(members),
-            heads=[adapter.kept_heads(m) for m in members], strategy=strategy, labels=list(data.class_names),
-            preprocessing=prep, uncertainty=cal.uncertainty(), ood=ood_spec(cal, data),
-            model={"config": fcfg, "weights": "model.safetensors", "inputs": list(latency), "output": "logits",
-                   "shape": "(B, M, C)", "outputs": model_outputs(fused)},
-            exports=exports, precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
+            name=cfg.name,
+            family=cfg.family,
+            task="classification",
+            base_model=base_desc,
+            members=len(members),
+            heads=[adapter.kept_heads(m) for m in members],
+            strategy=strategy,
+            labels=list(data.class_names),
+            preprocessing=prep,
+            uncertainty=cal.uncertainty(),
+            ood=ood_spec(cal, data),
+            model={
+                "config": fcfg,
+                "weights": "model.safetensors",
+                "inputs": list(latency),
+                "output": "logits",
+                "shape": "(B, M, C)",
+                "outputs": model_outputs(fused),
+            },
+            exports=exports,
+            precision=precision,
+            metrics=metrics,
+            data=data.splits,
+            build=provenance(cfg, timer),
             guarantees=guarantees.spec if guarantees is not None else None,
-        )  # fmt: skip
+        )
 
     title = f"{cfg.name}: Hydra ({strategy['name']}, M={cfg.hydra.members})"
     return write_artifact(ctx, manifest, evaluation, title, report_extra(ctx, cal, evaluation, fitted))

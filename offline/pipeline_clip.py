@@ -387,15 +387,32 @@ def write_zero_shot(
 
     def manifest(metrics: dict[str, Any]) -> Manifest:
         return Manifest(
-            name=cfg.name, family="clip", task="zero-shot", base_model=base_desc, members=len(members),
-            heads=[split_heads(base, adapter.kept_heads(m)) for m in members], head_index=HEAD_INDEX,
-            strategy=strategy, labels=list(data.class_names),
-            zero_shot={"template": lit.TEMPLATE, "logit_scale": fcfg["logit_scale"], "logit_bias": fcfg["logit_bias"],
-                       "embed_dim": fcfg["embed_dim"]},
-            preprocessing=prep, uncertainty=cal.uncertainty(), model=model_spec(fcfg, cal), exports=exports,
-            precision=precision, metrics=metrics, data=data.splits, build=provenance(cfg, timer),
-            ood=label_free_spec(cal, data), guarantees=guarantees.spec if guarantees is not None else None,
-        )  # fmt: skip
+            name=cfg.name,
+            family="clip",
+            task="zero-shot",
+            base_model=base_desc,
+            members=len(members),
+            heads=[split_heads(base, adapter.kept_heads(m)) for m in members],
+            head_index=HEAD_INDEX,
+            strategy=strategy,
+            labels=list(data.class_names),
+            zero_shot={
+                "template": lit.TEMPLATE,
+                "logit_scale": fcfg["logit_scale"],
+                "logit_bias": fcfg["logit_bias"],
+                "embed_dim": fcfg["embed_dim"],
+            },
+            preprocessing=prep,
+            uncertainty=cal.uncertainty(),
+            model=model_spec(fcfg, cal),
+            exports=exports,
+            precision=precision,
+            metrics=metrics,
+            data=data.splits,
+            build=provenance(cfg, timer),
+            ood=label_free_spec(cal, data),
+            guarantees=guarantees.spec if guarantees is not None else None,
+        )
 
     title = f"{cfg.name}: zero-shot Hydra ({strategy['name']}, M={len(members)})"
     return write_artifact(ctx, manifest, evaluation, title, zero_shot_extra(ctx, calibrated, t_single, fitted))

@@ -167,10 +167,10 @@ def fit(
 
     ``get_batch(indices, step)`` gives the model batch and int64 labels ``(B,)`` of those examples;
     ``forward(model, batch)`` the logits ``(B, C)``. Only the parts in ``tcfg.unfreeze`` (of the last
-    ``tcfg.last_blocks`` blocks, when set) train. With ``teacher`` and ``tcfg.distill_weight > 0`` the loss mixes in
-    the distillation loss from ``forward(teacher, batch)`` (the teacher is not trained). With
-    ``resume`` the run saves every ``tcfg.checkpoint_every`` steps into ``resume.folder`` and resumes from the
-    last checkpoint there whose config, data size and ``resume.key`` match.
+    ``tcfg.last_blocks`` blocks, when set) train. A ``teacher`` (not trained) adds distillation from
+    ``forward(teacher, batch)`` when ``tcfg.distill_weight > 0``. With ``resume`` the run saves every
+    ``tcfg.checkpoint_every`` steps into ``resume.folder`` and resumes from the last checkpoint there whose config,
+    data size and ``resume.key`` match.
     """
     if n < 1:
         raise ValueError(f"{desc}: no training examples")
@@ -210,9 +210,8 @@ def fit(
         for n_, p in model.named_parameters():
             p.requires_grad_(was_grad[n_])
         model.eval()
-    model.to("cpu")
-    if teacher is not None:
-        teacher.to("cpu")
+    for m in (model, teacher) if teacher is not None else (model,):
+        m.to("cpu")
     return losses
 
 
