@@ -64,7 +64,6 @@ def test_full_mode_is_the_builds_full_recipe(tmp_path: Path, setting: str, confi
 
 def test_member_cache_key_ignores_progress_and_adopts_quiet_runs(tmp_path: Path, monkeypatch):
     """A member fine-tuned under --quiet is found by a run with progress bars (its folder is renamed once)."""
-    from dataclasses import asdict
     from types import SimpleNamespace
 
     seen: list[Path] = []
@@ -91,7 +90,7 @@ def test_member_cache_key_ignores_progress_and_adopts_quiet_runs(tmp_path: Path,
     assert seen[0] == seen[1]  # one key whatever the progress flag
     # a folder made by the old key of a --quiet run (progress=False in the hash) is adopted, not retrained
     tcfg = q._train_config(spec, "finetune", 1, False, steps=spec.finetune_steps, unfreeze="attention+mlp")
-    legacy = tmp_path / "members" / q.digest({"base": 0, "heads": [[0, 1], [2]], "train": asdict(tcfg)})
+    legacy = tmp_path / "members" / q.digest({"base": 0, "heads": [[0, 1], [2]], "train": q.train_mod.recorded(tcfg)})
     assert legacy != seen[0]
     legacy.mkdir(parents=True)
     (legacy / "model-0000040.safetensors").write_bytes(b"x")
