@@ -55,6 +55,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "hydra.label_smoothing": 0.1,
         "hydra.finetune_steps": "x3",
     },
+    # distillation from the unpruned base (Hinton et al.), from the base's head: alone, then with the diversity
+    # that survives it (own bootstrap draws, a different temperature per member), then partial fine-tuning
+    "kd": {"hydra.member_data": "same", "hydra.reinit_head": False, "hydra.distill": 0.5},
+    "kd+diverse": {**_OWN, "hydra.distill": 0.5, "hydra.distill_temperatures": [1.0, 2.0, 4.0]},
+    "kd+diverse+longer": {
+        **_OWN,
+        "hydra.distill": 0.5,
+        "hydra.distill_temperatures": [1.0, 2.0, 4.0],
+        "hydra.finetune_steps": "x3",
+    },
+    "partial": {**_OWN, "hydra.finetune_blocks": 2},
+    "partial+kd+diverse": {
+        **_OWN,
+        "hydra.finetune_blocks": 2,
+        "hydra.distill": 0.5,
+        "hydra.distill_temperatures": [1.0, 2.0, 4.0],
+    },
 }
 
 
