@@ -44,7 +44,7 @@ from .stages.artifact import (
 )
 from .stages.calibration import Calibration, calibrate_ood
 from .stages.context import BaseModel, BuildContext, Timer, train_compute
-from .stages.data import FASHION_MEAN, FASHION_STD, EvalSets, eval_sets, load_data
+from .stages.data import EvalSets, eval_sets, fashion_vit_prep, load_data
 from .stages.evaluation import Evaluation, classifier_models, evaluate_classifier, standard_methods
 from .stages.finetune import finetune_members, finetune_one, member_checkpoints
 from .stages.guarantees import Guarantees, classifier_guarantees
@@ -146,15 +146,7 @@ def _vit_base(cfg: BuildConfig, data: Data, ckpt: Path | None) -> BaseModel:
     """Image base: a ViT trained here (``train-vit``) or a timm model whose new head is fine-tuned."""
     src, tcfg, n_classes = cfg.base.source, _train_config(cfg), len(data.class_names)
     if src == "train-vit":
-        prep = {
-            "type": "image",
-            "size": [28, 28],
-            "mean": [FASHION_MEAN],
-            "std": [FASHION_STD],
-            "interpolation": "bilinear",
-            "channels": 1,
-            "resize": "direct",
-        }
+        prep = fashion_vit_prep()
         arch = {**train_mod.PRESETS[cfg.base.preset]["arch"], **cfg.base.arch, "num_classes": n_classes}
         model = train_mod.train_base_vit(
             data.train,

@@ -6,13 +6,18 @@ from __future__ import annotations
 from .tables import Cell, cell, method_table
 from .values import latency_cell, num, param_count, pct, sig4
 
-_ID_COLUMNS: tuple[tuple[str, Cell], ...] = (
-    ("Params", cell(param_count, "params")),
+_T_COLUMN: tuple[str, Cell] = ("T", cell(sig4, "temperature"))
+# accuracy and calibration: the columns both tables show
+_CALIBRATION_COLUMNS: tuple[tuple[str, Cell], ...] = (
     ("Acc %", cell(pct, "acc")),
     ("NLL", cell(num, "nll")),
     ("Brier", cell(num, "brier")),
     ("ECE %", cell(pct, "ece")),
     ("aECE %", cell(pct, "aece")),
+)
+_ID_COLUMNS: tuple[tuple[str, Cell], ...] = (
+    ("Params", cell(param_count, "params")),
+    *_CALIBRATION_COLUMNS,
     ("AURC %", cell(pct, "aurc")),
     ("MSP", cell(num, "msp_id")),
     ("Entropy", cell(num, "entropy_id")),
@@ -30,7 +35,7 @@ def id_section(rows: list[dict]) -> list[str]:
     if len(temps) == 1 and None not in temps:
         at = f", at T = {sig4(temps.pop())}"
     elif temps != {None}:  # rows at different temperatures: say which, per row
-        columns, at = (("T", cell(sig4, "temperature")), *_ID_COLUMNS), ", each method at the temperature T"
+        columns, at = (_T_COLUMN, *_ID_COLUMNS), ", each method at the temperature T"
     md = [f"## In-distribution (test set{at})", ""]
     md += [
         "Percentages for Acc, ECE, aECE, AURC and disagreement; NLL and entropies in nats; Brier of the mean "
@@ -41,14 +46,7 @@ def id_section(rows: list[dict]) -> list[str]:
     return md + method_table(columns, ((r["method"], r) for r in rows))
 
 
-_TS_COLUMNS: tuple[tuple[str, Cell], ...] = (
-    ("T", cell(sig4, "temperature")),
-    ("Acc %", cell(pct, "acc")),
-    ("NLL", cell(num, "nll")),
-    ("Brier", cell(num, "brier")),
-    ("ECE %", cell(pct, "ece")),
-    ("aECE %", cell(pct, "aece")),
-)
+_TS_COLUMNS: tuple[tuple[str, Cell], ...] = (_T_COLUMN, *_CALIBRATION_COLUMNS)
 
 
 def calibrated_section(rows: list[dict]) -> list[str]:

@@ -201,36 +201,31 @@ def ood_spec(cal: Calibration, data: Data) -> dict[str, Any] | None:
         return None
     # the scores the server computes: every candidate but the multi-layer score's layer sets, which the artifact
     # carries (one set) only when it serves that score
-    scores = [n for n in cal.candidates if "@" not in n] + ([LAYERS] if cal.stats.layers is not None else [])
-    spec = {
-        "file": OOD_FILE,
-        "scores": scores,
-        "selected": cal.metric,
-        "forced": cal.forced,
-        "candidates": cal.candidates,
-        "fit": data.splits.get("id", {}).get("fit"),
-    }
-    if cal.stats.layers is not None:
-        spec["layers"] = list(cal.stats.layers.ids)
-    return spec
+    return _ood_block(cal, data, [n for n in cal.candidates if "@" not in n])
 
 
 def label_free_spec(cal: Calibration, data: Data) -> dict[str, Any] | None:
     """The manifest's ``ood`` block of a zero-shot model with label-free statistics (None: probability scores)."""
     if cal.stats is None:
         return None
-    scores = ["mahalanobis"] + ([LAYERS] if cal.stats.layers is not None else [])
+    return _ood_block(cal, data, ["mahalanobis"], label_free=True)
+
+
+def _ood_block(cal: Calibration, data: Data, scores: list[str], **extra: Any) -> dict[str, Any]:
+    """The ``ood`` block both kinds share: the statistics file, the served ``scores`` (plus the multi-layer score
+    when the statistics carry layers), how one was chosen, ``extra`` and the layer set."""
+    layers = cal.stats.layers if cal.stats is not None else None
     spec = {
         "file": OOD_FILE,
-        "scores": scores,
+        "scores": scores + ([LAYERS] if layers is not None else []),
         "selected": cal.metric,
         "forced": cal.forced,
         "candidates": cal.candidates,
         "fit": data.splits.get("id", {}).get("fit"),
-        "label_free": True,
+        **extra,
     }
-    if cal.stats.layers is not None:
-        spec["layers"] = list(cal.stats.layers.ids)
+    if layers is not None:
+        spec["layers"] = list(layers.ids)
     return spec
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "concat",
     "eval_batches",
     "eval_sets",
+    "fashion_vit_prep",
     "head_module",
     "length_sorted_batches",
     "load_data",
@@ -65,6 +66,19 @@ EVAL_MAX_PIXELS = train_mod.IMAGE_FILE_LIMIT  # the builder's own images: one li
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530  # Fashion-MNIST pixel statistics (the demo settings' normalisation)
 Batch = dict[str, torch.Tensor]
 Batches = list[tuple[Batch, torch.Tensor]]  # [(named inputs, int64 labels (B,))]
+
+
+def fashion_vit_prep() -> dict[str, Any]:
+    """The artifact's preprocessing of a ViT trained here on Fashion-MNIST: 28x28 grayscale, the pixel statistics."""
+    return {
+        "type": "image",
+        "size": [28, 28],
+        "mean": [FASHION_MEAN],
+        "std": [FASHION_STD],
+        "interpolation": "bilinear",
+        "channels": 1,
+        "resize": "direct",
+    }
 
 
 # ----------------------------------------------------------------------------- the data

@@ -26,27 +26,23 @@ def _vit_preset(embed_dim: int, depth: int, train: tuple[int, float], finetune: 
             "class_token": True,
             "global_pool": "token",
         },
-        "train": {
-            "steps": train[0],
-            "batch_size": 128,
-            "lr": train[1],
-            "weight_decay": 0.05,
-            "warmup_frac": 0.05,
-            "label_smoothing": 0.1,
-            "grad_clip": 1.0,
-            "hflip": True,
-        },
-        "finetune": {
-            "steps": finetune[0],
-            "batch_size": 128,
-            "lr": finetune[1],
-            "weight_decay": 0.05,
-            "warmup_frac": 0.1,
-            "label_smoothing": 0.1,
-            "grad_clip": 1.0,
-            "hflip": True,
-            "unfreeze": "attention+mlp+norm+head",
-        },
+        "train": _vit_run(steps=train[0], lr=train[1], warmup_frac=0.05),
+        "finetune": _vit_run(steps=finetune[0], lr=finetune[1], warmup_frac=0.1, unfreeze="attention+mlp+norm+head"),
+    }
+
+
+def _vit_run(steps: int, lr: float, warmup_frac: float, **extra: Any) -> dict[str, Any]:
+    """A run of a ViT on images: the image presets differ only in these and in ``extra`` (crops, unfreezing)."""
+    return {
+        "steps": steps,
+        "batch_size": 128,
+        "lr": lr,
+        "weight_decay": 0.05,
+        "warmup_frac": warmup_frac,
+        "label_smoothing": 0.1,
+        "grad_clip": 1.0,
+        "hflip": True,
+        **extra,
     }
 
 
@@ -71,28 +67,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # a pretrained image backbone (offline.pretrain, or a user's checkpoint of the same domain) fine-tuned: short, at
     # a low learning rate, with the same flips and milder crops than pretraining; members as the presets above
     "vit_pretrained": {
-        "train": {
-            "steps": 150,
-            "batch_size": 128,
-            "lr": 2e-4,
-            "weight_decay": 0.05,
-            "warmup_frac": 0.1,
-            "label_smoothing": 0.1,
-            "grad_clip": 1.0,
-            "hflip": True,
-            "crop_scale": 0.6,
-        },
-        "finetune": {
-            "steps": 60,
-            "batch_size": 128,
-            "lr": 2e-4,
-            "weight_decay": 0.05,
-            "warmup_frac": 0.1,
-            "label_smoothing": 0.1,
-            "grad_clip": 1.0,
-            "hflip": True,
-            "unfreeze": "attention+mlp+norm+head",
-        },
+        "train": _vit_run(steps=150, lr=2e-4, warmup_frac=0.1, crop_scale=0.6),
+        "finetune": _vit_run(steps=60, lr=2e-4, warmup_frac=0.1, unfreeze="attention+mlp+norm+head"),
     },
     # MiniLM (all-MiniLM-L6-v2) fine-tuned for tweet sentiment; the word embeddings stay frozen: on CPU their
     # dense gradient and AdamW update (11.7M parameters) cost about a third of each step
