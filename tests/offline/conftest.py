@@ -75,9 +75,9 @@ WORDS = {
 }
 
 
-def save_minilm_like(folder: Path, hidden: int, heads: int, **config: object) -> None:
+def save_minilm_like(folder: Path, hidden: int, heads: int, max_positions: int = 512) -> None:
     """A random 2-layer BertForSequenceClassification with a 1000-label head and MiniLM's vocabulary (MLP width
-    ``2 * hidden``, ``config`` added), saved in ``folder`` with MiniLM's tokenizer, as a user's checkpoint is."""
+    ``2 * hidden``), saved in ``folder`` with MiniLM's tokenizer, as a user's checkpoint is."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     from offline.train import minilm_path
@@ -88,8 +88,8 @@ def save_minilm_like(folder: Path, hidden: int, heads: int, **config: object) ->
         num_hidden_layers=2,
         num_attention_heads=heads,
         intermediate_size=2 * hidden,
+        max_position_embeddings=max_positions,
         num_labels=1000,
-        **config,
     )
     torch.manual_seed(0)
     BertForSequenceClassification(cfg).save_pretrained(folder)
@@ -101,7 +101,7 @@ def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny random BertForSequenceClassification with a 1000-label head (save_pretrained, with a tokenizer) and
     a CSV of 150 labelled texts."""
     root = tmp_path_factory.mktemp("user")
-    save_minilm_like(root / "ckpt", hidden=48, heads=4, max_position_embeddings=64)
+    save_minilm_like(root / "ckpt", hidden=48, heads=4, max_positions=64)
     with open(root / "tickets.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["text", "label"])
