@@ -4,12 +4,13 @@ Used by ``benchmarks/bench_server.py``, ``benchmarks/load_test.py``, ``benchmark
 that run a real server (``tests/reliability``). Only 127.0.0.1 is ever used: nothing leaves the machine.
 
 * the server process: :func:`free_port`, :func:`server_env`, :func:`start_server`, :func:`wait_ready`,
-  :func:`stop_server`, :func:`rss_mb`;
+  :func:`stop_server`, :func:`serving` (all four around a block), :func:`rss_mb`;
 * the client: :class:`Connection` (keep-alive HTTP/1.1 on asyncio streams), :func:`request` (one request on a
   fresh connection), :func:`error_code` (the error code of an answer, docs/api.md);
 * the bodies: :func:`payload` (one ``/predict`` body of an artifact's modality);
 * the scripts' common frame: :func:`add_artifact_arguments` and :func:`open_artifact` (``--artifact DIR`` or
-  ``--tiny FAMILY``, a tiny random artifact built by the test fixtures), :func:`machine`, :func:`write_result`,
+  ``--tiny FAMILY``, a tiny random artifact built by the test fixtures), :func:`open_run` (a work folder, the
+  artifact and one request body), :func:`machine`, :func:`write_result`,
   :func:`print_checks`.
 """
 
@@ -26,7 +27,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +57,10 @@ __all__ = [
     "payload",
     "print_checks",
     "request",
+    "open_run",
     "rss_mb",
     "server_env",
+    "serving",
     "start_server",
     "stop_server",
     "tiny_artifact",
@@ -136,6 +142,23 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> int:
             proc.kill()
             proc.wait(10)
     return proc.returncode
+
+
+@contextmanager
+def serving(artifacts: list[Path], prefix: str) -> Iterator[int]:
+    """A quiet server of ``artifacts`` (the first is ``HYDRA_ARTIFACTS``' default) on a free port, ready: the port.
+
+    Its log goes to a temporary folder named ``prefix...``; the server is stopped and the folder removed after the
+    block."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        port = free_port()
+        env = {"HYDRA_ARTIFACTS": ",".join(str(a) for a in artifacts), "HYDRA_LOG_LEVEL": "warning"}
+        proc = start_server(artifacts[0], port, env, log_file=Path(tmp) / "server.log")
+        try:
+            wait_ready(port, proc)
+            yield port
+        finally:
+            stop_server(proc)
 
 
 def rss_mb(pid: int) -> dict[str, float]:
@@ -286,6 +309,16 @@ def open_artifact(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, 
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     artifact = tiny_artifact(tmp, args.tiny) if args.tiny else args.artifact.resolve()
     return artifact, json.loads((artifact / "manifest.json").read_text())
+
+
+def open_run(
+    args: argparse.Namespace, prefix: str
+) -> tuple[tempfile.TemporaryDirectory[str], Path, dict[str, Any], bytes]:
+    """A load script's start: a work folder named ``prefix...``, the artifact and its manifest
+    (:func:`open_artifact`) and the ``/predict`` body sent (:func:`payload`, JSON-encoded)."""
+    tmp = tempfile.TemporaryDirectory(prefix=prefix)
+    artifact, manifest = open_artifact(args, Path(tmp.name))
+    return tmp, artifact, manifest, json.dumps(payload(manifest)).encode()
 
 
 def machine() -> dict[str, Any]:

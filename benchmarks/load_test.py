@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,10 +219,8 @@ def _totals(phases: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    tmp = tempfile.TemporaryDirectory(prefix="hydra-load-")
-    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
+    tmp, artifact, manifest, body = harness.open_run(args, "hydra-load-")
     name = manifest["name"]
-    body = json.dumps(harness.payload(manifest)).encode()
     env = _server_env(args)
     port = harness.free_port()
     log_file = Path(tmp.name) / "server.log"

@@ -20,7 +20,6 @@ import io
 import json
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -151,19 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         k: json.loads((a / "manifest.json").read_text())["name"] for k, a in (("image", image), ("zeroshot", zeroshot))
     }
     build_labels = json.loads((zeroshot / "manifest.json").read_text())["labels"]
-    tmp = tempfile.TemporaryDirectory(prefix="hydra-nine-")
-    port = harness.free_port()
-    proc = harness.start_server(
-        image,
-        port,
-        {"HYDRA_ARTIFACTS": f"{image},{zeroshot}", "HYDRA_LOG_LEVEL": "warning"},
-        log_file=Path(tmp.name) / "server.log",
-    )
-    try:
-        harness.wait_ready(port, proc)
+    with harness.serving([image, zeroshot], "hydra-nine-") as port:
         rows = answers(port, names, build_labels)
-    finally:
-        harness.stop_server(proc)
     flagged = {k: sum(bool(r[k]["flag"]) for r in rows) for k in ("predict", "zero_shot", "zero_shot_other_labels")}
     command = "python -m benchmarks.nine_inputs " + shlex.join(argv if argv is not None else sys.argv[1:])
     doc = {
@@ -179,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     lines = markdown(doc)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    tmp.cleanup()
     return 0 if all(v == 9 for v in flagged.values()) else 1
 
 

@@ -33,13 +33,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import json
 import re
 import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,10 +259,8 @@ def _totals(runs: list[dict[str, Any]]) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    tmp = tempfile.TemporaryDirectory(prefix="hydra-sigterm-")
-    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
+    tmp, artifact, manifest, body = harness.open_run(args, "hydra-sigterm-")
     name = manifest["name"]
-    body = json.dumps(harness.payload(manifest)).encode()
     print(
         f"python -m service with {artifact}: {args.concurrency} clients for {args.load_seconds} s, then SIGTERM; "
         f"{args.repeat} repetition(s)",

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import json
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -215,10 +213,8 @@ def _print_summary(summary: dict[str, Any], window_minutes: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    tmp = tempfile.TemporaryDirectory(prefix="hydra-soak-")
-    artifact, manifest = harness.open_artifact(args, Path(tmp.name))
+    tmp, artifact, manifest, body = harness.open_run(args, "hydra-soak-")
     name = manifest["name"]
-    body = json.dumps(harness.payload(manifest)).encode()
     env = {"HYDRA_LOG_LEVEL": "warning"}
     port = harness.free_port()
     log_file = Path(tmp.name) / "server.log"

@@ -33,7 +33,6 @@ import json
 import math
 import shlex
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -215,20 +214,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     image, zeroshot = args.image.resolve(), args.zeroshot.resolve()
     man = {k: json.loads((a / "manifest.json").read_text()) for k, a in (("image", image), ("zeroshot", zeroshot))}
     garments = list(man["image"]["labels"])
-    tmp = tempfile.TemporaryDirectory(prefix="hydra-truth-")
-    port = harness.free_port()
-    proc = harness.start_server(
-        image,
-        port,
-        {"HYDRA_ARTIFACTS": f"{image},{zeroshot}", "HYDRA_LOG_LEVEL": "warning"},
-        log_file=Path(tmp.name) / "server.log",
-    )
-    try:
-        harness.wait_ready(port, proc)
+    with harness.serving([image, zeroshot], "hydra-truth-") as port:
         got = _ask_all(port, man, images, [i for i, t in enumerate(truth) if t not in garments], args.batch)
-    finally:
-        harness.stop_server(proc)
-        tmp.cleanup()
     return {
         "models": {k: m["name"] for k, m in man.items()},
         "per_class_images": args.per_class,

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from offline.config import BuildConfig, load_config
+
 
 def tiny_vit(depth: int = 3, heads: int = 4, num_classes: int = 5, **kw):
     from timm.models.vision_transformer import VisionTransformer
@@ -73,27 +75,33 @@ WORDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A tiny random BertForSequenceClassification with a 1000-label head (save_pretrained, with a tokenizer) and
-    a CSV of 150 labelled texts."""
+def save_minilm_like(folder: Path, hidden: int, heads: int, max_positions: int = 512) -> None:
+    """A random 2-layer BertForSequenceClassification with a 1000-label head and MiniLM's vocabulary (MLP width
+    ``2 * hidden``), saved in ``folder`` with MiniLM's tokenizer, as a user's checkpoint is."""
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     from offline.train import minilm_path
 
-    root = tmp_path_factory.mktemp("user")
     cfg = BertConfig(
         vocab_size=30522,
-        hidden_size=48,
+        hidden_size=hidden,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=96,
-        max_position_embeddings=64,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=max_positions,
         num_labels=1000,
     )
     torch.manual_seed(0)
-    BertForSequenceClassification(cfg).save_pretrained(root / "ckpt")
-    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(root / "ckpt")
+    BertForSequenceClassification(cfg).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny random BertForSequenceClassification with a 1000-label head (save_pretrained, with a tokenizer) and
+    a CSV of 150 labelled texts."""
+    root = tmp_path_factory.mktemp("user")
+    save_minilm_like(root / "ckpt", hidden=48, heads=4, max_positions=64)
     with open(root / "tickets.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["text", "label"])
@@ -124,3 +132,8 @@ def ticket_build(ckpt: Path, data: Path, **extra: object) -> dict[str, object]:
         "export.bf16_check": False,
         **extra,
     }
+
+
+def ticket_config(ckpt: Path, data: Path, **extra: object) -> BuildConfig:
+    """The loaded config of :func:`ticket_build` (no YAML file)."""
+    return load_config(None, ticket_build(ckpt, data, **extra))

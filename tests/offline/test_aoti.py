@@ -9,14 +9,13 @@ import torch
 from fastapi.testclient import TestClient
 
 from offline.build import build
-from offline.config import load_config
 from service.core.artifact import load_manifest
 from service.core.backends import BackendConfigError
 from service.main import create_app
 from service.runtime.plan import resolve_plan
 from tests.service.helpers import settings_for
 
-from .conftest import ticket_build
+from .conftest import ticket_config
 
 TEXTS = [
     "I was charged twice on my card and nobody answers",
@@ -30,7 +29,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def artifact(user_files, tmp_path_factory):
     ckpt, data = user_files
-    cfg = load_config(None, ticket_build(ckpt, data, **{"export.aoti": True}))
+    cfg = ticket_config(ckpt, data, **{"export.aoti": True})
     return build(cfg, tmp_path_factory.mktemp("aoti") / "artifact")
 
 

@@ -8,17 +8,7 @@ import numpy as np
 import pytest
 
 from offline import data as D
-
-
-def _fashion_available() -> bool:
-    try:
-        D.fashion_dir()
-        return True
-    except FileNotFoundError:
-        return False
-
-
-needs_fashion = pytest.mark.skipif(not _fashion_available(), reason="Fashion-MNIST missing: bash scripts/fetch_data.sh")
+from tests.fixtures.fashion import needs_fashion
 
 
 def _rows(x: np.ndarray) -> set[bytes]:

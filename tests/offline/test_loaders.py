@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from offline.config import ConfigError
 from offline.loaders import check_keys, load_minilm_classifier, load_timm, minilm_path
 
-from .conftest import tiny_bert
+from .conftest import save_minilm_like, tiny_bert
 
 VIT = "vit_tiny_patch16_224"
 
@@ -61,19 +61,7 @@ def test_check_keys_lets_only_the_head_differ():
 
 # ----------------------------------------------------------------------------- BERT / MiniLM
 def test_a_hugging_face_folder_with_a_1000_label_head_and_one_with_renamed_keys(tmp_path):
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    cfg = BertConfig(
-        vocab_size=30522,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        num_labels=1000,
-    )
-    torch.manual_seed(0)
-    BertForSequenceClassification(cfg).save_pretrained(tmp_path / "ok")
-    AutoTokenizer.from_pretrained(minilm_path()).save_pretrained(tmp_path / "ok")
+    save_minilm_like(tmp_path / "ok", hidden=32, heads=2)
     model, _ = load_minilm_classifier(3, path=str(tmp_path / "ok"))
     assert model.classifier.out_features == 3
     state = load_file(str(tmp_path / "ok" / "model.safetensors"))

@@ -266,6 +266,12 @@ def test_random_crops_are_seeded_and_stay_in_the_image():
     assert float(a["pixel_values"].min()) >= 0 and float(a["pixel_values"].max()) <= 1  # inside: no padding values
 
 
+def _finetune_image_member(adapter, base, data: Data, tcfg: T.TrainConfig, folder, label: str):
+    """``base`` pruned to three 2-head members, fine-tuned on ``data`` with checkpoints in ``folder``."""
+    member = adapter.prune(base, [[0, 1], [2, 3], [0, 3]])
+    return T.finetune_member(adapter, member, data, IMAGE_PREP, None, tcfg, T.Resume(folder), label)
+
+
 def test_dataloader_workers_give_the_same_weights(tmp_path):
     """``workers``: the batches come from DataLoader processes; each batch is a function of (seed, step), so two
     workers train exactly the weights the main process trains (flips included)."""
@@ -283,18 +289,7 @@ def test_dataloader_workers_give_the_same_weights(tmp_path):
             progress=False,
             workers=workers,
         )
-        trained.append(
-            T.finetune_member(
-                adapter,
-                adapter.prune(base, [[0, 1], [2, 3], [0, 3]]),
-                data,
-                IMAGE_PREP,
-                None,
-                tcfg,
-                T.Resume(tmp_path / str(workers)),
-                f"workers={workers}",
-            )
-        )
+        trained.append(_finetune_image_member(adapter, base, data, tcfg, tmp_path / str(workers), f"workers={workers}"))
     for (k, a), b in zip(trained[0].state_dict().items(), trained[1].state_dict().values(), strict=True):
         assert torch.equal(a, b), k
 
@@ -307,16 +302,7 @@ def test_bf16_autocast_training_keeps_fp32_weights(tmp_path):
     out = {}
     for precision in ("fp32", "bf16"):
         tcfg = T.TrainConfig(steps=30, batch_size=16, lr=3e-3, checkpoint_every=0, progress=False, precision=precision)
-        m = T.finetune_member(
-            adapter,
-            adapter.prune(base, [[0, 1], [2, 3], [0, 3]]),
-            data,
-            IMAGE_PREP,
-            None,
-            tcfg,
-            T.Resume(tmp_path / precision),
-            precision,
-        )
+        m = _finetune_image_member(adapter, base, data, tcfg, tmp_path / precision, precision)
         out[precision] = m
     assert all(p.dtype == torch.float32 for p in out["bf16"].parameters())
     a, b = out["fp32"].state_dict(), out["bf16"].state_dict()

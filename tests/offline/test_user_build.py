@@ -19,12 +19,12 @@ from service.core.uncertainty import summarize
 from service.main import create_app
 from tests.service.helpers import settings_for
 
-from .conftest import LABELS, ticket_build
+from .conftest import LABELS, ticket_build, ticket_config
 
 
 def test_hf_checkpoint_and_csv_build_serve_and_predict(user_files, tmp_path):
     ckpt, data = user_files
-    cfg = load_config(None, ticket_build(ckpt, data))
+    cfg = ticket_config(ckpt, data)
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)
     assert m.labels == LABELS  # from the CSV's label column, sorted
@@ -164,13 +164,10 @@ def test_build_under_bf16_autocast_writes_an_fp32_artifact(user_files, tmp_path,
     from safetensors import safe_open
 
     ckpt, data = user_files
-    cfg = load_config(
-        None,
-        ticket_build(
-            ckpt,
-            data,
-            **{"build.device": device, "build.precision": "bf16", "build.eval_precision": "bf16", "build.workers": 1},
-        ),
+    cfg = ticket_config(
+        ckpt,
+        data,
+        **{"build.device": device, "build.precision": "bf16", "build.eval_precision": "bf16", "build.workers": 1},
     )
     out = build(cfg, tmp_path / "artifact")
     m = load_manifest(out)

@@ -3,9 +3,7 @@ app with tiny models loaded: valid and invalid bodies (JSON and multipart) for e
 5xx, every answer must match the schema (declared status code, content type, body), and invalid data must be
 refused with a 4xx.
 
-schemathesis' pytest loader (``schemathesis.pytest.from_fixture``) reads a private attribute pytest 9 removed
-(``Function._nodeid``), so the cases are drawn with hypothesis from ``APIOperation.as_strategy`` instead: the same
-generation and the same checks.
+The cases are drawn with hypothesis from ``APIOperation.as_strategy`` (``tests/fixtures/schema_fuzz.py`` says why).
 """
 
 from __future__ import annotations
@@ -15,26 +13,14 @@ from pathlib import Path
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    negative_data_rejection,
-    response_schema_conformance,
-    status_code_conformance,
-)
+from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from service.main import create_app
+from tests.fixtures import schema_fuzz
 from tests.service.helpers import settings_for
 
-CHECKS = [
-    not_a_server_error,
-    status_code_conformance,
-    content_type_conformance,
-    response_schema_conformance,
-    negative_data_rejection,
-]
+CHECKS = [*schema_fuzz.CHECKS, negative_data_rejection]
 OPERATIONS = [
     "GET /healthz",
     "GET /readyz",
@@ -52,11 +38,7 @@ MAX_EXAMPLES = 15
 @pytest.fixture(scope="module")
 def api_schema(artifacts: dict[str, Path]) -> Iterator[schemathesis.BaseSchema]:
     app = create_app(settings_for(artifacts["vit"], artifacts["bert"], max_items=4, max_text_chars=2000))
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-    yield schema
-    from schemathesis.python import asgi
-
-    asgi.shutdown_lifespans()  # the first call started the lifespan (models loaded and warm): stop the workers
+    yield from schema_fuzz.asgi_schema(app)
 
 
 def test_every_operation_is_fuzzed(api_schema: schemathesis.BaseSchema) -> None:
@@ -75,23 +57,7 @@ CASES = [pytest.param(op, GenerationMode.POSITIVE, id=f"{op}-valid") for op in O
 def test_no_5xx_and_every_answer_matches_the_schema(
     api_schema: schemathesis.BaseSchema, label: str, mode: GenerationMode
 ) -> None:
-    operation = api_schema.find_operation_by_label(label)
-    assert operation is not None, label
-    seen: dict[int, int] = {}
-
-    @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(
-        max_examples=MAX_EXAMPLES,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    def run(case: schemathesis.Case) -> None:
-        response = case.call_and_validate(checks=CHECKS)
-        seen[response.status_code] = seen.get(response.status_code, 0) + 1
-
-    run()
+    seen = schema_fuzz.status_counts(api_schema, label, mode, MAX_EXAMPLES, CHECKS)
     assert seen and max(seen) < 500, seen
     if mode is GenerationMode.NEGATIVE:
         assert all(400 <= code < 500 for code in seen), seen

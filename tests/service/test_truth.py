@@ -35,6 +35,7 @@ from service.core.artifact import (
     write_manifest,
 )
 from service.main import create_app
+from tests.fixtures.fashion import needs_fashion
 from tests.service.helpers import b64, png, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,15 +43,7 @@ RECORD = ROOT / "offline" / "backbones" / "fashion-vit-s.json"
 PER_CLASS = 50  # test images sent per class
 
 
-def _fashion_available() -> bool:
-    try:
-        data_mod.fashion_dir()
-        return True
-    except FileNotFoundError:
-        return False
-
-
-pytestmark = pytest.mark.skipif(not _fashion_available(), reason="Fashion-MNIST missing: bash scripts/fetch_data.sh")
+pytestmark = needs_fashion
 
 
 def _backbone_artifact(out: Path) -> tuple[Path, dict]:

@@ -6,8 +6,7 @@ Checked on every answer: no 5xx, its status declared for the operation, its cont
 document declares (the error envelope for every 4xx/5xx). ``tests/reliability/test_fuzz.py`` fuzzes the
 classifiers alone; this one is the document's own check, zero-shot included, bounded to about 15 s on 2 busy cores.
 
-Cases are drawn with hypothesis from ``APIOperation.as_strategy`` (schemathesis' pytest loader reads a private
-attribute pytest 9 removed).
+Cases are drawn with hypothesis from ``APIOperation.as_strategy`` (``tests/fixtures/schema_fuzz.py`` says why).
 """
 
 from __future__ import annotations
@@ -19,19 +18,14 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    negative_data_rejection,
-    response_schema_conformance,
-    status_code_conformance,
-)
+from schemathesis.specs.openapi.checks import negative_data_rejection
 
 from service.main import create_app
+from tests.fixtures import schema_fuzz
 from tests.fixtures.tiny_artifact import make_tiny_clip_artifact
 from tests.service.helpers import settings_for
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CHECKS = schema_fuzz.CHECKS
 INFERENCE = ("POST /predict", "POST /zero-shot")
 # examples per operation and mode: the inference routes get more (two media types, many fields)
 MAX_EXAMPLES = {"POST /predict": 100, "POST /zero-shot": 100}
@@ -44,11 +38,7 @@ def api_schema(
 ) -> Iterator[schemathesis.BaseSchema]:
     zero_shot = make_tiny_clip_artifact(tmp_path_factory.mktemp("fuzz") / "tiny-clip")
     app = create_app(settings_for(artifacts["vit"], artifacts["bert"], zero_shot, max_items=4, max_text_chars=2000))
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
-    yield schema
-    from schemathesis.python import asgi
-
-    asgi.shutdown_lifespans()  # the first call started the lifespan (models loaded and warm): stop the workers
+    yield from schema_fuzz.asgi_schema(app)
 
 
 def operations(schema: schemathesis.BaseSchema) -> list[str]:
@@ -80,24 +70,8 @@ CASES += [(op, GenerationMode.NEGATIVE) for op in INFERENCE]
 def test_every_answer_is_declared_and_matches_its_schema(
     api_schema: schemathesis.BaseSchema, label: str, mode: GenerationMode
 ) -> None:
-    operation = api_schema.find_operation_by_label(label)
-    assert operation is not None, label
-    seen: dict[int, int] = {}
     checks = CHECKS + [negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
-
-    @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(
-        max_examples=MAX_EXAMPLES.get(label, OTHERS),
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=list(HealthCheck),
-    )
-    def run(case: schemathesis.Case) -> None:
-        response = case.call_and_validate(checks=checks)
-        seen[response.status_code] = seen.get(response.status_code, 0) + 1
-
-    run()
+    seen = schema_fuzz.status_counts(api_schema, label, mode, MAX_EXAMPLES.get(label, OTHERS), checks)
     assert seen and max(seen) < 500, seen
     if mode is GenerationMode.NEGATIVE:
         assert all(400 <= code < 500 for code in seen), seen
