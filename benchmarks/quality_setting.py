@@ -18,8 +18,6 @@ from offline import train as train_mod
 from offline.config import BaseModelConfig, BuildConfig, DataConfig, HydraConfig
 from offline.families import FamilyAdapter, get_adapter
 from offline.stages import (
-    FASHION_MEAN,
-    FASHION_STD,
     batches_of,
     circuit_batches,
     concat,
@@ -27,6 +25,7 @@ from offline.stages import (
     sample_indices,
     take,
 )
+from offline.stages.data import fashion_vit_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = ROOT / ".cache" / "benchmarks"
@@ -211,16 +210,7 @@ def prepare(spec: Spec, cache_dir: Path = DEFAULT_CACHE, progress: bool = True) 
     data = load_data(cfg)
     adapter = get_adapter(spec.family)
     if spec.family == "vit":
-        prep = {
-            "type": "image",
-            "size": [28, 28],
-            "mean": [FASHION_MEAN],
-            "std": [FASHION_STD],
-            "interpolation": "bilinear",
-            "channels": 1,
-            "resize": "direct",
-        }
-        tok = None
+        prep, tok = fashion_vit_prep(), None
     else:
         from transformers import AutoTokenizer
 
