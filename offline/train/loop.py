@@ -30,13 +30,10 @@ from .schedule import make_optimizer, make_scheduler
 
 Forward = Callable[[nn.Module, Batch], torch.Tensor]  # (model, batch) -> logits (B, C)
 
-_LATER_FIELDS = {  # fields added after checkpoints existed, and their defaults
-    "precision": "fp32",
-    "crop_scale": 1.0,
-    "distill_weight": 0.0,
-    "distill_temperature": 1.0,
-    "last_blocks": 0,
-}
+# fields added after runs were recorded (distillation, partial fine-tuning), and their defaults
+_RECIPE_FIELDS = {"distill_weight": 0.0, "distill_temperature": 1.0, "last_blocks": 0}
+# fields added after checkpoints existed, and their defaults
+_LATER_FIELDS = {"precision": "fp32", "crop_scale": 1.0, **_RECIPE_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -51,8 +48,7 @@ class Resume:
 def recorded(tcfg: TrainConfig) -> dict[str, Any]:
     """``tcfg`` as records keep it: every field, but those added later (distillation, partial fine-tuning) only
     when they are set, so the records of runs that predate them still read the same."""
-    later = {"distill_weight": 0.0, "distill_temperature": 1.0, "last_blocks": 0}
-    return {k: v for k, v in vars(tcfg).items() if k not in later or v != later[k]}
+    return {k: v for k, v in vars(tcfg).items() if k not in _RECIPE_FIELDS or v != _RECIPE_FIELDS[k]}
 
 
 def fingerprint(tcfg: TrainConfig, n: int, extra: Any) -> str:
