@@ -76,6 +76,9 @@ class DataConfig:
     # alarm); 0 = none. A user's data gives it at most the validation share (USER_EVAL_FRACTION)
     max_calibration: int = 2000
     seed: int = 0  # split seed
+    # ID test inputs copied under every corruption of the modality at three severities for the report's shift section
+    # (offline.shift: noise, blur, contrast, JPEG, rotation; typos, dropped words); 0 = no shift section
+    shift_inputs: int = 0
     # images: training-time augmentation of the base and the members: none | flip | crop | crop+flip (random resized
     # crops of data.crop_scale..1 of the area, then flips); default: the training preset's flips (and hydra.augment)
     augment: str | None = None
@@ -296,6 +299,8 @@ def _check_ranges(cfg: BuildConfig) -> None:
     for key in ("max_train", "max_val", "max_test", "max_ood"):
         if getattr(d, key) < 1:
             raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
+    if not isinstance(d.shift_inputs, int) or d.shift_inputs < 0:
+        raise ConfigError(f"data.shift_inputs must be an integer >= 0 (0: no shift section), got {d.shift_inputs!r}")
     if cfg.base.deep_ensemble == 1 or cfg.base.deep_ensemble < 0:
         raise ConfigError(f"base.deep_ensemble must be 0 (none) or >= 2 base models, got {cfg.base.deep_ensemble}")
     if h.calib_samples < 1 or h.finetune_steps < 0 or cfg.threads < 0:

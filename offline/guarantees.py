@@ -41,6 +41,8 @@ from service.core.conformal import (
 from service.core.drift import DriftMonitor
 from service.core.guarantees import GUARANTEES_FILE, outlier_oriented
 
+from .shift import SHIFT_PREFIX
+
 __all__ = [
     "GUARANTEES_FILE",
     "CalibrationOutputs",
@@ -353,9 +355,10 @@ def evaluate_guarantees(
 ) -> dict[str, Any]:
     """The report's guarantees section. ``by_method``: per method (Single, members, the Deep Ensemble, Hydra), its
     outputs at its own temperature with its own OOD statistics of the served score's family on ``calibration``,
-    ``val``, ``test`` and each ``ood:<set>``; ``thresholds``: each method's OOD threshold on its own validation
-    scores (the risk rules' cut). Each method gets its guarantees fitted on the calibration split as the served
-    model does; ``served`` also gets the Mondrian sets, the risk-coverage curve and the drift runs."""
+    ``val``, ``test``, each ``ood:<set>`` and each shifted copy ``shift:<copy>``; ``thresholds``: each method's OOD
+    threshold on its own validation scores (the risk rules' cut). Each method gets its guarantees fitted on the
+    calibration split as the served model does (and on each shifted copy its rule at the default risk);
+    ``served`` also gets the Mondrian sets, the risk-coverage curve and the drift runs."""
     out: dict[str, Any] = {"alphas": list(REPORT_ALPHAS), "method": g.method, "metric": metric, "methods": {}}
     for name, o in by_method.items():
         fitted = fit_guarantees(g, o["calibration"], o["val"], metric, thresholds[name], {})
@@ -366,6 +369,12 @@ def evaluate_guarantees(
             "selective": selective_table(fitted, metric, thresholds[name], o["test"]),
             "calibration_size": int(len(o["calibration"].labels)),
         }
+        shifted = {k[len(SHIFT_PREFIX) :]: v for k, v in o.items() if k.startswith(SHIFT_PREFIX)}
+        if shifted:  # the risk rule at the default target on each shifted copy (the report's shift section)
+            row["shift"] = {
+                k: next(r for r in selective_table(fitted, metric, thresholds[name], v) if r["risk"] == g.risk)
+                for k, v in shifted.items()
+            }
         if name == served:
             row["mondrian"] = coverage_table(fitted, o["test"], mondrian=True)
             row["risk_coverage"] = risk_coverage_curve(o["test"], metric, thresholds[name])

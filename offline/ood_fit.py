@@ -19,6 +19,8 @@ meant to: where an input lies among the classes, against where all ID inputs lie
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,16 +29,17 @@ from scipy.stats import spearmanr
 from sklearn.covariance import LedoitWolf
 
 from service.core.ood import (
+    LAYER_REDUCTIONS,
     GaussianStats,
     LayerStats,
     OODStats,
     combine,
     ensemble_scores,
     fit_norms,
-    layer_scores,
-    layers_max,
+    layer_pair_scores,
     mahalanobis,
     member_scores,
+    reduce_layers,
     standardize,
 )
 from service.core.uncertainty import OOD_METRICS, ood_flag, summarize
@@ -46,6 +49,7 @@ from .metrics import ood_metrics
 
 __all__ = [
     "LAYERS",
+    "LayerChoice",
     "Run",
     "background_stats",
     "base_score",
@@ -56,6 +60,8 @@ __all__ = [
     "fit_layer_stats",
     "fit_ood_stats",
     "layer_candidates",
+    "layer_candidate_name",
+    "parse_layer_candidate",
     "restrict_layers",
     "with_layers",
     "flag_rate",
@@ -116,7 +122,29 @@ def fit_gaussians(features: torch.Tensor, labels: torch.Tensor, classes: int) ->
 # one method's outputs on one set: logits (N, M, C), penultimate features (N, M, D) or None, layer features
 # (N, M, L-1, d) or None (offline.stages.data.collect)
 Run = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-LAYERS = "mahalanobis_layers"  # the multi-layer score; its candidates are named LAYERS@<ids> (layer_candidates)
+LAYERS = "mahalanobis_layers"  # the multi-layer score; its candidates are named LAYERS@<ids>[:<reduce>]
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """What ``mahalanobis_layers`` reads and how it combines it: the blocks ``ids`` and the reduction, one of
+    :data:`service.core.ood.LAYER_REDUCTIONS`."""
+
+    ids: tuple[int, ...]
+    reduce: str = "max"
+
+
+def layer_candidate_name(ids: Sequence[int], reduce: str = "max") -> str:
+    """``mahalanobis_layers@0,2`` (the largest column), ``mahalanobis_layers@0,2:mean``, ``...:members``."""
+    suffix = "" if reduce == "max" else f":{reduce}"
+    return f"{LAYERS}@{','.join(str(i) for i in ids)}{suffix}"
+
+
+def parse_layer_candidate(name: str) -> LayerChoice:
+    """The :class:`LayerChoice` of a :func:`layer_candidate_name`."""
+    spec = name.split("@", 1)[1]
+    ids, _, reduce = spec.partition(":")
+    return LayerChoice(tuple(int(i) for i in ids.split(",")), reduce or "max")
 
 
 # ----------------------------------------------------------------------------- statistics, selection, evaluation
@@ -143,10 +171,12 @@ def fit_layer_stats(
     val_layers: torch.Tensor,
     val_mahalanobis: torch.Tensor,
     ids: tuple[int, ...] | None = None,
+    reduce: str = "max",
 ) -> LayerStats:
     """:class:`service.core.ood.LayerStats` of layers ``ids`` (default: all): a Gaussian per (member, layer) on the fit
     split's layer features ``(N, M, L-1, d)``, the pairs' and the columns' norms on ID validation (``val_layers``;
-    ``val_mahalanobis (N',)``: the last feature's combined ``mahalanobis`` on the same inputs, column 0)."""
+    ``val_mahalanobis (N',)``: the last feature's combined ``mahalanobis`` on the same inputs, column 0); ``reduce``:
+    how the served score combines the columns."""
     ids = tuple(range(fit_layers.shape[2])) if ids is None else tuple(ids)
     N, M, _, d = fit_layers.shape
     k = len(ids)
@@ -157,12 +187,12 @@ def fit_layer_stats(
     per_layer = standardize(md, *pair_norms).view(n, M, k).mean(dim=1)  # (N', K), as service.core.ood.layer_scores
     cols = torch.cat([val_mahalanobis.to(torch.float64).unsqueeze(1), per_layer.to(torch.float64)], dim=1)
     column_norms = (cols.mean(0), cols.std(0).clamp_min(1e-12))
-    return LayerStats(ids, g, pair_norms, column_norms)
+    return LayerStats(ids, g, pair_norms, column_norms, reduce)
 
 
-def restrict_layers(stats: LayerStats, ids: tuple[int, ...]) -> LayerStats:
-    """The statistics of the layers ``ids`` (a subset of ``stats.ids``) out of ``stats``: Gaussians and norms are
-    per (member, layer) and per column, so a subset's are the corresponding slices."""
+def restrict_layers(stats: LayerStats, ids: tuple[int, ...], reduce: str = "max") -> LayerStats:
+    """The statistics of the layers ``ids`` (a subset of ``stats.ids``) out of ``stats``, combined by ``reduce``:
+    Gaussians and norms are per (member, layer) and per column, so a subset's are the corresponding slices."""
     pos = [stats.ids.index(i) for i in ids]
     k, M = len(stats.ids), stats.members
     pairs = [m * k + p for m in range(M) for p in pos]  # member-major, as LayerStats orders them
@@ -173,8 +203,9 @@ def restrict_layers(stats: LayerStats, ids: tuple[int, ...]) -> LayerStats:
         tuple(ids),
         sub,
         tuple(t[pairs] for t in stats.pair_norms),  # type: ignore[arg-type]
-        tuple(t[cols] for t in stats.column_norms),
-    )  # type: ignore[arg-type]
+        tuple(t[cols] for t in stats.column_norms),  # type: ignore[arg-type]
+        reduce,
+    )
 
 
 MAX_SCORE_LAYERS = 3  # the most layers mahalanobis_layers reads: its cost at batch 1 must not grow with depth
@@ -213,16 +244,18 @@ def scores_np(run: Run, stats: OODStats | None, T: float) -> dict:
 
 
 def layer_columns(run: Run, stats: OODStats, full: LayerStats, T: float) -> np.ndarray:
-    """The unstandardised columns of ``mahalanobis_layers`` for every layer of ``full`` ``(N, K+1)``: the last
-    feature's combined score, then each layer's; a candidate's score is the maximum of its columns standardised
-    (:func:`candidate_scores`), so each is computed once for all candidates."""
-    last = ensemble_scores(run[0], run[1], stats, T)["mahalanobis"]
-    return columns_of(last, run[2], full)
+    """The members' standardised columns of ``mahalanobis_layers`` for every layer of ``full`` ``(N, M, K+1)``
+    (:func:`service.core.ood.reduce_layers`' input): each member's last-feature score, then each layer's; a
+    candidate's score is its columns reduced (:func:`candidate_scores`), so each is computed once for all
+    candidates."""
+    logits, features, layers = run
+    per_member = member_scores(logits, features, stats.gaussians, T)["mahalanobis"]
+    return columns_of(standardize(per_member, *stats.norms["mahalanobis"]), layers, full)
 
 
 def columns_of(last: torch.Tensor, layers: torch.Tensor, full: LayerStats) -> np.ndarray:
-    """:func:`layer_columns` from the last feature's combined ``mahalanobis`` ``(N,)`` and the layer features."""
-    return torch.cat([last.to(torch.float64).unsqueeze(1), layer_scores(layers, full).to(torch.float64)], 1).numpy()
+    """:func:`layer_columns` from the members' standardised last-feature scores ``(N, M)`` and the layer features."""
+    return torch.cat([last.to(torch.float64).unsqueeze(2), layer_pair_scores(layers, full)], 2).numpy()
 
 
 def background_stats(fit: torch.Tensor, val: torch.Tensor) -> OODStats:
@@ -240,12 +273,23 @@ def label_free_scores(features: torch.Tensor, stats: OODStats) -> torch.Tensor:
     return combine(mahalanobis(features, stats.gaussians), *stats.norms["mahalanobis"])
 
 
-def candidate_scores(columns: np.ndarray, full: LayerStats, ids: tuple[int, ...]) -> np.ndarray:
-    """``mahalanobis_layers`` ``(N,)`` of the layer set ``ids`` from :func:`layer_columns`' ``(N, K+1)``."""
+def candidate_scores(columns: np.ndarray, full: LayerStats, ids: tuple[int, ...], reduce: str = "max") -> np.ndarray:
+    """``mahalanobis_layers`` ``(N,)`` of the layer set ``ids`` combined by ``reduce``, from :func:`layer_columns`'
+    ``(N, M, K+1)``."""
     sub = restrict_layers(full, ids)
     pos = [0] + [1 + full.ids.index(i) for i in ids]
-    cols = torch.from_numpy(columns[:, pos])
-    return layers_max(cols[:, 0], cols[:, 1:], sub.column_norms).numpy()
+    return reduce_layers(torch.from_numpy(columns[:, :, pos]), sub.column_norms, reduce).numpy()
+
+
+def layer_candidate_scores(columns: np.ndarray, full: LayerStats) -> dict[str, np.ndarray]:
+    """Every ``mahalanobis_layers`` candidate's scores ``(N,)`` by name: each layer set of :func:`layer_candidates`
+    with each reduction of :data:`service.core.ood.LAYER_REDUCTIONS` (``members`` only with several members)."""
+    reductions = [r for r in LAYER_REDUCTIONS if r != "members" or columns.shape[1] > 1]
+    return {
+        layer_candidate_name(ids, r): candidate_scores(columns, full, ids, r)
+        for ids in layer_candidates(len(full.ids))
+        for r in reductions
+    }
 
 
 def flag_rate(scores: np.ndarray, metric: str, threshold: float) -> float:

@@ -39,6 +39,7 @@ from PIL import Image, ImageFilter
 IMAGE_CORRUPTIONS = ("noise", "blur", "contrast", "jpeg", "rotation")
 TEXT_CORRUPTIONS = ("typos", "drop")
 SEVERITIES = (1, 2, 3)
+SHIFT_PREFIX = "shift:"  # a build's shifted copies among its evaluation sets: shift:<corruption>@<severity>
 
 NOISE_SIGMA = (0.08, 0.18, 0.38)  # ImageNet-C gaussian_noise levels 1, 3, 5
 BLUR_SIGMA_PER_28PX = (0.5, 1.0, 1.5)

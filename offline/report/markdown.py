@@ -9,6 +9,7 @@ from .by_class import per_class_section
 from .guarantees import guarantees_section
 from .id_tables import calibrated_section, id_section
 from .ood import ood_section, scores_section, selection_section, served_flag_section
+from .shift import shift_section
 from .values import fact_text
 
 # ``extra`` keys with a section of their own (not repeated in the build facts)
@@ -20,6 +21,7 @@ SECTION_KEYS = (
     "no_ood_data",
     "guarantees_report",
     "per_class",
+    "shift",
 )
 
 
@@ -47,7 +49,7 @@ def markdown(rows: list[dict], ood_kinds: dict[str, str], title: str, extra: dic
         md += ["", "## OOD detection", "", "This build had no OOD data: no OOD detection results.", ""]
     else:
         md += ood_section(rows, ood_kinds, score) + scores_section(rows, ood_kinds, served)
-    md += per_class_section(extra)
+    md += per_class_section(extra) + shift_section(extra)
     md += selection_section(extra) + served_flag_section(extra, ood_kinds) + guarantees_section(extra)
     md += _build_section(extra, plots)
     return "\n".join(md) + "\n"

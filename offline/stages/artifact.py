@@ -36,6 +36,7 @@ from .data import Batch, Batches, EvalSets, ZeroShotSets, prompt_batch
 from .evaluation import Evaluation
 from .guarantees import Guarantees
 from .members import Fused
+from .shift import shift_report
 
 __all__ = [
     "Exports",
@@ -226,6 +227,8 @@ def _ood_block(cal: Calibration, data: Data, scores: list[str], **extra: Any) ->
     }
     if layers is not None:
         spec["layers"] = list(layers.ids)
+        if layers.reduce != "max":  # written only when it differs from what older artifacts mean by its absence
+            spec["layers_reduce"] = layers.reduce
     return spec
 
 
@@ -278,9 +281,11 @@ def report_extra(ctx: BuildContext, cal: Calibration, evaluation: Evaluation, gu
         "served_flag": evaluation.served,
         "no_ood_data": not data.ood_val and not data.ood_test,
     }
-    if cal.layer_ids is not None:  # the blocks mahalanobis_layers reads: served, or the best layer set on validation
-        out["ood_layers"] = list(cal.layer_ids)
-    return {**out, **evaluation.extra, "guarantees_report": guarantees.report}
+    if cal.layers is not None:  # the blocks mahalanobis_layers reads: served, or the best layer set on validation
+        out["ood_layers"] = list(cal.layers.ids)
+        out["ood_layers_reduce"] = cal.layers.reduce
+    shift = shift_report(evaluation.shift, guarantees.report)
+    return {**out, **evaluation.extra, "guarantees_report": guarantees.report} | ({"shift": shift} if shift else {})
 
 
 def zero_shot_extra(
@@ -303,8 +308,9 @@ def zero_shot_extra(
         extra["guarantees_report"] = guarantees.report
     if cal.served is not None:
         extra.update(ood_candidates=c.candidates, ood_selected=c.selected or c.metric, served_flag=cal.served)
-        if c.layer_ids is not None:
-            extra["ood_layers"] = list(c.layer_ids)
+        if c.layers is not None:
+            extra["ood_layers"] = list(c.layers.ids)
+            extra["ood_layers_reduce"] = c.layers.reduce
     return extra
 
 

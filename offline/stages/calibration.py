@@ -8,7 +8,7 @@ to the ID images (:func:`calibrate_label_free`), since a request brings its own 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from service.core.ood import LayerStats, OODStats
+from service.core.ood import LayerStats, OODStats, mahalanobis, standardize
 from service.core.uncertainty import SUMMARY_SCORES, summarize
 from service.core.uncertainty import ood_score as ood_score_of
 
@@ -25,17 +25,19 @@ from ..config import BuildConfig
 from ..foreign import foreign_images
 from ..ood_fit import (
     LAYERS,
+    LayerChoice,
     Run,
     background_stats,
     base_score,
-    candidate_scores,
     columns_of,
     fit_layer_stats,
     fit_ood_stats,
     flag_rate,
     label_free_scores,
-    layer_candidates,
+    layer_candidate_name,
+    layer_candidate_scores,
     layer_columns,
+    parse_layer_candidate,
     restrict_layers,
     scores_np,
     select_score,
@@ -73,8 +75,8 @@ class Calibration:
     stats: OODStats | None = None  # the statistics of the logit and feature scores (classifiers)
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)  # every score's validation figures
     forced: bool = False  # the config named the score
-    selected: str = ""  # the candidate served (metric, or mahalanobis_layers@<ids>: the layer set)
-    layer_ids: tuple[int, ...] | None = None  # the layer set of mahalanobis_layers: served, else the best candidate's
+    selected: str = ""  # the candidate served (metric, or mahalanobis_layers@<ids>[:<reduce>])
+    layers: LayerChoice | None = None  # what mahalanobis_layers reads and how: served, else the best candidate's
 
     def uncertainty(self) -> dict[str, Any]:
         """The manifest's ``uncertainty`` block."""
@@ -91,21 +93,15 @@ def forced_score(cfg: BuildConfig) -> str | None:
     return None if cfg.calibration.ood_score == "auto" else cfg.calibration.ood_score
 
 
-def layer_candidate_name(ids: Sequence[int]) -> str:
-    """``mahalanobis_layers@0,2``: the multi-layer score reading layers 0 and 2."""
-    return f"{LAYERS}@{','.join(str(i) for i in ids)}"
-
-
-def best_layers(candidates: dict[str, dict[str, Any]], selected: str) -> tuple[int, ...] | None:
-    """The layer set of the served candidate when it is ``mahalanobis_layers``, else the best layer candidate's on
-    validation (the report shows what the layers would give); None without layer candidates."""
+def best_layers(candidates: dict[str, dict[str, Any]], selected: str) -> LayerChoice | None:
+    """The layer set and reduction of the served candidate when it is ``mahalanobis_layers``, else the best layer
+    candidate's on validation (the report shows what the layers would give); None without layer candidates."""
     if base_score(selected) == LAYERS:
-        return tuple(int(i) for i in selected.split("@", 1)[1].split(","))
+        return parse_layer_candidate(selected)
     names = [n for n in candidates if base_score(n) == LAYERS]
     if not names:
         return None
-    best = max(names, key=lambda n: (candidates[n]["val_mean_recall"] or 0.0, -names.index(n)))
-    return tuple(int(i) for i in best.split("@", 1)[1].split(","))
+    return parse_layer_candidate(max(names, key=lambda n: (candidates[n]["val_mean_recall"] or 0.0, -names.index(n))))
 
 
 def _served(
@@ -122,14 +118,14 @@ def _served(
     forced = forced_score(cfg)
     selected, candidates = select_score(id_val, ood_val, cfg.calibration.tpr, forced)
     metric = base_score(selected)
-    layer_ids = best_layers(candidates, selected)
-    if metric == LAYERS and layers is not None and stats is not None:
-        stats = with_layers(stats, restrict_layers(layers, layer_ids))  # type: ignore[arg-type]
+    choice = best_layers(candidates, selected)
+    if metric == LAYERS and layers is not None and stats is not None and choice is not None:
+        stats = with_layers(stats, restrict_layers(layers, choice.ids, choice.reduce))
     c = candidates[selected]
     recall = c["val_mean_recall"] or 0.0
     tpr = cfg.calibration.tpr
     return Calibration(
-        temperature, metric, c["threshold"], tpr, recall, stats, candidates, forced is not None, selected, layer_ids
+        temperature, metric, c["threshold"], tpr, recall, stats, candidates, forced is not None, selected, choice
     )
 
 
@@ -152,13 +148,9 @@ def calibrate_ood(ctx: BuildContext, fn: Callable[[Batch], Any], runs: dict[str,
     full = None
     if stats is not None and val_layers is not None and fit[2] is not None and val_layers.shape[2] > 0:
         full = fit_layer_stats(fit[2], y_fit, classes, val_layers, torch.from_numpy(id_val["mahalanobis"]))
-        columns = {"": layer_columns(hydra, stats, full, T)}
-        columns |= {name: layer_columns(run, stats, full, T) for name, run in ood_val.items()}
-        for ids in layer_candidates(val_layers.shape[2]):
-            name = layer_candidate_name(ids)
-            id_val[name] = candidate_scores(columns[""], full, ids)
-            for set_name in ood:
-                ood[set_name][name] = candidate_scores(columns[set_name], full, ids)
+        id_val |= layer_candidate_scores(layer_columns(hydra, stats, full, T), full)
+        for name, run in ood_val.items():
+            ood[name] |= layer_candidate_scores(layer_columns(run, stats, full, T), full)
     return _served(cfg, T, id_val, ood, stats, full)
 
 
@@ -247,10 +239,9 @@ def calibrate_label_free(
     if val[1] is not None and fit[1] is not None and val[1].shape[2] > 0:
         zeros = torch.zeros(fit[1].shape[0], dtype=torch.int64)
         full = fit_layer_stats(fit[1], zeros, 1, val[1], torch.from_numpy(scores["val"]["mahalanobis"]))
-        for name, (_, layers) in runs.items():
-            cols = columns_of(torch.from_numpy(scores[name]["mahalanobis"]), layers, full)
-            for ids in layer_candidates(val[1].shape[2]):
-                scores[name][layer_candidate_name(ids)] = candidate_scores(cols, full, ids)
+        for name, (emb, layers) in runs.items():
+            last = standardize(mahalanobis(emb, stats.gaussians), *stats.norms["mahalanobis"])  # type: ignore[arg-type]
+            scores[name] |= layer_candidate_scores(columns_of(last, layers, full), full)
     ood_val = {name[7:]: v for name, v in scores.items() if name.startswith("oodval:")}
     return _served(cfg, temperature, scores["val"], ood_val, stats, full), scores
 

@@ -32,6 +32,7 @@ from ..config import BuildConfig, ConfigError
 from ..data import Data
 from ..foreign import foreign_images
 from ..ood_fit import Run
+from ..shift import SEVERITIES, SHIFT_PREFIX, corrupt, corruptions
 from .context import BuildContext
 
 __all__ = [
@@ -56,12 +57,14 @@ __all__ = [
     "load_data",
     "prompt_batch",
     "sample_indices",
+    "shift_sets",
     "take",
     "with_features",
     "zero_shot_sets",
 ]
 
 EVAL_BATCH = 128
+SHIFT_SEED = 0  # the corruptions' seed: every build corrupts the same inputs the same way
 EVAL_MAX_PIXELS = train_mod.IMAGE_FILE_LIMIT  # the builder's own images: one limit for training and evaluation
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530  # Fashion-MNIST pixel statistics (the demo settings' normalisation)
 Batch = dict[str, torch.Tensor]
@@ -220,15 +223,17 @@ class EvalSets:
     ood_val: dict[str, Batches] = field(default_factory=dict)  # the OOD validation sets: the served score's choice
     test_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # (N,) in batch order
     latency: Batch = field(default_factory=dict)  # the first 8 test inputs in their own order: the latency batch
+    shift: dict[str, Batches] = field(default_factory=dict)  # corrupted copies of ID test inputs (shift_sets)
 
     def named(self) -> dict[str, Batches]:
         """The sets every method runs on, by name: ``test``, ``ood:<name>``, ``val``, ``fit``, ``calibration``,
-        ``foreign`` (those the build has)."""
+        ``foreign``, ``shift:<corruption>@<severity>`` (those the build has)."""
         out = {"test": self.test, **{f"ood:{k}": v for k, v in self.ood_test.items()}}
         out |= {"val": self.val} if self.val is not None else {}
         out |= {"fit": self.fit} if self.fit else {}
         out |= {"calibration": self.calibration} if self.calibration else {}
-        return out | ({"foreign": self.foreign} if self.foreign else {})
+        out |= {"foreign": self.foreign} if self.foreign else {}
+        return out | {SHIFT_PREFIX + k: v for k, v in self.shift.items()}
 
     def labels(self, name: str) -> torch.Tensor:
         return torch.cat([y for _, y in self.named()[name]])
@@ -253,7 +258,24 @@ def eval_sets(ctx: BuildContext) -> EvalSets:
         ood_val={name: unlabelled(pre, x) for name, x in data.ood_val.items()},
         test_labels=data.test.labels[order],
         latency=eval_batches(pre, take(data.test.inputs, first), data.test.labels[:8], 8, sort=False)[0][0][0],
+        shift=shift_sets(ctx, pre),
     )
+
+
+def shift_sets(ctx: BuildContext, pre: ImagePreprocessor | TextPreprocessor) -> dict[str, Batches]:
+    """The report's shift section's sets (:mod:`offline.stages.shift`): the first ``data.shift_inputs`` ID test
+    inputs corrupted by every corruption of the modality at each severity (:mod:`offline.shift`), by
+    ``<corruption>@<severity>``, through the server's preprocessing ``pre``; empty when the config asks for none."""
+    n = min(ctx.config.data.shift_inputs, len(ctx.data.test.labels))
+    if n <= 0:
+        return {}
+    idx = np.arange(n)
+    inputs, labels = take(ctx.data.test.inputs, idx), ctx.data.test.labels[idx]
+    return {
+        f"{kind}@{s}": eval_batches(pre, corrupt(inputs, kind, s, SHIFT_SEED, ctx.data.modality), labels)[0]
+        for kind in corruptions(ctx.data.modality)
+        for s in SEVERITIES
+    }
 
 
 def unlabelled(

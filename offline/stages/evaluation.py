@@ -24,7 +24,16 @@ from service.core.uncertainty import SUMMARY_SCORES, ood_flag
 from ..calibration import fit_temperature
 from ..foreign import foreign_images
 from ..metrics import evaluate_predictions
-from ..ood_fit import Run, detection, fit_layer_stats, fit_ood_stats, flag_rate, member_agreement, scores_np
+from ..ood_fit import (
+    LayerChoice,
+    Run,
+    detection,
+    fit_layer_stats,
+    fit_ood_stats,
+    flag_rate,
+    member_agreement,
+    scores_np,
+)
 from ..ood_fit import with_layers as with_layer_stats
 from ..progress import bar as progress_bar
 from ..report import measure_latency
@@ -32,6 +41,7 @@ from .calibration import Calibration, ZeroShotCalibration
 from .context import BuildContext
 from .data import Batch, EvalSets, ZeroShotSets, collect, collect_logits, with_features
 from .members import Fused, Members
+from .shift import shift_metrics
 
 __all__ = [
     "Evaluation",
@@ -94,6 +104,7 @@ class Evaluation:
     plots: dict[str, Any]
     served: dict[str, Any] | None  # the served OOD flag on the test sets (None: a zero-shot probability score)
     extra: dict[str, Any] = field(default_factory=dict)  # more facts the report shows next to its tables
+    shift: dict[str, Any] = field(default_factory=dict)  # per method, its figures on each shifted copy (shift_metrics)
 
 
 # ----------------------------------------------------------------------------- running every method
@@ -197,25 +208,27 @@ def calibrated_metrics(m: Method, y_val: torch.Tensor, y_test: np.ndarray) -> di
 
 
 def method_stats(
-    m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int, layer_ids: tuple[int, ...] | None = None
+    m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int, layers: LayerChoice | None = None
 ) -> tuple[float, OODStats | None]:
     """The method's own temperature (fitted on ID validation) and OOD statistics (Gaussians on the fit split, norms
-    on validation; ``layer_ids``: the layer set of ``mahalanobis_layers``, Hydra's): the same treatment as Hydra's."""
+    on validation; ``layers``: what ``mahalanobis_layers`` reads and how, Hydra's): the same treatment as Hydra's."""
     (val_l, val_f, val_layers), (_, fit_f, fit_layers) = m.runs["val"], m.runs["fit"]
     T = fit_temperature(val_l, y_val)
     stats = fit_ood_stats(fit_f, y_fit, classes, val_l, val_f, T) if fit_f is not None else None
-    if stats is not None and layer_ids and fit_layers is not None and val_layers is not None:
+    if stats is not None and layers and fit_layers is not None and val_layers is not None:
         val_md = torch.from_numpy(scores_np((val_l, val_f, None), stats, T)["mahalanobis"])
-        stats = with_layer_stats(stats, fit_layer_stats(fit_layers, y_fit, classes, val_layers, val_md, layer_ids))
+        reduce = layers.reduce if val_layers.shape[1] > 1 else "max"  # one member: its largest column
+        fitted = fit_layer_stats(fit_layers, y_fit, classes, val_layers, val_md, layers.ids, reduce)
+        stats = with_layer_stats(stats, fitted)
     return T, stats
 
 
 def ood_detection(
-    m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int, layer_ids: tuple[int, ...] | None = None
+    m: Method, y_fit: torch.Tensor, y_val: torch.Tensor, classes: int, layers: LayerChoice | None = None
 ) -> dict[str, Any]:
     """Every OOD score of the method (:func:`method_stats`) and its detection quality per OOD test set: Single and
     the members with the same scores as Hydra."""
-    T, stats = method_stats(m, y_fit, y_val, classes, layer_ids)
+    T, stats = method_stats(m, y_fit, y_val, classes, layers)
     id_scores = scores_np(m.runs["test"], stats, T)
     ood = {k[4:]: scores_np(v, stats, T) for k, v in m.runs.items() if k.startswith("ood:")}
     return detection(id_scores, ood)
@@ -229,7 +242,7 @@ def evaluate(
     metric: str,
     latency: tuple[Batch, Batch],
     classes: int | None = None,
-    layer_ids: tuple[int, ...] | None = None,
+    layers: LayerChoice | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Report rows and the plots' data. Each row: the metrics at the method's temperature (scored with the probability
     score ``metric``), size, latency on the ``latency`` batches of 1 and 8 inputs; with validation outputs also the
@@ -247,7 +260,7 @@ def evaluate(
         if sets.val is not None:
             row["calibrated"] = calibrated_metrics(m, sets.labels("val"), y_test)
         if sets.fit is not None and sets.val is not None and classes is not None:
-            row["ood_scores"] = ood_detection(m, sets.labels("fit"), sets.labels("val"), classes, layer_ids)
+            row["ood_scores"] = ood_detection(m, sets.labels("fit"), sets.labels("val"), classes, layers)
         row["params"] = m.params
         row["latency_ms"] = {
             "batch1": measure_latency(lambda f=m.fn: f(one)),
@@ -290,7 +303,7 @@ def evaluate_classifier(ctx: BuildContext, methods: dict[str, Method], sets: Eva
     metric = cal.metric if cal.metric in SUMMARY_SCORES else "msp"  # the main rows' score: a probability score
     latency = ({k: v[:1] for k, v in sets.latency.items()}, sets.latency)
     classes = len(data.class_names)
-    rows, plots = evaluate(methods, sets, sets.test_labels, ood_kinds, metric, latency, classes, cal.layer_ids)
+    rows, plots = evaluate(methods, sets, sets.test_labels, ood_kinds, metric, latency, classes, cal.layers)
     served, plots["served"] = served_flag(hydra, cal)
     ood_all = [hydra.runs[k] for k in hydra.runs if k.startswith("ood:")]
     agreement: dict[str, float] = {}
@@ -305,7 +318,7 @@ def evaluate_classifier(ctx: BuildContext, methods: dict[str, Method], sets: Eva
         }
         served["foreign"] = float(np.mean(flags))
     ctx.timer.lap("evaluation")
-    return Evaluation(rows, plots, served, {"member_rank_correlation_ood": agreement})
+    return Evaluation(rows, plots, served, {"member_rank_correlation_ood": agreement}, shift_metrics(methods, sets))
 
 
 def evaluate_zero_shot(

@@ -18,6 +18,7 @@ from ..calibration import calibrate_threshold
 from ..guarantees import CalibrationOutputs, Fitted, evaluate_guarantees, fit_guarantees
 from ..ood_fit import LAYERS, Run, scores_np
 from ..progress import stage as progress_stage
+from ..shift import SHIFT_PREFIX
 from .calibration import Calibration, ZeroShotCalibration
 from .context import BuildContext
 from .data import Batch, EvalSets, ZeroShotSets, collect_logits
@@ -68,10 +69,11 @@ def classifier_guarantees(
 def _every_method(
     ctx: BuildContext, methods: dict[str, Method], cal: Calibration, sets: EvalSets
 ) -> tuple[dict[str, dict[str, CalibrationOutputs]], dict[str, float]]:
-    """Every method's answers on the calibration split, validation, ID test and each OOD test set, at its own
+    """Every method's answers on the calibration split, validation, ID test, each OOD test set and each shifted copy
+    of ID test inputs, at its own
     temperature with its own OOD statistics (Hydra: the served ones), and its OOD threshold on validation."""
-    ids = cal.layer_ids if cal.metric == LAYERS else None
-    names = ["calibration", "val", "test", *(n for n in sets.named() if n.startswith("ood:"))]
+    layers = cal.layers if cal.metric == LAYERS else None
+    names = ["calibration", "val", "test", *(n for n in sets.named() if n.startswith(("ood:", SHIFT_PREFIX)))]
     classes = len(ctx.data.class_names)
     by_method, thresholds = {}, {}
     for name, m in methods.items():
@@ -80,7 +82,7 @@ def _every_method(
         if name == "hydra":
             T, stats = cal.temperature, cal.stats
         else:
-            T, stats = method_stats(m, sets.labels("fit"), sets.labels("val"), classes, ids)
+            T, stats = method_stats(m, sets.labels("fit"), sets.labels("val"), classes, layers)
         outs = {}
         for n in names:
             run = m.runs[n]

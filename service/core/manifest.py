@@ -312,6 +312,9 @@ class OODSpec(_OpenRecord):
     # which ID inputs the statistics were fitted on (provenance: the record of data.id.fit, in its own key order)
     fit: dict[str, Any] | None = None
     layers: list[int] | None = None  # mahalanobis_layers: the blocks whose pooled outputs it reads (0 = the first)
+    # mahalanobis_layers: how it combines its columns (service.core.ood.LAYER_REDUCTIONS; absent: "max"). The
+    # statistics file carries the same choice, which is what the server applies
+    layers_reduce: Literal["max", "mean", "members"] | None = None
     label_free: bool | None = None  # zero-shot: one Gaussian of the ID images, the same score for any labels
 
 

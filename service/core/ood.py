@@ -23,12 +23,15 @@ standard deviation), so members on different scales weigh the same.
   (``layer features (B, M, L-1, d)``); a class-conditional Gaussian is fitted per member and
   selected layer like the last feature's. Per layer the members' standardised distances are
   averaged; then the last feature's combined score and each selected layer's are standardised
-  once more on ID validation, and the input's score is the largest of them. Early layers see
+  once more on ID validation, and the input's score is the largest of them (``reduce="max"``). Early layers see
   low-level shifts (noise, blank frames, gradients, photographs) that the last feature, trained
   to separate the classes, maps next to some class; the last feature sees semantic shifts
   (other objects drawn like the classes) that early layers find typical. The maximum flags an
   input that any of them finds foreign; the layers it reads are chosen at build time on
-  validation data (:class:`LayerStats` ``ids``).
+  validation data (:class:`LayerStats` ``ids``), and so is how the columns are combined
+  (:data:`LAYER_REDUCTIONS`): the largest column (``max``), their mean (``mean``), or the mean over
+  members of each member's own largest standardised column (``members``: every member scores the
+  input as a one-member model would, and the ensemble averages the members' verdicts).
 
 Statistics (class means, precisions) are fitted at build time on ID features and
 stored in the artifact; :class:`GaussianStats` holds them for scoring. The
@@ -46,7 +49,10 @@ from .uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
 
 __all__ = [
     "FEATURE_SCORES",
+    "LAYER_REDUCTIONS",
     "LayerStats",
+    "layer_pair_scores",
+    "reduce_layers",
     "layer_scores",
     "layer_tensors",
     "layers_from_tensors",
@@ -200,6 +206,8 @@ def stats_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "gaussian
 HIGHER_IS_ID = OOD_METRICS
 FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")
 PER_MEMBER_SCORES = ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")
+# how mahalanobis_layers combines its columns (:func:`reduce_layers`); the index is what the artifact stores
+LAYER_REDUCTIONS = ("max", "mean", "members")
 
 
 @dataclass(frozen=True)
@@ -211,13 +219,15 @@ class LayerStats:
     (pair ``m·K + k`` is member ``m``'s layer ``ids[k]``). ``pair_norms``: mean and standard deviation ``(M·K,)`` of
     each pair's Mahalanobis score on ID validation inputs. ``column_norms``: mean and standard deviation ``(K+1,)`` of
     the combined columns on ID validation: column 0 the last feature's combined ``mahalanobis``, column ``1+k``
-    layer ``ids[k]``'s member mean of standardised scores.
+    layer ``ids[k]``'s member mean of standardised scores. ``reduce``: how the columns become one score, one of
+    :data:`LAYER_REDUCTIONS` (:func:`reduce_layers`).
     """
 
     ids: tuple[int, ...]
     gaussians: GaussianStats
     pair_norms: tuple[torch.Tensor, torch.Tensor]
     column_norms: tuple[torch.Tensor, torch.Tensor]
+    reduce: str = "max"
 
     def __post_init__(self) -> None:
         k = len(self.ids)
@@ -231,6 +241,8 @@ class LayerStats:
             )
         if list(self.ids) != sorted(set(self.ids)) or min(self.ids) < 0:
             raise ValueError(f"LayerStats.ids must be distinct, ascending and >= 0, got {list(self.ids)}")
+        if self.reduce not in LAYER_REDUCTIONS:
+            raise ValueError(f"LayerStats.reduce must be one of {list(LAYER_REDUCTIONS)}, got {self.reduce!r}")
 
     @property
     def members(self) -> int:
@@ -252,9 +264,9 @@ class OODStats:
     layers: LayerStats | None = None
 
 
-def layer_scores(layer_features: torch.Tensor, stats: LayerStats) -> torch.Tensor:
-    """Each selected layer's combined score ``(B, K)`` from the layer features ``(B, M, L-1, d)``: per (member,
-    layer) the Mahalanobis score standardised by ``pair_norms``, the mean over members (not yet ``column_norms``)."""
+def layer_pair_scores(layer_features: torch.Tensor, stats: LayerStats) -> torch.Tensor:
+    """Each (member, selected layer)'s Mahalanobis score standardised by ``pair_norms`` ``(B, M, K)``, from the layer
+    features ``(B, M, L-1, d)``."""
     B, M = layer_features.shape[:2]
     k = len(stats.ids)
     if M != stats.members or max(stats.ids) >= layer_features.shape[2]:
@@ -264,7 +276,13 @@ def layer_scores(layer_features: torch.Tensor, stats: LayerStats) -> torch.Tenso
         )
     f = layer_features[:, :, list(stats.ids)]  # (B, M, K, d)
     md = mahalanobis(f.reshape(B, M * k, f.shape[-1]), stats.gaussians)  # (B, M*K)
-    return standardize(md, *stats.pair_norms).view(B, M, k).mean(dim=1)  # (B, K)
+    return standardize(md, *stats.pair_norms).view(B, M, k)
+
+
+def layer_scores(layer_features: torch.Tensor, stats: LayerStats) -> torch.Tensor:
+    """Each selected layer's combined score ``(B, K)`` from the layer features ``(B, M, L-1, d)``: the members' mean of
+    :func:`layer_pair_scores` (not yet ``column_norms``)."""
+    return layer_pair_scores(layer_features, stats).mean(dim=1)
 
 
 def layers_max(
@@ -274,6 +292,25 @@ def layers_max(
     layers' ``layers (B, K)``, each column standardised by ``column_norms`` ``(K+1,)``."""
     cols = torch.cat([last.to(torch.float64).unsqueeze(1), layers.to(torch.float64)], dim=1)  # (B, K+1)
     return standardize(cols, *column_norms).max(dim=1).values
+
+
+def reduce_layers(columns: torch.Tensor, column_norms: tuple[torch.Tensor, torch.Tensor], reduce: str) -> torch.Tensor:
+    """``mahalanobis_layers`` ``(B,)`` from the members' standardised columns ``(B, M, K+1)`` (column 0: each
+    member's standardised last-feature ``mahalanobis``, column ``1+k``: :func:`layer_pair_scores`' layer ``k``).
+
+    ``max`` / ``mean``: the members' mean per column (the combined columns), each standardised by ``column_norms``,
+    then their largest or their mean. ``members``: each member's largest column (a one-member model's ``max``: its
+    columns are already on the ID validation scale), averaged over the members.
+    """
+    cols = columns.to(torch.float64)
+    if reduce == "members":
+        return cols.max(dim=2).values.mean(dim=1)
+    z = standardize(cols.mean(dim=1), *column_norms)  # (B, K+1)
+    if reduce == "max":
+        return z.max(dim=1).values
+    if reduce == "mean":
+        return z.mean(dim=1)
+    raise ValueError(f"unknown layer reduction {reduce!r}; known: {list(LAYER_REDUCTIONS)}")
 
 
 def member_scores(
@@ -308,9 +345,9 @@ def ensemble_scores(
     the members disagree on counts as more foreign than its distance alone says; ``mahalanobis_energy`` adds the
     combined energy (a feature-space distance and a logit-space score, in the spirit of ViM, Wang et al. 2022:
     inputs far from the classes' features but given confident logits, and the reverse); ``mahalanobis_layers``
-    (with ``layer_features`` ``(B, M, L-1, d)`` and ``stats.layers``) the largest of the last feature's and the
-    selected layers' standardised scores (:func:`layers_max`). Without ``stats`` only the probability scores are
-    given.
+    (with ``layer_features`` ``(B, M, L-1, d)`` and ``stats.layers``) the last feature's and the selected layers'
+    standardised scores combined as ``stats.layers.reduce`` says (:func:`reduce_layers`). Without ``stats`` only the
+    probability scores are given.
     """
     s = summary if summary is not None else summarize(logits, temperature)
     out = {k: s[k].to(torch.float64) for k in SUMMARY_SCORES}
@@ -326,9 +363,9 @@ def ensemble_scores(
     if "mahalanobis" in out and "energy" in out:  # feature space and logit space: each catches what the other misses
         out["mahalanobis_energy"] = out["mahalanobis"] + out["energy"]
     if "mahalanobis" in out and stats.layers is not None and layer_features is not None:
-        out["mahalanobis_layers"] = layers_max(
-            out["mahalanobis"], layer_scores(layer_features, stats.layers), stats.layers.column_norms
-        )
+        last = standardize(per_member["mahalanobis"], *stats.norms["mahalanobis"]).unsqueeze(2)  # (B, M, 1)
+        columns = torch.cat([last, layer_pair_scores(layer_features, stats.layers)], dim=2)  # (B, M, K+1)
+        out["mahalanobis_layers"] = reduce_layers(columns, stats.layers.column_norms, stats.layers.reduce)
     return out
 
 
@@ -351,6 +388,7 @@ def layer_tensors(stats: LayerStats, prefix: str = "layers.") -> dict[str, torch
         prefix + "pair_norms.std": stats.pair_norms[1].contiguous(),
         prefix + "column_norms.mean": stats.column_norms[0].contiguous(),
         prefix + "column_norms.std": stats.column_norms[1].contiguous(),
+        prefix + "reduce": torch.tensor([LAYER_REDUCTIONS.index(stats.reduce)], dtype=torch.int64),
     }
 
 
@@ -359,12 +397,16 @@ def layers_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "layers.
     if prefix + "ids" not in tensors:
         return None
     f64 = lambda k: tensors[prefix + k].to(torch.float64)  # noqa: E731
+    reduce = tensors.get(prefix + "reduce")  # absent in artifacts written before the choice: the largest column
+    if reduce is not None and not 0 <= int(reduce.flatten()[0]) < len(LAYER_REDUCTIONS):
+        raise ValueError(f"OOD statistics name an unknown layer reduction {int(reduce.flatten()[0])}")
     try:
         return LayerStats(
             ids=tuple(int(i) for i in tensors[prefix + "ids"].tolist()),
             gaussians=stats_from_tensors(tensors, prefix + "gaussian."),
             pair_norms=(f64("pair_norms.mean"), f64("pair_norms.std")),
             column_norms=(f64("column_norms.mean"), f64("column_norms.std")),
+            reduce="max" if reduce is None else LAYER_REDUCTIONS[int(reduce.flatten()[0])],
         )
     except KeyError as e:
         raise ValueError(f"OOD statistics lack {e}") from e

@@ -191,8 +191,10 @@ def test_layer_candidates_equal_the_served_score_on_their_restricted_statistics(
     run = (logits[new], feats[new], layers[new])
     cols = layer_columns(run, stats, full, 1.0)
     for ids in layer_candidates(3):
-        served = scores_np(run, with_layers(stats, restrict_layers(full, ids)), 1.0)["mahalanobis_layers"]
-        np.testing.assert_allclose(candidate_scores(cols, full, ids), served, rtol=0, atol=1e-12)
+        for reduce in ("max", "mean", "members"):
+            restricted = with_layers(stats, restrict_layers(full, ids, reduce))
+            served = scores_np(run, restricted, 1.0)["mahalanobis_layers"]
+            np.testing.assert_allclose(candidate_scores(cols, full, ids, reduce), served, rtol=0, atol=1e-12)
     # a layer set fitted on its own equals the restriction of the full fit
     alone = fit_layer_stats(layers[fit], y[fit], 3, layers[val], val_md, ids=(0, 2))
     again = restrict_layers(full, (0, 2))
@@ -214,6 +216,48 @@ def test_layers_score_is_the_largest_standardised_column():
     assert layers_max(last, layers, norms).tolist() == [2.0, 4.5]
 
 
+def test_layer_reductions_known_answers():
+    """Columns (B=1, M=2, K+1=3), member-standardised: ``max`` / ``mean`` standardise the members' mean per column by
+    the column norms, then take the largest / the mean; ``members`` averages each member's largest column."""
+    from service.core.ood import layers_max, reduce_layers
+
+    cols = torch.tensor([[[1.0, 0.0, 4.0], [3.0, 2.0, -2.0]]], dtype=torch.float64)  # member means: [2, 1, 1]
+    norms = (torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64), torch.tensor([1.0, 1.0, 0.5], dtype=torch.float64))
+    # standardised member means: [2, 0, 2]
+    assert reduce_layers(cols, norms, "max").tolist() == [2.0]
+    assert reduce_layers(cols, norms, "mean").tolist() == [4.0 / 3.0]
+    assert reduce_layers(cols, norms, "members").tolist() == [3.5]  # members' largest: 4 and 3
+    means = cols.mean(dim=1)
+    assert reduce_layers(cols, norms, "max").tolist() == layers_max(means[:, 0], means[:, 1:], norms).tolist()
+    with pytest.raises(ValueError, match="unknown layer reduction"):
+        reduce_layers(cols, norms, "median")
+
+
+def test_layer_candidate_names_round_trip():
+    from offline.ood_fit import LayerChoice, layer_candidate_name, parse_layer_candidate
+
+    assert layer_candidate_name((0, 2)) == "mahalanobis_layers@0,2"  # the largest column: the name older reports use
+    assert layer_candidate_name((1,), "members") == "mahalanobis_layers@1:members"
+    for ids, reduce in (((0, 2), "max"), ((3,), "mean"), ((0, 1, 2), "members")):
+        assert parse_layer_candidate(layer_candidate_name(ids, reduce)) == LayerChoice(ids, reduce)
+
+
+def test_every_layer_reduction_is_a_candidate_and_members_needs_several():
+    from offline.ood_fit import fit_layer_stats, fit_ood_stats, layer_candidate_scores, layer_columns, scores_np
+
+    logits, feats, layers, y = _layer_data()
+    fit, val = slice(0, 120), slice(120, 240)
+    for m in (2, 1):
+        stats = fit_ood_stats(feats[fit, :m], y[fit], 3, logits[val, :m], feats[val, :m], 1.0)
+        md = torch.from_numpy(scores_np((logits[val, :m], feats[val, :m], None), stats, 1.0)["mahalanobis"])
+        full = fit_layer_stats(layers[fit, :m], y[fit], 3, layers[val, :m], md)
+        run = (logits[val, :m], feats[val, :m], layers[val, :m])
+        names = set(layer_candidate_scores(layer_columns(run, stats, full, 1.0), full))
+        reductions = {n.partition(":")[2] or "max" for n in names}
+        assert reductions == ({"max", "mean", "members"} if m == 2 else {"max", "mean"})
+        assert len(names) == 7 * len(reductions)
+
+
 def test_layer_statistics_round_trip_and_shapes_are_checked(tmp_path):
     from offline.ood_fit import fit_layer_stats
     from service.core.ood import LayerStats, layer_scores, layer_tensors, layers_from_tensors
@@ -228,3 +272,12 @@ def test_layer_statistics_round_trip_and_shapes_are_checked(tmp_path):
         layer_scores(layers[:7, :1], st)  # one member, statistics of two
     with pytest.raises(ValueError, match="norms must be"):
         LayerStats((1, 2), st.gaussians, st.pair_norms, (torch.zeros(2), torch.ones(2)))
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        LayerStats((1, 2), st.gaussians, st.pair_norms, st.column_norms, "median")
+    # the reduction travels with the statistics; files written before it was stored mean the largest column
+    members = fit_layer_stats(layers[:120], y[:120], 3, layers[120:], torch.zeros(120), ids=(1, 2), reduce="members")
+    tensors = layer_tensors(members)
+    assert layers_from_tensors(tensors).reduce == "members"  # type: ignore[union-attr]
+    assert layers_from_tensors({k: v for k, v in tensors.items() if k != "layers.reduce"}).reduce == "max"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="unknown layer reduction"):
+        layers_from_tensors({**tensors, "layers.reduce": torch.tensor([7])})

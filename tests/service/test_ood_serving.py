@@ -36,17 +36,19 @@ def ood_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="module", params=["vit", "bert"])
+@pytest.fixture(scope="module", params=[("vit", "max"), ("bert", "max"), ("vit", "members"), ("bert", "mean")])
 def layers_artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model whose served score is mahalanobis_layers (its layer features exported too)."""
-    family = request.param
+    """A tiny model whose served score is mahalanobis_layers (its layer features exported too), its columns
+    combined by each reduction the builder may choose."""
+    family, reduce = request.param
     return make_tiny_artifact(
-        tmp_path_factory.mktemp("layers") / family,
+        tmp_path_factory.mktemp("layers") / f"{family}-{reduce}",
         family,
         name=f"tiny-layers-{family}",
         ood=True,
         ood_score="mahalanobis_layers",
         ood_threshold=None,
+        layers_reduce=reduce,
     )
 
 
@@ -112,6 +114,7 @@ def test_layer_score_served_equals_the_builders_in_every_backend(layers_artifact
     with torch.inference_mode():
         outs = model(**pre.collate(items))
     stats = ood_from_tensors(load_file(str(layers_artifact / "ood.safetensors")))
+    assert stats.layers is not None and stats.layers.reduce == (m.ood.layers_reduce or "max")
     want = scores_np(tuple(outs), stats, m.uncertainty.temperature)
     app = create_app(settings_for(layers_artifact, backend=backend))
     with TestClient(app) as c:
