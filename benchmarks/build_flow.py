@@ -33,6 +33,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tests.fixtures.tiny_bert import tiny_bert_config
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("service", "offline")
 WORDS = {
@@ -54,22 +56,14 @@ def project_file(filename: str) -> str | None:
 def user_files(folder: Path) -> tuple[Path, Path]:
     """A tiny random BERT classifier saved with its tokenizer, and a CSV of 60 labelled texts."""
     import torch
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertForSequenceClassification, BertTokenizerFast
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocab += sorted({w for texts in WORDS.values() for t in texts for w in t.split()})
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
     tok = BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
     torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_labels=1000,
-        max_position_embeddings=64,
-    )
+    config = tiny_bert_config(vocab_size=len(vocab), num_hidden_layers=3, num_labels=1000)
     ckpt = folder / "ckpt"
     BertForSequenceClassification(config).save_pretrained(ckpt)
     tok.save_pretrained(ckpt)

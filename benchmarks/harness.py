@@ -10,8 +10,8 @@ that run a real server (``tests/reliability``). Only 127.0.0.1 is ever used: not
 * the bodies: :func:`payload` (one ``/predict`` body of an artifact's modality);
 * the scripts' common frame: :func:`add_artifact_arguments` and :func:`open_artifact` (``--artifact DIR`` or
   ``--tiny FAMILY``, a tiny random artifact built by the test fixtures), :func:`open_run` (a work folder, the
-  artifact and one request body), :func:`machine`, :func:`write_result`,
-  :func:`print_checks`.
+  artifact and one request body), :func:`result_head` (a result's command and artifact), :func:`machine`,
+  :func:`write_result`, :func:`print_checks`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import io
 import json
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -58,6 +59,7 @@ __all__ = [
     "print_checks",
     "request",
     "open_run",
+    "result_head",
     "rss_mb",
     "server_env",
     "serving",
@@ -319,6 +321,18 @@ def open_run(
     tmp = tempfile.TemporaryDirectory(prefix=prefix)
     artifact, manifest = open_artifact(args, Path(tmp.name))
     return tmp, artifact, manifest, json.dumps(payload(manifest)).encode()
+
+
+def result_head(
+    script: str, argv: list[str] | None, name: str, args: argparse.Namespace, shown: Path
+) -> dict[str, str]:
+    """A load script's result begins with these: the command that ran ``benchmarks.<script>`` (``argv``, else this
+    process's arguments), the artifact's ``name``, and what was served (the tiny family, else ``shown``)."""
+    return {
+        "command": f"python -m benchmarks.{script} " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        "name": name,
+        "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(shown),
+    }
 
 
 def machine() -> dict[str, Any]:

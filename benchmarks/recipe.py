@@ -200,17 +200,10 @@ def markdown(rows: list[dict[str, Any]], config: str, machine: str) -> str:
         "| ECE Deep Ens. own T | build s |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    calibration = ("acc", "ece_hydra", "ece_single", "ece_hydra_ts", "ece_single_ts", "ece_deep_ensemble_ts")
     for r in rows:
-        cells = [
-            r["variant"],
-            _pct(r["acc"]),
-            _pct(r["ece_hydra"]),
-            _pct(r["ece_single"]),
-            _pct(r["ece_hydra_ts"]),
-            _pct(r["ece_single_ts"]),
-            _pct(r.get("ece_deep_ensemble_ts")),
-            "–" if r["build_s"] is None else f"{r['build_s']:.0f}",
-        ]
+        build_s = "–" if r["build_s"] is None else f"{r['build_s']:.0f}"
+        cells = [r["variant"], *(_pct(r.get(k)) for k in calibration), build_s]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -24,7 +24,7 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,24 +111,25 @@ def _save_figure(fig: Any, out: Path, name: str) -> str:
 
 
 def plots(out: Path, summary: dict) -> list[str]:
-    """PNG plots of the summary; returns their paths relative to ``out``."""
+    """PNG plots of the summary, one per part with rows; returns their paths relative to ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
 
     (out / "plots").mkdir(parents=True, exist_ok=True)
-    made = [_quality_plot(out, summary), _cost_plot(out, summary), _ablations_plot(out, summary)]
-    return [m for m in made if m is not None]
+    made = []
+    for part, key, order, draw in _PLOTS:
+        rows = summary.get(part, [])
+        present = [v for v in order if any(r[key] == v for r in rows)]
+        if present:
+            made.append(_save_figure(draw(rows, present), out, f"{part}.png"))
+    return made
 
 
-def _quality_plot(out: Path, summary: dict) -> str | None:
+def _quality_plot(quality: list[dict], settings: list[str]) -> Any:
     """Near- and far-OOD AUROC and ECE of every method (mean ± std over seeds), one row per setting."""
     import matplotlib.pyplot as plt
 
-    quality = summary.get("quality", [])
-    settings = [s for s in q.SETTINGS if any(r["setting"] == s for r in quality)]
-    if not settings:
-        return None
     fig, axes = plt.subplots(len(settings), 3, figsize=(15, 3.8 * len(settings)), squeeze=False)
     for i, s in enumerate(settings):
         groups = group([r for r in quality if r["setting"] == s])
@@ -153,17 +154,13 @@ def _quality_plot(out: Path, summary: dict) -> str | None:
             ax.set_title(f"{s}: {title} (%)")
             lo = min(100 * m for m, _ in ms if math.isfinite(m)) if title != "ECE" else 0
             ax.set_xlim(max(0, lo - 5) if title != "ECE" else 0, None)
-    return _save_figure(fig, out, "quality.png")
+    return fig
 
 
-def _cost_plot(out: Path, summary: dict) -> str | None:
+def _cost_plot(cost: list[dict], layouts: list[str]) -> Any:
     """Latency of every method relative to Single (min), one panel per layout."""
     import matplotlib.pyplot as plt
 
-    cost = summary.get("cost", [])
-    layouts = [lay for lay in cost_mod.LAYOUTS if any(r["layout"] == lay for r in cost)]
-    if not layouts:
-        return None
     rat = cost_mod.ratios(cost, "single")
     fig, axes = plt.subplots(1, len(layouts), figsize=(4.5 * len(layouts), 3.8), squeeze=False)
     for ax, lay in zip(axes[0], layouts, strict=True):
@@ -186,19 +183,15 @@ def _cost_plot(out: Path, summary: dict) -> str | None:
         ax.set_xticks(x, [f"{d} {p}\nb{b}" for d, p, b in keys], fontsize=8)
         ax.set_title(f"{lay}: latency / Single (min)")
     axes[0][0].legend(fontsize=8)
-    return _save_figure(fig, out, "cost.png")
+    return fig
 
 
-def _ablations_plot(out: Path, summary: dict) -> str | None:
+def _ablations_plot(abl: list[dict], settings: list[str]) -> Any:
     """OOD AUROC, accuracy and MI on OOD along each ablation, one row per setting."""
     import matplotlib.pyplot as plt
 
-    abl = summary.get("ablations", [])
-    a_settings = [s for s in q.SETTINGS if any(r["setting"] == s for r in abl)]
-    if not a_settings:
-        return None
-    fig, axes = plt.subplots(len(a_settings), 3, figsize=(14, 3.5 * len(a_settings)), squeeze=False)
-    for i, s in enumerate(a_settings):
+    fig, axes = plt.subplots(len(settings), 3, figsize=(14, 3.5 * len(settings)), squeeze=False)
+    for i, s in enumerate(settings):
         for j, name in enumerate(("members", "heads_kept", "diversity")):
             rs = [r for r in abl if r["setting"] == s and r["ablation"] == name]
             ax = axes[i][j]
@@ -210,7 +203,16 @@ def _ablations_plot(out: Path, summary: dict) -> str | None:
             ax.set_xticks(x, [str(r["value"]) for r in rs])
             ax.set_title(f"{s}: {name}")
         axes[i][0].legend(fontsize=8, loc="lower right")
-    return _save_figure(fig, out, "ablations.png")
+    return fig
+
+
+# one plot per part: (the summary's rows, the key that picks a panel, the panels in their order, the drawing of the
+# rows on the panels present); the figure is written to plots/<part>.png
+_PLOTS: tuple[tuple[str, str, Sequence[str], Callable[[list[dict], list[str]], Any]], ...] = (
+    ("quality", "setting", q.SETTINGS, _quality_plot),
+    ("cost", "layout", cost_mod.LAYOUTS, _cost_plot),
+    ("ablations", "setting", q.SETTINGS, _ablations_plot),
+)
 
 
 # ----------------------------------------------------------------------------- main

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import errno
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -287,9 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     passed = all(checks.values())
     result = {
-        "command": "python -m benchmarks.sigterm_test " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "name": name,
-        "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(artifact),
+        **harness.result_head("sigterm_test", argv, name, args, artifact),
         "concurrency": args.concurrency,
         "load_seconds": args.load_seconds,
         "after_seconds": args.after_seconds,

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -236,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     checks["exit_status_0_on_sigterm"] = exit_status == 0
     shown = artifact.relative_to(harness.ROOT) if artifact.is_relative_to(harness.ROOT) else artifact
     result = {
-        "command": "python -m benchmarks.soak " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "name": name,
-        "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else str(shown),
+        **harness.result_head("soak", argv, name, args, shown),
         "clients": args.clients,
         "minutes": args.minutes,
         "warmup_minutes": args.warmup_minutes,

@@ -16,6 +16,7 @@ from offline.families.clip import split_heads
 from offline.fusion import fuse
 from offline.scoring import HiddenStateCache
 from service.core.registry import load_model
+from tests.fixtures.tiny_bert import tiny_bert_config
 
 EOT = 99  # the largest id of the tiny vocabulary, as <end_of_text> is in open_clip's
 # joint layers: 2 vision layers (4 heads), then 2 text layers (3 heads in CLIP, 4 in the HF tower);
@@ -54,16 +55,8 @@ def tiny_clip(quick_gelu: bool = True, vision: dict | None = None, **text) -> to
 
 def tiny_hf_clip(folder, pooler: str = "mean_pooler", proj: str | None = "mlp") -> torch.nn.Module:
     from open_clip.model import CustomTextCLIP
-    from transformers import BertConfig
 
-    BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    ).save_pretrained(folder)
+    tiny_bert_config(vocab_size=100, num_hidden_layers=2).save_pretrained(folder)
     torch.manual_seed(0)
     text_cfg = {
         "hf_model_name": str(folder),

@@ -10,19 +10,14 @@ import pytest
 import torch
 from PIL import Image
 
+from service.core.artifact import ImagePreprocessing
 from service.core.errors import InvalidInput, PayloadTooLarge, UnsupportedMediaType
 from service.core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from tests.service.helpers import b64, png
 
 GREY = {"type": "image", "size": [16, 16], "mean": [0.5], "std": [0.25], "interpolation": "bilinear", "channels": 1}
-RGB = {
-    "type": "image",
-    "size": [8, 12],
-    "mean": [0.1, 0.2, 0.3],
-    "std": [0.5, 0.25, 0.125],
-    "interpolation": "bicubic",
-    "channels": 3,
-}
+# the manifest's typed block, as the server hands it (GREY: the JSON form); RGB and the image type are its defaults
+RGB = ImagePreprocessing(size=(8, 12), mean=[0.1, 0.2, 0.3], std=[0.5, 0.25, 0.125], interpolation="bicubic")
 
 
 def huge_png_header(width: int, height: int) -> bytes:
@@ -51,10 +46,10 @@ def test_image_rgb_converted_and_resized():
     pre = ImagePreprocessor(RGB, max_pixels=10_000)
     x = pre(png(200, size=(30, 20), mode="RGB"))  # (W, H) = (30, 20) -> resized to H=8, W=12
     assert x.shape == (3, 8, 12)
-    for c, (m, s) in enumerate(zip(RGB["mean"], RGB["std"], strict=True)):
+    for c, (m, s) in enumerate(zip(RGB.mean, RGB.std, strict=True)):
         torch.testing.assert_close(x[c], torch.full((8, 12), (200 / 255 - m) / s), atol=1e-5, rtol=0)
     grey_in = pre(png(100, size=(12, 8), mode="L"))  # greyscale input -> 3 equal channels before normalising
-    raw = grey_in * torch.tensor(RGB["std"]).view(3, 1, 1) + torch.tensor(RGB["mean"]).view(3, 1, 1)
+    raw = grey_in * torch.tensor(RGB.std).view(3, 1, 1) + torch.tensor(RGB.mean).view(3, 1, 1)
     torch.testing.assert_close(raw, torch.full((3, 8, 12), 100 / 255), atol=1e-5, rtol=0)
 
 
