@@ -88,14 +88,19 @@ def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
     return out
 
 
-def run_variant(config: Path, name: str, work: Path, cache: Path, seed: int = 0, deep_ensemble: int = 0) -> Path:
+def run_variant(
+    config: Path, name: str, work: Path, cache: Path, seed: int = 0, deep_ensemble: int = 0, shift_inputs: int = 0
+) -> Path:
     """Build one variant into ``work/name`` (``name@seed<s>`` for another ``data.seed``: splits, base, members)
     unless a build with the same overrides is there already; ``deep_ensemble``: the size of the build's Deep
-    Ensemble baseline (``base.deep_ensemble``, 0 = none)."""
+    Ensemble baseline (``base.deep_ensemble``, 0 = none); ``shift_inputs``: its shift section's inputs
+    (``data.shift_inputs``, 0 = none)."""
     base_cfg = load_config(config)
     over = {**resolve(VARIANTS[name], base_cfg), "base.cache_dir": str(cache), "name": f"{base_cfg.name}-{name}"}
     if deep_ensemble:
         over["base.deep_ensemble"] = deep_ensemble
+    if shift_inputs:
+        over["data.shift_inputs"] = shift_inputs
     if seed:
         over["data.seed"] = seed
         name = f"{name}@seed{seed}"
@@ -159,10 +164,38 @@ def summarize(name: str, out: Path, overrides: dict[str, Any]) -> dict[str, Any]
         "ece_single": single["ece"],
         "ece_hydra_ts": hydra.get("calibrated", {}).get("ece"),
         "ece_single_ts": single.get("calibrated", {}).get("ece"),
+        **targets(doc),
         "build_s": float((out.parent / f".{name}.seconds").read_text())
         if (out.parent / f".{name}.seconds").is_file()
         else None,
     }
+
+
+def targets(doc: dict[str, Any]) -> dict[str, Any]:
+    """What the ensemble must earn, Hydra's and Single's side by side (``<figure>_hydra`` / ``<figure>_single``): NLL
+    at their own temperatures, AURC, the conformal sets' mean size at alpha 0.05 and 0.1, the accept rate and the
+    error among accepted answers of the risk rule at 5 %, and, with a shift section, ECE and AURC on the shifted
+    copies averaged over the corruptions and severities."""
+    rows = {r["method"]: r for r in doc["rows"]}
+    extra = doc["extra"]
+    guarantees = (extra.get("guarantees_report") or {}).get("methods") or {}
+    shift = (extra.get("shift") or {}).get("methods") or {}
+    out: dict[str, Any] = {}
+    for method in ("hydra", "single"):
+        row, g = rows[method], guarantees.get(method) or {}
+        rule = next((r for r in g.get("selective", []) if abs(r["risk"] - 0.05) < 1e-9), {})
+        mean_shift = (shift.get(method) or {}).get("summary", {}).get("mean", {})
+        out |= {
+            f"nll_ts_{method}": row.get("calibrated", {}).get("nll"),
+            f"aurc_{method}": row.get("aurc"),
+            f"set_size_05_{method}": (g.get("coverage") or {}).get("0.05", {}).get("mean_size"),
+            f"set_size_10_{method}": (g.get("coverage") or {}).get("0.1", {}).get("mean_size"),
+            f"accept_05_{method}": rule.get("test_accept_rate"),
+            f"accepted_error_05_{method}": rule.get("test_risk"),
+            f"shift_ece_{method}": mean_shift.get("ece"),
+            f"shift_aurc_{method}": mean_shift.get("aurc"),
+        }
+    return out
 
 
 def _pct(x: float | None) -> str:
@@ -223,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         help="data.seed of each build (splits, base model, members); several: a table over seeds too",
     )
     ap.add_argument(
+        "--shift-inputs",
+        type=int,
+        default=0,
+        help="data.shift_inputs of each build: the report's shift section on this many corrupted test inputs",
+    )
+    ap.add_argument(
         "--deep-ensemble",
         type=int,
         default=0,
@@ -234,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in args.variants:
         for seed in args.seeds:
-            out = run_variant(args.config, name, work, args.cache, seed, args.deep_ensemble)
+            out = run_variant(args.config, name, work, args.cache, seed, args.deep_ensemble, args.shift_inputs)
             rows.append({**summarize(out.name, out, VARIANTS[name]), "seed": seed, "recipe": name})
     machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -270,7 +309,69 @@ def over_seeds(rows: list[dict[str, Any]]) -> str:
             for k in ("auroc_hydra", "auroc_single", "auroc_best_member", "auroc_deep_ensemble")
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + targets_over_seeds(rows)
+
+
+# (figure, key stem, lower is better): Hydra against Single, each over the seeds
+TARGETS = (
+    ("accuracy %", "acc", False),
+    ("NLL, own T", "nll_ts", True),
+    ("ECE %, own T", "ece_ts", True),
+    ("ECE %, T = 1", "ece", True),
+    ("AURC", "aurc", True),
+    ("set size, alpha 0.05", "set_size_05", True),
+    ("set size, alpha 0.1", "set_size_10", True),
+    ("accepted % at risk 5 %", "accept_05", False),
+    ("error among accepted %", "accepted_error_05", True),
+    ("OOD AUROC %, served score", "auroc", False),
+    ("shifted: ECE %, own T", "shift_ece", True),
+    ("shifted: AURC", "shift_aurc", True),
+)
+_PERCENT = {"acc", "ece_ts", "ece", "accept_05", "accepted_error_05", "auroc", "shift_ece"}
+
+
+def _key(stem: str, method: str) -> str:
+    """The row key of a :data:`TARGETS` figure (``<stem>_<method>``, but for two older keys)."""
+    if stem == "acc":
+        return "acc" if method == "hydra" else "acc_single"
+    return f"ece_{method}_ts" if stem == "ece_ts" else f"{stem}_{method}"
+
+
+def verdict(hydra: list[float], single: list[float], lower_is_better: bool) -> str:
+    """Hydra against Single over paired seeds: ``win`` / ``loss`` when the mean difference exceeds the standard
+    deviation of the per-seed differences, else ``tie`` (also with one seed: no spread to compare against)."""
+    d = [h - s for h, s in zip(hydra, single, strict=True)]
+    if len(d) < 2:
+        return "tie (1 seed)"
+    mean = sum(d) / len(d)
+    sd = (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5
+    if abs(mean) <= sd:
+        return "tie"
+    return "win" if (mean < 0) == lower_is_better else "loss"
+
+
+def targets_over_seeds(rows: list[dict[str, Any]]) -> str:
+    """Per recipe, each target figure of Hydra and Single (mean ± std over the seeds) and Hydra's verdict."""
+    lines = ["", "Hydra against Single over seeds (mean ± std; a difference within its spread is a tie):", ""]
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        rs = [r for r in rows if r["recipe"] == recipe]
+        lines += [f"**{recipe}** (seeds {', '.join(str(r['seed']) for r in rs)})", ""]
+        lines += ["| figure | Hydra | Single | Hydra vs Single |", "|---|---|---|---|"]
+        for label, stem, lower in TARGETS:
+            h, s = ([r.get(_key(stem, m)) for r in rs] for m in ("hydra", "single"))
+            if any(v is None for v in (*h, *s)):
+                continue
+            fmt = _mean_std if stem in _PERCENT else _mean_std_raw
+            lines.append(f"| {label} | {fmt(h)} | {fmt(s)} | {verdict(h, s, lower)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _mean_std_raw(values: list[float | None]) -> str:
+    v = [x for x in values if x is not None]
+    m = sum(v) / len(v)
+    sd = (sum((x - m) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
+    return f"{m:.4f} ± {sd:.4f}"
 
 
 if __name__ == "__main__":
