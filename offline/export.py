@@ -15,7 +15,9 @@ import inspect
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,9 @@ __all__ = [
     "export_torchscript",
     "export_onnx",
     "export_aoti",
+    "ExportKind",
+    "EXPORT_KINDS",
+    "export_kind",
     "export_checked",
     "run_export",
     "check_parity",
@@ -182,6 +187,37 @@ def export_aoti(model: nn.Module, example_inputs: dict[str, torch.Tensor], path:
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
 
 
+@dataclass(frozen=True)
+class ExportKind:
+    """How one kind of export is written, and loaded back as the server loads it (on the CPU) to check it."""
+
+    write: Callable[[nn.Module, dict[str, torch.Tensor], Path, list[str]], None]  # (model, example, path, output names)
+    load: Callable[[Path, list[str]], Any]  # (path, input order) -> a backend or an onnxruntime session
+
+
+EXPORT_KINDS: dict[str, ExportKind] = {
+    "torchscript": ExportKind(
+        write=lambda model, example, path, _outputs: export_torchscript(model, example, path),
+        load=lambda path, order: TorchScriptBackend(path, order, "cpu", "fp32"),
+    ),
+    "onnx": ExportKind(
+        write=lambda model, example, path, outputs: export_onnx(model, example, path, output_names=outputs),
+        load=lambda path, _order: onnx_session(path),
+    ),
+    "aoti": ExportKind(
+        write=lambda model, example, path, _outputs: export_aoti(model, example, path),
+        load=lambda path, order: AotiBackend(path, order, "cpu"),
+    ),
+}
+
+
+def export_kind(kind: str) -> ExportKind:
+    """The :class:`ExportKind` named ``kind``; a ValueError naming the known ones for any other name."""
+    if kind not in EXPORT_KINDS:
+        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript', 'onnx' or 'aoti'")
+    return EXPORT_KINDS[kind]
+
+
 def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: list[str]) -> tuple[torch.Tensor, ...]:
     """Every output of a loaded export, on named ``inputs``: a TorchScript backend, or an onnxruntime session fed
     the graph's own inputs (an ONNX graph may drop an input its outputs do not depend on)."""
@@ -231,7 +267,7 @@ def check_parity(
     Args:
         model: the eager model the export was made from.
         path: the export file.
-        kind: ``torchscript`` or ``onnx``.
+        kind: ``torchscript``, ``onnx`` or ``aoti`` (:data:`EXPORT_KINDS`).
         batches: named inputs (real validation inputs; vary batch sizes and, for text, sequence lengths).
         tol: largest accepted absolute difference.
         reference: the eager outputs on ``batches`` when already computed (:func:`eager_outputs`).
@@ -243,14 +279,7 @@ def check_parity(
         raise ValueError("check_parity needs at least one batch")
     model = model.eval()
     order = input_order(model, batches[0])
-    if kind == "torchscript":
-        runner = TorchScriptBackend(path, order, "cpu", "fp32")
-    elif kind == "onnx":
-        runner = onnx_session(path)
-    elif kind == "aoti":
-        runner = AotiBackend(path, order, "cpu")
-    else:
-        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript', 'onnx' or 'aoti'")
+    runner = export_kind(kind).load(path, order)
     worst = 0.0
     for i, (batch, refs) in enumerate(zip(batches, _reference(model, batches, reference), strict=True)):
         gots = run_export(runner, kind, batch, order)
@@ -288,14 +317,7 @@ def export_checked(
     ``batches[0]``), and return its largest difference to eager over ``batches`` (:func:`check_parity`; raises
     :class:`ExportMismatch`). ``reference``: the eager outputs on ``batches`` when already computed."""
     example = batches[0] if example is None else example
-    if kind == "torchscript":
-        export_torchscript(model, example, path)
-    elif kind == "onnx":
-        export_onnx(model, example, path, output_names=output_names)
-    elif kind == "aoti":
-        export_aoti(model, example, path)
-    else:
-        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript', 'onnx' or 'aoti'")
+    export_kind(kind).write(model, example, path, output_names)
     return check_parity(model, path, kind, batches, tol, reference=reference)
 
 
