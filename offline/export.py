@@ -15,7 +15,9 @@ import inspect
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,9 @@ __all__ = [
     "export_torchscript",
     "export_onnx",
     "export_aoti",
+    "ExportKind",
+    "EXPORT_KINDS",
+    "export_kind",
     "export_checked",
     "run_export",
     "check_parity",
@@ -54,6 +59,11 @@ SEQUENCE_INPUTS = ("input_ids", "attention_mask", "token_type_ids")  # inputs wh
 BF16_TOLERANCE = {"msp": 0.05, "entropy": 0.1, "mutual_information": 0.05}
 BF16_MIN_AGREEMENT = 0.99
 
+# one batch of a model's named inputs: {"pixel_values": (B, C, H, W)} or {"input_ids": (B, T), "attention_mask": (B, T)}
+Batch = dict[str, torch.Tensor]
+# a model's or an export's outputs as float tensors: the member logits (B, M, C), then the features when it has them
+Outputs = tuple[torch.Tensor, ...]
+
 
 @contextmanager
 def _quiet_jit():
@@ -67,7 +77,7 @@ class ExportMismatch(RuntimeError):
     """An export's outputs differ from eager by more than the tolerance (or in shape)."""
 
 
-def input_order(model: nn.Module, inputs: dict[str, torch.Tensor]) -> list[str]:
+def input_order(model: nn.Module, inputs: Batch) -> list[str]:
     """Names of ``inputs`` in the order of ``model.forward``'s parameters; every parameter must be given."""
     params = [
         p.name
@@ -92,7 +102,7 @@ def _settle(model: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         model(*args)
 
 
-def export_torchscript(model: nn.Module, example_inputs: dict[str, torch.Tensor], path: Path) -> None:
+def export_torchscript(model: nn.Module, example_inputs: Batch, path: Path) -> None:
     """Trace ``model`` on ``example_inputs`` (``torch.jit.trace`` with ``check_trace``) and save it to ``path``.
 
     Args:
@@ -110,7 +120,7 @@ def export_torchscript(model: nn.Module, example_inputs: dict[str, torch.Tensor]
         torch.jit.save(traced, str(path))
 
 
-def export_onnx(model: nn.Module, example_inputs: dict[str, torch.Tensor], path: Path, output_names: list[str]) -> None:
+def export_onnx(model: nn.Module, example_inputs: Batch, path: Path, output_names: list[str]) -> None:
     """Export ``model`` to ONNX (legacy exporter, opset 17) that onnxruntime loads.
 
     Input names are the dict keys (in ``forward`` order); every input and output
@@ -161,7 +171,7 @@ def export_onnx(model: nn.Module, example_inputs: dict[str, torch.Tensor], path:
 AOTI_MAX_BATCH = 4096  # the largest batch an AOTInductor package accepts (its dynamic batch dimension's bound)
 
 
-def export_aoti(model: nn.Module, example_inputs: dict[str, torch.Tensor], path: Path, max_seq: int = 4096) -> None:
+def export_aoti(model: nn.Module, example_inputs: Batch, path: Path, max_seq: int = 4096) -> None:
     """Compile ``model`` ahead of time for the CPU (``torch.export`` + AOTInductor) into the package ``path``.
 
     The batch dimension (and, for text, the sequence dimension up to ``max_seq``) stays dynamic. The model is run
@@ -182,7 +192,38 @@ def export_aoti(model: nn.Module, example_inputs: dict[str, torch.Tensor], path:
         torch._inductor.aoti_compile_and_package(program, package_path=str(path))
 
 
-def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: list[str]) -> tuple[torch.Tensor, ...]:
+@dataclass(frozen=True)
+class ExportKind:
+    """How one kind of export is written, and loaded back as the server loads it (on the CPU) to check it."""
+
+    write: Callable[[nn.Module, Batch, Path, list[str]], None]  # (model, example, path, output names)
+    load: Callable[[Path, list[str]], Any]  # (path, input order) -> a backend or an onnxruntime session
+
+
+EXPORT_KINDS: dict[str, ExportKind] = {
+    "torchscript": ExportKind(
+        write=lambda model, example, path, _outputs: export_torchscript(model, example, path),
+        load=lambda path, order: TorchScriptBackend(path, order, "cpu", "fp32"),
+    ),
+    "onnx": ExportKind(
+        write=lambda model, example, path, outputs: export_onnx(model, example, path, output_names=outputs),
+        load=lambda path, _order: onnx_session(path),
+    ),
+    "aoti": ExportKind(
+        write=lambda model, example, path, _outputs: export_aoti(model, example, path),
+        load=lambda path, order: AotiBackend(path, order, "cpu"),
+    ),
+}
+
+
+def export_kind(kind: str) -> ExportKind:
+    """The :class:`ExportKind` named ``kind``; a ValueError naming the known ones for any other name."""
+    if kind not in EXPORT_KINDS:
+        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript', 'onnx' or 'aoti'")
+    return EXPORT_KINDS[kind]
+
+
+def run_export(runner: Any, kind: str, inputs: Batch, order: list[str]) -> Outputs:
     """Every output of a loaded export, on named ``inputs``: a TorchScript backend, or an onnxruntime session fed
     the graph's own inputs (an ONNX graph may drop an input its outputs do not depend on)."""
     if kind in ("torchscript", "aoti"):
@@ -194,12 +235,12 @@ def run_export(runner: Any, kind: str, inputs: dict[str, torch.Tensor], order: l
     raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript' or 'onnx'")
 
 
-def as_outputs(out: Any) -> tuple[torch.Tensor, ...]:
+def as_outputs(out: Any) -> Outputs:
     """A model's or export's output as a tuple of float tensors (logits first; then features, when it has them)."""
     return tuple(o.float() for o in out) if isinstance(out, (tuple, list)) else (out.float(),)
 
 
-def eager_outputs(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+def eager_outputs(model: nn.Module, batches: list[Batch]) -> list[Outputs]:
     """fp32 eager outputs of ``model`` on ``batches`` (the reference shared by the export and bf16 checks)."""
     model = model.eval()
     order = input_order(model, batches[0])
@@ -207,9 +248,7 @@ def eager_outputs(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> l
         return [as_outputs(model(*(b[k] for k in order))) for b in batches]
 
 
-def _reference(
-    model: nn.Module, batches: list[dict[str, torch.Tensor]], reference: list[tuple[torch.Tensor, ...]] | None
-) -> list[tuple[torch.Tensor, ...]]:
+def _reference(model: nn.Module, batches: list[Batch], reference: list[Outputs] | None) -> list[Outputs]:
     """``reference`` checked against ``batches``, or the eager outputs computed now."""
     if reference is None:
         return eager_outputs(model, batches)
@@ -222,16 +261,16 @@ def check_parity(
     model: nn.Module,
     path: Path,
     kind: str,
-    batches: list[dict[str, torch.Tensor]],
+    batches: list[Batch],
     tol: float,
-    reference: list[tuple[torch.Tensor, ...]] | None = None,
+    reference: list[Outputs] | None = None,
 ) -> float:
     """Largest absolute output difference between ``model`` (eager) and its export over ``batches``.
 
     Args:
         model: the eager model the export was made from.
         path: the export file.
-        kind: ``torchscript`` or ``onnx``.
+        kind: ``torchscript``, ``onnx`` or ``aoti`` (:data:`EXPORT_KINDS`).
         batches: named inputs (real validation inputs; vary batch sizes and, for text, sequence lengths).
         tol: largest accepted absolute difference.
         reference: the eager outputs on ``batches`` when already computed (:func:`eager_outputs`).
@@ -243,14 +282,7 @@ def check_parity(
         raise ValueError("check_parity needs at least one batch")
     model = model.eval()
     order = input_order(model, batches[0])
-    if kind == "torchscript":
-        runner = TorchScriptBackend(path, order, "cpu", "fp32")
-    elif kind == "onnx":
-        runner = onnx_session(path)
-    elif kind == "aoti":
-        runner = AotiBackend(path, order, "cpu")
-    else:
-        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript', 'onnx' or 'aoti'")
+    runner = export_kind(kind).load(path, order)
     worst = 0.0
     for i, (batch, refs) in enumerate(zip(batches, _reference(model, batches, reference), strict=True)):
         gots = run_export(runner, kind, batch, order)
@@ -278,33 +310,26 @@ def export_checked(
     model: nn.Module,
     kind: str,
     path: Path,
-    batches: list[dict[str, torch.Tensor]],
+    batches: list[Batch],
     tol: float,
     output_names: list[str],
-    reference: list[tuple[torch.Tensor, ...]] | None = None,
-    example: dict[str, torch.Tensor] | None = None,
+    reference: list[Outputs] | None = None,
+    example: Batch | None = None,
 ) -> float:
-    """Export ``model`` as ``kind`` (``torchscript`` or ``onnx``) to ``path``, traced on ``example`` (default
+    """Export ``model`` as ``kind`` (one of :data:`EXPORT_KINDS`) to ``path``, traced on ``example`` (default
     ``batches[0]``), and return its largest difference to eager over ``batches`` (:func:`check_parity`; raises
     :class:`ExportMismatch`). ``reference``: the eager outputs on ``batches`` when already computed."""
     example = batches[0] if example is None else example
-    if kind == "torchscript":
-        export_torchscript(model, example, path)
-    elif kind == "onnx":
-        export_onnx(model, example, path, output_names=output_names)
-    elif kind == "aoti":
-        export_aoti(model, example, path)
-    else:
-        raise ValueError(f"unknown export kind {kind!r}; expected 'torchscript', 'onnx' or 'aoti'")
+    export_kind(kind).write(model, example, path, output_names)
     return check_parity(model, path, kind, batches, tol, reference=reference)
 
 
 @torch.inference_mode()
 def bf16_agreement(
     model: nn.Module,
-    batches: list[dict[str, torch.Tensor]],
+    batches: list[Batch],
     temperature: float,
-    reference: list[tuple[torch.Tensor, ...]] | None = None,
+    reference: list[Outputs] | None = None,
 ) -> dict:
     """CPU bf16 autocast vs fp32 on validation batches: does serving in bf16 give the same answers?
 
@@ -349,8 +374,8 @@ def bf16_agreement(
 @torch.inference_mode()
 def bf16_flag_agreement(
     model: nn.Module,
-    batches: list[dict[str, torch.Tensor]],
-    reference: list[tuple[torch.Tensor, ...]],
+    batches: list[Batch],
+    reference: list[Outputs],
     flags_of: Any,
 ) -> float:
     """Share of inputs whose served OOD flag is the same under CPU bf16 autocast as in fp32 (``reference``).

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..core.artifact import DEFAULT_TEMPLATE
 from ..core.errors import InvalidInput, UnsupportedMediaType
 from ..runtime import Query
 from ..settings import Settings
@@ -109,27 +110,10 @@ def from_json(req: PredictRequest | ZeroShotRequest, task: str) -> ParsedRequest
     if isinstance(req, ZeroShotRequest):
         # a single image is `image` in error messages, whichever of `image` / `images` carried it
         field = "images" if len(items) > 1 else "image"
-        query = Query(
-            req.top_k,
-            req.return_members,
-            check_labels(req.labels),
-            req.template,
-            req.return_scores,
-            req.alpha,
-            req.ood_alpha,
-            req.risk,
-        )
+        query = options_query(req, check_labels(req.labels), req.template)
         return ParsedRequest(task, "image", field, items, True, req.model, query)
     field = next(k for k in ("text", "texts", "image", "images") if getattr(req, k) is not None)
-    query = Query(
-        req.top_k,
-        req.return_members,
-        return_scores=req.return_scores,
-        alpha=req.alpha,
-        ood_alpha=req.ood_alpha,
-        risk=req.risk,
-    )
-    return ParsedRequest(task, req.modality, field, items, True, req.model, query)
+    return ParsedRequest(task, req.modality, field, items, True, req.model, options_query(req))
 
 
 async def parse_multipart(request: Request, task: str, max_items: int) -> ParsedRequest:
@@ -156,17 +140,20 @@ async def parse_multipart(request: Request, task: str, max_items: int) -> Parsed
     except BaseException:
         await form.close()
         raise
-    query = Query(
-        opts.top_k,
-        opts.return_members,
-        labels,
-        opts.template,
-        opts.return_scores,
-        opts.alpha,
-        opts.ood_alpha,
-        opts.risk,
-    )
+    query = options_query(opts, labels, opts.template)
     return ParsedRequest(task, "image", "file", files, False, opts.model, query, form)
+
+
+def options_query(
+    opts: PredictRequest | ZeroShotRequest | FormOptions,
+    labels: list[str] | None = None,
+    template: str = DEFAULT_TEMPLATE,
+) -> Query:
+    """The :class:`Query` of a request's options, from its JSON body or its multipart form; ``labels`` (checked) and
+    ``template`` are the zero-shot endpoint's."""
+    return Query(
+        opts.top_k, opts.return_members, labels, template, opts.return_scores, opts.alpha, opts.ood_alpha, opts.risk
+    )
 
 
 async def read_form(form: FormData, allowed: frozenset[str]) -> tuple[list[bytes], FormOptions]:

@@ -315,20 +315,20 @@ def _install_models(app: FastAPI) -> None:
 
 def _install_inference(app: FastAPI) -> None:
     """``/predict`` and ``/zero-shot``, with their form bodies and examples documented."""
-    errors = _errors(400, 401, 413, 415, 422, 500, 503)
-    app.post(
-        "/predict",
+    # both answer a PredictResponse, with the same errors
+    post = functools.partial(
+        app.post,
         response_model=PredictResponse,
         tags=["inference"],
-        responses=errors,
+        responses=_errors(400, 401, 413, 415, 422, 500, 503),
+    )
+    post(
+        "/predict",
         summary="Classify texts or images, with uncertainty and an OOD flag",
         openapi_extra=body_doc(PredictRequest, {}, {"text": "I love this phone, best purchase ever", "top_k": 2}),
     )(predict)
-    app.post(
+    post(
         "/zero-shot",
-        response_model=PredictResponse,
-        tags=["inference"],
-        responses=errors,
         summary="Classify images against labels given in the request (zero-shot model)",
         openapi_extra=body_doc(
             ZeroShotRequest,

@@ -8,7 +8,7 @@ disk through the same models, so a field the writer could not produce is refused
 and returns the typed :class:`Manifest`. :func:`verify_files` then checks every listed file against its hash, and
 :func:`artifact_version` names the model version the API shows.
 
-Imports only the standard library and pydantic: the server reads artifacts without the builder's dependencies.
+Like its model, it imports only the standard library and pydantic (see :mod:`service.core.manifest`).
 """
 
 from __future__ import annotations

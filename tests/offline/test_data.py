@@ -473,7 +473,7 @@ def test_load_data_passes_max_fit(monkeypatch):
     from offline.config import load_config
 
     seen = {}
-    monkeypatch.setattr(stages.data_mod, "tweet_setting", lambda **kw: seen.update(kw) or "data")
+    monkeypatch.setitem(stages.data_mod.SETTINGS, "tweets", lambda **kw: seen.update(kw) or "data")
     cfg = load_config(D.ROOT / "offline" / "configs" / "text-fast.yaml", {"data.max_fit": 77})
     stages.load_data(cfg)
     assert seen["max_fit"] == 77 and seen["max_val"] == 400
