@@ -181,30 +181,21 @@ def _draw(ytr: np.ndarray, yte: np.ndarray, s: Sizes, rng: np.random.Generator) 
     )
 
 
-def fashion_mnist_setting(
-    max_train: int,
-    max_val: int,
-    max_test: int,
-    max_ood: int,
-    seed: int,
-    max_fit: int | None = None,
-    max_calibration: int = 0,
-) -> Data:
+def fashion_mnist_setting(sizes: Sizes) -> Data:
     """Fashion-MNIST: the six garments (0-4, 6) in distribution, footwear and bags (5, 7-9) near-OOD, digits, noise far.
 
     Train and val come from the official train file (disjoint), test from the test file;
     near-OOD val / test from the held-out classes of the train / test files. Train is drawn from the train
-    file's training pool, val and the fit split (``max_fit``, default ``max_val``) from its reserved images
-    (:func:`fashion_pools`), so no model trained on the pool has seen them; the calibration split
-    (``max_calibration``) from the reserved images in neither.
+    file's training pool, val and the fit split (``sizes.fit``) from its reserved images (:func:`fashion_pools`), so
+    no model trained on the pool has seen them; the calibration split (``max_calibration``) from the reserved images
+    in neither.
     """
-    s = Sizes(max_train, max_val, max_test, max_ood, seed, max_fit, max_calibration)
     d = fashion_dir()
     xtr, ytr, xte, yte = _read_fashion(str(d))
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(sizes.seed)
     class_names = [FASHION_CLASSES[c] for c in FASHION_ID_CLASSES]
-    ix = _draw(ytr, yte, s, rng)
-    digits_up, dval, dtest = digits_ood(max_ood, rng)
+    ix = _draw(ytr, yte, sizes, rng)
+    digits_up, dval, dtest = digits_ood(sizes.max_ood, rng)
     noise_seed = int(rng.integers(2**31))
 
     def split(x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
@@ -216,17 +207,17 @@ def fashion_mnist_setting(
     ood_val = {
         "fashion-heldout": xtr[ix.near_val],
         "digits": digits_up[dval],
-        "corrupted": corrupted(val.inputs[: min(max_ood, len(val))], seed),
+        "corrupted": corrupted(val.inputs[: min(sizes.max_ood, len(val))], sizes.seed),
     }
     ood_test = {
         "fashion-heldout": (xte[ix.near_test], "near"),
         "digits": (digits_up[dtest], "far"),
-        "noise": (synthetic_images(min(max_ood, 1000), noise_seed), "far"),
+        "noise": (synthetic_images(min(sizes.max_ood, 1000), noise_seed), "far"),
     }
     splits = {
         "setting": "fashion-mnist",
-        "seed": seed,
-        "requested": s.requested(),
+        "seed": sizes.seed,
+        "requested": sizes.requested(),
         **_fashion_sources(d, noise_seed, class_names),
         "id": _id_records(ix, {"train": train, "val": val, "test": test, "fit": fit}, fashion_id_labels(ytr)),
         "pools": _pool_records(ix),

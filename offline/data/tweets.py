@@ -79,36 +79,28 @@ def _neutral_halves(neutral: np.ndarray, max_ood: int, rng: np.random.Generator)
     return nperm[:n_nv], nperm[n_nv : n_nv + min(max_ood, len(nperm) - n_nv)]
 
 
-def tweet_setting(
-    max_train: int,
-    max_val: int,
-    max_test: int,
-    max_ood: int,
-    seed: int,
-    max_fit: int | None = None,
-    max_calibration: int = 0,
-) -> Data:
+def tweet_setting(sizes: Sizes) -> Data:
     """Tweet sentiment, negative vs positive; near-OOD = neutral tweets, far-OOD = BBC News sentences.
 
     Texts are deduplicated (and dropped when seen with conflicting labels) before splitting, so
-    no text is in two splits. The fit split (``max_fit``, default ``max_val``) comes from the
-    negative / positive tweets in none of train / val / test. OOD val and test are disjoint:
+    no text is in two splits. The fit split (``sizes.fit``) comes from the negative / positive
+    tweets in none of train / val / test. OOD val and test are disjoint:
     neutral tweets by a seeded split, BBC sentences by article (an article's sentences all go
     to val or all to test).
     """
-    s = Sizes(max_train, max_val, max_test, max_ood, seed, max_fit, max_calibration)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(sizes.seed)
     raw_texts, raw_labels, src = read_tweets()
     texts, labels, dedup = dedup_labelled(raw_texts, raw_labels)
     lab = np.asarray(labels)
     id_pos = np.flatnonzero(np.isin(lab, TWEET_CLASSES))
     y_all = np.asarray([TWEET_CLASSES.index(x) if x in TWEET_CLASSES else -1 for x in labels], dtype=np.int64)
-    parts = split_id_pool(y_all[id_pos], [("test", max_test), ("val", max_val), ("train", max_train)], rng)
-    idx = {k: id_pos[v] for k, v in parts.items()}
-    near_val, near_test = _neutral_halves(np.flatnonzero(lab == "neutral"), max_ood, rng)
-    bbc = bbc_sentences(max_ood, rng)
-    fit_idx, fit_rec = fit_indices(y_all, list(idx.values()), s.fit, seed, pool=id_pos)
-    cal_idx, cal_rec = calibration_indices(y_all, [*idx.values(), fit_idx], s.max_calibration, seed, pool=id_pos)
+    draws = [("test", sizes.max_test), ("val", sizes.max_val), ("train", sizes.max_train)]
+    idx = {k: id_pos[v] for k, v in split_id_pool(y_all[id_pos], draws, rng).items()}
+    near_val, near_test = _neutral_halves(np.flatnonzero(lab == "neutral"), sizes.max_ood, rng)
+    bbc = bbc_sentences(sizes.max_ood, rng)
+    fit_idx, fit_rec = fit_indices(y_all, list(idx.values()), sizes.fit, sizes.seed, pool=id_pos)
+    used = [*idx.values(), fit_idx]
+    cal_idx, cal_rec = calibration_indices(y_all, used, sizes.max_calibration, sizes.seed, pool=id_pos)
 
     def split(ids: np.ndarray) -> Split:
         return Split([texts[i] for i in ids], y_all[ids])
@@ -119,8 +111,8 @@ def tweet_setting(
     ood_test = {"neutral-tweets": ([texts[i] for i in near_test], "near"), "bbc-news": (bbc.inputs("test"), "far")}
     splits = {
         "setting": "tweets",
-        "seed": seed,
-        "requested": s.requested(),
+        "seed": sizes.seed,
+        "requested": sizes.requested(),
         "sources": {"tweets": _tweets_source(src, labels, dedup), "bbc-news": bbc.source()},
         "classes": {"label_order": TWEET_CLASSES, "near_ood": "neutral"},
         "id": _id_records(idx, y_all, fit.labels, (fit_idx, fit_rec), (cal_idx, cal_rec)),

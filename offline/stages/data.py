@@ -85,21 +85,7 @@ def fashion_vit_prep() -> dict[str, Any]:
 def load_data(cfg: BuildConfig) -> Data:
     """The ID splits and OOD sets of ``cfg.data`` (:class:`offline.data.Data`); ``data.labels`` checked."""
     d = cfg.data
-    common = dict(
-        max_train=d.max_train,
-        max_val=d.max_val,
-        max_test=d.max_test,
-        max_ood=d.max_ood,
-        seed=d.seed,
-        max_fit=d.max_fit,
-        max_calibration=d.max_calibration,
-    )
-    if d.setting == "fashion-mnist":
-        data = data_mod.fashion_mnist_setting(**common)
-    elif d.setting == "tweets":
-        data = data_mod.tweet_setting(**common)
-    else:
-        data = data_mod.user_setting(data_mod.UserData(d.setting, d.path, d.ood_paths, d.ood_val_path), **common)
+    data = data_mod.load(d)
     if d.labels is not None and list(d.labels) != list(data.class_names):
         raise ConfigError(f"data.labels {d.labels} do not match the data's classes {data.class_names}")
     return data
