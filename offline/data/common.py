@@ -205,6 +205,40 @@ def calibration_record(
     return {**extra, **rec, **split_record(idx), "class_counts": class_counts(labels[idx], names)}
 
 
+@dataclass(frozen=True)
+class HeldOut:
+    """A setting's fit and calibration splits (indices, None where none is drawn) with their records as drawn."""
+
+    fit: np.ndarray | None
+    fit_rec: dict[str, Any]
+    calibration: np.ndarray | None
+    cal_rec: dict[str, Any]
+
+    def records(self, train: np.ndarray, labels: np.ndarray, names: Sequence[str], **extra: Any) -> dict[str, Any]:
+        """``splits["id"]["fit"]`` and ``["calibration"]``, each with ``extra`` first (``train``: the train split's
+        indices, the fit split's without one; ``labels``: every input's, into ``names``)."""
+        fit_counts = class_counts(labels[train if self.fit is None else self.fit], names)
+        return {
+            "fit": {**extra, **fit_record(self.fit, train, self.fit_rec, fit_counts)},
+            "calibration": calibration_record(self.calibration, self.cal_rec, labels, names, **extra),
+        }
+
+
+def held_out(labels: np.ndarray, used: Sequence[np.ndarray], sizes: Sizes, pool: np.ndarray) -> HeldOut:
+    """The fit split of ``pool`` minus ``used`` (:func:`fit_indices`), then the calibration split of what neither
+    takes (:func:`calibration_indices`), each from its own generator."""
+    fit, fit_rec = fit_indices(labels, used, sizes.fit, sizes.seed, pool=pool)
+    cal, cal_rec = calibration_indices(labels, [*used, fit], sizes.max_calibration, sizes.seed, pool=pool)
+    return HeldOut(fit, fit_rec, cal, cal_rec)
+
+
+def id_records(idx: dict[str, np.ndarray], labels: np.ndarray, names: Sequence[str], held: HeldOut) -> dict[str, Any]:
+    """``splits["id"]`` of one pool: each split of ``idx`` in its order (``train`` among them), then the fit and
+    calibration splits (``held``); ``labels``: every input's, into ``names``."""
+    out = {k: {**split_record(v), "class_counts": class_counts(labels[v], names)} for k, v in idx.items()}
+    return {**out, **held.records(idx["train"], labels, names)}
+
+
 def split_id_pool(
     labels: np.ndarray, sizes: Sequence[tuple[str, int]], rng: np.random.Generator
 ) -> dict[str, np.ndarray]:
