@@ -11,7 +11,7 @@ import hashlib
 import importlib.util
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +87,9 @@ class Sizes:
         return self.max_val if self.max_fit is None else self.max_fit
 
     def requested(self) -> dict[str, int]:
-        """The record's ``requested`` sizes (``max_fit`` resolved)."""
-        return {
-            "max_train": self.max_train,
-            "max_val": self.max_val,
-            "max_test": self.max_test,
-            "max_ood": self.max_ood,
-            "max_fit": self.fit,
-            "max_calibration": self.max_calibration,
-        }
+        """The record's ``requested`` sizes: every field but the seed, in field order, ``max_fit`` resolved."""
+        sizes = {k: v for k, v in asdict(self).items() if k != "seed"}
+        return {**sizes, "max_fit": self.fit}
 
 
 # ----------------------------------------------------------------------------- sampling helpers
