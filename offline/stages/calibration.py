@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from service.core.manifest import Uncertainty
 from service.core.ood import LayerStats, OODStats
 from service.core.uncertainty import SUMMARY_SCORES, summarize
 from service.core.uncertainty import ood_score as ood_score_of
@@ -76,14 +77,11 @@ class Calibration:
     selected: str = ""  # the candidate served (metric, or mahalanobis_layers@<ids>: the layer set)
     layer_ids: tuple[int, ...] | None = None  # the layer set of mahalanobis_layers: served, else the best candidate's
 
-    def uncertainty(self) -> dict[str, Any]:
-        """The manifest's ``uncertainty`` block."""
-        return {
-            "temperature": self.temperature,
-            "ood_score": self.metric,
-            "ood_threshold": self.threshold,
-            "tpr": self.tpr,
-        }
+    def uncertainty(self) -> Uncertainty:
+        """The manifest's ``uncertainty`` block, typed."""
+        return Uncertainty(
+            temperature=self.temperature, ood_score=self.metric, ood_threshold=self.threshold, tpr=self.tpr
+        )
 
 
 def forced_score(cfg: BuildConfig) -> str | None:
