@@ -135,15 +135,8 @@ def reserved_images(manifest: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.
     from offline import data as data_mod
 
     cfg = manifest["build"]["config"]["data"]
-    d = data_mod.fashion_mnist_setting(
-        cfg["max_train"],
-        cfg["max_val"],
-        cfg["max_test"],
-        cfg["max_ood"],
-        cfg["seed"],
-        max_fit=cfg.get("max_fit"),
-        max_calibration=cfg["max_calibration"],
-    )
+    sizes = {k: cfg[k] for k in ("max_train", "max_val", "max_test", "max_ood", "seed", "max_calibration")}
+    d = data_mod.fashion_mnist_setting(data_mod.Sizes(**sizes, max_fit=cfg.get("max_fit")))
     assert d.calibration is not None
     used = {x.tobytes() for split in (d.val, d.fit, d.calibration) for x in split.inputs}
     xtr, ytr, _, _ = data_mod.read_fashion(data_mod.fashion_dir())

@@ -67,7 +67,7 @@ from .user import IMAGE_EXTS, USER_EVAL_FRACTION, USER_OOD_VAL_FRACTION, USER_SE
 if TYPE_CHECKING:
     from ..config import DataConfig
 
-# data.setting -> the function that draws it; a user's settings (USER_SETTINGS) take their UserData first
+# data.setting -> the function that draws it at its Sizes; a user's settings (USER_SETTINGS) take their UserData first
 SETTINGS: dict[str, Callable[..., Data]] = {
     "fashion-mnist": fashion_mnist_setting,
     "tweets": tweet_setting,
@@ -80,21 +80,13 @@ def load(cfg: DataConfig) -> Data:
     """The data of a build config's ``data`` section: its setting, drawn at its sizes with its seed."""
     if cfg.setting not in SETTINGS:
         raise ValueError(f"unknown data setting {cfg.setting!r}; expected one of {sorted(SETTINGS)}")
-    sizes = {
-        "max_train": cfg.max_train,
-        "max_val": cfg.max_val,
-        "max_test": cfg.max_test,
-        "max_ood": cfg.max_ood,
-        "seed": cfg.seed,
-        "max_fit": cfg.max_fit,
-        "max_calibration": cfg.max_calibration,
-    }
+    sizes = Sizes(cfg.max_train, cfg.max_val, cfg.max_test, cfg.max_ood, cfg.seed, cfg.max_fit, cfg.max_calibration)
     draw = SETTINGS[cfg.setting]
     if cfg.setting not in USER_SETTINGS:
-        return draw(**sizes)
+        return draw(sizes)
     if cfg.path is None:
         raise ValueError(f"data.path is required for data.setting={cfg.setting}")
-    return draw(UserData(cfg.setting, cfg.path, cfg.ood_paths, cfg.ood_val_path), **sizes)
+    return draw(UserData(cfg.setting, cfg.path, cfg.ood_paths, cfg.ood_val_path), sizes)
 
 
 __all__ = [

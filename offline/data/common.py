@@ -11,7 +11,7 @@ import hashlib
 import importlib.util
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +87,9 @@ class Sizes:
         return self.max_val if self.max_fit is None else self.max_fit
 
     def requested(self) -> dict[str, int]:
-        """The record's ``requested`` sizes (``max_fit`` resolved)."""
-        return {
-            "max_train": self.max_train,
-            "max_val": self.max_val,
-            "max_test": self.max_test,
-            "max_ood": self.max_ood,
-            "max_fit": self.fit,
-            "max_calibration": self.max_calibration,
-        }
+        """The record's ``requested`` sizes: every field but the seed, in field order, ``max_fit`` resolved."""
+        sizes = {k: v for k, v in asdict(self).items() if k != "seed"}
+        return {**sizes, "max_fit": self.fit}
 
 
 # ----------------------------------------------------------------------------- sampling helpers
@@ -203,6 +197,40 @@ def calibration_record(
     if idx is None:
         return {**extra, **rec, "size": 0}
     return {**extra, **rec, **split_record(idx), "class_counts": class_counts(labels[idx], names)}
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A setting's fit and calibration splits (indices, None where none is drawn) with their records as drawn."""
+
+    fit: np.ndarray | None
+    fit_rec: dict[str, Any]
+    calibration: np.ndarray | None
+    cal_rec: dict[str, Any]
+
+    def records(self, train: np.ndarray, labels: np.ndarray, names: Sequence[str], **extra: Any) -> dict[str, Any]:
+        """``splits["id"]["fit"]`` and ``["calibration"]``, each with ``extra`` first (``train``: the train split's
+        indices, the fit split's without one; ``labels``: every input's, into ``names``)."""
+        fit_counts = class_counts(labels[train if self.fit is None else self.fit], names)
+        return {
+            "fit": {**extra, **fit_record(self.fit, train, self.fit_rec, fit_counts)},
+            "calibration": calibration_record(self.calibration, self.cal_rec, labels, names, **extra),
+        }
+
+
+def held_out(labels: np.ndarray, used: Sequence[np.ndarray], sizes: Sizes, pool: np.ndarray) -> HeldOut:
+    """The fit split of ``pool`` minus ``used`` (:func:`fit_indices`), then the calibration split of what neither
+    takes (:func:`calibration_indices`), each from its own generator."""
+    fit, fit_rec = fit_indices(labels, used, sizes.fit, sizes.seed, pool=pool)
+    cal, cal_rec = calibration_indices(labels, [*used, fit], sizes.max_calibration, sizes.seed, pool=pool)
+    return HeldOut(fit, fit_rec, cal, cal_rec)
+
+
+def id_records(idx: dict[str, np.ndarray], labels: np.ndarray, names: Sequence[str], held: HeldOut) -> dict[str, Any]:
+    """``splits["id"]`` of one pool: each split of ``idx`` in its order (``train`` among them), then the fit and
+    calibration splits (``held``); ``labels``: every input's, into ``names``."""
+    out = {k: {**split_record(v), "class_counts": class_counts(labels[v], names)} for k, v in idx.items()}
+    return {**out, **held.records(idx["train"], labels, names)}
 
 
 def split_id_pool(

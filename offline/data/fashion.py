@@ -22,13 +22,11 @@ from ..outliers import CORRUPTIONS, corrupted
 from .common import (
     ROOT,
     Data,
+    HeldOut,
     Sizes,
     Split,
-    calibration_indices,
-    calibration_record,
     class_counts,
-    fit_indices,
-    fit_record,
+    held_out,
     index_hash,
     split_record,
     stratified_indices,
@@ -136,8 +134,7 @@ def fashion_id_labels(official: np.ndarray) -> np.ndarray:
 @dataclass
 class _Indices:
     """Where each split comes from: indices into the train file (``pool``, ``reserved``, ``train``, ``val``,
-    ``near_val``, ``fit``, ``calibration``) or the test file (``test``, ``near_test``), with the fit and calibration
-    splits' records (a None split: none drawn)."""
+    ``near_val``, ``held``: the fit and calibration splits) or the test file (``test``, ``near_test``)."""
 
     pool: np.ndarray
     reserved: np.ndarray
@@ -146,10 +143,7 @@ class _Indices:
     test: np.ndarray
     near_val: np.ndarray
     near_test: np.ndarray
-    fit: np.ndarray | None
-    fit_rec: dict[str, Any]
-    calibration: np.ndarray | None
-    cal_rec: dict[str, Any]
+    held: HeldOut
 
 
 def _draw(ytr: np.ndarray, yte: np.ndarray, s: Sizes, rng: np.random.Generator) -> _Indices:
@@ -159,76 +153,57 @@ def _draw(ytr: np.ndarray, yte: np.ndarray, s: Sizes, rng: np.random.Generator) 
     ood_tr = np.flatnonzero(np.isin(ytr, FASHION_OOD_CLASSES))
     id_te = np.flatnonzero(np.isin(yte, FASHION_ID_CLASSES))
     ood_te = np.flatnonzero(np.isin(yte, FASHION_OOD_CLASSES))
-    val = reserved[stratified_indices(ytr[reserved], s.max_val, rng)]
-    train = pool[stratified_indices(ytr[pool], s.max_train, rng)]
-    test = id_te[stratified_indices(yte[id_te], s.max_test, rng)]
-    near_val = ood_tr[stratified_indices(ytr[ood_tr], s.max_ood, rng)]
-    near_test = ood_te[stratified_indices(yte[ood_te], s.max_ood, rng)]
-    fit, fit_rec = fit_indices(ytr, [val], s.fit, s.seed, pool=reserved)
-    cal, cal_rec = calibration_indices(ytr, [val, fit], s.max_calibration, s.seed, pool=reserved)
-    return _Indices(
-        pool=pool,
-        reserved=reserved,
-        train=train,
-        val=val,
-        test=test,
-        near_val=near_val,
-        near_test=near_test,
-        fit=fit,
-        fit_rec=fit_rec,
-        calibration=cal,
-        cal_rec=cal_rec,
+    # (split, the indices it is drawn from, their file's labels, its size), in the order they are drawn
+    plan = (
+        ("val", reserved, ytr, s.max_val),
+        ("train", pool, ytr, s.max_train),
+        ("test", id_te, yte, s.max_test),
+        ("near_val", ood_tr, ytr, s.max_ood),
+        ("near_test", ood_te, yte, s.max_ood),
     )
+    drawn = {name: among[stratified_indices(labels[among], n, rng)] for name, among, labels, n in plan}
+    return _Indices(pool, reserved, **drawn, held=held_out(ytr, [drawn["val"]], s, pool=reserved))
 
 
-def fashion_mnist_setting(
-    max_train: int,
-    max_val: int,
-    max_test: int,
-    max_ood: int,
-    seed: int,
-    max_fit: int | None = None,
-    max_calibration: int = 0,
-) -> Data:
+def fashion_mnist_setting(sizes: Sizes) -> Data:
     """Fashion-MNIST: the six garments (0-4, 6) in distribution, footwear and bags (5, 7-9) near-OOD, digits, noise far.
 
     Train and val come from the official train file (disjoint), test from the test file;
     near-OOD val / test from the held-out classes of the train / test files. Train is drawn from the train
-    file's training pool, val and the fit split (``max_fit``, default ``max_val``) from its reserved images
-    (:func:`fashion_pools`), so no model trained on the pool has seen them; the calibration split
-    (``max_calibration``) from the reserved images in neither.
+    file's training pool, val and the fit split (``sizes.fit``) from its reserved images (:func:`fashion_pools`), so
+    no model trained on the pool has seen them; the calibration split (``max_calibration``) from the reserved images
+    in neither.
     """
-    s = Sizes(max_train, max_val, max_test, max_ood, seed, max_fit, max_calibration)
     d = fashion_dir()
     xtr, ytr, xte, yte = _read_fashion(str(d))
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(sizes.seed)
     class_names = [FASHION_CLASSES[c] for c in FASHION_ID_CLASSES]
-    ix = _draw(ytr, yte, s, rng)
-    digits_up, dval, dtest = digits_ood(max_ood, rng)
+    ix = _draw(ytr, yte, sizes, rng)
+    digits_up, dval, dtest = digits_ood(sizes.max_ood, rng)
     noise_seed = int(rng.integers(2**31))
 
     def split(x: np.ndarray, y: np.ndarray, idx: np.ndarray) -> Split:
         return Split(np.ascontiguousarray(x[idx]), fashion_id_labels(y[idx]))
 
     train, val, test = split(xtr, ytr, ix.train), split(xtr, ytr, ix.val), split(xte, yte, ix.test)
-    fit = train if ix.fit is None else split(xtr, ytr, ix.fit)
-    calibration = None if ix.calibration is None else split(xtr, ytr, ix.calibration)
+    fit = train if ix.held.fit is None else split(xtr, ytr, ix.held.fit)
+    calibration = None if ix.held.calibration is None else split(xtr, ytr, ix.held.calibration)
     ood_val = {
         "fashion-heldout": xtr[ix.near_val],
         "digits": digits_up[dval],
-        "corrupted": corrupted(val.inputs[: min(max_ood, len(val))], seed),
+        "corrupted": corrupted(val.inputs[: min(sizes.max_ood, len(val))], sizes.seed),
     }
     ood_test = {
         "fashion-heldout": (xte[ix.near_test], "near"),
         "digits": (digits_up[dtest], "far"),
-        "noise": (synthetic_images(min(max_ood, 1000), noise_seed), "far"),
+        "noise": (synthetic_images(min(sizes.max_ood, 1000), noise_seed), "far"),
     }
     splits = {
         "setting": "fashion-mnist",
-        "seed": seed,
-        "requested": s.requested(),
+        "seed": sizes.seed,
+        "requested": sizes.requested(),
         **_fashion_sources(d, noise_seed, class_names),
-        "id": _id_records(ix, {"train": train, "val": val, "test": test, "fit": fit}, fashion_id_labels(ytr)),
+        "id": _id_records(ix, {"train": train, "val": val, "test": test}, fashion_id_labels(ytr)),
         "pools": _pool_records(ix),
         **_fashion_ood_records((ix.near_val, ix.near_test), (dval, dtest), ood_val, ood_test),
         "image": {"size": [28, 28], "channels": 1, "dtype": "uint8"},
@@ -237,7 +212,7 @@ def fashion_mnist_setting(
 
 
 def _id_records(ix: _Indices, parts: dict[str, Split], labels: np.ndarray) -> dict[str, Any]:
-    """The record of the ID splits (``parts``: train, val, test, fit; ``labels``: the train file's, remapped)."""
+    """The record of the ID splits (``parts``: train, val, test; ``labels``: the train file's, remapped)."""
     names = [FASHION_CLASSES[c] for c in FASHION_ID_CLASSES]
     reserved = {"from": "train file, reserved images"}
     return {
@@ -252,8 +227,7 @@ def _id_records(ix: _Indices, parts: dict[str, Split], labels: np.ndarray) -> di
             **split_record(ix.test),
             "class_counts": class_counts(parts["test"].labels, names),
         },
-        "fit": {**reserved, **fit_record(ix.fit, ix.train, ix.fit_rec, class_counts(parts["fit"].labels, names))},
-        "calibration": calibration_record(ix.calibration, ix.cal_rec, labels, names, **reserved),
+        **ix.held.records(ix.train, labels, names, **reserved),
     }
 
 

@@ -18,12 +18,9 @@ from .common import (
     Data,
     Sizes,
     Split,
-    calibration_indices,
-    calibration_record,
-    class_counts,
     dedup_labelled,
-    fit_indices,
-    fit_record,
+    held_out,
+    id_records,
     package_dir,
     split_id_pool,
     split_record,
@@ -57,21 +54,6 @@ def _tweets_source(path: Path, labels: list[str], dedup: dict[str, int]) -> dict
     }
 
 
-def _id_records(
-    idx: dict[str, np.ndarray],
-    y_all: np.ndarray,
-    fit_labels: np.ndarray,
-    fit: tuple[np.ndarray | None, dict[str, Any]],
-    cal: tuple[np.ndarray | None, dict[str, Any]],
-) -> dict[str, Any]:
-    """The record of the ID splits: train / val / test (``idx``), the fit and the calibration split (indices and
-    records as drawn); ``y_all``: every tweet's label (-1: neutral)."""
-    out = {k: {**split_record(idx[k]), "class_counts": class_counts(y_all[idx[k]], TWEET_CLASSES)} for k in SPLITS}
-    out["fit"] = fit_record(fit[0], idx["train"], fit[1], class_counts(fit_labels, TWEET_CLASSES))
-    out["calibration"] = calibration_record(cal[0], cal[1], y_all, TWEET_CLASSES)
-    return out
-
-
 def _neutral_halves(neutral: np.ndarray, max_ood: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint near-OOD validation and test sets of the neutral tweets (indices), a seeded split."""
     nperm = rng.permutation(neutral)
@@ -79,56 +61,46 @@ def _neutral_halves(neutral: np.ndarray, max_ood: int, rng: np.random.Generator)
     return nperm[:n_nv], nperm[n_nv : n_nv + min(max_ood, len(nperm) - n_nv)]
 
 
-def tweet_setting(
-    max_train: int,
-    max_val: int,
-    max_test: int,
-    max_ood: int,
-    seed: int,
-    max_fit: int | None = None,
-    max_calibration: int = 0,
-) -> Data:
+def tweet_setting(sizes: Sizes) -> Data:
     """Tweet sentiment, negative vs positive; near-OOD = neutral tweets, far-OOD = BBC News sentences.
 
     Texts are deduplicated (and dropped when seen with conflicting labels) before splitting, so
-    no text is in two splits. The fit split (``max_fit``, default ``max_val``) comes from the
-    negative / positive tweets in none of train / val / test. OOD val and test are disjoint:
+    no text is in two splits. The fit split (``sizes.fit``) comes from the negative / positive
+    tweets in none of train / val / test. OOD val and test are disjoint:
     neutral tweets by a seeded split, BBC sentences by article (an article's sentences all go
     to val or all to test).
     """
-    s = Sizes(max_train, max_val, max_test, max_ood, seed, max_fit, max_calibration)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(sizes.seed)
     raw_texts, raw_labels, src = read_tweets()
     texts, labels, dedup = dedup_labelled(raw_texts, raw_labels)
     lab = np.asarray(labels)
     id_pos = np.flatnonzero(np.isin(lab, TWEET_CLASSES))
     y_all = np.asarray([TWEET_CLASSES.index(x) if x in TWEET_CLASSES else -1 for x in labels], dtype=np.int64)
-    parts = split_id_pool(y_all[id_pos], [("test", max_test), ("val", max_val), ("train", max_train)], rng)
-    idx = {k: id_pos[v] for k, v in parts.items()}
-    near_val, near_test = _neutral_halves(np.flatnonzero(lab == "neutral"), max_ood, rng)
-    bbc = bbc_sentences(max_ood, rng)
-    fit_idx, fit_rec = fit_indices(y_all, list(idx.values()), s.fit, seed, pool=id_pos)
-    cal_idx, cal_rec = calibration_indices(y_all, [*idx.values(), fit_idx], s.max_calibration, seed, pool=id_pos)
+    draws = [("test", sizes.max_test), ("val", sizes.max_val), ("train", sizes.max_train)]
+    idx = {k: id_pos[v] for k, v in split_id_pool(y_all[id_pos], draws, rng).items()}
+    near_val, near_test = _neutral_halves(np.flatnonzero(lab == "neutral"), sizes.max_ood, rng)
+    bbc = bbc_sentences(sizes.max_ood, rng)
+    held = held_out(y_all, list(idx.values()), sizes, pool=id_pos)
 
     def split(ids: np.ndarray) -> Split:
         return Split([texts[i] for i in ids], y_all[ids])
 
     train, val, test = split(idx["train"]), split(idx["val"]), split(idx["test"])
-    fit = train if fit_idx is None else split(fit_idx)
+    fit = train if held.fit is None else split(held.fit)
     ood_val = {"neutral-tweets": [texts[i] for i in near_val], "bbc-news": bbc.inputs("val")}
     ood_test = {"neutral-tweets": ([texts[i] for i in near_test], "near"), "bbc-news": (bbc.inputs("test"), "far")}
     splits = {
         "setting": "tweets",
-        "seed": seed,
-        "requested": s.requested(),
+        "seed": sizes.seed,
+        "requested": sizes.requested(),
         "sources": {"tweets": _tweets_source(src, labels, dedup), "bbc-news": bbc.source()},
         "classes": {"label_order": TWEET_CLASSES, "near_ood": "neutral"},
-        "id": _id_records(idx, y_all, fit.labels, (fit_idx, fit_rec), (cal_idx, cal_rec)),
+        "id": id_records({k: idx[k] for k in SPLITS}, y_all, TWEET_CLASSES, held),
         "ood_val": {"neutral-tweets": {"kind": "near", **split_record(near_val)}, "bbc-news": bbc.record("val")},
         "ood_test": {"neutral-tweets": {"kind": "near", **split_record(near_test)}, "bbc-news": bbc.record("test")},
         "indices_into": "deduplicated tweets in file order; BBC sentences of the val / test articles in file order",
     }
-    calibration = None if cal_idx is None else split(cal_idx)
+    calibration = None if held.calibration is None else split(held.calibration)
     return Data(
         "text", list(TWEET_CLASSES), train, val, test, ood_val, ood_test, splits, fit=fit, calibration=calibration
     )

@@ -21,13 +21,12 @@ from service.core.artifact import file_sha256
 from .common import (
     CAL_HELD_OUT,
     Data,
+    HeldOut,
     Sizes,
     Split,
-    calibration_record,
-    class_counts,
     dedup_labelled,
     fit_indices,
-    fit_record,
+    id_records,
     normalize_text,
     split_id_pool,
     split_record,
@@ -265,71 +264,46 @@ def _user_ood_sets(
     return ood_val, ood_test, rec_val, rec_test
 
 
-def _id_records(
-    idx: dict[str, np.ndarray],
-    y: np.ndarray,
-    names: list[str],
-    fit_labels: np.ndarray,
-    fit: tuple[np.ndarray | None, dict[str, Any]],
-    cal_idx: np.ndarray | None,
-) -> dict[str, Any]:
-    """The record of the ID splits: those of ``idx`` (test, val, train), the fit split (indices and record as drawn,
-    ``fit_labels``) and the calibration split (``cal_idx``); ``y``: every example's label."""
-    out = {k: {**split_record(v), "class_counts": class_counts(y[v], names)} for k, v in idx.items()}
-    out["fit"] = fit_record(fit[0], idx["train"], fit[1], class_counts(fit_labels, names))
-    cal_source = CAL_HELD_OUT if cal_idx is not None else "none (max_calibration = 0)"
-    out["calibration"] = calibration_record(cal_idx, {"source": cal_source}, y, names)
-    return out
-
-
-def user_setting(
-    source: UserData,
-    max_train: int,
-    max_val: int,
-    max_test: int,
-    max_ood: int,
-    seed: int,
-    max_fit: int | None = None,
-    max_calibration: int = 0,
-) -> Data:
+def user_setting(source: UserData, sizes: Sizes) -> Data:
     """Your data (``source``): ``image-folder`` (one subfolder per class) or ``text-file`` (CSV/JSONL with text, label).
 
     ID data is split stratified into test / val / calibration / train (each ``USER_EVAL_FRACTION`` of the data
-    for val, test and calibration, capped by ``max_val`` / ``max_test`` / ``max_calibration``; the calibration
-    split never takes the last training example). The fit split is the train split,
-    unless ``max_train`` leaves inputs unused: then up to ``max_fit`` (default ``max_val``) of
-    those. ``source.ood_paths`` maps a set name to a folder of images (any nesting) or a CSV/JSONL/TXT
-    file of texts; a set is near-OOD if its name starts with "near", else far. ``source.ood_val_path``
-    holds OOD validation inputs; without it a disjoint ``USER_OOD_VAL_FRACTION`` of every OOD
-    set is carved out for validation.
+    for val, test and calibration, capped by ``sizes.max_val`` / ``max_test`` / ``max_calibration``; the calibration
+    split never takes the last training example). The fit split is the train split, unless ``sizes.max_train``
+    leaves inputs unused: then up to ``sizes.fit`` of those. ``source.ood_paths`` maps a set name to a folder of
+    images (any nesting) or a CSV/JSONL/TXT file of texts; a set is near-OOD if its name starts with "near", else
+    far. ``source.ood_val_path`` holds OOD validation inputs; without it a disjoint ``USER_OOD_VAL_FRACTION`` of
+    every OOD set is carved out for validation.
     """
-    s = Sizes(max_train, max_val, max_test, max_ood, seed, max_fit, max_calibration)
     root, ood_paths = _check_user_paths(source)
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(sizes.seed)
     image = source.setting == "image-folder"
     inputs: np.ndarray | list[str]
     class_names, inputs, y, id_source = (_read_image_classes if image else _read_text_classes)(root)
     y_arr = np.asarray(y, dtype=np.int64)
     # the ID split draws from rng before the OOD sets do: that order fixes every split for a seed
-    idx = split_id_pool(y_arr, _user_sizes(len(y_arr), s), rng)
+    idx = split_id_pool(y_arr, _user_sizes(len(y_arr), sizes), rng)
     cal_idx = idx.pop("calibration", None)
-    ood_val, ood_test, rec_val, rec_test = _user_ood_sets(ood_paths, source.ood_val_path, image, max_ood, rng)
+    ood_val, ood_test, rec_val, rec_test = _user_ood_sets(ood_paths, source.ood_val_path, image, sizes.max_ood, rng)
     used = [*idx.values(), *([cal_idx] if cal_idx is not None else [])]
-    fit_idx, fit_rec = fit_indices(y_arr, used, s.fit, seed)
+    fit_idx, fit_rec = fit_indices(y_arr, used, sizes.fit, sizes.seed)
+    # the calibration split came with the ID splits (a share of the data, as val and test)
+    cal_source = CAL_HELD_OUT if cal_idx is not None else "none (max_calibration = 0)"
+    held = HeldOut(fit_idx, fit_rec, cal_idx, {"source": cal_source})
 
     def split(ids: np.ndarray) -> Split:
         return Split(take(inputs, ids), y_arr[ids])
 
     train = split(idx["train"])
-    fit = train if fit_idx is None else split(fit_idx)
+    fit = train if held.fit is None else split(held.fit)
     splits = {
         "setting": source.setting,
-        "seed": seed,
-        "requested": s.requested(),
+        "seed": sizes.seed,
+        "requested": sizes.requested(),
         "sources": {"id": id_source},
         "classes": {"label_order": class_names},
         "eval_fraction": USER_EVAL_FRACTION,
-        "id": _id_records(idx, y_arr, class_names, fit.labels, (fit_idx, fit_rec), cal_idx),
+        "id": id_records(idx, y_arr, class_names, held),
         "ood_val": rec_val,
         "ood_test": rec_test,
         "indices_into": "sorted file list (images) or deduplicated rows in file order (texts)",

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from service.core.manifest import Uncertainty
 from service.core.ood import LayerStats, OODStats, mahalanobis, standardize
 from service.core.uncertainty import SUMMARY_SCORES, summarize
 from service.core.uncertainty import ood_score as ood_score_of
@@ -78,14 +79,11 @@ class Calibration:
     selected: str = ""  # the candidate served (metric, or mahalanobis_layers@<ids>[:<reduce>])
     layers: LayerChoice | None = None  # what mahalanobis_layers reads and how: served, else the best candidate's
 
-    def uncertainty(self) -> dict[str, Any]:
-        """The manifest's ``uncertainty`` block."""
-        return {
-            "temperature": self.temperature,
-            "ood_score": self.metric,
-            "ood_threshold": self.threshold,
-            "tpr": self.tpr,
-        }
+    def uncertainty(self) -> Uncertainty:
+        """The manifest's ``uncertainty`` block, typed."""
+        return Uncertainty(
+            temperature=self.temperature, ood_score=self.metric, ood_threshold=self.threshold, tpr=self.tpr
+        )
 
 
 def forced_score(cfg: BuildConfig) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -63,28 +64,16 @@ def test_split_sentences_lengths():
 
 
 # ----------------------------------------------------------------------------- Fashion-MNIST
-# the label order of the data set's own documentation (its README's "Labels" table: 0 T-shirt/top ... 9 Ankle boot)
-FASHION_DOCUMENTED = [
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-]
+# the ID classes (official labels 0-4 and 6) by their documented names
+GARMENTS = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt"]
 
 
 def test_fashion_class_names_are_the_data_sets_own():
-    """Pinned to two sources outside the project: torchvision's class list and the documented order."""
+    """Pinned to a source outside the project: torchvision's class list (the data set's documented label order)."""
     torchvision = pytest.importorskip("torchvision")
     assert D.FASHION_CLASSES == torchvision.datasets.FashionMNIST.classes
-    assert D.FASHION_CLASSES == FASHION_DOCUMENTED
     garments = [D.FASHION_CLASSES[c] for c in D.FASHION_ID_CLASSES]
-    assert garments == ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Shirt"]
+    assert garments == GARMENTS
     assert sorted(D.FASHION_CLASSES[c] for c in D.FASHION_OOD_CLASSES) == ["Ankle boot", "Bag", "Sandal", "Sneaker"]
 
 
@@ -94,7 +83,9 @@ def test_every_served_label_is_the_true_name_of_its_images():
     IDX files; each near-OOD image is footwear or a bag by the same names."""
     torchvision = pytest.importorskip("torchvision")
     names = torchvision.datasets.FashionMNIST.classes
-    d = D.fashion_mnist_setting(max_train=300, max_val=60, max_test=300, max_ood=200, seed=0, max_calibration=60)
+    d = D.fashion_mnist_setting(
+        D.Sizes(max_train=300, max_val=60, max_test=300, max_ood=200, seed=0, max_calibration=60)
+    )
     fdir = D.fashion_dir()
     lookup = {}
     for imgs, labs in (("train_images", "train_labels"), ("test_images", "test_labels")):
@@ -112,9 +103,9 @@ def test_every_served_label_is_the_true_name_of_its_images():
 @needs_fashion
 def test_fashion_setting_shapes_counts_disjoint_and_deterministic():
     kw = dict(max_train=600, max_val=120, max_test=240, max_ood=100)
-    d = D.fashion_mnist_setting(**kw, seed=0)
+    d = D.fashion_mnist_setting(D.Sizes(**kw, seed=0))
     assert d.modality == "image"
-    assert d.class_names == [FASHION_DOCUMENTED[c] for c in (0, 1, 2, 3, 4, 6)]  # the six garments
+    assert d.class_names == GARMENTS
     assert d.train.inputs.shape == (600, 28, 28) and d.train.inputs.dtype == np.uint8
     assert d.train.labels.dtype == np.int64
     for split, n in ((d.train, 600), (d.val, 120), (d.test, 240)):
@@ -131,16 +122,16 @@ def test_fashion_setting_shapes_counts_disjoint_and_deterministic():
     assert d.splits["classes"]["in_distribution"]["6"] == "Shirt"
     assert d.splits["id"]["train"]["size"] == 600
 
-    again = D.fashion_mnist_setting(**kw, seed=0)
+    again = D.fashion_mnist_setting(D.Sizes(**kw, seed=0))
     assert np.array_equal(again.train.inputs, d.train.inputs) and again.splits == d.splits
-    other = D.fashion_mnist_setting(**kw, seed=1)
+    other = D.fashion_mnist_setting(D.Sizes(**kw, seed=1))
     assert other.splits["id"]["train"]["index_sha256"] != d.splits["id"]["train"]["index_sha256"]
     assert not np.array_equal(other.ood_val["digits"], d.ood_val["digits"])
 
 
 @needs_fashion
 def test_near_ood_images_come_from_held_out_classes():
-    d = D.fashion_mnist_setting(max_train=60, max_val=12, max_test=12, max_ood=40, seed=0)
+    d = D.fashion_mnist_setting(D.Sizes(max_train=60, max_val=12, max_test=12, max_ood=40, seed=0))
     fdir = D.fashion_dir()
     x = D.read_idx_images(fdir / D.FASHION_FILES["test_images"])
     y = D.read_idx_labels(fdir / D.FASHION_FILES["test_labels"])
@@ -187,7 +178,7 @@ def _assert_same_splits(a: D.Data, b: D.Data) -> None:
 @needs_fashion
 def test_fashion_fit_split_held_out_stratified_seeded_and_leaves_other_splits_alone():
     kw = dict(max_train=60, max_val=12, max_test=12, max_ood=40)
-    d = D.fashion_mnist_setting(**kw, seed=1, max_fit=30)
+    d = D.fashion_mnist_setting(D.Sizes(**kw, seed=1, max_fit=30))
     assert d.fit is not d.train and len(d.fit) == 30 and d.fit.inputs.shape[1:] == (28, 28)
     assert np.bincount(d.fit.labels, minlength=6).tolist() == [5] * 6  # stratified
     fit_rows = _rows(d.fit.inputs)
@@ -202,13 +193,13 @@ def test_fashion_fit_split_held_out_stratified_seeded_and_leaves_other_splits_al
     json.dumps(d.splits)
     assert _hashes(d, FASHION_TINY_S1_HASHES) == FASHION_TINY_S1_HASHES  # the splits drawn before fit existed
 
-    again = D.fashion_mnist_setting(**kw, seed=1, max_fit=30)
+    again = D.fashion_mnist_setting(D.Sizes(**kw, seed=1, max_fit=30))
     assert np.array_equal(again.fit.inputs, d.fit.inputs) and again.splits == d.splits
-    other = D.fashion_mnist_setting(**kw, seed=2, max_fit=30)
+    other = D.fashion_mnist_setting(D.Sizes(**kw, seed=2, max_fit=30))
     assert other.splits["id"]["fit"]["index_sha256"] != rec["index_sha256"]
-    default = D.fashion_mnist_setting(**kw, seed=1)  # max_fit defaults to max_val
+    default = D.fashion_mnist_setting(D.Sizes(**kw, seed=1))  # max_fit defaults to max_val
     assert len(default.fit) == 12 and default.splits["requested"]["max_fit"] == 12
-    none = D.fashion_mnist_setting(**kw, seed=1, max_fit=0)
+    none = D.fashion_mnist_setting(D.Sizes(**kw, seed=1, max_fit=0))
     assert none.fit is none.train and none.splits["id"]["fit"]["source"] == "train (max_fit = 0)"
     assert none.splits["id"]["fit"]["index_sha256"] == none.splits["id"]["train"]["index_sha256"]
     for x in (default, none):
@@ -224,7 +215,7 @@ def test_fashion_training_pool_and_reserved_images():
     assert len(pool) == 30000 and len(reserved) == 6000 and np.intersect1d(pool, reserved).size == 0
     assert np.bincount(y[reserved], minlength=10).tolist() == [1000] * 5 + [0, 1000] + [0] * 3  # garments only
     assert np.array_equal(D.fashion_pools(y)[1], reserved)  # fixed: no seed moves it
-    d = D.fashion_mnist_setting(max_train=40000, max_val=12, max_test=12, max_ood=10, seed=0)
+    d = D.fashion_mnist_setting(D.Sizes(max_train=40000, max_val=12, max_test=12, max_ood=10, seed=0))
     assert len(d.train) == 30000  # the whole training pool, never more
     assert _rows(d.train.inputs) == _rows(x[pool]) and _rows(d.val.inputs) <= _rows(x[reserved])
     assert _rows(d.fit.inputs) <= _rows(x[reserved]) and d.splits["pools"]["reserved"]["size"] == 6000
@@ -232,13 +223,13 @@ def test_fashion_training_pool_and_reserved_images():
 
 @needs_fashion
 def test_fashion_fit_falls_back_to_train_when_nothing_is_left():
-    d = D.fashion_mnist_setting(max_train=60, max_val=6000, max_test=12, max_ood=10, seed=0)
+    d = D.fashion_mnist_setting(D.Sizes(max_train=60, max_val=6000, max_test=12, max_ood=10, seed=0))
     assert len(d.val) == 6000  # every reserved image is validation
     assert d.fit is d.train
     rec = d.splits["id"]["fit"]
     assert rec["source"] == "train (no unused ID inputs)" and rec["unused_id_inputs"] == 0
     assert rec["same_as"] == "train" and rec["size"] == len(d.train)
-    small = D.fashion_mnist_setting(max_train=60, max_val=12, max_test=12, max_ood=10, seed=0, max_fit=7)
+    small = D.fashion_mnist_setting(D.Sizes(max_train=60, max_val=12, max_test=12, max_ood=10, seed=0, max_fit=7))
     assert small.fit is small.train and "fewer than 2 of some class" in small.splits["id"]["fit"]["source"]
 
 
@@ -246,7 +237,7 @@ def test_fashion_missing_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("HYDRA_DATA_DIR", str(tmp_path))
     monkeypatch.setattr(D.fashion, "SYSTEM_FASHION_DIR", tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="scripts/fetch_data.sh"):
-        D.fashion_mnist_setting(10, 10, 10, 10, 0)
+        D.fashion_mnist_setting(D.Sizes(10, 10, 10, 10, 0))
 
 
 # ----------------------------------------------------------------------------- tweets
@@ -260,7 +251,7 @@ def test_tweet_labels_are_the_csv_sentiment_column():
         for row in csv.DictReader(f):
             source.setdefault(" ".join(row["text"].split()), set()).add(row["sentiment"].strip())
     assert set().union(*source.values()) == {"negative", "neutral", "positive"}
-    d = D.tweet_setting(max_train=300, max_val=60, max_test=90, max_ood=50, seed=0)
+    d = D.tweet_setting(D.Sizes(max_train=300, max_val=60, max_test=90, max_ood=50, seed=0))
     for split in (d.train, d.val, d.test):
         assert all(source[t] == {d.class_names[int(y)]} for t, y in zip(split.inputs, split.labels, strict=True))
     assert all(source[t] == {"neutral"} for t in d.ood_test["neutral-tweets"][0] + d.ood_val["neutral-tweets"])
@@ -282,7 +273,7 @@ def test_bbc_articles_are_read_from_their_category_folders():
 
 def test_tweet_setting_dedup_disjoint_deterministic():
     kw = dict(max_train=300, max_val=60, max_test=90, max_ood=50)
-    d = D.tweet_setting(**kw, seed=0)
+    d = D.tweet_setting(D.Sizes(**kw, seed=0))
     assert d.modality == "text" and d.class_names == ["negative", "positive"]
     assert (len(d.train.inputs), len(d.val.inputs), len(d.test.inputs)) == (300, 60, 90)
     assert set(np.unique(d.train.labels).tolist()) == {0, 1}
@@ -299,15 +290,15 @@ def test_tweet_setting_dedup_disjoint_deterministic():
     assert sum(counts.values()) == 300 and counts["negative"] > counts["positive"]  # stratified: ~70 / 30
     assert d.splits["sources"]["tweets"]["dedup"]["conflicting_dropped"] > 0
     json.dumps(d.splits)
-    again = D.tweet_setting(**kw, seed=0)
+    again = D.tweet_setting(D.Sizes(**kw, seed=0))
     assert again.train.inputs == d.train.inputs and again.ood_test["bbc-news"][0] == d.ood_test["bbc-news"][0]
-    other = D.tweet_setting(**kw, seed=1)
+    other = D.tweet_setting(D.Sizes(**kw, seed=1))
     assert other.train.inputs != d.train.inputs
 
 
 def test_tweet_fit_split_held_out_stratified_seeded_and_leaves_other_splits_alone():
     kw = dict(max_train=300, max_val=60, max_test=90, max_ood=50)
-    d = D.tweet_setting(**kw, seed=0, max_fit=100)
+    d = D.tweet_setting(D.Sizes(**kw, seed=0, max_fit=100))
     assert len(d.fit) == 100 and len(set(d.fit.inputs)) == 100
     for g in (d.train.inputs, d.val.inputs, d.test.inputs, *d.ood_val.values(), *(x for x, _ in d.ood_test.values())):
         assert set(d.fit.inputs).isdisjoint(g)
@@ -317,19 +308,22 @@ def test_tweet_fit_split_held_out_stratified_seeded_and_leaves_other_splits_alon
     assert np.bincount(d.fit.labels).tolist() == [70, 30]
     json.dumps(d.splits)
     assert _hashes(d, TWEETS_SMALL_S0_HASHES) == TWEETS_SMALL_S0_HASHES  # the splits drawn before fit existed
-    again = D.tweet_setting(**kw, seed=0, max_fit=100)
+    again = D.tweet_setting(D.Sizes(**kw, seed=0, max_fit=100))
     assert again.fit.inputs == d.fit.inputs and again.splits == d.splits
-    assert D.tweet_setting(**kw, seed=1, max_fit=100).fit.inputs != d.fit.inputs
-    default, none = D.tweet_setting(**kw, seed=0), D.tweet_setting(**kw, seed=0, max_fit=0)
+    assert D.tweet_setting(D.Sizes(**kw, seed=1, max_fit=100)).fit.inputs != d.fit.inputs
+    default, none = D.tweet_setting(D.Sizes(**kw, seed=0)), D.tweet_setting(D.Sizes(**kw, seed=0, max_fit=0))
     assert len(default.fit) == 60 and none.fit is none.train
     for x in (default, none):
         _assert_same_splits(d, x)
-    everything = D.tweet_setting(max_train=10**6, max_val=60, max_test=90, max_ood=50, seed=0)
+    everything = D.tweet_setting(D.Sizes(max_train=10**6, max_val=60, max_test=90, max_ood=50, seed=0))
     assert everything.fit is everything.train
     assert everything.splits["id"]["fit"]["source"] == "train (no unused ID inputs)"
 
 
 # ----------------------------------------------------------------------------- user data: images
+USER_SIZES = D.Sizes(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)  # more than the data sets here hold
+
+
 def _write_images(folder, n, seed, size=(20, 24), mode="RGB"):
     from PIL import Image
 
@@ -346,9 +340,8 @@ def test_user_image_folder(tmp_path):
     _write_images(tmp_path / "ood" / "a" / "deep", 5, 2)
     _write_images(tmp_path / "ood" / "b", 5, 3)
     _write_images(tmp_path / "near_ood", 4, 4)
-    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     ood = {"far_noise": str(tmp_path / "ood"), "near_x": str(tmp_path / "near_ood")}
-    d = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, None), **kw)
+    d = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, None), USER_SIZES)
     assert d.modality == "image" and d.class_names == ["cat", "dog"]
     # a user's images stay files (checked readable): decoded per batch at the model's size and colour
     assert all(isinstance(p, str) and p.endswith(".png") for p in d.train.inputs)
@@ -362,41 +355,39 @@ def test_user_image_folder(tmp_path):
     assert "file paths" in d.splits["image"]["inputs"]
     assert d.splits["ood_val"]["far_noise"]["carved_fraction"] == D.USER_OOD_VAL_FRACTION
     json.dumps(d.splits)
-    same = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, None), **kw)
+    same = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, None), USER_SIZES)
     assert same.train.inputs == d.train.inputs
-    with_val = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, tmp_path / "ood" / "b"), **kw)
+    with_val = D.user_setting(D.UserData("image-folder", tmp_path / "train", ood, tmp_path / "ood" / "b"), USER_SIZES)
     assert list(with_val.ood_val) == ["ood-val"] and len(with_val.ood_val["ood-val"]) == 5
     assert len(with_val.ood_test["far_noise"][0]) == 10  # nothing carved when a validation set is given
 
 
 def test_user_image_folder_errors(tmp_path):
-    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     _write_images(tmp_path / "ood", 4, 0)
     ood = {"far": str(tmp_path / "ood")}
     _write_images(tmp_path / "one" / "only", 5, 1)
     with pytest.raises(ValueError, match="1 class subfolders"):
-        D.user_setting(D.UserData("image-folder", tmp_path / "one", ood, None), **kw)
+        D.user_setting(D.UserData("image-folder", tmp_path / "one", ood, None), USER_SIZES)
     _write_images(tmp_path / "two" / "a", 5, 1)
     (tmp_path / "two" / "b").mkdir()
     with pytest.raises(ValueError, match=r"two/b: class 'b' has no images"):
-        D.user_setting(D.UserData("image-folder", tmp_path / "two", ood, None), **kw)
+        D.user_setting(D.UserData("image-folder", tmp_path / "two", ood, None), USER_SIZES)
     (tmp_path / "two" / "b" / "broken.png").write_bytes(b"not a png")
     with pytest.raises(ValueError, match=r"broken\.png: not a readable image"):
-        D.user_setting(D.UserData("image-folder", tmp_path / "two", ood, None), **kw)
+        D.user_setting(D.UserData("image-folder", tmp_path / "two", ood, None), USER_SIZES)
     single = tmp_path / "ood1"
     _write_images(single, 1, 0)
     _write_images(tmp_path / "ok" / "a", 5, 1)
     _write_images(tmp_path / "ok" / "b", 5, 2)
     with pytest.raises(ValueError, match="no OOD validation inputs"):  # OOD data given, but none to validate on
-        D.user_setting(D.UserData("image-folder", tmp_path / "ok", {"far": str(single)}, None), **kw)
+        D.user_setting(D.UserData("image-folder", tmp_path / "ok", {"far": str(single)}, None), USER_SIZES)
 
 
 def test_user_data_without_ood_sets_builds_from_id_validation_alone(tmp_path):
     """Most users have no OOD data: the setting has no OOD sets (the threshold then comes from ID validation)."""
-    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     _write_images(tmp_path / "data" / "a", 6, 1)
     _write_images(tmp_path / "data" / "b", 6, 2)
-    data = D.user_setting(D.UserData("image-folder", tmp_path / "data", {}, None), **kw)
+    data = D.user_setting(D.UserData("image-folder", tmp_path / "data", {}, None), USER_SIZES)
     assert data.ood_val == {} and data.ood_test == {} and len(data.train) > 0
 
 
@@ -421,9 +412,8 @@ def test_user_text_file_csv_and_jsonl(tmp_path):
     ood_txt.write_text("\n".join(f"unrelated line {i}" for i in range(10)) + "\n\n")
     ood_csv = tmp_path / "near.csv"
     ood_csv.write_text("text\n" + "\n".join(f"near text {i}" for i in range(6)))
-    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     ood = {"far_lines": str(ood_txt), "near_set": str(ood_csv)}
-    a = D.user_setting(D.UserData("text-file", csv_path, ood, None), **kw)
+    a = D.user_setting(D.UserData("text-file", csv_path, ood, None), USER_SIZES)
     assert a.modality == "text" and a.class_names == ["meh", "neg", "pos"]
     # "text number 0" appears as pos and neg: dropped, so 29 texts remain
     assert len(a.train) + len(a.val) + len(a.test) == 29
@@ -432,7 +422,7 @@ def test_user_text_file_csv_and_jsonl(tmp_path):
     assert {k: v[1] for k, v in a.ood_test.items()} == {"far_lines": "far", "near_set": "near"}
     assert len(a.ood_val["far_lines"]) + len(a.ood_test["far_lines"][0]) == 10
     assert set(a.ood_val["far_lines"]).isdisjoint(a.ood_test["far_lines"][0])
-    b = D.user_setting(D.UserData("text-file", jsonl, ood, str(ood_txt)), **kw)
+    b = D.user_setting(D.UserData("text-file", jsonl, ood, str(ood_txt)), USER_SIZES)
     assert b.class_names == ["meh", "neg", "pos"] and len(b.train) + len(b.val) + len(b.test) == 30
     assert sorted(b.ood_val["ood-val"]) == sorted(f"unrelated line {i}" for i in range(10))
 
@@ -443,23 +433,19 @@ def test_user_setting_fit_is_train_unless_inputs_are_left_over(tmp_path):
     path.write_text("text,label\n" + "\n".join(f"{t},{y}" for t, y in rows))
     ood = tmp_path / "far.txt"
     ood.write_text("\n".join(f"unrelated line {i}" for i in range(10)))
-    kw = dict(max_val=100, max_test=100, max_ood=100, seed=0)
-    d = D.user_setting(D.UserData("text-file", path, {"far": str(ood)}, None), max_train=100, **kw)
+    user = D.UserData("text-file", path, {"far": str(ood)}, None)
+    d = D.user_setting(user, USER_SIZES)
     assert d.fit is d.train and d.fit_split is d.train
     rec = d.splits["id"]["fit"]
     assert rec["source"] == "train (no unused ID inputs)" and rec["same_as"] == "train"
     assert rec["index_sha256"] == d.splits["id"]["train"]["index_sha256"] and rec["size"] == len(d.train)
-    left = D.user_setting(D.UserData("text-file", path, {"far": str(ood)}, None), max_train=20, max_fit=10, **kw)
+    left = D.user_setting(user, replace(USER_SIZES, max_train=20, max_fit=10))
     assert len(left.fit) == 10 and np.bincount(left.fit.labels).tolist() == [5, 5]
     assert set(left.fit.inputs).isdisjoint(left.train.inputs + left.val.inputs + left.test.inputs)
     assert left.splits["id"]["fit"]["source"] == D.FIT_HELD_OUT
     assert left.splits["id"]["fit"]["unused_id_inputs"] == 60 - 20 - 9 - 9
-    assert (
-        left.splits["id"]["train"]
-        == D.user_setting(D.UserData("text-file", path, {"far": str(ood)}, None), max_train=20, max_fit=0, **kw).splits[
-            "id"
-        ]["train"]
-    )
+    without_fit = D.user_setting(user, replace(USER_SIZES, max_train=20, max_fit=0))
+    assert left.splits["id"]["train"] == without_fit.splits["id"]["train"]
 
 
 def test_data_built_without_fit_fits_on_train():
@@ -473,12 +459,12 @@ def test_load_data_passes_max_fit(monkeypatch):
     from offline.config import load_config
 
     seen = {}
-    monkeypatch.setitem(stages.data_mod.SETTINGS, "tweets", lambda **kw: seen.update(kw) or "data")
+    monkeypatch.setitem(D.SETTINGS, "tweets", lambda sizes: seen.update(sizes=sizes) or "data")
     cfg = load_config(D.ROOT / "offline" / "configs" / "text-fast.yaml", {"data.max_fit": 77})
     stages.load_data(cfg)
-    assert seen["max_fit"] == 77 and seen["max_val"] == 400
+    assert seen["sizes"].max_fit == 77 and seen["sizes"].max_val == 400
     stages.load_data(load_config(D.ROOT / "offline" / "configs" / "text-fast.yaml"))
-    assert seen["max_fit"] is None  # the setting's default: max_val
+    assert seen["sizes"].max_fit is None  # the setting's default: max_val
 
 
 # (file name, contents, what the error says): each file is bad in one way
@@ -494,20 +480,19 @@ BAD_TEXT_FILES = [
 
 @pytest.mark.parametrize(("name", "content", "error"), BAD_TEXT_FILES, ids=[f[0] for f in BAD_TEXT_FILES])
 def test_user_text_file_errors(tmp_path, name, content, error):
-    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
     ood = tmp_path / "ood.txt"
     ood.write_text("a\nb\nc\n")
     data = tmp_path / name
     data.write_bytes(content)
     with pytest.raises(ValueError, match=error):
-        D.user_setting(D.UserData("text-file", data, {"far": str(ood)}, None), **kw)
+        D.user_setting(D.UserData("text-file", data, {"far": str(ood)}, None), USER_SIZES)
 
 
 # ----------------------------------------------------------------------------- the calibration split
 @needs_fashion
 def test_fashion_calibration_split_is_held_out_stratified_seeded_and_moves_nothing_else():
     kw = dict(max_train=60, max_val=12, max_test=12, max_ood=40, seed=1, max_fit=30)
-    d = D.fashion_mnist_setting(**kw, max_calibration=60)
+    d = D.fashion_mnist_setting(D.Sizes(**kw, max_calibration=60))
     assert len(d.calibration) == 60 and np.bincount(d.calibration.labels, minlength=6).tolist() == [10] * 6
     cal = _rows(d.calibration.inputs)
     for other in (d.train, d.val, d.test, d.fit):
@@ -516,9 +501,9 @@ def test_fashion_calibration_split_is_held_out_stratified_seeded_and_moves_nothi
     assert cal <= _rows(x[D.fashion_pools(y)[1]])  # reserved images: no model trained on the pool saw them
     rec = d.splits["id"]["calibration"]
     assert rec["source"] == D.CAL_HELD_OUT and rec["size"] == 60 and sum(rec["class_counts"].values()) == 60
-    again = D.fashion_mnist_setting(**kw, max_calibration=60)
+    again = D.fashion_mnist_setting(D.Sizes(**kw, max_calibration=60))
     assert np.array_equal(again.calibration.inputs, d.calibration.inputs) and again.splits == d.splits
-    none = D.fashion_mnist_setting(**kw)  # without it: every other split as it was, fit included
+    none = D.fashion_mnist_setting(D.Sizes(**kw))  # without it: every other split as it was, fit included
     assert none.calibration is None and none.splits["id"]["calibration"]["size"] == 0
     _assert_same_splits(d, none)
     assert np.array_equal(none.fit.inputs, d.fit.inputs)
@@ -530,16 +515,15 @@ def test_user_calibration_split_fits_small_data(tmp_path):
     rows = [(f"text number {i}", ["pos", "neg"][i % 2]) for i in range(40)]
     path = tmp_path / "train.csv"
     path.write_text("text,label\n" + "\n".join(f"{t},{y}" for t, y in rows))
-    kw = dict(max_train=100, max_val=100, max_test=100, max_ood=100, seed=0)
-    d = D.user_setting(D.UserData("text-file", path, {}, None), max_calibration=1000, **kw)
+    d = D.user_setting(D.UserData("text-file", path, {}, None), replace(USER_SIZES, max_calibration=1000))
     assert len(d.calibration) == 6 and len(d.val) == 6 and len(d.test) == 6 and len(d.train) == 22
     assert set(d.calibration.inputs).isdisjoint(d.train.inputs + d.val.inputs + d.test.inputs)
     assert d.splits["id"]["calibration"]["source"] == D.CAL_HELD_OUT
     tiny = tmp_path / "tiny.csv"
     tiny.write_text("text,label\na,pos\nb,neg\nc,pos\n")
-    t = D.user_setting(D.UserData("text-file", tiny, {}, None), max_calibration=1000, **kw)
+    t = D.user_setting(D.UserData("text-file", tiny, {}, None), replace(USER_SIZES, max_calibration=1000))
     assert t.calibration is None and len(t.train) == 1  # three inputs: test, val, train, nothing to spare
-    assert D.user_setting(D.UserData("text-file", path, {}, None), **kw).calibration is None  # max_calibration 0: none
+    assert D.user_setting(D.UserData("text-file", path, {}, None), USER_SIZES).calibration is None  # max_calibration 0
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -555,7 +539,7 @@ def test_every_config_setting_is_registered_and_load_draws_it(tmp_path):
     over = {"family": "bert", "hydra.prune_per_layer": 1, "data.setting": "text-file", "data.path": str(path)}
     cfg = load_config(None, {**over, **{f"data.{k}": v for k, v in sizes.items()}})
     d = D.load(cfg.data)
-    assert d.splits == D.user_setting(D.UserData("text-file", str(path), {}, None), **sizes).splits
+    assert d.splits == D.user_setting(D.UserData("text-file", str(path), {}, None), D.Sizes(**sizes)).splits
     assert len(d.train) == 20 and len(d.calibration) == 4
 
 
