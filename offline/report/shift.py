@@ -9,15 +9,16 @@ from typing import Any
 from .tables import cell, method_table
 from .values import num, pct
 
-# the section's columns: (header, key in a summary row, format)
-SHIFT_COLUMNS = (
-    ("Acc %", "acc", pct),
-    ("ECE %", "ece", pct),
-    ("NLL", "nll", num),
-    ("AURC", "aurc", num),
-    ("Accepted %", "accept_rate", pct),
-    ("Error among accepted %", "accepted_error", pct),
-)
+# the section's columns: key in a summary row -> header; rates and errors in %, NLL and AURC as numbers
+SHIFT_COLUMNS = {
+    "acc": "Acc %",
+    "ece": "ECE %",
+    "nll": "NLL",
+    "aurc": "AURC",
+    "accept_rate": "Accepted %",
+    "accepted_error": "Error among accepted %",
+}
+NUMBERS = ("nll", "aurc")
 
 
 def shift_section(doc: Mapping[str, Any]) -> list[str]:
@@ -31,11 +32,8 @@ def shift_section(doc: Mapping[str, Any]) -> list[str]:
     copies = list(first["sets"])
     kinds = list(dict.fromkeys(c.rsplit("@", 1)[0] for c in copies))
     severities = [k for k in first["summary"] if k != "mean"]
-    cols = [
-        (h, cell(fmt, key))
-        for h, key, fmt in SHIFT_COLUMNS
-        if any(key in m["summary"]["mean"] for m in methods.values())
-    ]
+    present = {k for m in methods.values() for k in m["summary"]["mean"]}
+    cols = [(h, cell(num if k in NUMBERS else pct, k)) for k, h in SHIFT_COLUMNS.items() if k in present]
     risk = shift.get("risk")
     md = [
         "",
