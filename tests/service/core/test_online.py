@@ -1,0 +1,235 @@
+"""Online statistics (service/core/online.py): known answers, cross-checks against maintained libraries (scipy's
+Wilson and Clopper-Pearson intervals, MAPIE 1.6's ACI update and risk monitor), the guarantees on adversarial
+sequences, and simulations on the default artifacts' real outputs (``tests/fixtures/outputs``, as in
+``tests/service/test_guarantees_simulation.py``).
+
+The streams: the calibration split and the ID test split of a fixture are pooled (ID inputs no fitting touched), and
+each run draws 1,000 of them as its calibration split and resamples its stream from the rest, as a deployment would
+fall. The shift: a harder class mix, each answer drawn from the class the model gets wrong most often (Shirt for the
+image model, positive for the text one) with probability ``w`` and from the whole pool otherwise, ``w`` set so that
+the expected accuracy is 10 points below the run's calibration split's (real inputs with their real labels: the
+labels stay inside the model's, so the sets can cover them). Simulations are seeded: the same numbers every run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mapie.regression import TimeSeriesRegressor
+from scipy.stats import beta, binomtest
+from sklearn.linear_model import LinearRegression
+
+from service.core.conformal import SetCalibrator
+from service.core.online import AdaptiveConformal, clopper_pearson_upper, raw_misses, wilson_interval
+
+OUTPUTS = sorted((Path(__file__).resolve().parents[2] / "fixtures" / "outputs").glob("*.npz"))
+N_CAL = 1000  # calibration labels per run
+
+
+def _load(path: Path) -> dict:
+    z = np.load(path)
+    out: dict = {"meta": json.loads(str(z["meta"]))}
+    for key in z.files:
+        if key != "meta":
+            name, part = key.split("/")
+            out.setdefault(name, {})[part] = z[key]
+    return out
+
+
+@pytest.fixture(params=OUTPUTS, ids=[p.stem for p in OUTPUTS], scope="module")
+def pool(request: pytest.FixtureRequest) -> tuple[np.ndarray, np.ndarray]:
+    """``(probs (N, C) float64, labels (N,))``: the calibration and ID test splits together."""
+    o = _load(request.param)
+    cal, test = o["calibration"], o["test"]
+    return np.concatenate([cal["probs"], test["probs"]]).astype(np.float64), np.concatenate(
+        [cal["labels"], test["labels"]]
+    )
+
+
+def _split(n: int, seed: int) -> tuple[np.random.Generator, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(n)
+    return rng, perm[:N_CAL], perm[N_CAL:]
+
+
+def _harder_mix(correct, labels, rest, target, size, rng) -> np.ndarray:
+    """``size`` answers from ``rest``: the class with the lowest accuracy with probability ``w``, else the whole of
+    ``rest``, ``w`` such that the expected accuracy is ``target``."""
+    acc = np.array([correct[rest][labels[rest] == c].mean() for c in np.unique(labels)])
+    hard = rest[labels[rest] == acc.argmin()]
+    w = (correct[rest].mean() - target) / (correct[rest].mean() - acc.min())
+    assert 0 < w < 1, w
+    return np.where(rng.random(size) < w, rng.choice(hard, size), rng.choice(rest, size))
+
+
+# ----------------------------------------------------------------------------- intervals
+def test_wilson_known_answers_and_scipy():
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    # 5 of 10 at 95 %: centre 0.5, half-width 1.96 / 1.38416 * sqrt(0.025 + 0.009604) = 0.26341
+    lo, hi = wilson_interval(5, 10)
+    assert lo == pytest.approx(0.23659, abs=1e-5) and hi == pytest.approx(0.76341, abs=1e-5)
+    for n in (1, 7, 50, 1000):
+        for k in sorted({0, 1, n // 3, n - 1, n}):
+            for level in (0.9, 0.95, 0.99):
+                ci = binomtest(k, n).proportion_ci(confidence_level=level, method="wilson")
+                np.testing.assert_allclose(wilson_interval(k, n, level), (ci.low, ci.high), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="0 <= k <= n"):
+        wilson_interval(3, 2)
+
+
+def test_clopper_pearson_upper_matches_scipy():
+    for n in (1, 10, 200, 1000):
+        for k in sorted({0, n // 5, n - 1}):
+            for delta in (0.005, 0.025, 0.1):
+                ours = clopper_pearson_upper(k, n, delta)
+                assert ours == pytest.approx(beta.ppf(1 - delta, k + 1, n - k), abs=1e-9)
+                # the upper end of scipy's exact two-sided interval at 1 - 2 delta is the same bound
+                assert ours == pytest.approx(binomtest(k, n).proportion_ci(1 - 2 * delta, "exact").high, abs=1e-9)
+    assert clopper_pearson_upper(0, 10, 0.05) == pytest.approx(1 - 0.05**0.1, abs=1e-9)  # (1 - U)^n = delta
+    assert clopper_pearson_upper(7, 7, 0.05) == 1.0
+
+
+# ----------------------------------------------------------------------------- adaptive conformal inference
+def test_aci_known_answers():
+    aci = AdaptiveConformal(0.1, gamma=0.05)
+    assert aci.alpha_t == 0.1 and aci.miscoverage is None and aci.bound() == math.inf
+    aci.update([True, False, False])
+    assert aci.alpha_t == pytest.approx(0.1 + 0.05 * (0.1 - 1) + 2 * 0.05 * 0.1)  # 0.065
+    assert aci.miscoverage == pytest.approx(1 / 3)
+    assert aci.bound() == pytest.approx((0.9 + 0.05) / (0.05 * 3)) and aci.bound(4) == pytest.approx(1.1 / 0.15)
+    np.testing.assert_array_equal(raw_misses([True, True, False], [False, True, False]), [False, True, True])
+    back = AdaptiveConformal.from_state(json.loads(json.dumps(aci.to_state())))
+    assert back == aci and back.alpha_t == aci.alpha_t
+
+
+def test_aci_levels_give_the_split_conformal_sets():
+    rng = np.random.default_rng(0)
+    probs = rng.dirichlet(np.ones(4), 300)
+    cal = SetCalibrator.fit(probs[:200], rng.integers(0, 4, 200), "lac")
+    test = probs[200:]
+    aci = AdaptiveConformal(0.2)
+    sets, filled, a = aci.sets(cal, test)
+    raw = cal.sets(test, 0.2)
+    assert a == 0.2 and np.array_equal(filled, ~raw.any(1))
+    assert np.array_equal(sets[~filled], raw[~filled]) and np.all(sets[filled].sum(1) == 1)
+    per_class, filled_m, _ = aci.sets(cal, test, mondrian=True)
+    raw_m = cal.sets(test, 0.2, mondrian=True)
+    assert np.array_equal(filled_m, ~raw_m.any(1)) and np.array_equal(per_class[~filled_m], raw_m[~filled_m])
+    low = AdaptiveConformal(0.2, gamma=0.5, labelled=2, misses=2)  # alpha_t = 0.2 + 0.5 (0.4 - 2) < 0
+    assert low.alpha_t < 0 and low.sets(cal, test)[0].all() and not low.sets(cal, test)[1].any()
+    high = AdaptiveConformal(0.2, gamma=0.5, labelled=2, misses=0)  # alpha_t = 0.4; and after 8 more: 1.2 >= 1
+    high.update([0] * 8)
+    sets, filled, a = high.sets(cal, test)
+    assert a >= 1 and filled.all() and np.array_equal(sets.argmax(1), test.argmax(1)) and np.all(sets.sum(1) == 1)
+    assert np.all(np.isinf(high.qhat(cal, mondrian=True))) and high.qhat(cal) == -math.inf
+
+
+def _mapie_aci(gamma: float) -> tuple[np.ndarray, np.ndarray]:
+    """MAPIE 1.6's ACI on a regression stream that turns noisier: ``(err_t (T,), its alpha_t after each (T,))``."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(500, 1))
+    y = 2 * x[:, 0] + rng.normal(size=500) * np.where(np.arange(500) < 300, 1.0, 2.5)
+    mapie = TimeSeriesRegressor(LinearRegression().fit(x[:100], y[:100]), method="aci", cv="prefit")
+    mapie.fit(x[100:200], y[100:200])
+    errs, alphas = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(200, 500):
+            _, pis = mapie.predict(x[i : i + 1], confidence_level=0.9, allow_infinite_bounds=True)
+            errs.append(not (pis[0, 0, 0] < y[i] < pis[0, 1, 0]))  # MAPIE's own test: strictly inside
+            mapie.adapt_conformal_inference(x[i : i + 1], y[i : i + 1], gamma=gamma, confidence_level=0.9)
+            alphas.append(mapie.current_alpha[0.1])
+    return np.array(errs), np.array(alphas)
+
+
+def test_aci_update_rule_matches_mapie():
+    """Fed MAPIE's own misses, our alpha_t is MAPIE's after every step; MAPIE clips alpha_t to [0, 1], we do not
+    (the clip breaks the telescoping sum the bound rests on), so with a large step the two part at the first clip."""
+    errs, theirs = _mapie_aci(0.01)
+    ours = []
+    aci = AdaptiveConformal(0.1, gamma=0.01)
+    for e in errs:
+        aci.update([e])
+        ours.append(aci.alpha_t)
+    assert 0 < theirs.min() and theirs.max() < 1 and errs.mean() > 0.1  # no clip; the shift made it miss more
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-12)
+    errs, theirs = _mapie_aci(0.2)
+    aci, ours = AdaptiveConformal(0.1, gamma=0.2), []
+    for e in errs:
+        aci.update([e])
+        ours.append(aci.alpha_t)
+    clip = int(np.flatnonzero((theirs == 0) | (theirs == 1))[0])
+    np.testing.assert_allclose(ours[:clip], theirs[:clip], rtol=0, atol=1e-12)
+    assert ours[clip] < 0 and ours[clip] == pytest.approx(theirs[clip - 1] + 0.2 * (0.1 - errs[clip]))
+    # ours telescopes exactly: alpha_{T+1} - alpha_1 = gamma sum_t (alpha - err_t)
+    assert ours[-1] - 0.1 == pytest.approx(0.2 * (0.1 * len(errs) - errs.sum()), abs=1e-9)
+
+
+@pytest.mark.parametrize("delay", [1, 25])
+def test_aci_bound_holds_on_adversarial_sequences(pool, delay):
+    """An adversary picks each true label after seeing the set: outside it whenever it can, then inside it whenever
+    it can, in alternating stretches of 400; the labels reach the tracker ``delay`` answers late. At every T the miss
+    rate is within the stated bound of alpha, and alpha_t within the range the proof gives; late labels do push
+    alpha_t past the range without delay (so the bound needs its delay term)."""
+    probs, labels = pool
+    rng, cal, rest = _split(len(labels), 0)
+    calib = SetCalibrator.fit(probs[cal], labels[cal], "lac")
+    alpha, gamma = 0.1, 0.02
+    aci = AdaptiveConformal(alpha, gamma=gamma)
+    waiting: list[bool] = []
+    rates, bounds, levels = [], [], []
+    for t, i in enumerate(rng.choice(rest, 3000)):
+        sets, filled, level = aci.sets(calib, probs[i : i + 1])
+        levels.append(level)
+        raw = sets[0] & ~filled[0]
+        attack = (t // 400) % 2 == 0  # it cannot miss a set of every label, nor hit an empty one
+        waiting.append(not raw.all() if attack else not raw.any())
+        if len(waiting) == delay:
+            aci.update([waiting.pop(0)])
+            rates.append(aci.miscoverage)
+            bounds.append(aci.bound(delay))
+    dev = np.abs(np.array(rates) - alpha)
+    assert np.all(dev <= np.array(bounds) + 1e-12), float((dev - np.array(bounds)).max())
+    assert -gamma * delay * (1 - alpha) - 1e-12 <= min(levels) and max(levels) <= 1 + gamma * delay * alpha + 1e-12
+    assert (min(levels) < -gamma * (1 - alpha)) == (delay > 1), min(levels)
+
+
+@pytest.fixture(scope="module")
+def aci_runs(pool):
+    """Three runs per fixture: 1,000 ID answers, then 5,000 of the harder class mix, each answer served a static
+    split-conformal set at alpha = 0.1 and an adaptive one (default gamma), its label applied at once."""
+    probs, labels = pool
+    correct = probs.argmax(1) == labels
+    runs = []
+    for seed in range(3):
+        rng, cal, rest = _split(len(labels), seed)
+        calib = SetCalibrator.fit(probs[cal], labels[cal], "lac")
+        target = correct[cal].mean() - 0.10
+        idx = np.concatenate([rng.choice(rest, 1000), _harder_mix(correct, labels, rest, target, 5000, rng)])
+        static = ~calib.sets(probs[idx], 0.1)[np.arange(len(idx)), labels[idx]]
+        aci, adaptive = AdaptiveConformal(0.1), []
+        for i in idx:
+            sets, filled, _ = aci.sets(calib, probs[i : i + 1])
+            miss = raw_misses(sets[:, labels[i]], filled)
+            aci.update(miss)
+            adaptive.append(bool(miss[0]))
+        runs.append((static, np.array(adaptive), aci))
+    return runs
+
+
+def test_static_sets_under_cover_after_the_shift(aci_runs):
+    for static, _, _ in aci_runs:
+        assert abs(static[:1000].mean() - 0.1) < 0.035  # ID: about alpha (1,000 answers: 1 se = 0.95 points)
+        assert static[1000:].mean() > 0.14  # measured 0.165 to 0.19
+
+
+def test_adaptive_sets_keep_long_run_miscoverage_within_the_bound(aci_runs):
+    for _, adaptive, aci in aci_runs:
+        assert aci.labelled == 6000 and aci.miscoverage == pytest.approx(adaptive.mean())
+        assert abs(adaptive.mean() - 0.1) <= aci.bound()  # (0.9 + 0.01) / (0.01 * 6000) = 0.0152: deterministic
+        assert abs(adaptive[1000:].mean() - 0.1) < 0.015 and abs(adaptive[-2000:].mean() - 0.1) < 0.015
