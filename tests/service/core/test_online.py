@@ -20,12 +20,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mapie.exchangeability_testing import RiskMonitoring
 from mapie.regression import TimeSeriesRegressor
 from scipy.stats import beta, binomtest
 from sklearn.linear_model import LinearRegression
 
 from service.core.conformal import SetCalibrator
-from service.core.online import AdaptiveConformal, clopper_pearson_upper, raw_misses, wilson_interval
+from service.core.online import (
+    AdaptiveConformal,
+    HarmfulShiftAlarm,
+    clopper_pearson_upper,
+    raw_misses,
+    shift_log_statistic,
+    wilson_interval,
+)
 
 OUTPUTS = sorted((Path(__file__).resolve().parents[2] / "fixtures" / "outputs").glob("*.npz"))
 N_CAL = 1000  # calibration labels per run
@@ -233,3 +241,110 @@ def test_adaptive_sets_keep_long_run_miscoverage_within_the_bound(aci_runs):
         assert aci.labelled == 6000 and aci.miscoverage == pytest.approx(adaptive.mean())
         assert abs(adaptive.mean() - 0.1) <= aci.bound()  # (0.9 + 0.01) / (0.01 * 6000) = 0.0152: deterministic
         assert abs(adaptive[1000:].mean() - 0.1) < 0.015 and abs(adaptive[-2000:].mean() - 0.1) < 0.015
+
+
+# ----------------------------------------------------------------------------- the harmful-shift alarm
+def test_alarm_known_answer():
+    g = lambda b: 1 / math.log(b + math.e - 1)  # the reserve before block b joins
+    alarm = HarmfulShiftAlarm(0.5, tolerance=0.0, delta_test=0.01, bets=1, block=1)  # theta 0.5, lambda 1
+    assert alarm.threshold == 0.5 and alarm.lambdas.tolist() == [1.0]
+    alarm.update([1.0, 1.0])  # each loss of 1 multiplies a bet by 1 + 1 (1 - 0.5) = 1.5
+    a1 = (g(1) - g(2)) * 1.5
+    a2 = (a1 + g(2) - g(3)) * 1.5
+    assert alarm.log_statistic == pytest.approx(math.log(a2 + g(3)), abs=1e-12)
+    blocks = HarmfulShiftAlarm(0.5, tolerance=0.0, bets=1, block=2)  # block 2 joins at label 3 only
+    blocks.update([1.0, 0.0, 1.0])  # 1.5, 0.5, 1.5
+    b = (g(1) - g(2)) * 1.5 * 0.5
+    b = (b + g(2) - g(3)) * 1.5
+    assert blocks.log_statistic == pytest.approx(math.log(b + g(3)), abs=1e-12)
+    assert alarm.risk == 1.0 and not alarm.alarm and alarm.labelled == 2
+
+
+def test_alarm_batches_state_and_one_pass_agree():
+    rng = np.random.default_rng(0)
+    losses = (rng.random(3000) < np.where(np.arange(3000) < 1000, 0.15, 0.35)).astype(float)
+    one = HarmfulShiftAlarm.from_errors(150, 1000)
+    one.update(losses)
+    many = HarmfulShiftAlarm.from_errors(150, 1000)
+    for lo in range(0, 3000, 137):
+        many.update(losses[lo : lo + 137])
+        many = HarmfulShiftAlarm.from_state(json.loads(json.dumps(many.to_state(), allow_nan=False)))
+    assert one.alarm and 1000 < one.alarm_at < 3000 and many.alarm_at == one.alarm_at
+    assert many.log_statistic == pytest.approx(one.log_statistic, abs=1e-9)
+    assert many.log_statistic_max == pytest.approx(one.log_statistic_max, abs=1e-9)
+    one.reset()
+    assert one.labelled == 0 and not one.alarm and one.log_statistic == 0.0
+
+
+def test_alarm_statistic_is_a_test_martingale_at_theta():
+    """Losses i.i.d. Bernoulli(theta), the boundary of the null: the statistic is a fair game, its mean exactly 1
+    (over all 2^10 loss sequences, with blocks of 3 so that three blocks join), and it crosses 1 / delta on at most
+    delta of 2,000 streams of 1,000 labels (Ville)."""
+    theta, delta = 0.2, 0.05
+    lam = 0.5 / theta * 2.0 ** -np.arange(6)
+    every = ((np.arange(1024)[:, None] >> np.arange(10)) & 1).astype(float)  # (1024, 10): every 0/1 sequence
+    log_m, _ = shift_log_statistic(every, theta, lam, np.full((1024, 6), -np.inf), 0, 3)
+    prob = theta ** every.sum(1) * (1 - theta) ** (10 - every.sum(1))
+    np.testing.assert_allclose(prob @ np.exp(log_m), np.ones(10), rtol=1e-12)
+    rng = np.random.default_rng(1)
+    losses = (rng.random((2000, 1000)) < theta).astype(float)
+    log_m, _ = shift_log_statistic(losses, theta, lam, np.full((2000, 6), -np.inf), 0, 50)
+    crossed = (log_m.max(axis=1) >= math.log(1 / delta)).mean()
+    assert crossed <= delta + 4 * math.sqrt(delta * (1 - delta) / 2000), crossed
+
+
+def test_alarm_false_alarms_on_id_streams(pool):
+    """100 runs, each its own calibration split and 5,000 ID labels: the alarm fires on at most delta = 5 % of them
+    (the guarantee; measured: none for the text model, 1 for the image model)."""
+    probs, labels = pool
+    correct = probs.argmax(1) == labels
+    alarms = 0
+    for seed in range(100):
+        rng, cal, rest = _split(len(labels), seed)
+        alarm = HarmfulShiftAlarm.from_errors(int((~correct[cal]).sum()), N_CAL)
+        alarm.update(~correct[rng.choice(rest, 5000)])
+        alarms += alarm.alarm
+    assert alarms <= 5, alarms
+
+
+@pytest.mark.parametrize("before", [1000, 10_000])
+def test_alarm_fires_soon_after_accuracy_drops_ten_points(pool, before):
+    """After ``before`` ID labels the accuracy drops 10 points below the calibration split's: the alarm fires within
+    3,000 labels after 1,000 ID labels and 4,000 after 10,000 (20 runs each; measured over 40, at most 2,400 and
+    3,400), never before the drop."""
+    probs, labels = pool
+    correct = probs.argmax(1) == labels
+    delays = []
+    for seed in range(20):
+        rng, cal, rest = _split(len(labels), 100 + seed)
+        alarm = HarmfulShiftAlarm.from_errors(int((~correct[cal]).sum()), N_CAL)
+        alarm.update(~correct[rng.choice(rest, before)])
+        assert not alarm.alarm
+        alarm.update(~correct[_harder_mix(correct, labels, rest, correct[cal].mean() - 0.10, 5000, rng)])
+        delays.append(alarm.alarm_at - before if alarm.alarm else math.inf)
+    assert max(delays) <= (3000 if before == 1000 else 4000), sorted(delays)
+
+
+def test_alarm_against_mapie_risk_monitoring(pool):
+    """MAPIE 1.6's RiskMonitoring tests the same null at the same threshold (reference upper bound + absolute
+    tolerance, delta in halves) with a lower confidence bound on the mean risk since the first label. Its Hoeffding
+    reference bound is looser than the exact Clopper-Pearson one; on the same labels neither fires on ID traffic,
+    and after the drop ours fires first (a bound on the mean since the first label dilutes a late change)."""
+    probs, labels = pool
+    correct = probs.argmax(1) == labels
+    for seed in range(3):
+        rng, cal, rest = _split(len(labels), 200 + seed)
+        errors = int((~correct[cal]).sum())
+        ours = HarmfulShiftAlarm.from_errors(errors, N_CAL, tolerance=0.02, delta=0.05)
+        ref = RiskMonitoring("accuracy", test_level=0.05, tolerance=0.02, warn=False)
+        ref.compute_threshold(labels[cal], probs[cal].argmax(1))
+        assert errors / N_CAL < ours.source_upper < ref.reference_risk_upper_bound
+        theirs = RiskMonitoring("accuracy", test_level=0.05, threshold=ours.threshold, warn=False)
+        target = correct[cal].mean() - 0.10
+        idx = np.concatenate([rng.choice(rest, 1000), _harder_mix(correct, labels, rest, target, 3000, rng)])
+        ours.update(~correct[idx])
+        theirs.update(labels[idx], probs[idx].argmax(1))
+        lower = theirs.online_risk_lower_bound_sequence_history
+        assert not (lower[:1000] > ours.threshold).any() and ours.alarm and ours.alarm_at > 1000
+        crossed = np.flatnonzero(lower > ours.threshold)
+        assert not crossed.size or crossed[0] + 1 > ours.alarm_at, (crossed[:1], ours.alarm_at)
