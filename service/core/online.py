@@ -50,11 +50,23 @@ theta) <= 1``), which reaches ``1 / delta_test`` with probability at most ``delt
 among accepted answers the source bound is the risk rule's certified ``eps`` (which holds with probability
 ``1 - delta`` of the rule). Defaults ``delta = 0.05``, ``tolerance = 0.02``: a drop of 10 points of accuracy after
 1,000 ID labels is found within 2,500 labels, where MAPIE's full-history bound needs up to 4,700 (the docs page).
+
+**Label-free accuracy** (as NannyML's CBPE): with calibrated probabilities, answer ``i`` is right with probability
+``p_i``, its top-label probability, so ``N`` answers' realised accuracy lies within ``z sqrt(sum p_i (1 - p_i)) / N``
+of ``mean(p_i)`` (Poisson-binomial variance, normal interval). Where calibration fails (a class mix the model is
+overconfident on, foreign inputs) it fails silently, so :class:`Quality` puts it beside the labelled answers'
+realised accuracy: a difference whose interval misses 0 says the probabilities are off on this traffic.
+
+**Realised figures** (:class:`QualityWindow`), over the last ``window`` labelled answers and over all: accuracy,
+coverage of the served sets, error among accepted answers, the OOD flag's precision and recall (positives: labels
+outside the model's, which count as wrong and uncovered), each with a Wilson score interval (pointwise: one look at
+one window; watching over time is the alarm's job).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from statistics import NormalDist
@@ -68,8 +80,14 @@ from .selective import binomial_cdf
 
 __all__ = [
     "AdaptiveConformal",
+    "Counts",
+    "Figure",
     "HarmfulShiftAlarm",
+    "Quality",
+    "QualityWindow",
     "clopper_pearson_upper",
+    "estimate_figure",
+    "quality",
     "raw_misses",
     "shift_log_statistic",
     "wilson_interval",
@@ -360,3 +378,223 @@ class HarmfulShiftAlarm:
     def from_state(cls, state: Mapping[str, Any]) -> HarmfulShiftAlarm:
         """An alarm back from :meth:`to_state`'s dict (keys and lengths checked)."""
         return _from_state(cls, state)
+
+
+# ----------------------------------------------------------------------------- realised and estimated quality
+@dataclass(frozen=True)
+class Figure:
+    """A proportion or an estimate: ``value`` with its interval ``[low, high]`` over ``n`` answers (None: n = 0);
+    :class:`Quality` holds them and ``dataclasses.asdict`` makes plain JSON values of it."""
+
+    value: float | None
+    low: float | None
+    high: float | None
+    n: int
+
+
+@dataclass
+class Counts:
+    """Sums over a set of answers, from which :func:`quality` computes every figure. Labelled answers: ``labelled``,
+    how many were ``correct``, got a set (``with_set``) that ``covered`` the label, were ``accepted`` (and of those
+    wrong: ``accepted_errors``), ``flagged`` OOD, labelled ``foreign`` (and of those flagged: ``flagged_foreign``);
+    ``conf_sum`` and ``conf_var``: ``sum p`` and ``sum p (1 - p)`` of their top-label probabilities. All served
+    answers, labelled or not: ``served``, ``served_sum``, ``served_var``, the same sums."""
+
+    labelled: int = 0
+    correct: int = 0
+    with_set: int = 0
+    covered: int = 0
+    accepted: int = 0
+    accepted_errors: int = 0
+    flagged: int = 0
+    foreign: int = 0
+    flagged_foreign: int = 0
+    conf_sum: float = 0.0
+    conf_var: float = 0.0
+    served: int = 0
+    served_sum: float = 0.0
+    served_var: float = 0.0
+
+    def __iadd__(self, other: Counts) -> Counts:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+
+@dataclass(frozen=True)
+class Quality:
+    """The figures over one set of answers (:func:`quality`). ``estimated_accuracy``: label-free, over the served
+    answers; ``estimated_on_labelled``: the same estimate over the labelled ones; ``estimate_error``: that estimate
+    minus their realised ``accuracy``, with the interval it lies in if the probabilities are calibrated."""
+
+    labelled: int
+    served: int
+    accuracy: Figure
+    coverage: Figure
+    accepted_error: Figure
+    ood_precision: Figure
+    ood_recall: Figure
+    estimated_accuracy: Figure
+    estimated_on_labelled: Figure
+    estimate_error: Figure
+
+
+def _proportion(k: int, n: int, level: float) -> Figure:
+    if n == 0:
+        return Figure(None, None, None, 0)
+    low, high = wilson_interval(k, n, level)
+    return Figure(k / n, low, high, n)
+
+
+def estimate_figure(conf_sum: float, conf_var: float, n: int, level: float = 0.95) -> Figure:
+    """The label-free accuracy of ``n`` answers from ``sum p`` and ``sum p (1 - p)`` of their top-label
+    probabilities: ``mean p`` with the normal interval of the Poisson-binomial mean, clipped to ``[0, 1]``."""
+    if n == 0:
+        return Figure(None, None, None, 0)
+    mean, half = conf_sum / n, _z(level) * math.sqrt(max(conf_var, 0.0)) / n
+    return Figure(mean, max(0.0, mean - half), min(1.0, mean + half), n)
+
+
+def quality(c: Counts, level: float = 0.95) -> Quality:
+    """Every figure of :class:`Quality` from the sums ``c``; intervals at ``level`` (Wilson for proportions)."""
+    error = Figure(None, None, None, 0)
+    if c.labelled:  # the estimate minus the realised accuracy, with the estimate's (unclipped) half-width
+        d, half = (c.conf_sum - c.correct) / c.labelled, _z(level) * math.sqrt(max(c.conf_var, 0.0)) / c.labelled
+        error = Figure(d, d - half, d + half, c.labelled)
+    return Quality(
+        labelled=c.labelled,
+        served=c.served,
+        accuracy=_proportion(c.correct, c.labelled, level),
+        coverage=_proportion(c.covered, c.with_set, level),
+        accepted_error=_proportion(c.accepted_errors, c.accepted, level),
+        ood_precision=_proportion(c.flagged_foreign, c.flagged, level),
+        ood_recall=_proportion(c.flagged_foreign, c.foreign, level),
+        estimated_accuracy=estimate_figure(c.served_sum, c.served_var, c.served, level),
+        estimated_on_labelled=estimate_figure(c.conf_sum, c.conf_var, c.labelled, level),
+        estimate_error=error,
+    )
+
+
+# one labelled answer in the window: these bits of an int, and its top-label probability beside it
+_CORRECT, _WITH_SET, _COVERED, _ACCEPTED, _FLAGGED, _FOREIGN = 1, 2, 4, 8, 16, 32
+
+
+def _label_counts(bits: np.ndarray, conf: np.ndarray) -> Counts:
+    """:class:`Counts` of labelled answers from their bits ``(B,)`` and top-label probabilities ``(B,)``."""
+    on = {b: (bits & b) != 0 for b in (_CORRECT, _WITH_SET, _COVERED, _ACCEPTED, _FLAGGED, _FOREIGN)}
+    return Counts(
+        labelled=int(bits.size),
+        correct=int(on[_CORRECT].sum()),
+        with_set=int(on[_WITH_SET].sum()),
+        covered=int((on[_WITH_SET] & on[_COVERED]).sum()),
+        accepted=int(on[_ACCEPTED].sum()),
+        accepted_errors=int((on[_ACCEPTED] & ~on[_CORRECT]).sum()),
+        flagged=int(on[_FLAGGED].sum()),
+        foreign=int(on[_FOREIGN].sum()),
+        flagged_foreign=int((on[_FLAGGED] & on[_FOREIGN]).sum()),
+        conf_sum=float(conf.sum()),
+        conf_var=float((conf * (1 - conf)).sum()),
+    )
+
+
+def _served_counts(conf: np.ndarray) -> Counts:
+    return Counts(served=int(conf.size), served_sum=float(conf.sum()), served_var=float((conf * (1 - conf)).sum()))
+
+
+def _conf(name: str, values: Array) -> np.ndarray:
+    p = np.asarray(values, dtype=np.float64)
+    if p.ndim != 1 or (p.size and not (np.all(p >= 0) and np.all(p <= 1))):
+        raise ValueError(f"{name} must be (B,) probabilities in [0, 1], got shape {p.shape}")
+    return p
+
+
+def _flag(name: str, values: Array | None, size: int) -> np.ndarray:
+    if values is None:
+        return np.zeros(size, dtype=bool)
+    f = np.asarray(values)
+    if f.shape != (size,) or (f.size and not np.isin(f, (0, 1)).all()):
+        raise ValueError(f"{name} must be (B,) = ({size},) of 0/1 or bool, got shape {f.shape}")
+    return f.astype(bool)
+
+
+class QualityWindow:
+    """Realised and label-free figures over the last ``window`` answers and over all of them (module docstring).
+
+    :meth:`served` takes every served answer's top-label probability (the label-free estimate); :meth:`labelled`
+    takes the answers whose labels came back; :meth:`window` and :meth:`overall` give the figures.
+    """
+
+    def __init__(self, window: int = 1000, level: float = 0.95) -> None:
+        if int(window) != window or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self.size, self.level = int(window), _level("level", level)
+        self._served: deque[float] = deque(maxlen=self.size)
+        self._bits: deque[int] = deque(maxlen=self.size)
+        self._conf: deque[float] = deque(maxlen=self.size)
+        self.totals = Counts()
+
+    def served(self, confidence: Array) -> None:
+        """Record served answers: their top-label probabilities ``(B,)``, labelled or not."""
+        p = _conf("confidence", confidence)
+        self._served.extend(p.tolist())
+        self.totals += _served_counts(p)
+
+    def labelled(
+        self,
+        correct: Array,
+        confidence: Array,
+        flagged: Array,
+        foreign: Array,
+        covered: Array | None = None,
+        accepted: Array | None = None,
+    ) -> None:
+        """Record labelled answers, each ``(B,)``: whether the top label was ``correct`` (a foreign input never is),
+        its probability, the OOD ``flag``, whether the label was ``foreign`` (outside the model's labels), whether
+        the served set ``covered`` it (None: no set was served) and whether the risk rule ``accepted`` the answer."""
+        p = _conf("confidence", confidence)
+        n = p.size
+        bits = (
+            _flag("correct", correct, n) * _CORRECT
+            + (covered is not None) * _WITH_SET
+            + _flag("covered", covered, n) * _COVERED
+            + _flag("accepted", accepted, n) * _ACCEPTED
+            + _flag("flagged", flagged, n) * _FLAGGED
+            + _flag("foreign", foreign, n) * _FOREIGN
+        ).astype(np.int64)
+        self._bits.extend(bits.tolist())
+        self._conf.extend(p.tolist())
+        self.totals += _label_counts(bits, p)
+
+    def window(self) -> Quality:
+        """The figures over the last ``window`` labelled answers (and the last ``window`` served ones)."""
+        c = _label_counts(np.asarray(self._bits, dtype=np.int64), np.asarray(self._conf, dtype=np.float64))
+        c += _served_counts(np.asarray(self._served, dtype=np.float64))
+        return quality(c, self.level)
+
+    def overall(self) -> Quality:
+        """The figures over every answer recorded."""
+        return quality(self.totals, self.level)
+
+    def to_state(self) -> dict[str, Any]:
+        """The state as a plain dict: the window's answers, oldest first, and the totals."""
+        return {
+            "window": self.size,
+            "level": self.level,
+            "served": list(self._served),
+            "bits": list(self._bits),
+            "confidence": list(self._conf),
+            "totals": asdict(self.totals),
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> QualityWindow:
+        """A window back from :meth:`to_state`'s dict (keys and lengths checked)."""
+        _require("QualityWindow", state, ("window", "level", "served", "bits", "confidence", "totals"))
+        out = cls(state["window"], state["level"])
+        if len(state["bits"]) != len(state["confidence"]) or max(len(state["bits"]), len(state["served"])) > out.size:
+            raise ValueError(f"QualityWindow state holds more answers than its window of {out.size}, or unpaired ones")
+        out._served.extend(float(v) for v in state["served"])
+        out._bits.extend(int(v) for v in state["bits"])
+        out._conf.extend(float(v) for v in state["confidence"])
+        out.totals = _from_state(Counts, state["totals"])
+        return out
