@@ -135,7 +135,11 @@ async def readyz(request: Request) -> dict[str, Any]:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    """The Prometheus text, with each drift alarm's buffered inputs taken in first: the state at scrape time."""
+    state = server_state(request)
+    for rt in state.runtimes.values():
+        rt.refresh_drift()
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def models(request: Request) -> dict[str, Any]:

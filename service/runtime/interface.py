@@ -225,7 +225,7 @@ class Runtime(abc.ABC):
         self.plan: Plan | None = None
         self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
         # the drift alarm, fed from the request path in chunks (service.core.drift.DriftFeed: the statistic is that of
-        # every score fed at once; every read of its state takes the buffer in first)
+        # every score fed at once; every read of its state, a /metrics scrape included, takes the buffer in first)
         self.drift = (
             DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics) if self.guarantees is not None else None
         )
@@ -394,6 +394,12 @@ class Runtime(abc.ABC):
             started = monitor.episodes_total - self._drift_episodes
             self._child("drift_episodes").inc(started)  # 0 too: the series exists from start-up
             self._drift_episodes += started
+
+    def refresh_drift(self) -> None:
+        """Take the buffered inputs into the drift alarm, so that its metrics are those of every input served (a
+        ``/metrics`` scrape; fewer than ``DriftFeed.every`` inputs wait there, so this is short)."""
+        if self.drift is not None:
+            self.drift.flush()
 
     def reset_drift(self) -> dict[str, Any]:
         """Restart the drift alarm's statistic (after an investigation): an open alarm episode closes, the history and

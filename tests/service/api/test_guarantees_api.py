@@ -180,6 +180,28 @@ def _metric(text: str, line: str) -> float:
     return float(value)
 
 
+def test_a_few_odd_inputs_do_not_trip_the_alarm_and_a_scrape_sees_every_input(tmp_path):
+    """The smoke test of the production alert: traffic like the calibration inputs with 5 white frames inside it
+    (each far outside: OOD p-value 1/301) leaves the alarm off; /metrics shows the state of every input served at
+    scrape time (the buffered inputs taken in), not a stale one."""
+    name = "tiny-burst"
+    with TestClient(create_app(settings_for(_drift_artifact(tmp_path / "vit", name)))) as c:
+        ok = [b64(png(a)) for a in _like_calibration(32, seed=12)]
+        blank = b64(png(255))
+        c.post("/predict", json={"images": ok})
+        for _ in range(5):  # one odd input per request, as a client would send them
+            p = c.post("/predict", json={"image": blank}).json()["predictions"][0]
+            assert p["ood"]["flag"] is True  # the per-request flag covers single odd inputs
+        c.post("/predict", json={"images": ok[:3]})
+        text = c.get("/metrics").text
+        assert _metric(text, f'hydra_drift_inputs{{model="{name}"}}') == 40  # 32 + 5 + 3: nothing left buffered
+        assert _metric(text, f'hydra_drift_alarm{{model="{name}"}}') == 0
+        assert _metric(text, f'hydra_drift_episodes_total{{model="{name}"}}') == 0
+        state = _drift_now(c)
+        assert state["alarm"] is False and state["episodes"] == 0 and state["history"] == []
+        assert 0 < state["log10_statistic"] < state["log10_threshold"] - 2  # the burst left a trace, far below A
+
+
 def test_drift_alarm_fires_on_sustained_foreign_traffic_and_clears_after_it(tmp_path):
     """Traffic like the calibration inputs keeps the alarm quiet; a stream of white frames turns it on, and the metric
     follows; once the traffic is like the calibration inputs again it goes off by itself, and the episode is in the
