@@ -129,8 +129,8 @@ class GuaranteesConfig:
     risk: float = 0.05  # the answers' default target (one of risks)
     delta: float = 0.1  # each risk rule holds with probability >= 1 - delta over the calibration draw
     p_value: str = "binomial"  # Learn-then-Test p-value: binomial | hb (Hoeffding-Bentkus)
-    drift_delta: float = 0.01  # the drift alarm's false-alarm probability over an unbounded stream
-    drift_bins: int = 2048  # the drift alarm's score bins (memory and resolution)
+    drift_delta: float = 0.01  # the drift alarm's delta: its guarantee holds w.p. 1 - delta; alarm level 1000 / delta
+    drift_bins: int = 2048  # score bins written to the artifact (the server's drift alarm does not use them)
 
 
 @dataclass

@@ -14,8 +14,9 @@ calibration split alone (:attr:`offline.data.Data.calibration`), which nothing e
   ``lam`` are quantiles of the validation inputs' confidence, so the guarantee needs no assumption on the model:
   with probability at least ``1 - delta`` over the draw of the calibration split, the error rate among the
   accepted in-distribution inputs is at most ``eps`` (each target on its own).
-* **The drift alarm's reference**: the calibration scores are the alarm's initial bag; its bins' edges are
-  quantiles of the validation inputs' scores (fixed without the calibration scores: :mod:`service.core.drift`).
+* **The drift alarm's reference**: the calibration scores (the OOD p-values' above) set the alarm's bets
+  (:mod:`service.core.drift`). The file still holds the drift bins' edges of the artifact format (quantiles of the
+  validation inputs' scores), which the server's alarm no longer reads.
 
 Everything goes into ``guarantees.safetensors`` and the manifest's ``guarantees`` block
 (:class:`service.core.artifact.GuaranteesSpec`).
@@ -228,8 +229,12 @@ def rule_record(r: Any) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- what the report shows
 REPORT_ALPHAS = (0.01, 0.05, 0.1, 0.2)  # the sets' and OOD p-values' levels in the report
-DRIFT_ID_INPUTS = 2000  # ID test inputs before the switch in the simulated drift run
-DRIFT_OOD_INPUTS = 1000  # OOD inputs after it
+DRIFT_ID_INPUTS = 2000  # ID test inputs before the switch in the simulated drift runs
+DRIFT_SWITCH_INPUTS = 1000  # inputs of the switch ...
+FOREIGN_SHARE = 0.3  # ... this share of them from the OOD test set, the rest ID test
+DRIFT_BACK_INPUTS = 1000  # ID test inputs after it (the alarm should clear)
+DRIFT_STREAMS = 50  # simulated streams per OOD test set (switch, and burst)
+BURST = 5  # foreign inputs in a row inside ID traffic: the alarm should not fire
 NULL_STREAMS = 100  # simulated ID streams for the false-alarm check ...
 NULL_STREAM_INPUTS = 10_000  # ... of this many inputs each
 
@@ -307,42 +312,81 @@ def risk_coverage_curve(test: CalibrationOutputs, metric: str, ood_threshold: fl
 def drift_runs(
     fitted: Fitted, g: Any, metric: str, test: np.ndarray, ood: dict[str, np.ndarray], val: np.ndarray, seed: int = 0
 ) -> dict[str, Any]:
-    """The drift alarm on simulated streams of served scores (outlier-oriented inside): ID test inputs resampled,
-    then each OOD test set resampled; the statistic along each (log10, every 10th input), the alarm point; and the
-    false alarms of :data:`NULL_STREAMS` ID streams of :data:`NULL_STREAM_INPUTS` inputs resampled from ID test and
-    validation scores."""
-    cal = np.sort(fitted.tensors["ood.scores"].numpy())
-    edges = fitted.tensors["drift.edges"].numpy()
+    """The served drift alarm (:mod:`service.core.drift`, on the calibration split's scores) on simulated streams of
+    served scores (outlier-oriented inside), per OOD test set: :data:`DRIFT_STREAMS` streams of
+    :data:`DRIFT_ID_INPUTS` ID test inputs, then :data:`DRIFT_SWITCH_INPUTS` inputs of which
+    :data:`FOREIGN_SHARE` come from the set, then :data:`DRIFT_BACK_INPUTS` ID inputs (the alarm's delay after the
+    switch and its clearing after the return; the statistic along the first stream, log10, every 10th input), and
+    :data:`DRIFT_STREAMS` streams with a burst of :data:`BURST` of the set's inputs inside ID traffic (how many fired
+    it); then the false alarms of :data:`NULL_STREAMS` ID streams of :data:`NULL_STREAM_INPUTS` inputs resampled
+    from ID test and validation scores."""
+    mon = DriftMonitor(fitted.tensors["ood.scores"].numpy(), delta=g.drift_delta)
     rng = np.random.default_rng(seed)
+    test_o = outlier_oriented(test, metric)
+    n_id, n_sw, n_back = DRIFT_ID_INPUTS, DRIFT_SWITCH_INPUTS, DRIFT_BACK_INPUTS
     runs = {}
     for name, scores in ood.items():
-        mon = DriftMonitor(cal, delta=g.drift_delta, bins=g.drift_bins, seed=seed, edges=edges)
-        stream = np.concatenate([rng.choice(test, DRIFT_ID_INPUTS), rng.choice(scores, DRIFT_OOD_INPUTS)])
-        trace = []
-        for i in range(0, len(stream), 10):
-            mon.update(outlier_oriented(stream[i : i + 10], metric))
-            trace.append(mon.log10_statistic)
-        at = mon.alarm_at
-        runs[name] = {
-            "trace_every_10": trace,
-            "alarm_at": at,
-            "delay": None if at is None or at <= DRIFT_ID_INPUTS else at - DRIFT_ID_INPUTS,
-            "false_alarm": at is not None and at <= DRIFT_ID_INPUTS,
-        }
-    pool = np.concatenate([test, val])
-    alarms = 0
-    for k in range(NULL_STREAMS):
-        mon = DriftMonitor(cal, delta=g.drift_delta, bins=g.drift_bins, seed=seed + 1 + k, edges=edges)
-        mon.update(outlier_oriented(rng.choice(pool, NULL_STREAM_INPUTS), metric))
-        alarms += mon.alarm
+        foreign = outlier_oriented(scores, metric)
+        mix = rng.random((DRIFT_STREAMS, n_sw)) < FOREIGN_SHARE
+        switch = np.where(mix, rng.choice(foreign, mix.shape), rng.choice(test_o, mix.shape))
+        stream = np.concatenate(
+            [rng.choice(test_o, (DRIFT_STREAMS, n_id)), switch, rng.choice(test_o, (DRIFT_STREAMS, n_back))], 1
+        )
+        log10_c, on = mon.simulate(stream)
+        burst = np.concatenate(
+            [
+                rng.choice(test_o, (DRIFT_STREAMS, n_id)),
+                rng.choice(foreign, (DRIFT_STREAMS, BURST)),
+                rng.choice(test_o, (DRIFT_STREAMS, n_back)),
+            ],
+            1,
+        )
+        runs[name] = _switch_run(log10_c, on) | {"burst_fired": int(mon.simulate(burst)[1].any(axis=1).sum())}
+    pool = outlier_oriented(np.concatenate([test, val]), metric)
+    _, on = mon.simulate(rng.choice(pool, (NULL_STREAMS, NULL_STREAM_INPUTS)))
     return {
-        "switch_at": DRIFT_ID_INPUTS,
-        "log10_threshold": float(np.log10(1 / g.drift_delta)),
+        "switch_at": n_id,
+        "switch_inputs": n_sw,
+        "back_at": n_id + n_sw,
+        "foreign_share": FOREIGN_SHARE,
+        "streams": DRIFT_STREAMS,
+        "burst": BURST,
+        "log10_threshold": mon.log10_threshold,
+        "arl": mon.arl,
+        "delta": g.drift_delta,
         "runs": runs,
         "null_streams": NULL_STREAMS,
         "null_stream_inputs": NULL_STREAM_INPUTS,
-        "null_alarms": int(alarms),
-        "delta": g.drift_delta,
+        "null_alarms": int(on.any(axis=1).sum()),
+        "null_bound": min(1.0, g.drift_delta + NULL_STREAM_INPUTS / mon.arl),
+    }
+
+
+def _switch_run(log10_c: np.ndarray, on: np.ndarray) -> dict[str, Any]:
+    """The alarm on streams ``(S, T)`` that switch at :data:`DRIFT_ID_INPUTS` and return at the end of the switch:
+    the first stream's trace and alarm point, and over all streams the false alarms before the switch, the delays
+    (inputs after the switch until the alarm; None: not within the switch) and the clearing after the return."""
+    n_id, back = DRIFT_ID_INPUTS, DRIFT_ID_INPUTS + DRIFT_SWITCH_INPUTS
+    during = on[:, n_id:back]
+    fired = during.any(axis=1)
+    delays = np.where(fired, during.argmax(axis=1) + 1, -1)
+    after = on[:, back - 1 :]  # (S, 1 + DRIFT_BACK_INPUTS): on at the return, then each ID input after it
+    cleared = after[:, 0] & ~after[:, -1]  # on at the return, off by the end
+    clear_in = np.where(cleared, (~after).argmax(axis=1), -1)
+    first = int(np.argmax(on[0])) + 1 if on[0].any() else None
+    return {
+        "trace_every_10": [float(v) for v in log10_c[0, 9::10]],
+        "alarm_at": first,
+        "delay": int(delays[0]) if delays[0] > 0 else None,
+        "false_alarm": bool(on[0, :n_id].any()),
+        "false_alarms": int(on[:, :n_id].any(axis=1).sum()),
+        "fired": int(fired.sum()),
+        "delay_median": float(np.median(delays[fired])) if fired.any() else None,
+        "delay_max": int(delays[fired].max()) if fired.any() else None,
+        "on_at_return": int(after[:, 0].sum()),
+        "cleared": int(cleared.sum()),
+        "clear_median": float(np.median(clear_in[cleared])) if cleared.any() else None,
+        "clear_max": int(clear_in[cleared].max()) if cleared.any() else None,
     }
 
 

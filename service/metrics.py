@@ -76,18 +76,25 @@ SPECS: dict[str, Spec] = {
     "drift_alarm": Spec(
         Gauge,
         "hydra_drift_alarm",
-        "1 once the drift test has rejected exchangeability with the calibration data "
-        "(latched until reset or restart), else 0.",
+        "1 while the drift alarm is on: the statistic reached the alarm level and has not fallen below 1 since "
+        "(it clears by itself once traffic is back to normal), else 0.",
         MODEL,
     ),
     "drift_statistic": Spec(
-        Gauge, "hydra_drift_statistic", "log10 of the drift test martingale (the alarm fires at log10(1/delta)).", MODEL
+        Gauge,
+        "hydra_drift_statistic",
+        "log10 of the drift alarm's CUSUM statistic (on at hydra_drift_threshold, off below 0).",
+        MODEL,
     ),
     "drift_threshold": Spec(
-        Gauge, "hydra_drift_threshold", "log10(1/delta): the drift statistic's alarm level.", MODEL
+        Gauge,
+        "hydra_drift_threshold",
+        "log10 A: the drift statistic's alarm level (A inputs: the least mean run length to a false alarm).",
+        MODEL,
     ),
-    "drift_inputs": Spec(
-        Gauge, "hydra_drift_inputs", "Inputs the drift test has seen since its start (start-up or reset).", MODEL
+    "drift_inputs": Spec(Gauge, "hydra_drift_inputs", "Inputs the drift alarm has seen since start-up.", MODEL),
+    "drift_episodes": Spec(
+        Counter, "hydra_drift_episodes", "Drift alarm episodes started (the alarm going on) since start-up.", MODEL
     ),
     "ood_p_value": Spec(
         Histogram, "hydra_ood_p_value", "Conformal OOD p-values of served inputs.", MODEL, P_VALUE_BUCKETS
@@ -126,6 +133,7 @@ class Metrics:
     drift_statistic: Gauge
     drift_threshold: Gauge
     drift_inputs: Gauge
+    drift_episodes: Counter
     ood_p_value: Histogram
     set_size: Histogram
     selective: Counter

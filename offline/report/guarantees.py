@@ -91,17 +91,44 @@ def _selective_table(methods: Mapping[str, Any]) -> list[str]:
 
 
 def _drift_table(drift: Mapping[str, Any]) -> list[str]:
-    """The drift alarm on simulated streams: false alarms on ID streams, the delay after a switch to OOD."""
+    """The drift alarm on simulated streams: false alarms on ID streams; per OOD test set, the delay after a sustained
+    switch to a share of its inputs, the clearing after the return, and the bursts that fired it."""
+    n, share = drift["streams"], f"{100 * drift['foreign_share']:.0f} %"
+    bound = f"{100 * drift['null_bound']:.3g} %"
     md = ["### Drift alarm (simulated streams of Hydra's served scores)", ""]
     md += [
-        f"{drift['null_alarms']} of {drift['null_streams']} ID streams of {drift['null_stream_inputs']:,} "
-        f"inputs (resampled from ID test and validation) raised the alarm (delta = {drift['delta']}). A stream "
-        f"of {drift['switch_at']:,} ID test inputs that switches to an OOD test set:",
+        f"The alarm goes on when its statistic reaches A = {drift['arl']:,.0f} and clears by itself once the traffic "
+        f'is back to normal (docs/api.md, "Guarantees"). {drift["null_alarms"]} of {drift["null_streams"]} ID '
+        f"streams of {drift['null_stream_inputs']:,} inputs (resampled from ID test and validation) raised it; the "
+        f"guarantee bounds the share by delta + {drift['null_stream_inputs']:,} / A = {bound}. "
+        f"Per OOD test set, {n} streams of {drift['switch_at']:,} ID test inputs switch to {share} of the set's "
+        f"inputs for {drift['switch_inputs']:,} inputs, then return to ID test; {n} more have a burst of "
+        f"{drift['burst']} of the set's inputs inside ID traffic:",
         "",
     ]
     body = [
-        [n, "yes" if r["false_alarm"] else "no", "–" if r["delay"] is None else str(r["delay"])]
-        for n, r in drift["runs"].items()
+        [
+            name,
+            str(r["false_alarms"]),
+            f"{r['fired']} of {n}",
+            _median_max(r["delay_median"], r["delay_max"]),
+            f"{r['cleared']} of {r['on_at_return']}",
+            _median_max(r["clear_median"], r["clear_max"]),
+            f"{r['burst_fired']} of {n}",
+        ]
+        for name, r in drift["runs"].items()
     ]
-    md += table(["Switch to", "Alarm before the switch", "Inputs after the switch until the alarm"], body)
-    return md + [""]
+    header = [
+        "Switch to",
+        "Alarms before the switch",
+        "Fired during the switch",
+        "Inputs until the alarm (median / largest)",
+        "Cleared after the return (of those on at it)",
+        "Inputs until clear (median / largest)",
+        f"Bursts of {drift['burst']} that fired it",
+    ]
+    return md + table(header, body) + [""]
+
+
+def _median_max(median: float | None, largest: int | None) -> str:
+    return "–" if median is None or largest is None else f"{median:.0f} / {largest}"

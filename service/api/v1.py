@@ -135,7 +135,11 @@ async def readyz(request: Request) -> dict[str, Any]:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(server_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    """The Prometheus text, with each drift alarm's buffered inputs taken in first: the state at scrape time."""
+    state = server_state(request)
+    for rt in state.runtimes.values():
+        rt.refresh_drift()
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 async def models(request: Request) -> dict[str, Any]:
@@ -152,7 +156,7 @@ def _runtime(request: Request, name: str) -> Any:
 
 
 async def drift(request: Request, model_name: str) -> dict[str, Any]:
-    """The model's drift test now (docs/api.md "Guarantees")."""
+    """The model's drift alarm now, with its last episodes (docs/api.md "Guarantees")."""
     name = model_name
     rt = _runtime(request, name)
     state = rt.drift_state()
@@ -162,7 +166,8 @@ async def drift(request: Request, model_name: str) -> dict[str, Any]:
 
 
 async def drift_reset(request: Request, model_name: str) -> dict[str, Any]:
-    """Start a fresh drift test after an investigation; only for an authenticated caller (``HYDRA_API_KEY``)."""
+    """Restart the drift alarm's statistic after an investigation (an open episode closes); only for an
+    authenticated caller (``HYDRA_API_KEY``)."""
     name = model_name
     if not server_state(request).settings.api_key:
         raise Forbidden(
@@ -302,13 +307,13 @@ def _install_models(app: FastAPI) -> None:
     app.get(
         "/v1/models/{model_name}/drift",
         tags=["models"],
-        summary="The model's drift test: alarm, statistic, inputs seen",
+        summary="The model's drift alarm: on or off, statistic, inputs seen, its last episodes",
         responses=_errors(401, 404, 500),
     )(drift)
     app.post(
         "/v1/models/{model_name}/drift/reset",
         tags=["models"],
-        summary="Start a fresh drift test (authenticated callers)",
+        summary="Restart the drift alarm's statistic (authenticated callers)",
         responses=_errors(401, 403, 404, 500),
     )(drift_reset)
 

@@ -1,336 +1,408 @@
-"""An anytime-valid drift alarm: a conformal test martingale over the stream of served inputs' OOD scores.
+"""The drift alarm: a CUSUM e-detector over the served inputs' OOD scores, on while traffic has changed, off again
+once it is back to normal.
 
-**What is tested.** The null hypothesis is that the model's calibration scores followed by the scores of the inputs
-it serves form an exchangeable sequence (e.g. i.i.d. from one distribution): served traffic looks like the data the
-thresholds were calibrated on. The alarm fires when the evidence against it reaches ``1 / delta``. Guarantee (Ville's
-inequality): under the null, ``P(the alarm ever fires) <= delta``, over an unbounded stream and whenever anyone
-looks; the probability is over the draw of the scores and of this monitor's own random numbers (below). Scores are
-outlier-oriented (higher = more OOD; negate MSP-like scores first).
+**What it answers.** Is the traffic *now* still like the calibration split, the data every guarantee of the server
+was calibrated on? It reports a sustained change, not a burst: a handful of odd inputs is what the per-request OOD
+flag is for. Scores are outlier-oriented (higher = more OOD; negate MSP-like scores first).
 
-**P-values.** A p-value per input computed against one fixed calibration set is uniform, but the p-values of
-different inputs share that set and are dependent, so their product is not a martingale and Ville's inequality
-does not apply to it. Instead (Vovk, Nouretdinov & Gammerman 2003, "Testing exchangeability on-line"; Vovk,
-Gammerman & Shafer 2005, ch. 7) the calibration scores are the first observations of the sequence and each new
-score gets the *smoothed conformal p-value* against everything seen so far, itself included::
+**Bets.** Each served score ``s`` gets the served conformal p-value against the calibration scores,
+``p = (1 + #{cal >= s}) / (n + 1)``, and one bet on it: tail bets on small p-values at the levels ``c_l`` in
+``levels`` = (0.05, 0.1, 0.2), a fraction ``stake`` (0.25) of the capital staked on them in equal shares::
 
-    p_t = (#{j <= t: s_j > s_t} + theta_t * #{j <= t: s_j == s_t}) / n_t,    theta_t ~ U(0, 1)
+    e(s) = 1 - stake + (stake / L) * sum_l [p <= c_l] / u_l
 
-(``n_t`` observations so far). Under exchangeability of the whole sequence these p-values are *independent* and
-exactly uniform on (0, 1) (Vovk et al.'s theorem; the smoothing ``theta_t`` is what makes them exact with ties), so
-any betting strategy on them gives a test martingale. Small ``p_t``: an input more outlying than almost everything
-seen.
+``p <= c_l`` is the event ``s > tau_l``, with ``tau_l`` the ``(m_l + 1)``-th largest calibration score and
+``m_l = floor(c_l (n + 1)) - 1``, so a bet is a comparison with a fixed threshold: O(L) work and memory per input.
+``u_l`` is an upper bound of the event's probability: given the split, ``P(s > tau_l)`` is at most ``1 - U``
+with ``U`` the matching order statistic of ``n`` uniforms (exactly so for continuous scores; ties only lower it),
+and ``1 - U ~ Beta(m_l + 1, n - m_l)``: ``u_l`` is that law's ``1 - delta / L`` quantile, the Clopper-Pearson upper
+bound for ``m_l`` of ``n`` (:func:`clopper_pearson_upper`). So with probability at least ``1 - delta`` over the draw
+of the split, every bet pays at most fair odds: ``E[e(s) | split] <= 1`` for traffic like the calibration data.
 
-**Bounded memory.** Keeping every score of a stream that runs for weeks is not an option. The scores are mapped by
-a fixed non-decreasing quantisation into ``K`` bins (``bins``, default 2048) and only the per-bin counts are kept:
-O(K) memory, O(K / 64 + 64) work per input. A fixed function of exchangeable observations is exchangeable, and the
-smoothing handles the ties the binning creates, so the p-values of the binned scores are still exactly i.i.d.
-uniform. "Fixed" matters: the bin edges must not depend on the scores they are applied to, so the calibration
-scores are split once (seeded): ``min(n / 2, 4 K)`` of them set the edges (their quantiles at ``i / K``, equal-mass
-bins) and the others form the initial bag; alternatively the caller passes ``edges`` computed on other data and
-every calibration score goes to the bag. (Edges taken from the bag itself would make the bag's bins exactly
-balanced while a new score's are not: a bias of order ``1 / n`` per p-value, which a product over millions of
-inputs could compound.) The cost is resolution: two scores in one bin are tied, so a shift that moves scores within bins
-is invisible, and an input above every ID score gets a p-value of order ``1 / K`` (the top bin holds ``1 / K`` of
-the ID mass) instead of ``1 / n_t``; with the bets below, which never pay more for ``p < 0.01``, that loses nothing
-at ``K = 2048``.
+Why not the exchangeability test's conformal p-values against a bag that grows with the stream (Vovk et al.
+2003; this module's previous version)? They are exactly i.i.d. uniform with no condition on the split, but the
+reference then absorbs a sustained drift: once the drifted inputs are a fair share of the bag they look normal, and
+a procedure that forgets old evidence (as this one must, to clear) clears while the drift goes on. In simulation
+on the default models' outputs (a switch to 30 % held-out-class or far-OOD inputs after 2,000 ID inputs, with 1,000
+calibration scores in the bag) it cleared during the switch in half or more of the runs within 3,000 drifted
+inputs. Against the fixed calibration scores the reference never moves; the price is the split's condition above
+and bets that pay ``1 / u_l`` instead of ``1 / c_l`` (``u_l`` = 0.071, 0.127, 0.235 at ``n = 1,000``,
+``delta = 0.01``).
 
-**Betting.** Drift towards OOD makes small p-values more frequent, so the bets pay on small p-values: "tail" bets
-``f(p) = 1 - rho + (rho / c) * [p <= c]`` (stake a fraction ``rho`` of the capital on ``p <= c`` at fair odds),
-for ``c`` in ``levels`` = (0.01, 0.05, 0.2) and ``rho`` in ``fractions`` = (0.1, 0.3, 0.6), nine bets of equal
-prior weight; each integrates to 1 on (0, 1), so under the null every bet is a fair game. A product of such bets
-started at the first input decays towards 0 along a long in-distribution stretch and then needs very long to
-recover (so does Vovk et al.'s Simple Jumper, whose capital keeps moving into losing bets: in simulation, at
-jumping rate 0.01, its log falls by about 6 nats per 1,000 ID inputs). So the statistic is a *mixture over the
-time the change starts*: the capital starts in a reserve, a share ``pi_nu`` of it joins the ``m = 9`` bets at input
-``nu`` (split equally) and then bets on every later input::
+**The statistic** is the CUSUM e-detector of Shin, Ramdas & Rinaldo (2022, "E-detectors: a nonparametric framework
+for sequential change detection"), the e-value analogue of Page's CUSUM::
 
-    M_t = reserve_t + sum_j A_t^j,   A_t^j = (A_{t-1}^j + pi_t / m) * f_j(p_t),   reserve_t = 1 - sum_{nu <= t} pi_nu
+    C_t = min(max(C_{t-1}, 1) * e_t, cap),    C_0 = 1
 
-with ``pi_nu = g(nu) - g(nu + 1)``, ``g(nu) = 1 / ln(nu + e - 1)`` (``g(1) = 1``, so the shares sum to 1 and
-``reserve_t = 1 / ln(t + e)``). Each component "hold 1 until ``nu``, then bet ``f_j``" is a test martingale
-(the p-values are independent uniforms), and a mixture of test martingales with weights summing to 1 is one:
-``M_0 = 1``, ``M_t >= 0``, ``E[M_t | past] = M_{t-1}``, so Ville's inequality gives the guarantee above. The
-statistic never falls below the reserve ``1 / ln(t + e)`` (0.07 after 10^6 inputs), and a change at input ``nu``
-is found once the bets started at ``nu`` have won about ``ln(1 / delta) + ln(m) + ln(1 / pi_nu)`` nats, where
-``ln(1 / pi_nu) ~ ln nu + 2 ln ln nu``: the delay grows only logarithmically with the time of the change. (The
-Shiryaev-Roberts statistic sums these bets instead of mixing them; it is not a martingale and bounds only the mean
-time to a false alarm, not its probability.) Everything is computed in log space.
+``C_t`` (without the cap) is the largest product of the bets over the inputs since any start ``j <= t``: the best
+evidence a change that began at some ``j`` would have gathered. One foreign input multiplies it by at most
+``e_max = 1 - stake + (stake / L) sum_l 1 / u_l`` (2.94 at ``n = 1,000``: five of them, 10^2.3, are far from
+``A = 10^5``), and in-distribution inputs shrink it (the bets lose 0.14 nats per ID input on average at
+``n = 1,000``), so a burst lifts it only briefly, while a sustained excess of small p-values makes it grow
+geometrically.
 
-Measured (scores uniform, 5,000 calibration scores, ``delta = 0.01``; delay = inputs after the change until the
-alarm; the drift draws 30 % of the inputs uniformly between the calibration 95th percentile and the top of the ID
-range, the weakest such shift, and 70 % from the ID distribution; ``tests/service/core/test_drift.py`` reruns smaller
-versions):
+**The alarm** goes on when ``C_t >= A`` and off when ``C_t < 1`` (hysteresis): at ``C_t < 1`` the next input starts
+from ``max(C_t, 1) = 1``, exactly as a fresh procedure would, so "off" means that no evidence of a change is left.
+The cap ``cap = 100 A`` bounds what a drift of any length leaves behind, so the alarm clears within a few hundred ID
+inputs of its end however long it lasted (the peak of an episode is read up to the cap); being above ``A``, it
+never changes when the alarm goes on. ``A = HORIZON / delta``
+with ``HORIZON = 1,000``: ``A = 10^5`` at the default ``delta = 0.01``.
 
-* false alarms within 10,000 ID inputs: 0.5 % (20 of 4,000 runs of the martingale on i.i.d. uniform p-values,
-  which the theorem above makes exact) and 1 of 300 end-to-end monitor runs;
-* change after 10,000 ID inputs: alarm within 300 inputs in all 299 runs; delay median 48, 90 % within 76,
-  99 % within 99, longest 122 (the statistic just before the change: median e^-2.2, i.e. at its floor). Change
-  after 100,000 ID inputs: median 52, longest 106 (40 runs);
-* weaker drifts (200 runs each): 10 % of the inputs above the 95th percentile, 63 % of the runs within 300 inputs
-  (median 252); 30 % above the 80th percentile, all within 300 (median 112).
+**Guarantee.** Suppose the served scores are i.i.d. from the calibration data's distribution (more generally:
+calibration split and traffic exchangeable). What is random: the draw of the calibration split and of the traffic;
+the procedure itself is deterministic. With probability at least ``1 - delta`` over the split (the event that every
+``u_l`` bounds its bet's probability), given the split:
 
-**Randomness.** The smoothing ``theta_t`` and the calibration split come from ``seed``; the same seed and stream
-give the same statistic. The guarantee needs the ``theta_t`` to be uniform and independent of the scores, not
-secret.
+* the mean number of inputs from a start (start-up or a reset) or a clear to the next alarm is at least ``A``
+  (Lorden-type bound on the average run length, via the Shiryaev-Roberts statistic ``R_t = (R_{t-1} + 1) e_t``:
+  ``R_t - t`` is a supermartingale, and ``C_t <= R_t`` term by term, so the CUSUM alarms no earlier than the SR one,
+  whose mean run length is at least ``A`` by optional stopping);
+* the chance of an alarm within the first ``m`` inputs after a start, reset or clear is at most ``m / A`` (Ville's
+  inequality on the sum of the ``m`` bet products started at inputs ``1..m``, a supermartingale from ``m`` that
+  dominates ``R``): at most ``delta`` within the first 1,000 inputs;
+* hence over a long in-distribution stream the alarm starts at most one episode per ``A`` inputs on average (each
+  stretch from a clear to the next alarm is a fresh copy of the procedure: the bets are i.i.d. given the split).
 
-**Reset and restart.** :meth:`DriftMonitor.reset` (like restarting the server) starts a fresh test: the
-statistic goes back to 1 and the bag back to the calibration scores only. The stream's scores are dropped because
-the new test asks whether the traffic *from now on* is exchangeable with the calibration data: after a real drift
-the bag holds drifted scores, which would become part of the reference and hide the drift that is still going on.
-A test started at a time chosen without looking at the scores (a restart, a deploy, a schedule) has the same
-guarantee ``delta``. A reset triggered by this monitor's own alarm follows an alarm: if nothing ever drifted, that
-alarm already was the false alarm of probability ``<= delta``, so "any false alarm ever, across such resets" stays
-``<= delta``.
+Unconditionally (the split's draw included) the chance of an alarm within the first ``m`` inputs is at most
+``delta + m / A``. Under the null the alarm does fire in the end, as any procedure that can fire again after it
+clears must: the guarantee is a rate, not a probability over the whole stream.
 
-**Replicas.** Each replica tests its own traffic (a substream of i.i.d. traffic is i.i.d.) with its own monitor and
-seed. Raising an alarm when any of ``R`` replicas alarms has false-alarm probability ``<= R * delta`` (union bound;
-the replicas share the calibration scores, so they are not independent and nothing better holds in general): give
-each replica ``delta / R`` for a fleet-wide ``delta``.
+Measured (``tests/service/core/test_drift.py``, ``tests/service/test_guarantees_simulation.py`` and the build
+report rerun these on the default models' cached outputs):
 
-**Concurrency.** :meth:`DriftMonitor.update` and :meth:`DriftMonitor.reset` hold a lock, so concurrent callers are
-serialised (the order batches enter is the order they take the lock, which does not depend on the scores, as
-validity requires). Cost: about 1-2 microseconds per input for batches of 32 in numpy (no Python loop per input).
+* the bound's tightest case (bets at exactly fair odds, i.i.d. uniform p-values): mean run length 11 A and 14 A
+  at ``A`` = 10 and 40, and 2 % of the runs alarmed within ``A / 2`` inputs (the bound: 50 %). The default bets pay
+  less than fair odds on ID traffic (mean ``e`` 0.945 at nominal p-values): longer still;
+* false alarms at the defaults: none in 200 streams of 10,000 uniform scores (a fresh split each), none in 100
+  streams of 10,000 ID inputs per default model, with the served split or a fresh draw of it (the bound: 11 %);
+* a burst of 5 inputs of any OOD test set inside ID traffic: fired in none of 100 streams per set;
+* a switch to 30 % of an OOD test set's inputs (held-out classes, digits, noise, news; sets whose flag at
+  ``ood_alpha`` 0.05 catches at least 30 %): alarm within 41-65 inputs (median by set), 119 at most (50 streams
+  each); on until the switch ends; off 105 ID inputs after it (median), 276 at most. Uniform scores, 30 % drawn
+  above the calibration 95th percentile (the weakest such shift): median 49, at most 139 (200 streams). A set the
+  flag catches 25 % of (neutral tweets for a sentiment model) at 30 %: within 1,000 inputs in 21 of 50 streams.
 
-**Feeding it from the request path.** A call costs about 80 microseconds however few scores it gets (a few
-dozen numpy calls), which is more than 1 % of a batch-1 answer. The server therefore feeds the monitor through a
-:class:`DriftFeed`: served scores are appended to a buffer in arrival order, and the monitor advances over the
-buffer once ``every`` (64) inputs have gathered, once ``max_delay_s`` (1 s) has passed since it last advanced, and
-whenever the test is read (the drift route) or reset. Order and content are unchanged, so the statistic and the
-guarantee are exactly those of feeding every score at once; the alarm (and ``/metrics``) may lag the traffic by up
-to 63 inputs or a second, and at idle the last inputs wait for the next request or read.
+**Memory and history.** The state is the L thresholds and bounds, the statistic, and the last ``history`` (20) alarm
+episodes (:class:`DriftEpisode`: the input it started at, the input it cleared at, its peak, what cleared it), with
+the total number of episodes: O(L + history) whatever the traffic.
+
+**Reset and restart.** :meth:`DriftMonitor.reset` restarts the statistic at 1 (a fresh procedure, with the same
+guarantee from then on) and closes an open episode (``cleared_by: "reset"``); the input count and the history go
+on. A restart of the server starts all over, history included: it lives in memory.
+
+**Replicas.** Each replica watches its own traffic (a substream of i.i.d. traffic is i.i.d.) with the same
+thresholds. With ``R`` replicas the fleet starts at most ``R`` false episodes per ``A`` inputs of each replica.
+
+**Concurrency.** :meth:`DriftMonitor.update`, :meth:`DriftMonitor.reset` and :meth:`DriftMonitor.state` hold a
+lock: concurrent callers are serialised.
+
+**Feeding it from the request path.** A call has a fixed cost however few scores it gets (a lock and a few numpy
+calls), which a batch-1 answer should not pay each time. The server therefore feeds the monitor through a
+:class:`DriftFeed`: served scores are appended to a buffer in arrival order, and the monitor advances over the buffer
+once ``every`` (64) inputs have gathered, once ``max_delay_s`` (1 s) has passed since it last advanced, and whenever
+the state is read (the drift route, the model list, a ``/metrics`` scrape) or reset. Order and content are
+unchanged, so the statistic is exactly that of feeding every score at once, and what a reader sees is the state of
+every input served.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["DriftFeed", "DriftMonitor", "tail_bets", "change_weights", "mixture_log_martingale"]
+from .selective import binomial_cdf
 
-_CHUNK = 64  # inputs per vectorised step: the within-chunk pairwise counts cost CHUNK^2, the bin totals O(K)
-_TRI = np.tri(_CHUNK, k=-1, dtype=bool)  # [i, j]: j comes before i
+__all__ = [
+    "HISTORY",
+    "HORIZON",
+    "LEVELS",
+    "STAKE",
+    "DriftEpisode",
+    "DriftFeed",
+    "DriftMonitor",
+    "TailBets",
+    "alarm_paths",
+    "clopper_pearson_upper",
+]
 
-
-def tail_bets(levels: Sequence[float], fractions: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every (level ``c``, fraction ``rho``) tail bet: ``(c (m,), log f(p <= c) (m,), log f(p > c) (m,))``.
-
-    ``f(p) = 1 - rho + (rho / c) [p <= c]``; ``m = len(levels) * len(fractions)``.
-    """
-    c = np.asarray(levels, dtype=np.float64)
-    r = np.asarray(fractions, dtype=np.float64)
-    if c.ndim != 1 or c.size == 0 or not np.all((c > 0) & (c < 1)):
-        raise ValueError(f"levels must be a non-empty list of numbers in (0, 1), got {levels!r}")
-    if r.ndim != 1 or r.size == 0 or not np.all((r > 0) & (r < 1)):
-        raise ValueError(f"fractions must be a non-empty list of numbers in (0, 1), got {fractions!r}")
-    cc, rr = np.meshgrid(c, r, indexing="ij")
-    cc, rr = cc.ravel(), rr.ravel()  # type: ignore[assignment]  # (levels * fractions,)
-    return cc, np.log1p(rr * (1.0 / cc - 1.0)), np.log1p(-rr)
-
-
-def change_weights(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(log pi_t, log reserve_t)`` for input indices ``t >= 1`` ``(T,)``: the capital joining the bets at ``t``
-    and the reserve left after it, ``pi_t = g(t) - g(t + 1)``, ``reserve_t = g(t + 1)``, ``g(t) = 1 / ln(t + e - 1)``.
-    """
-    t = np.asarray(t, dtype=np.float64)
-    a = np.log(t + math.e - 1.0)  # ln(t + e - 1)
-    b = np.log(t + math.e)  # ln(t + e)
-    # g(t) - g(t+1) = (b - a) / (a b), with b - a = log1p(1 / (t + e - 1)) computed without cancellation
-    return np.log(np.log1p(1.0 / (t + math.e - 1.0))) - np.log(a) - np.log(b), -np.log(b)
+LEVELS = (0.05, 0.1, 0.2)  # p-value levels bet on: a sustained excess of small p-values, not single extreme ones
+STAKE = 0.25  # fraction of the capital staked per input: e_max = 3.0 at n = 1,000, so 5 foreign inputs give <= 3^5
+HORIZON = 1_000  # A = HORIZON / delta: the chance of a false alarm within HORIZON inputs of a start is <= delta
+CAP_DECADES = 2.0  # the statistic is capped at 10^CAP_DECADES * A: an episode's peak reads up to there
+HISTORY = 20  # alarm episodes kept
+_LN10 = math.log(10)
 
 
-def mixture_log_martingale(
-    p: np.ndarray, log_a: np.ndarray, start: int, levels: np.ndarray, log_hi: np.ndarray, log_lo: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Advance the change-point mixture of tail bets over p-values ``p (..., T)`` for inputs ``start + 1 .. start + T``.
+def clopper_pearson_upper(k: int, n: int, level: float) -> float:
+    """The ``1 - level`` quantile of ``Beta(k + 1, n - k)``: the Clopper-Pearson upper bound for ``k`` successes in
+    ``n`` trials, i.e. the ``x`` with ``P(Binom(n, x) <= k) = level`` (bisection; ``0 <= k < n``)."""
+    if not 0 <= k < n:
+        raise ValueError(f"need 0 <= k < n, got k={k}, n={n}")
+    lo, hi = k / n, 1.0  # P(Binom(n, x) <= k) falls from >= 1/2-ish at x = k/n to 0 at x = 1
+    for _ in range(60):  # 2^-60: below float resolution of the bound
+        mid = 0.5 * (lo + hi)
+        if float(binomial_cdf(k, n, mid)) > level:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
-    ``log_a (..., m)``: log of each bet's active capital before (``-inf`` at the start of a test). Returns
-    ``(log M_t (..., T), log_a after (..., m))``. Leading dimensions are independent streams (simulation).
-    """
-    steps = p.shape[-1]
-    log_m = np.empty(p.shape)
-    # A_t = A_0 prod_{1..t} f + sum_{s <= t} (pi_s / m) prod_{s..t} f = exp(cum_t) (A_0 + sum_s w_s exp(-cum_{s-1})):
-    # vectorised over t with cumulative sums. The exponentials stay in float range over spans of up to 600 nats of
-    # bets, so the stream is cut into spans that short; across spans only log_a is carried.
-    span = max(1, int(600 // max(np.abs(log_hi).max(), np.abs(log_lo).max())))
-    for lo in range(0, steps, span):
-        log_f = np.where(p[..., lo : lo + span, None] <= levels, log_hi, log_lo)  # (..., L, m)
-        cum = np.cumsum(log_f, axis=-2)
-        log_pi, log_reserve = change_weights(start + lo + np.arange(1, log_f.shape[-2] + 1))
-        joined = np.cumsum(np.exp(log_pi - math.log(levels.shape[0]))[:, None] * np.exp(log_f - cum), axis=-2)
-        log_at = cum + np.logaddexp(log_a[..., None, :], np.log(joined))
-        top = log_at.max(axis=-1)
-        log_sum = top + np.log(np.exp(log_at - top[..., None]).sum(axis=-1))
-        log_m[..., lo : lo + span] = np.logaddexp(log_sum, log_reserve)
-        log_a = log_at[..., -1, :]
-    return log_m, log_a
+
+@dataclass(frozen=True)
+class TailBets:
+    """The bet on each served score: tail bets on its conformal p-value against the calibration scores (module
+    docstring). ``thresholds (L,)``: ``p <= levels[l]`` iff ``score > thresholds[l]``; ``upper (L,)``: the bound
+    ``u_l`` of that event's probability given the split (probability ``1 - delta`` over the split, all L at once)."""
+
+    levels: tuple[float, ...]
+    thresholds: np.ndarray
+    upper: np.ndarray
+    stake: float
+
+    @classmethod
+    def fit(
+        cls,
+        calibration_scores: np.ndarray | torch.Tensor | Sequence[float],
+        delta: float,
+        levels: Sequence[float] = LEVELS,
+        stake: float = STAKE,
+    ) -> TailBets:
+        """The bets of a calibration split ``(n,)``: levels with no calibration score to bet against
+        (``c (n + 1) < 1``) are left out; at least one must remain."""
+        cal = np.sort(np.asarray(calibration_scores, dtype=np.float64).ravel())[::-1]  # (n,) descending
+        if not np.all(np.isfinite(cal)):
+            raise ValueError("calibration_scores must be finite")
+        if not 0 < float(delta) < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+        if not 0 < float(stake) < 1:
+            raise ValueError(f"stake must be in (0, 1), got {stake!r}")
+        c = sorted(float(x) for x in levels)
+        if not c or not all(0 < x < 1 for x in c):
+            raise ValueError(f"levels must be a non-empty list of numbers in (0, 1), got {levels!r}")
+        n = cal.size
+        m = [math.floor(x * (n + 1)) - 1 for x in c]  # p <= c  <=>  #{cal >= s} <= m
+        kept = [(x, k) for x, k in zip(c, m, strict=True) if k >= 0]
+        if not kept:
+            raise ValueError(
+                f"{n} calibration scores are too few to bet at any of the levels {c} (need c (n + 1) >= 1)"
+            )
+        share = float(delta) / len(kept)  # Bonferroni over the levels: every bound holds at once w.p. 1 - delta
+        return cls(
+            levels=tuple(x for x, _ in kept),
+            thresholds=np.array([cal[k] for _, k in kept]),
+            upper=np.array([clopper_pearson_upper(k, n, share) for _, k in kept]),
+            stake=float(stake),
+        )
+
+    def log_e(self, scores: np.ndarray) -> np.ndarray:
+        """``log e(s)`` of outlier scores ``(...)`` -> ``(...)``."""
+        hit = np.asarray(scores, dtype=np.float64)[..., None] > self.thresholds  # (..., L)
+        pay = (hit / self.upper).sum(axis=-1)  # (...,)
+        return np.log1p(self.stake * (pay / len(self.levels) - 1.0))
+
+    @property
+    def max_log_e(self) -> float:
+        """``log e_max``: what the most outlying input multiplies the statistic by."""
+        return math.log1p(self.stake * (float(np.mean(1.0 / self.upper)) - 1.0))
+
+
+def alarm_paths(log_e: np.ndarray, log_a: float, log_cap: float) -> tuple[np.ndarray, np.ndarray]:
+    """The procedure on many independent streams at once (simulation): ``log e (S, T)`` ->
+    ``(log C_t (S, T), alarm on after input t (S, T) bool)``, each stream from a fresh start."""
+    x = np.asarray(log_e, dtype=np.float64)
+    w = np.zeros(x.shape[:-1])
+    on = np.zeros(x.shape[:-1], dtype=bool)
+    log_c, alarm = np.empty(x.shape), np.empty(x.shape, dtype=bool)
+    for t in range(x.shape[-1]):
+        w = np.minimum(np.maximum(w, 0.0) + x[..., t], log_cap)
+        on = np.where(on, w >= 0.0, w >= log_a)  # on at A, off below 1
+        log_c[..., t], alarm[..., t] = w, on
+    return log_c, alarm
+
+
+@dataclass
+class DriftEpisode:
+    """One alarm episode: on at input ``started_at`` (1 = the first input since start-up), off at ``cleared_at``
+    (None while on), the largest ``log10 C_t`` in between (at most ``log10 A + CAP_DECADES``)."""
+
+    started_at: int
+    peak_log10: float
+    cleared_at: int | None = None
+    cleared_by: str | None = None  # "traffic" (the statistic fell below 1) or "reset"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "started_at": self.started_at,
+            "cleared_at": self.cleared_at,
+            "peak_log10_statistic": self.peak_log10,
+            "cleared_by": self.cleared_by,
+        }
 
 
 class DriftMonitor:
-    """Online test of "served scores are exchangeable with the calibration scores", alarm at ``1 / delta``.
+    """The drift alarm of one model (module docstring): on while ``C_t >= A`` was reached and ``C_t >= 1`` since.
 
     Args:
-        calibration_scores: ``(n,)`` ID outlier scores (higher = more OOD) of calibration inputs, ``n >= 2``
-            (``n >= 1`` with ``edges``).
-        delta: false-alarm probability over the whole (unbounded) stream, in (0, 1).
-        bins: number of quantisation bins ``K``.
-        seed: seeds the calibration split and the smoothing.
-        edges: ``(K - 1,)`` non-decreasing bin edges fixed without the calibration scores (e.g. from another
-            split); default: quantiles of ``min(n / 2, 4 K)`` calibration scores set aside for it.
-        levels, fractions: the tail bets (module docstring).
+        calibration_scores: ``(n,)`` ID outlier scores (higher = more OOD) of the calibration split.
+        delta: the split's failure probability of the guarantee; also sets ``A = HORIZON / delta``.
+        arl: the alarm level ``A`` (the mean run length to a false alarm is at least this), default
+            ``HORIZON / delta``.
+        levels, stake: the bets (:class:`TailBets`).
+        history: alarm episodes kept.
 
-    Thread-safe: :meth:`update` and :meth:`reset` take a lock.
+    Thread-safe: :meth:`update`, :meth:`reset` and :meth:`state` take a lock.
     """
 
     def __init__(
         self,
         calibration_scores: np.ndarray | torch.Tensor | Sequence[float],
         delta: float = 0.01,
-        bins: int = 2048,
-        seed: int = 0,
         *,
-        edges: np.ndarray | Sequence[float] | None = None,
-        levels: Sequence[float] = (0.01, 0.05, 0.2),
-        fractions: Sequence[float] = (0.1, 0.3, 0.6),
+        arl: float | None = None,
+        levels: Sequence[float] = LEVELS,
+        stake: float = STAKE,
+        history: int = HISTORY,
     ) -> None:
-        cal = np.asarray(calibration_scores, dtype=np.float64).ravel()
-        if not np.all(np.isfinite(cal)):
-            raise ValueError("calibration_scores must be finite")
-        if not 0 < float(delta) < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
-        if int(bins) != bins or bins < 2:
-            raise ValueError(f"bins must be an integer >= 2, got {bins!r}")
-        split_seed, smooth_seed = np.random.SeedSequence(seed).spawn(2)
-        if edges is None:
-            if cal.size < 2:
-                raise ValueError(f"need at least 2 calibration scores (half of them set the bin edges), got {cal.size}")
-            perm = np.random.default_rng(split_seed).permutation(cal.size)
-            n_edge = min(cal.size // 2, 4 * int(bins))
-            e = np.quantile(cal[perm[:n_edge]], np.arange(1, bins) / bins)
-            bag = cal[perm[n_edge:]]
-        else:
-            e = np.asarray(edges, dtype=np.float64)
-            if e.shape != (bins - 1,) or not np.all(np.isfinite(e)) or np.any(np.diff(e) < 0):
-                raise ValueError(f"edges must be ({bins - 1},) finite and non-decreasing, got shape {e.shape}")
-            if cal.size < 1:
-                raise ValueError("need at least 1 calibration score")
-            bag = cal
-        self._delta = float(delta)
-        self._log_threshold = -math.log(self._delta)
-        self._edges = e
-        self._bag_counts = np.bincount(np.searchsorted(e, bag, side="right"), minlength=int(bins)).astype(np.int64)
-        self._bag_n = int(bag.size)
-        self._levels, self._log_hi, self._log_lo = tail_bets(levels, fractions)
-        self._rng = np.random.default_rng(smooth_seed)
+        self.bets = TailBets.fit(calibration_scores, delta, levels, stake)
+        a = HORIZON / float(delta) if arl is None else float(arl)
+        if not a > 1 or not math.isfinite(a):
+            raise ValueError(f"arl must be a finite number > 1, got {arl!r}")
+        if int(history) != history or history < 1:
+            raise ValueError(f"history must be an integer >= 1, got {history!r}")
+        self._delta, self._arl = float(delta), a
+        self._log_a = math.log(a)
+        self._log_cap = self._log_a + CAP_DECADES * math.log(10)
         self._lock = threading.Lock()
-        self._reset()
-
-    def _reset(self) -> None:
-        self._counts = self._bag_counts.copy()
-        self._n = self._bag_n
+        self._w = 0.0  # log C_t
         self._count = 0
-        self._log_a = np.full(self._levels.shape, -np.inf)
-        self._log_m = 0.0
-        self._alarm_at: int | None = None
-        self._p_values = np.zeros(0)
-
-    def reset(self) -> None:
-        """Start a fresh test: statistic back to 1, bag back to the calibration scores, alarm cleared."""
-        with self._lock:
-            self._reset()
+        self._episodes: deque[DriftEpisode] = deque(maxlen=int(history))
+        self._open: DriftEpisode | None = None
+        self._total = 0
 
     def update(self, scores: np.ndarray | torch.Tensor | Sequence[float]) -> None:
-        """Feed a batch of outlier scores ``(B,)`` (processed in order); may latch the alarm."""
+        """Feed a batch of outlier scores ``(B,)``, in order: the statistic, the alarm and its episodes advance."""
         s = np.asarray(scores, dtype=np.float64).ravel()
         if np.isnan(s).any():
             raise ValueError("scores must not be NaN")
+        x = self.bets.log_e(s).tolist()
         with self._lock:
-            out = np.empty(s.size)
-            for lo in range(0, s.size, _CHUNK):
-                out[lo : lo + _CHUNK] = self._step(s[lo : lo + _CHUNK])
-            self._p_values = out
+            w, ep, t = self._w, self._open, self._count
+            log_a, log_cap = self._log_a, self._log_cap
+            for xi in x:  # a plain loop over floats: cheaper than numpy for the feed's chunks of ~64
+                t += 1
+                w = min(max(w, 0.0) + xi, log_cap)
+                if ep is not None:
+                    if w < 0.0:
+                        ep.cleared_at, ep.cleared_by, ep = t, "traffic", None
+                    elif w > ep.peak_log10 * _LN10:
+                        ep.peak_log10 = w / _LN10
+                elif w >= log_a:
+                    ep = self._start(t, w)
+            self._w, self._open, self._count = w, ep, t
 
-    def _step(self, s: np.ndarray) -> np.ndarray:
-        b = np.searchsorted(self._edges, s, side="right")  # (B,) bin of each score, non-decreasing in the score
-        size = b.shape[0]
-        at_least = np.cumsum(self._counts[::-1])[::-1]  # scores in the bag with bin >= k
-        equal = self._counts[b]
-        earlier = _TRI[:size, :size]
-        above_in = ((b[None, :] > b[:, None]) & earlier).sum(1)  # earlier scores of this chunk in higher bins
-        equal_in = ((b[None, :] == b[:, None]) & earlier).sum(1)
-        n_t = self._n + np.arange(1, size + 1)  # everything seen so far, this input included
-        theta = self._rng.random(size)
-        p = (at_least[b] - equal + above_in + theta * (equal + equal_in + 1)) / n_t
-        self._counts += np.bincount(b, minlength=self._counts.shape[0])
-        self._n += size
-        log_m, self._log_a = mixture_log_martingale(
-            p, self._log_a, self._count, self._levels, self._log_hi, self._log_lo
-        )
-        if self._alarm_at is None:
-            hit = np.flatnonzero(log_m >= self._log_threshold)
-            if hit.size:
-                self._alarm_at = self._count + int(hit[0]) + 1
-        self._count += size
-        self._log_m = float(log_m[-1])
-        return p
+    def _start(self, t: int, w: float) -> DriftEpisode:
+        ep = DriftEpisode(started_at=t, peak_log10=w / _LN10)
+        self._episodes.append(ep)
+        self._total += 1
+        return ep
+
+    def reset(self) -> None:
+        """Restart the statistic at 1 (a fresh procedure); an open episode closes (``cleared_by: "reset"``)."""
+        with self._lock:
+            self._w = 0.0
+            if self._open is not None:
+                self._open.cleared_at, self._open.cleared_by = self._count, "reset"
+                self._open = None
+
+    def state(self) -> dict[str, Any]:
+        """The alarm now: ``alarm``, ``log10_statistic``, ``log10_threshold`` (``log10 A``), ``inputs``, ``alarm_at``
+        (the input the open episode started at, None while off), ``delta``, ``arl`` (``A``), ``episodes`` (started
+        since start-up) and ``history`` (the last episodes, oldest first)."""
+        with self._lock:
+            return {
+                "alarm": self._open is not None,
+                "log10_statistic": self._w / _LN10,
+                "log10_threshold": self._log_a / _LN10,
+                "inputs": self._count,
+                "alarm_at": None if self._open is None else self._open.started_at,
+                "delta": self._delta,
+                "arl": self._arl,
+                "episodes": self._total,
+                "history": [e.as_dict() for e in self._episodes],
+            }
+
+    def simulate(self, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """This alarm's procedure, from a fresh start, on independent streams of outlier scores ``(S, T)``
+        (simulation; the monitor's own state is untouched): ``(log10 C_t (S, T), alarm on after input t (S, T))``."""
+        log_c, on = alarm_paths(self.bets.log_e(scores), self._log_a, self._log_cap)
+        return log_c / _LN10, on
 
     @property
     def delta(self) -> float:
         return self._delta
 
     @property
+    def arl(self) -> float:
+        """``A``: the alarm level, and the least mean number of ID inputs from a start or clear to a false alarm."""
+        return self._arl
+
+    @property
+    def log10_threshold(self) -> float:
+        return self._log_a / _LN10
+
+    @property
     def log10_statistic(self) -> float:
-        """``log10`` of the martingale (0 at the start of a test; the alarm level is ``log10(1 / delta)``)."""
-        return self._log_m / math.log(10)
+        """``log10 C_t`` (0 at a start; the alarm goes on at ``log10 A`` and off below 0)."""
+        return self._w / _LN10
 
     @property
     def statistic(self) -> float:
-        """The martingale's current value (``inf`` past float range)."""
-        return math.exp(self._log_m) if self._log_m < 709 else math.inf
+        return math.exp(self._w)
 
     @property
     def alarm(self) -> bool:
-        """True once the statistic has reached ``1 / delta`` (latched until :meth:`reset`)."""
-        return self._alarm_at is not None
+        """True while an episode is open: ``C_t`` reached ``A`` and has not fallen below 1 since."""
+        return self._open is not None
 
     @property
     def alarm_at(self) -> int | None:
-        """Number of inputs since the test started when the alarm fired (1 = the first), None before."""
-        return self._alarm_at
+        """The input (counted since start-up, 1 = the first) at which the open episode started; None while off."""
+        return None if self._open is None else self._open.started_at
 
     @property
     def count(self) -> int:
-        """Inputs seen since the test started."""
+        """Inputs seen since start-up (a reset does not restart the count)."""
         return self._count
 
     @property
-    def bag_size(self) -> int:
-        """Scores the p-values are computed against: the calibration bag plus the stream since the test started."""
-        return self._n
+    def episodes_total(self) -> int:
+        """Alarm episodes started since start-up."""
+        return self._total
 
     @property
-    def p_values(self) -> np.ndarray:
-        """The smoothed conformal p-values ``(B,)`` of the last batch (a copy)."""
-        return self._p_values.copy()
-
-    @property
-    def edges(self) -> np.ndarray:
-        """The bin edges ``(K - 1,)`` (a copy)."""
-        return self._edges.copy()
+    def episodes(self) -> list[DriftEpisode]:
+        """The last ``history`` episodes, oldest first (copies)."""
+        with self._lock:
+            return [dataclasses.replace(e) for e in self._episodes]
 
 
 class DriftFeed:
-    """A :class:`DriftMonitor` fed from the request path: scores buffered, the test advanced in chunks.
+    """A :class:`DriftMonitor` fed from the request path: scores buffered, the monitor advanced in chunks.
 
     :meth:`add` appends a batch of outlier scores; the monitor advances over everything buffered once ``every``
     scores are waiting or ``max_delay_s`` has passed since it last advanced (checked at each :meth:`add`), and at
-    every :meth:`flush` (call it before reading the test). ``on_update(monitor)`` runs after each advance (the
-    server's drift metrics). :meth:`reset` drops the buffer: those inputs were served before the new test started.
-    Not thread-safe by itself: the server calls it from its event loop only.
+    every :meth:`flush` (call it before reading the monitor). ``on_update(monitor)`` runs after each advance (the
+    server's drift metrics). :meth:`reset` advances over the buffer first (those inputs were served before it), then
+    restarts the statistic. Not thread-safe by itself: the server calls it from its event loop only.
     """
 
     def __init__(
@@ -350,11 +422,11 @@ class DriftFeed:
 
     @property
     def waiting(self) -> int:
-        """Scores buffered, not yet in the test."""
+        """Scores buffered, not yet in the monitor."""
         return self._waiting
 
     def add(self, scores: np.ndarray) -> None:
-        """Buffer a batch of outlier scores ``(B,)``; advance the test if enough are waiting or time has passed."""
+        """Buffer a batch of outlier scores ``(B,)``; advance the monitor if enough are waiting or time has passed."""
         s = np.asarray(scores, dtype=np.float64).ravel()
         if np.isnan(s).any():
             raise ValueError("scores must not be NaN")
@@ -364,7 +436,7 @@ class DriftFeed:
             self.flush()
 
     def flush(self) -> DriftMonitor:
-        """Advance the test over every buffered score (in arrival order); the monitor, up to date."""
+        """Advance the monitor over every buffered score (in arrival order); the monitor, up to date."""
         self._last = time.monotonic()
         if self._pending:
             batch = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
@@ -375,7 +447,8 @@ class DriftFeed:
         return self.monitor
 
     def reset(self) -> None:
-        """A fresh test: the buffer dropped, the monitor reset."""
-        self._pending, self._waiting = [], 0
-        self._last = time.monotonic()
+        """The buffered inputs into the monitor, then the statistic restarted (:meth:`DriftMonitor.reset`)."""
+        self.flush()
         self.monitor.reset()
+        if self.on_update is not None:
+            self.on_update(self.monitor)

@@ -168,9 +168,7 @@ class Guarantees:
 
     def monitor(self) -> DriftMonitor:
         """A fresh drift alarm whose reference is the calibration split's scores (:mod:`service.core.drift`)."""
-        return DriftMonitor(
-            self.ood_scores, delta=self.drift_delta, bins=self.drift_bins, seed=0, edges=self.drift_edges
-        )
+        return DriftMonitor(self.ood_scores, delta=self.drift_delta)
 
 
 def load_guarantees(root: Path, manifest: Manifest) -> Guarantees | None:

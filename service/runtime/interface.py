@@ -224,16 +224,16 @@ class Runtime(abc.ABC):
             raise ArtifactError(f"{root}: uncertainty.temperature must be > 0, got {self.temperature}")
         self.plan: Plan | None = None
         self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
-        # the drift test, fed from the request path in chunks (service.core.drift.DriftFeed: the statistic is that of
-        # every score fed at once; /metrics may lag by up to 63 inputs or a second)
+        # the drift alarm, fed from the request path in chunks (service.core.drift.DriftFeed: the statistic is that of
+        # every score fed at once; every read of its state, a /metrics scrape included, takes the buffer in first)
         self.drift = (
             DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics) if self.guarantees is not None else None
         )
         self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
-        if self.guarantees is not None and metrics is not None:
-            metrics.drift_alarm.labels(self.name).set(0)
-            metrics.drift_statistic.labels(self.name).set(0.0)
-            metrics.drift_threshold.labels(self.name).set(float(np.log10(1 / self.guarantees.drift_delta)))
+        self._drift_episodes = 0  # alarm episodes already counted in hydra_drift_episodes_total
+        if self.drift is not None and metrics is not None:
+            self._drift_metrics(self.drift.monitor)
+            metrics.drift_threshold.labels(self.name).set(self.drift.monitor.log10_threshold)
         limits = BatchLimits(settings.max_batch, settings.max_wait_ms / 1000, settings.max_queue, settings.batch_fill)
         self.batcher = Batcher(
             self.name,
@@ -386,39 +386,37 @@ class Runtime(abc.ABC):
         return child
 
     def _drift_metrics(self, monitor: DriftMonitor) -> None:
-        """The drift gauges after the test advanced."""
+        """The drift gauges and episode counter after the monitor advanced (or was reset)."""
         if self.metrics is not None:
             self._child("drift_alarm").set(1 if monitor.alarm else 0)
             self._child("drift_statistic").set(monitor.log10_statistic)
             self._child("drift_inputs").set(monitor.count)
+            started = monitor.episodes_total - self._drift_episodes
+            self._child("drift_episodes").inc(started)  # 0 too: the series exists from start-up
+            self._drift_episodes += started
+
+    def refresh_drift(self) -> None:
+        """Take the buffered inputs into the drift alarm, so that its metrics are those of every input served (a
+        ``/metrics`` scrape; fewer than ``DriftFeed.every`` inputs wait there, so this is short)."""
+        if self.drift is not None:
+            self.drift.flush()
 
     def reset_drift(self) -> dict[str, Any]:
-        """Start a fresh drift test (after an investigation): the alarm cleared, the statistic back to 1."""
+        """Restart the drift alarm's statistic (after an investigation): an open alarm episode closes, the history and
+        the input count go on."""
         if self.drift is None:
             raise InvalidInput(
                 f"model {self.name!r} has no drift test (it was built without a calibration split)", status=409
             )
         before = self.drift_state()
         self.drift.reset()
-        if self.metrics is not None:
-            self.metrics.drift_alarm.labels(self.name).set(0)
-            self.metrics.drift_statistic.labels(self.name).set(0.0)
-            self.metrics.drift_inputs.labels(self.name).set(0)
         return {"model": self.name, "before": before, "after": self.drift_state()}
 
     def drift_state(self) -> dict[str, Any] | None:
-        """The drift test now: alarm, log10 statistic, its alarm level, inputs seen, where it alarmed."""
-        if self.drift is None or self.guarantees is None:
+        """The drift alarm now (:meth:`service.core.drift.DriftMonitor.state`), every input served included."""
+        if self.drift is None:
             return None
-        d = self.drift.flush()  # the buffered inputs first: the state of every input served
-        return {
-            "alarm": d.alarm,
-            "log10_statistic": d.log10_statistic,
-            "log10_threshold": float(np.log10(1 / self.guarantees.drift_delta)),
-            "inputs": d.count,
-            "alarm_at": d.alarm_at,
-            "delta": self.guarantees.drift_delta,
-        }
+        return self.drift.flush().state()
 
     @abc.abstractmethod
     async def warmup(self) -> None:

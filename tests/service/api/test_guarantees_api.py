@@ -147,11 +147,11 @@ def test_models_list_the_guarantees_and_metrics_count_them(g_client):
     assert g["calibration_size"] == 300 and g["alpha"] == 0.1 and g["ood_alpha"] == 0.05 and g["risk"] == 0.5
     assert set(g["risks"]) == {"0.05", "0.5"} and g["risks"]["0.05"] is None
     assert g["min_alpha"] == pytest.approx(1 / 301)
-    assert g["drift"]["alarm"] is False and g["drift"]["log10_threshold"] == pytest.approx(2.0)
+    assert g["drift"]["alarm"] is False and g["drift"]["log10_threshold"] == pytest.approx(5.0)  # A = 10^3 / 0.01
     g_client.post("/predict", json={"images": [b64(png(a)) for a in noise_images(4, seed=9)]})
     text = g_client.get("/metrics").text
     assert 'hydra_drift_alarm{model="tiny-g"} 0.0' in text
-    assert 'hydra_drift_threshold{model="tiny-g"} 2.0' in text
+    assert 'hydra_drift_threshold{model="tiny-g"} 5.0' in text
     assert 'hydra_ood_p_value_bucket{le="0.05",model="tiny-g"}' in text
     assert 'hydra_prediction_set_size_count{model="tiny-g"}' in text
     assert 'hydra_selective_total{accept="' in text
@@ -163,37 +163,81 @@ def _like_calibration(n: int, seed: int) -> list[np.ndarray]:
     return [np.clip(np.round((0.5 + 0.25 * x) * 255), 0, 255).astype(np.uint8) for x in z]
 
 
-def test_drift_alarm_fires_on_foreign_traffic_and_warm_up_does_not_count(tmp_path):
-    """Traffic like the calibration inputs keeps the alarm quiet; a stream of white frames, far from them in the
-    members' features (served Mahalanobis), raises it, and the metric follows; the warm-up input is not traffic."""
-    root = make_tiny_artifact(
-        tmp_path / "vit",
-        "vit",
-        name="tiny-drift",
-        guarantees=RISKS,
-        ood=True,
-        ood_score="mahalanobis",
-        ood_threshold=None,
+def _drift_artifact(root: Path, name: str) -> Path:
+    """A tiny image model serving a Mahalanobis score: white frames are far from its calibration inputs."""
+    return make_tiny_artifact(
+        root, "vit", name=name, guarantees=RISKS, ood=True, ood_score="mahalanobis", ood_threshold=None
     )
-    with TestClient(create_app(settings_for(root))) as c:
-        assert c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]["inputs"] == 0
+
+
+def _drift_now(c: TestClient) -> dict:
+    return c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]
+
+
+def _metric(text: str, line: str) -> float:
+    """The value of the sample ``line`` (name and labels) in a Prometheus text answer."""
+    (value,) = [ln.rsplit(" ", 1)[1] for ln in text.splitlines() if ln.startswith(line + " ")]
+    return float(value)
+
+
+def test_a_few_odd_inputs_do_not_trip_the_alarm_and_a_scrape_sees_every_input(tmp_path):
+    """The smoke test of the production alert: traffic like the calibration inputs with 5 white frames inside it
+    (each far outside: OOD p-value 1/301) leaves the alarm off; /metrics shows the state of every input served at
+    scrape time (the buffered inputs taken in), not a stale one."""
+    name = "tiny-burst"
+    with TestClient(create_app(settings_for(_drift_artifact(tmp_path / "vit", name)))) as c:
+        ok = [b64(png(a)) for a in _like_calibration(32, seed=12)]
+        blank = b64(png(255))
+        c.post("/predict", json={"images": ok})
+        for _ in range(5):  # one odd input per request, as a client would send them
+            p = c.post("/predict", json={"image": blank}).json()["predictions"][0]
+            assert p["ood"]["flag"] is True  # the per-request flag covers single odd inputs
+        c.post("/predict", json={"images": ok[:3]})
+        text = c.get("/metrics").text
+        assert _metric(text, f'hydra_drift_inputs{{model="{name}"}}') == 40  # 32 + 5 + 3: nothing left buffered
+        assert _metric(text, f'hydra_drift_alarm{{model="{name}"}}') == 0
+        assert _metric(text, f'hydra_drift_episodes_total{{model="{name}"}}') == 0
+        state = _drift_now(c)
+        assert state["alarm"] is False and state["episodes"] == 0 and state["history"] == []
+        assert 0 < state["log10_statistic"] < state["log10_threshold"] - 2  # the burst left a trace, far below A
+
+
+def test_drift_alarm_fires_on_sustained_foreign_traffic_and_clears_after_it(tmp_path):
+    """Traffic like the calibration inputs keeps the alarm quiet; a stream of white frames turns it on, and the metric
+    follows; once the traffic is like the calibration inputs again it goes off by itself, and the episode is in the
+    history. The warm-up input is not traffic."""
+    name = "tiny-drift"
+    with TestClient(create_app(settings_for(_drift_artifact(tmp_path / "vit", name)))) as c:
+        assert _drift_now(c)["inputs"] == 0
         ok = [b64(png(a)) for a in _like_calibration(32, seed=11)]
         for _ in range(3):
             c.post("/predict", json={"images": ok})
-        state = c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]
+        state = _drift_now(c)
         assert state["inputs"] == 96 and state["alarm"] is False
         blank = b64(png(255))
         for _ in range(20):
             c.post("/predict", json={"images": [blank] * 16})
-            if c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]["alarm"]:
+            if _drift_now(c)["alarm"]:
                 break
-        state = c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]
-        assert state["alarm"] is True and state["alarm_at"] > 96
-        assert 'hydra_drift_alarm{model="tiny-drift"} 1.0' in c.get("/metrics").text
+        state = _drift_now(c)
+        assert state["alarm"] is True and 96 < state["alarm_at"] <= 96 + 32  # about 13 white frames in a row
+        text = c.get("/metrics").text
+        assert _metric(text, f'hydra_drift_alarm{{model="{name}"}}') == 1
+        assert _metric(text, f'hydra_drift_episodes_total{{model="{name}"}}') == 1
+        for k in range(40):
+            c.post("/predict", json={"images": [b64(png(a)) for a in _like_calibration(32, seed=100 + k)]})
+            if not _drift_now(c)["alarm"]:
+                break
+        state = _drift_now(c)
+        assert state["alarm"] is False and state["episodes"] == 1
+        (episode,) = state["history"]
+        assert episode["started_at"] < episode["cleared_at"] <= state["inputs"] and episode["cleared_by"] == "traffic"
+        assert episode["peak_log10_statistic"] >= state["log10_threshold"]
+        assert _metric(c.get("/metrics").text, f'hydra_drift_alarm{{model="{name}"}}') == 0
 
 
 def test_drift_state_and_the_authenticated_reset(tmp_path):
-    """GET /v1/models/{name}/drift shows the test; POST .../drift/reset starts a fresh one, for an authenticated
+    """GET /v1/models/{name}/drift shows the alarm; POST .../drift/reset restarts its statistic, for an authenticated
     caller only: 403 on a server without HYDRA_API_KEY, 401 without the key, 404 for a model without a drift test."""
     root = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-reset", guarantees=RISKS, ood_threshold=CUT)
     with TestClient(create_app(settings_for(root))) as open_server:
@@ -202,12 +246,15 @@ def test_drift_state_and_the_authenticated_reset(tmp_path):
     with TestClient(create_app(settings_for(root, api_key="s3cret"))) as c:
         c.post("/predict", json={"images": [b64(png(a)) for a in noise_images(5, seed=2)]}, headers=key)
         state = c.get("/v1/models/tiny-reset/drift", headers=key).json()
-        assert state["inputs"] == 5 and state["alarm"] is False and state["delta"] == 0.01
+        assert state["model"] == "tiny-reset" and state["inputs"] == 5 and state["alarm"] is False
+        assert state["delta"] == 0.01 and state["arl"] == 1e5 and state["history"] == []
         assert_error(c.post("/v1/models/tiny-reset/drift/reset"), 401, "unauthorized")
         assert_error(c.post("/v1/models/nope/drift/reset", headers=key), 404, "not_found", "tiny-reset")
         r = c.post("/v1/models/tiny-reset/drift/reset", headers=key)
-        assert r.status_code == 200 and r.json()["before"]["inputs"] == 5 and r.json()["after"]["inputs"] == 0
-        assert c.get("/v1/models/tiny-reset/drift", headers=key).json()["inputs"] == 0
+        assert r.status_code == 200 and r.json()["before"]["inputs"] == 5
+        after = r.json()["after"]
+        assert after["inputs"] == 5 and after["log10_statistic"] == 0.0 and after["alarm"] is False  # count goes on
+        assert c.get("/v1/models/tiny-reset/drift", headers=key).json()["log10_statistic"] == 0.0
 
 
 def test_open_inference_protocol_outputs_and_parameters(g_client, g_artifact):
