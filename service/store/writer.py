@@ -1,7 +1,8 @@
 """The prediction writer: records queued by the event loop, written in batches by one background thread.
 
 **Policy.** :meth:`Writer.submit` never blocks and never raises: it appends the records to a bounded in-memory
-queue (``capacity`` records, counting the batch being written) under a lock held for an append, and returns.
+queue (``capacity`` records, counting the batch being written) under a lock that the thread holds only to take a
+batch (and feedback only to look up its answers' records), and returns.
 Records that do not fit are dropped and counted (``dropped["full"]``), so a slow or dead database costs the
 predictions nothing: they are answered as always, and only their records are lost.
 
@@ -25,6 +26,7 @@ the call has been written or dropped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -137,7 +139,7 @@ class Writer:
         """The records of ``model`` with an answer id in ``ids`` that are queued or being written (not yet known
         to be stored): feedback writes them itself, so that a label sent right after its answer finds it."""
         with self._cond:
-            return [r for r in (*self._batch, *self._queue) if r.id in ids and r.model == model]
+            return [r for r in itertools.chain(self._batch, self._queue) if r.id in ids and r.model == model]
 
     def stats(self) -> StoreStats:
         """A copy of the counters, ``queued`` as of now."""
