@@ -12,7 +12,10 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings"]
+__all__ = ["STORE_SCHEMES", "Settings"]
+
+# database URLs the prediction store takes (service/store/database.py): SQLite, and PostgreSQL through psycopg 3
+STORE_SCHEMES = frozenset({"sqlite", "postgresql", "postgres", "postgresql+psycopg"})
 
 
 def _split_commas(value: object) -> object:
@@ -95,6 +98,25 @@ class Settings(BaseSettings):
     unready_after_failures: int = Field(5, ge=0)
     # seconds between probe batches (the warm-up input) while a model is failing
     probe_interval_s: float = Field(5.0, gt=0.0, le=3600.0)
+    # the prediction store (service/store, docs/store.md): what was answered, and the feedback labels; off = none
+    store: bool = True
+    # the store's database: postgresql://user:password@host/db (several replicas share it) or sqlite:///file;
+    # unset = SQLite in HYDRA_STATE_DIR
+    store_url: SecretStr | None = None
+    # folder of the embedded SQLite store; unset = $XDG_STATE_HOME/hydra-serve, else ~/.local/state/hydra-serve
+    state_dir: str | None = None
+    # predictions older than this many days are deleted (with their feedback)
+    store_retention_days: float = Field(30.0, gt=0.0, le=36_500.0)
+    # most predictions kept; the oldest beyond it are deleted (with their feedback)
+    store_max_rows: int = Field(1_000_000, ge=1_000)
+    # most prediction records waiting to be written; beyond it new ones are dropped (and counted)
+    store_queue: int = Field(10_000, ge=1)
+    # the writer writes once this many records wait, or HYDRA_STORE_FLUSH_MS after the oldest arrived
+    store_flush_rows: int = Field(256, ge=1)
+    # longest wait of a prediction record before the writer writes it, milliseconds
+    store_flush_ms: float = Field(200.0, ge=1.0, le=60_000.0)
+    # also store each prediction's probabilities (4 bytes per label), for statistics that need them
+    store_probs: bool = True
 
     @field_validator("artifacts", "cors_origins", mode="before")
     @classmethod
@@ -125,6 +147,19 @@ class Settings(BaseSettings):
     def _server_module_installed(cls, value: str) -> str:
         if value in ("uvloop", "httptools") and not _installed(value):
             raise ValueError(f"{value} is not installed: pip install {value}, or choose auto")
+        return value
+
+    @field_validator("store_url", mode="after")
+    @classmethod
+    def _store_url_scheme(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value().strip():
+            return None  # HYDRA_STORE_URL="" means the default SQLite store, as if unset
+        scheme = value.get_secret_value().strip().partition("://")[0].lower()
+        if scheme not in STORE_SCHEMES:
+            raise ValueError(
+                f"HYDRA_STORE_URL: scheme {scheme!r} is not supported; use one of {sorted(STORE_SCHEMES)} "
+                "(postgresql://user:password@host:5432/db or sqlite:////absolute/path.db)"
+            )
         return value
 
     @model_validator(mode="after")
