@@ -17,6 +17,9 @@ calibration split alone (:attr:`offline.data.Data.calibration`), which nothing e
 * **The drift alarm's reference**: the calibration scores (the OOD p-values' above) set the alarm's bets
   (:mod:`service.core.drift`). The file still holds the drift bins' edges of the artifact format (quantiles of the
   validation inputs' scores), which the server's alarm no longer reads.
+* **The harmful-shift alarm's source risk**: how many calibration inputs the served model gets wrong (top label, the
+  calibration record's ``errors``, out of ``ood.n``); the server bounds the source risk from it (Clopper-Pearson,
+  :meth:`service.core.online.HarmfulShiftAlarm.from_errors`) and tests labelled traffic against that bound.
 
 Everything goes into ``guarantees.safetensors`` and the manifest's ``guarantees`` block
 (:class:`service.core.artifact.GuaranteesSpec`).
@@ -48,6 +51,8 @@ __all__ = [
     "GUARANTEES_FILE",
     "CalibrationOutputs",
     "Fitted",
+    "calibration_errors",
+    "calibration_record",
     "drift_edges",
     "evaluate_guarantees",
     "fit_guarantees",
@@ -159,7 +164,7 @@ def fit_guarantees(
     n = int(cal.labels.shape[0])
     spec = {
         "file": GUARANTEES_FILE,
-        "calibration": split_record,
+        "calibration": calibration_record(split_record, cal),
         "conformal": {
             "method": g.method,
             "k_reg": g.k_reg,
@@ -189,6 +194,20 @@ def fit_guarantees(
         "drift": {"delta": g.drift_delta, "bins": g.drift_bins, "seed": 0, "edges": DRIFT_EDGES_SOURCE},
     }
     return Fitted(tensors, spec, sets, rules)
+
+
+def calibration_errors(cal: CalibrationOutputs) -> int:
+    """How many calibration inputs the served model gets wrong: top label (``argmax`` of ``probs (N, C)``, ties to
+    the first label, as served) other than the true label ``labels (N,)``."""
+    return int((np.asarray(cal.probs).argmax(axis=1) != np.asarray(cal.labels)).sum())
+
+
+def calibration_record(split_record: dict[str, Any], cal: CalibrationOutputs) -> dict[str, Any]:
+    """The manifest's ``guarantees.calibration``: the split's provenance (``split_record``, copied: it is also the
+    record of ``data.id.calibration``) and ``errors``, the served model's wrong top labels on it
+    (:func:`calibration_errors`), out of the ``ood.n`` calibration inputs: the source risk that the server's
+    harmful-shift alarm (:meth:`service.core.online.HarmfulShiftAlarm.from_errors`) bounds."""
+    return {**split_record, "errors": calibration_errors(cal)}
 
 
 def risk_rules(
