@@ -22,9 +22,24 @@ CONTRACT_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "hydra_queue_depth": ("gauge", frozenset({"model"})),
     "hydra_predictions_total": ("counter", frozenset({"model", "ood"})),
 }
+# Added with the feedback API (docs/monitoring.md): the alerts and the dashboard use them. Until the server's
+# registry has them they count as exported; once it has any, it must have them all, as listed here
+# (test_feedback_metrics_once_exported_are_as_listed).
+FEEDBACK_METRICS: dict[str, tuple[str, frozenset[str]]] = {
+    "hydra_feedback_total": ("counter", frozenset({"model", "status"})),
+    "hydra_live_quality": ("gauge", frozenset({"model", "figure", "window", "bound"})),
+    "hydra_labelled_predictions": ("gauge", frozenset({"model"})),
+    "hydra_coverage_target": ("gauge", frozenset({"model"})),
+    "hydra_adaptive_alpha": ("gauge", frozenset({"model"})),
+    "hydra_harmful_shift_alarm": ("gauge", frozenset({"model"})),
+    "hydra_harmful_shift_statistic": ("gauge", frozenset({"model"})),
+    "hydra_store_records": ("gauge", frozenset({"outcome"})),
+    "hydra_store_up": ("gauge", frozenset()),
+}
 # Labels Prometheus adds to every scraped series (ServiceMonitor target labels), plus `up`.
 TARGET_LABELS = frozenset({"namespace", "pod", "service", "job", "instance", "endpoint", "container"})
 SCRAPE_SERIES = {"up": frozenset()}
+EQUAL = "MatchOp.Equal"  # promql_parser's name of the `=` matcher
 INFERENCE_ENDPOINTS = {
     "/predict",
     "/zero-shot",
@@ -45,6 +60,19 @@ def server_metrics() -> dict[str, tuple[str, frozenset[str]]]:
             name = value._name + ("_total" if value._type == "counter" else "")
             out[name] = (value._type, frozenset(value._labelnames))
     return out
+
+
+def exported_metrics() -> dict[str, tuple[str, frozenset[str]]]:
+    """:func:`server_metrics`, plus :data:`FEEDBACK_METRICS` where the server does not have them yet."""
+    return {**FEEDBACK_METRICS, **server_metrics()}
+
+
+def test_feedback_metrics_once_exported_are_as_listed() -> None:
+    metrics = server_metrics()
+    there = FEEDBACK_METRICS.keys() & metrics.keys()
+    assert there in (set(), FEEDBACK_METRICS.keys()), f"only {sorted(there)} of the feedback metrics are exported"
+    for name in there:
+        assert metrics[name] == FEEDBACK_METRICS[name], (name, metrics[name])
 
 
 def test_server_exports_the_contract_metrics() -> None:
@@ -116,7 +144,7 @@ def test_every_expression_parses() -> None:
 
 
 def test_expressions_use_only_exported_metrics_and_labels() -> None:
-    metrics = server_metrics()
+    metrics = exported_metrics()
     records = {r["record"] for r in _rules() if "record" in r}
     for rule in _rules():
         name = rule.get("alert") or rule["record"]
@@ -192,6 +220,20 @@ def test_the_issue_alerts_exist() -> None:
             assert set(labels["endpoint"].split("|")) == INFERENCE_ENDPOINTS, alert
 
 
+def test_the_feedback_alerts_exist() -> None:
+    """The harmful-shift alarm, and the recent label-free accuracy estimate's upper bound under a floor."""
+    rules = {r["alert"]: r for r in _rules() if "alert" in r}
+    shift = rules["HydraServeHarmfulShift"]
+    assert [m for m, _ in _selectors(str(shift["expr"]))] == ["hydra_harmful_shift_alarm"]
+    assert str(shift["expr"]).replace(" ", "").endswith("==1")
+    low = rules["HydraServeEstimatedAccuracyLow"]
+    ((metric, matchers),) = _selectors(str(low["expr"]))
+    want = {("figure", "estimated_accuracy"), ("window", "recent"), ("bound", "high")}
+    assert metric == "hydra_live_quality" and {(k, v) for k, op, v in matchers if op == EQUAL} == want
+    node = _pp().parse(str(low["expr"]))  # (aggregate) < floor
+    assert str(node.op) == "<" and isinstance(node.rhs, _pp().NumberLiteral) and 0 < node.rhs.val < 1
+
+
 def test_inference_endpoints_are_the_servers_routes() -> None:
     try:
         from service.main import app
@@ -199,4 +241,5 @@ def test_inference_endpoints_are_the_servers_routes() -> None:
         pytest.skip(f"service.main not importable ({e})")
     paths = {getattr(r, "path", None) for r in app.routes if "POST" in getattr(r, "methods", ())}
     paths.discard("/v1/models/{model_name}/drift/reset")  # an operator's call after an investigation, not inference
+    paths.discard("/v1/models/{model_name}/feedback")  # labels for answers given (the feedback API), not inference
     assert INFERENCE_ENDPOINTS == paths, paths
