@@ -237,3 +237,19 @@ def test_an_artifact_without_calibration_errors_reports_the_alarm_unavailable(tm
         text = c.get("/metrics").text
     assert h["available"] is False and "guarantees.calibration.errors" in h["reason"]
     assert not math.isnan(metric(text, "hydra_adaptive_alpha", model=NAME))
+
+
+def test_the_open_inference_protocol_takes_adaptive_and_records_its_answers(art: Path, tmp_path: Path) -> None:
+    """The parameter ``adaptive`` of an OIP request serves the adaptive set (the one /predict serves with it); the
+    answer is recorded under its X-Request-ID, so feedback finds it; a non-boolean value is refused."""
+    img = b64(png(noise_images(1, seed=30)[0]))
+    body = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1], "data": [img]}]}
+    with client(art, tmp_path) as c:
+        r = c.post(f"/v2/models/{NAME}/infer", json={**body, "parameters": {"adaptive": True}})
+        assert r.status_code == 200, r.text
+        oip_set = next(o["data"] for o in r.json()["outputs"] if o["name"] == "prediction_set")
+        rest = c.post("/predict", json={"image": img, "adaptive": True}).json()["predictions"][0]["conformal"]
+        assert [TINY_LABELS[j] for j, x in enumerate(oip_set) if x] == sorted(rest["set"], key=TINY_LABELS.index)
+        assert send(c, [(r.headers["x-request-id"], 0, "cat")]) == ["accepted"]
+        bad = c.post(f"/v2/models/{NAME}/infer", json={**body, "parameters": {"adaptive": "yes"}})
+        assert bad.status_code == 400 and "parameters.adaptive" in bad.json()["error"]  # the OIP's error body
