@@ -13,6 +13,11 @@ then stops with a non-zero status, so that the orchestrator restarts it).
 Shutdown (:func:`shutdown`) stops answering ready, cancels loading, lets every queued
 request be answered and stops the model workers.
 
+The prediction store (:mod:`service.store`, ``HYDRA_STORE``) is opened at start-up and each model gets its live
+monitor (:meth:`Runtime.attach_monitor`). A store that cannot be opened does not stop the server: the error is
+logged, predictions are served unrecorded, and feedback answers 503 (:attr:`ServerState.store_error`). At shutdown
+the store is closed after the runtimes, so every answer recorded and every acknowledged label is on disk first.
+
 :func:`pick` chooses the runtime of a request: the one named, else the only one that takes
 the request's task and modality.
 """
@@ -37,6 +42,7 @@ from .core.errors import InvalidInput, NotReady
 from .metrics import Metrics
 from .runtime import Runtime, open_runtime
 from .settings import Settings
+from .store import PredictionStore, open_store
 
 __all__ = [
     "ServerState",
@@ -44,6 +50,7 @@ __all__ = [
     "lifespan",
     "load_and_warm",
     "load_in_background",
+    "open_monitors",
     "pick",
     "not_ready_reason",
     "shutdown",
@@ -76,6 +83,9 @@ class ServerState:
     # HTTP requests received / answered (a response sent to the end), for the shutdown log and the SIGTERM check
     requests_received: int = 0
     requests_answered: int = 0
+    # the prediction store (None: off, or it could not be opened: store_error says why)
+    store: PredictionStore | None = None
+    store_error: str | None = None
 
     def unhealthy(self) -> list[str]:
         """Names of the loaded models that failed their last batches (not ready until a probe batch runs)."""
@@ -120,6 +130,7 @@ async def startup(state: ServerState) -> None:
                 raise StartupError(f"{path}: model name {rt.name!r} is already used by another artifact")
             state.runtimes[rt.name] = rt
         log.info("verified: %s", ", ".join(f"{n} ({rt.root})" for n, rt in state.runtimes.items()))
+        await open_monitors(state)
         if s.load_in_background:
             state.loader = asyncio.get_running_loop().create_task(load_in_background(state), name="hydra-load")
             log.info("loading and warming up in the background; /readyz answers 503 until done")
@@ -184,12 +195,38 @@ async def shutdown(state: ServerState) -> None:
             await loader
     for rt in list(state.runtimes.values()):
         await rt.close()
+    store, state.store = state.store, None
+    if store is not None:  # after the runtimes: every answer they gave is queued; write it all
+        await store.aclose()
     if state.runtimes:
         log.info(
             "stopped: every queued request answered, model workers stopped (%d requests received, %d answered)",
             state.requests_received,
             state.requests_answered,
         )
+
+
+async def open_monitors(state: ServerState) -> None:
+    """Open the prediction store (a failure is logged, not raised: the server serves without it) and give every
+    model its live monitor, its shared state read once (a store that is down is read again later)."""
+    state.store, state.store_error = None, None
+    if not state.settings.store:
+        return
+    try:
+        state.store = await anyio.to_thread.run_sync(open_store, state.settings)
+    except Exception as e:  # a bad URL, a folder that cannot be written: serve, unrecorded
+        state.store_error = f"{type(e).__name__}: {e}"
+        log.error("prediction store not opened (%s): predictions are not recorded, feedback answers 503", e)
+        return
+    if state.store is None:
+        return
+    log.info("prediction store: %s (%s)", state.store.backend, state.store.where)
+    for rt in state.runtimes.values():
+        monitor = rt.attach_monitor(state.store)
+        try:
+            await anyio.to_thread.run_sync(monitor.apply)
+        except Exception as e:
+            log.warning("%s: monitor state not read at start-up (%s); read on the next feedback", rt.name, e)
 
 
 def not_ready_reason(state: ServerState) -> str | None:

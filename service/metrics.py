@@ -112,6 +112,45 @@ SPECS: dict[str, Spec] = {
         "Answers with a risk target, by whether the certified rule accepted them.",
         ("model", "risk", "accept"),
     ),
+    # live quality from the feedback labels (docs/monitoring.md; docs/api.md "Feedback and live quality")
+    "feedback": Spec(Counter, "hydra_feedback_total", "Feedback items received, by their status.", ("model", "status")),
+    "live_quality": Spec(
+        Gauge,
+        "hydra_live_quality",
+        "Live quality figures: realised accuracy, coverage, error among accepted answers, the OOD flag's precision "
+        "and recall (labelled answers), label-free estimated accuracy (served answers); over the recent window or "
+        "all, as the value and its 95 % interval bounds (NaN: no answer yet).",
+        ("model", "figure", "window", "bound"),
+    ),
+    "labelled_predictions": Spec(
+        Gauge, "hydra_labelled_predictions", "Predictions labelled by feedback and applied to the monitor.", MODEL
+    ),
+    "coverage_target": Spec(
+        Gauge, "hydra_coverage_target", "1 - alpha: the coverage the default prediction sets promise.", MODEL
+    ),
+    "adaptive_alpha": Spec(
+        Gauge, "hydra_adaptive_alpha", "alpha_t: the level the adaptive (online) prediction sets are built at.", MODEL
+    ),
+    "harmful_shift_alarm": Spec(
+        Gauge,
+        "hydra_harmful_shift_alarm",
+        "1 once the harmful-shift test found the labelled answers' risk above the source risk plus its tolerance.",
+        MODEL,
+    ),
+    "harmful_shift_statistic": Spec(
+        Gauge,
+        "hydra_harmful_shift_statistic",
+        "log10 of the harmful-shift test's capital (the alarm fires at log10(1 / delta_test)).",
+        MODEL,
+    ),
+    "store_records": Spec(
+        Gauge,
+        "hydra_store_records",
+        "Prediction records of the store's writer since start-up: written, queued now, or dropped (queue full, "
+        "database error, store closed).",
+        ("outcome",),
+    ),
+    "store_up": Spec(Gauge, "hydra_store_up", "1 while the prediction store's last database operation succeeded."),
 }
 
 
@@ -137,6 +176,15 @@ class Metrics:
     ood_p_value: Histogram
     set_size: Histogram
     selective: Counter
+    feedback: Counter
+    live_quality: Gauge
+    labelled_predictions: Gauge
+    coverage_target: Gauge
+    adaptive_alpha: Gauge
+    harmful_shift_alarm: Gauge
+    harmful_shift_statistic: Gauge
+    store_records: Gauge
+    store_up: Gauge
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

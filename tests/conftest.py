@@ -6,9 +6,13 @@ suite overrides it in its own conftest (the BERT with ONNX only). ``artifact_cop
 """
 
 import os
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# servers the tests start (in process or as `python -m service`) keep their default prediction store under a
+# throwaway folder, never under the machine's home
+os.environ.setdefault("XDG_STATE_HOME", tempfile.mkdtemp(prefix="hydra-test-state-"))
 
 import shutil  # noqa: E402 (after the offline defaults, which transformers reads at import)
 from collections.abc import Callable, Iterator  # noqa: E402

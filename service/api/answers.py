@@ -181,6 +181,8 @@ def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> Confor
         mondrian=g.mondrian,
         below_min_alpha=r.below_min_alpha,
         filled=r.set_filled,
+        adaptive=True if r.alpha_t is not None else None,
+        alpha_t=r.alpha_t,
     )
 
 

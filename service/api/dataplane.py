@@ -1,8 +1,10 @@
 """The one inference path every inference endpoint shares (``/predict``, ``/zero-shot``, the Open Inference
 Protocol's ``infer``): a parsed request (:class:`~service.api.requests.ParsedRequest`) -> check the configured limits
 -> pick the model (:func:`service.lifecycle.pick`) -> prepare the inputs (decode, preprocess) -> run them through
-the model's batcher (:meth:`service.runtime.Runtime.outcome`). Each endpoint parses its own body and shapes its
-own answer from the :class:`~service.runtime.Outcome`; what happens in between is here, once.
+the model's batcher (:meth:`service.runtime.Runtime.outcome`) -> record the answer in the prediction store under
+the request's ID (:meth:`service.runtime.monitor.LiveMonitor.record`, when the store is on). Each endpoint parses
+its own body and shapes its own answer from the :class:`~service.runtime.Outcome`; what happens in between is here,
+once.
 
 The request's access line gets the model, its version, the number of inputs, of OOD-flagged inputs and the largest
 mutual information (:class:`~service.logs.InferenceNote`); with ``HYDRA_LOG_PREDICTIONS`` every prediction is logged.
@@ -66,6 +68,9 @@ async def run_inference(request: Request, parsed: ParsedRequest) -> tuple[Runtim
     finally:
         await parsed.close()
     out = await rt.outcome(prepared, parsed.query)
+    if rt.monitor is not None and parsed.query.monitor:  # into the prediction store's queue: never blocks
+        own = parsed.query.labels is None
+        rt.monitor.record(request_id(request), out.results, None if own else out.labels, parsed.query.adaptive)
     note.ood_flagged = sum(r.ood_flag for r in out.results)
     note.max_mutual_information = max(r.mutual_information for r in out.results)
     if state.settings.log_predictions:

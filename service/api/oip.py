@@ -196,6 +196,8 @@ def _levels(params: dict[str, Any]) -> dict[str, Any]:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
                 raise InvalidInput(f"parameters.{key}: must be a number in (0, 1), got {v!r}", status=422)
             out[key] = float(v)
+    if "adaptive" in params:  # the adaptive prediction sets (docs/api.md "Feedback and live quality")
+        out["adaptive"] = _flag(params, "adaptive")
     return out
 
 

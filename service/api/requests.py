@@ -38,9 +38,12 @@ JSON_BODIES: dict[str, type[PredictRequest] | type[ZeroShotRequest]] = {
     "zero-shot": ZeroShotRequest,
 }
 FORM_FIELDS: dict[str, frozenset[str]] = {
-    "classification": frozenset({"model", "top_k", "return_members", "return_scores", "alpha", "ood_alpha", "risk"}),
+    "classification": frozenset(
+        {"model", "top_k", "return_members", "return_scores", "alpha", "ood_alpha", "risk", "adaptive"}
+    ),
     "zero-shot": frozenset(
         {"model", "top_k", "return_members", "return_scores", "labels", "template", "alpha", "ood_alpha", "risk"}
+        | {"adaptive"}
     ),
 }
 NO_FILES: dict[str, str] = {
@@ -152,7 +155,15 @@ def options_query(
     """The :class:`Query` of a request's options, from its JSON body or its multipart form; ``labels`` (checked) and
     ``template`` are the zero-shot endpoint's."""
     return Query(
-        opts.top_k, opts.return_members, labels, template, opts.return_scores, opts.alpha, opts.ood_alpha, opts.risk
+        opts.top_k,
+        opts.return_members,
+        labels,
+        template,
+        opts.return_scores,
+        opts.alpha,
+        opts.ood_alpha,
+        opts.risk,
+        adaptive=opts.adaptive,
     )
 
 

@@ -16,7 +16,7 @@ import re
 import string
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 from pydantic.config import JsonDict
 
 from ..core.artifact import DEFAULT_TEMPLATE, OOD_SCORES
@@ -33,6 +33,11 @@ __all__ = [
     "Prediction",
     "Timing",
     "PredictResponse",
+    "FeedbackEntry",
+    "FeedbackRequest",
+    "FeedbackResponse",
+    "FeedbackResult",
+    "MAX_FEEDBACK",
     "ModelInfo",
     "ModelsResponse",
     "HealthResponse",
@@ -107,6 +112,13 @@ class _Options(BaseModel):
         lt=1,
         description="target error rate of selective.accept: one of the "
         "model's certified targets (GET /v1/models); default: the model's",
+    )
+
+    adaptive: bool = Field(
+        False,
+        strict=True,
+        description="conformal.set from the online (adaptive) method at its current level alpha_t, which the "
+        "feedback labels move (docs/monitoring.md); needs the prediction store; default: the split conformal set",
     )
 
     @field_validator("alpha", "ood_alpha", "risk", mode="before")
@@ -209,6 +221,7 @@ class FormOptions(BaseModel):
     alpha: float | None = Field(None, gt=0, lt=1)
     ood_alpha: float | None = Field(None, gt=0, lt=1)
     risk: float | None = Field(None, gt=0, lt=1)
+    adaptive: bool = False
 
     @field_validator("template")
     @classmethod
@@ -314,6 +327,12 @@ class ConformalSet(BaseModel):
         "the calibration inputs of every class), so the set is the prediction alone: sets are never "
         "empty, and a superset covers at least as often, so the guarantee holds",
     )
+    adaptive: bool | None = Field(
+        None, description="only with the request option adaptive: the set is the online method's, built at alpha_t"
+    )
+    alpha_t: float | None = Field(
+        None, description="the adaptive set's level now (moved by feedback labels; alpha is its long-run target)"
+    )
 
 
 class Selective(BaseModel):
@@ -369,6 +388,33 @@ class PredictResponse(BaseModel):
     timing: Timing
 
 
+MAX_FEEDBACK = 10_000  # items per feedback request (issue 32: a 10k-item batch is refused)
+
+
+class FeedbackEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: StrictStr = Field(description="the answer's id (its X-Request-ID)")
+    index: int = Field(strict=True, description="the prediction's position in that answer (0 = first input)")
+    label: StrictStr | StrictInt = Field(
+        description="the true label: a name (one outside the model's labels marks the input foreign) or an index"
+    )
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    feedback: list[FeedbackEntry] = Field(min_length=1, max_length=MAX_FEEDBACK)
+
+
+class FeedbackResult(BaseModel):
+    status: Literal["accepted", "duplicate", "unknown_id", "invalid_label"]
+
+
+class FeedbackResponse(BaseModel):
+    results: list[FeedbackResult] = Field(description="one per item, in order")
+
+
 class ModelInfo(BaseModel):
     name: str
     version: str
@@ -422,6 +468,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: _example("unauthorized", "missing or wrong bearer token (when HYDRA_API_KEY is set)"),
     403: _example("forbidden", "not allowed on this server (a drift reset needs HYDRA_API_KEY)"),
     404: _example("not_found", "no model of that name is loaded"),
+    409: _example("conflict", "the prediction store is off (HYDRA_STORE=off): no feedback or live monitor"),
     413: _example("payload_too_large", "request body or image above the configured limit"),
     415: _example("unsupported_media_type", "send application/json or multipart/form-data; images JPEG/PNG/WebP"),
     422: _example("invalid_input", "the body does not match the schema; the message names the field"),

@@ -1,4 +1,5 @@
-"""The HTTP routes (docs/api.md): health, readiness, metrics, the model list, ``/predict`` and ``/zero-shot``.
+"""The HTTP routes (docs/api.md): health, readiness, metrics, the model list, ``/predict`` and ``/zero-shot``; the
+feedback and monitor routes are :mod:`service.api.feedback`'s.
 
 Handlers are thin. The two inference endpoints share one path, :func:`infer`: parse the
 body (:mod:`service.api.requests`), then the inference path every endpoint shares
@@ -32,10 +33,13 @@ from ..lifecycle import not_ready_reason
 from ..metrics import CONTENT_TYPE_LATEST
 from .answers import predict_response
 from .dataplane import request_id, run_inference, server_state
+from .feedback import feedback, monitor, store_metrics
 from .requests import parse_request
 from .schemas import (
     ERROR_RESPONSES,
     TEMPLATE_PATTERN,
+    FeedbackRequest,
+    FeedbackResponse,
     HealthResponse,
     ModelsResponse,
     PredictRequest,
@@ -139,6 +143,7 @@ async def metrics(request: Request) -> Response:
     state = server_state(request)
     for rt in state.runtimes.values():
         rt.refresh_drift()
+    store_metrics(state)
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -316,6 +321,25 @@ def _install_models(app: FastAPI) -> None:
         summary="Restart the drift alarm's statistic (authenticated callers)",
         responses=_errors(401, 403, 404, 500),
     )(drift_reset)
+    app.post(
+        "/v1/models/{model_name}/feedback",
+        response_model=FeedbackResponse,
+        tags=["feedback"],
+        summary="True labels for answers given (extension route): one status per item",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": FeedbackRequest.model_json_schema()}},
+            }
+        },
+        responses=_errors(401, 404, 409, 413, 422, 500, 503),
+    )(feedback)
+    app.get(
+        "/v1/models/{model_name}/monitor",
+        tags=["feedback"],
+        summary="Live quality: realised and estimated accuracy, coverage, adaptive sets, harmful-shift alarm",
+        responses=_errors(401, 404, 409, 500, 503),
+    )(monitor)
 
 
 def _install_inference(app: FastAPI) -> None:

@@ -33,13 +33,15 @@ from safetensors.torch import load_file
 from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, Manifest, artifact_version
 from ..core.drift import DriftFeed, DriftMonitor
 from ..core.errors import InvalidInput
-from ..core.guarantees import load_guarantees, outlier_oriented
+from ..core.guarantees import Answer, load_guarantees, outlier_oriented
 from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 from ..metrics import Metrics
 from ..settings import Settings
+from ..store import PredictionStore
 from .batching import Batcher, BatchLimits, BatchResult
+from .monitor import LiveMonitor
 from .plan import Plan
 
 __all__ = [
@@ -80,6 +82,7 @@ class ItemResult:
     set_filled: bool = False  # no label passed the set's threshold: the set is the prediction alone
     accept: bool | None = None  # the risk rule of target ``risk``
     risk: float | None = None
+    alpha_t: float | None = None  # the set is the adaptive one, built at this level (request option adaptive)
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Query:
     ood_alpha: float | None = None  # the OOD flag's level (None: the model's default)
     risk: float | None = None  # the risk target of selective.accept (None: the model's default)
     monitor: bool = True  # feed the drift test (False: the server's own warm-up and probe inputs)
+    adaptive: bool = False  # the prediction sets of the online (adaptive) method (service.runtime.monitor)
 
 
 def summarize_rows(
@@ -245,6 +249,15 @@ class Runtime(abc.ABC):
         )
         self.ready = False
         self._prober: asyncio.Task | None = None
+        self.monitor: LiveMonitor | None = None  # the live monitor over the prediction store (attach_monitor)
+
+    def attach_monitor(self, store: PredictionStore) -> LiveMonitor:
+        """Record this model's answers in ``store`` and monitor them (:mod:`service.runtime.monitor`)."""
+        spec = self.manifest.guarantees
+        errors = spec.calibration.get("errors") if spec is not None else None
+        errors = errors if isinstance(errors, int) and not isinstance(errors, bool) else None
+        self.monitor = LiveMonitor(store, self.name, self.version, self.guarantees, errors, self.metrics)
+        return self.monitor
 
     @property
     @abc.abstractmethod
@@ -316,6 +329,11 @@ class Runtime(abc.ABC):
                 f"{targets if targets else 'none (the model has no calibration split)'}",
                 status=422,
             )
+        if query.adaptive and (g is None or self.monitor is None or not self.sets_hold(query)):
+            why = "it has no calibration split" if g is None else "the prediction store is off (HYDRA_STORE)"
+            raise InvalidInput(f"adaptive: model {self.name!r} serves no adaptive sets: {why}", status=422)
+        if query.adaptive and query.alpha is not None and g is not None and query.alpha != g.alpha:
+            raise InvalidInput(f"adaptive: the adaptive sets track the model's alpha {g.alpha:g}; leave alpha out")
 
     def _guarantees(self, results: list[ItemResult], query: Query) -> None:
         """Each result's OOD p-value and flag at the request's level, prediction set and risk decision. The drift
@@ -332,13 +350,17 @@ class Runtime(abc.ABC):
             probs = probs.astype(np.float64, copy=False)
         ans = g.answer(scores, probs, alpha, risk)
         p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
+        alpha_t = None
+        if query.adaptive and self.monitor is not None and probs is not None:  # check_query: sets hold
+            sets, filled, alpha_t = self.monitor.adaptive_sets(probs)
+            ans = Answer(p_list, sets, False, filled, accepted)
         cut = g.flag_threshold(ood_alpha)
         for i, r in enumerate(results):
             r.p_value, r.ood_alpha, r.ood_flag, r.flag_threshold = p_list[i], ood_alpha, p_list[i] <= ood_alpha, cut
             if sets is not None and accepted is not None and ans.filled is not None:
                 r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, ans.below_min_alpha
                 r.set_filled = bool(ans.filled[i])
-                r.accept, r.risk = accepted[i], risk
+                r.accept, r.risk, r.alpha_t = accepted[i], risk, alpha_t
         record = (scores if query.monitor else None, p_list, sets, accepted, risk)
         try:  # after the answer: the loop runs it once this request's task yields (while the model runs others)
             asyncio.get_running_loop().call_soon(self._record, *record)

@@ -22,7 +22,7 @@ from .database import Database
 from .records import FOREIGN, UNLABELLED, Counts, Rows
 from .schema import feedback, predictions
 
-__all__ = ["count_rows", "read_rows"]
+__all__ = ["confidence_sums", "count_rows", "read_rows"]
 
 _P, _F = predictions, feedback
 _JOIN = _P.outerjoin(_F, and_(_F.c.model == _P.c.model, _F.c.id == _P.c.id, _F.c.idx == _P.c.idx))
@@ -130,3 +130,15 @@ def count_rows(db: Database, model: str, version: str | None = None) -> Counts:
         n = conn.execute(served).scalar_one()
         n_labelled, n_in_labels = conn.execute(labelled).one()
     return Counts(predictions=int(n), labelled=int(n_labelled), foreign=int(n_labelled - n_in_labels))
+
+
+def confidence_sums(db: Database, model: str, version: str | None = None) -> tuple[int, float, float]:
+    """``(n, sum p, sum p (1 - p))`` of the top-label probabilities ``p`` of ``model``'s (and ``version``'s)
+    predictions, summed by the database."""
+    p = _P.c.confidence
+    query = select(func.count(), func.sum(p), func.sum(p * (1.0 - p))).where(_P.c.model == model)
+    if version is not None:
+        query = query.where(_P.c.version == version)
+    with db.guarded("summing confidences"), db.read() as conn:
+        n, total, var = conn.execute(query).one()
+    return int(n), float(total or 0.0), float(var or 0.0)

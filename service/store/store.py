@@ -151,6 +151,11 @@ class PredictionStore:
         ``since``; of one ``version`` or all."""
         return reads.read_rows(self._db, model, version, labelled=False, since=since, last=last)
 
+    def confidence_sums(self, model: str, version: str | None = None) -> tuple[int, float, float]:
+        """``(n, sum p, sum p (1 - p))`` of the top-label probabilities of ``model``'s stored predictions (of one
+        ``version`` or all): the label-free accuracy estimate over every stored answer, summed in the database."""
+        return reads.confidence_sums(self._db, model, version)
+
     def counts(self, model: str, version: str | None = None) -> Counts:
         """How many predictions of ``model`` (and ``version``) are stored, labelled, and labelled foreign."""
         return reads.count_rows(self._db, model, version)

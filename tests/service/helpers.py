@@ -52,6 +52,9 @@ def settings_for(*dirs: Path, **overrides) -> Settings:
         "max_wait_ms": 2.0,
         "load_in_background": False,
         "precision": "fp32",
+        # the prediction store off: a test writes nothing under the machine's home (store tests give a tmp state_dir
+        # or a store_url)
+        "store": False,
     }
     return Settings(**{**base, **overrides})
 

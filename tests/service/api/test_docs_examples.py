@@ -24,7 +24,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from service.api.schemas import ModelsResponse, PredictResponse
+from service.api.schemas import FeedbackResponse, ModelsResponse, PredictResponse
 from service.main import create_app
 from tests.fixtures.tiny_artifact import make_tiny_artifact, make_tiny_clip_artifact
 from tests.service.helpers import settings_for
@@ -185,7 +185,8 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCli
     text = make_tiny_artifact(root / "text", "bert", name=TEXT, labels=LABELS[TEXT], exports=(), seed=1, guarantees={})
     image = make_tiny_artifact(root / "image", "vit", name=IMAGE, labels=LABELS[IMAGE], exports=(), guarantees={})
     zero_shot = make_tiny_clip_artifact(root / "zeroshot", name=ZERO_SHOT, labels=LABELS[ZERO_SHOT])
-    with TestClient(create_app(settings_for(text, image, zero_shot))) as c:
+    # the prediction store on, as by default (in a tmp folder): the feedback examples need it
+    with TestClient(create_app(settings_for(text, image, zero_shot, store=True, state_dir=str(root / "state")))) as c:
         yield c
 
 
@@ -255,6 +256,8 @@ def check_shape(ex: Example, r: Any) -> None:
             assert all(key in m.model_dump() for m in models), key
     elif re.fullmatch(r"/v1/models/[\w.-]+/drift", path):
         assert {"model", "alarm", "log10_statistic", "log10_threshold", "inputs", "alarm_at", "delta"} <= set(r.json())
+    elif re.fullmatch(r"/v1/models/[\w.-]+/feedback", path):
+        FeedbackResponse.model_validate(r.json())
     elif path == "/metrics":
         assert "hydra_predictions_total" in r.text
     elif path == "/openapi.json":
