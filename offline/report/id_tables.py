@@ -46,7 +46,7 @@ def id_section(rows: list[dict]) -> list[str]:
     return md + method_table(columns, ((r["method"], r) for r in rows))
 
 
-_TS_COLUMNS: tuple[tuple[str, Cell], ...] = (_T_COLUMN, *_CALIBRATION_COLUMNS)
+_TS_COLUMNS: tuple[tuple[str, Cell], ...] = (_T_COLUMN, *_CALIBRATION_COLUMNS, ("AURC %", cell(pct, "aurc")))
 
 
 def calibrated_section(rows: list[dict]) -> list[str]:
@@ -57,7 +57,8 @@ def calibrated_section(rows: list[dict]) -> list[str]:
     md = ["", "## In-distribution (test set), each method at its own fitted temperature", ""]
     md += [
         "T: the method's temperature, fitted (NLL) on the ID validation set and applied to its logits before the "
-        "softmax; calibration compared like with like, each method at its best temperature.",
+        "softmax; calibration compared like with like, each method at its best temperature (AURC too: a "
+        "temperature can reorder the inputs' confidences).",
         "",
     ]
     return md + method_table(_TS_COLUMNS, entries)

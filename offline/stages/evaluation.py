@@ -204,7 +204,10 @@ def calibrated_metrics(m: Method, y_val: torch.Tensor, y_test: np.ndarray) -> di
     T = fit_temperature(m.runs["val"][0], y_val)
     probs = torch.softmax(m.runs["test"][0] / T, -1).numpy()
     metrics = evaluate_predictions(probs, y_test, {})
-    return {"temperature": T, **{k: v for k, v in metrics.items() if k in ("acc", "nll", "brier", "ece", "aece")}}
+    return {
+        "temperature": T,
+        **{k: v for k, v in metrics.items() if k in ("acc", "nll", "brier", "ece", "aece", "aurc")},
+    }
 
 
 def method_stats(

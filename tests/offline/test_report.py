@@ -149,6 +149,7 @@ def _with_new_inputs(rows, ood_kinds, plots, extra):
             "brier": 0.2,
             "ece": 0.01 + i / 1000,
             "aece": 0.02,
+            "aurc": 0.03 + i / 1000,
         }
         scores = SCORES if r["method"] != "ensemble_unfused" else SCORES[:2]  # no features: no Mahalanobis
         r["ood_scores"] = {
@@ -200,6 +201,7 @@ def test_write_report_new_sections(tmp_path, report_inputs):
     assert "## In-distribution (test set), each method at its own fitted temperature" in md
     hydra = next(r for r in rows if r["method"] == "hydra")
     assert f"| hydra | {hydra['calibrated']['temperature']:.4g} | {100 * hydra['acc']:.2f} | 0.5400 |" in md
+    assert f"| {100 * hydra['calibrated']['aurc']:.2f} |" in md  # the calibrated table's AURC column
     # OOD by score: single + score (the features) next to hydra + the same score (the ensemble); served per set
     assert "## OOD AUROC by score" in md and "| Method | msp | energy | mahalanobis (served) |" in md
     assert "| hydra | 79.00 | 89.00 | **99.00** |" in md  # each method's best bold
