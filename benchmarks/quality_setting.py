@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = ROOT / ".cache" / "benchmarks"
 SETTINGS = ("text", "image")
 Batch = dict[str, torch.Tensor]
+# the Spec fields a cached base model depends on (Spec.key, the cache folder's digest and its spec.json)
+BASE_MODEL_FIELDS = ("setting", "preset", "sizes", "base_steps", "max_length", "data_seed")
 
 
 @dataclass
@@ -62,15 +64,11 @@ class Spec:
         return self.calib_samples if self.circuit_samples is None else self.circuit_samples
 
     def key(self) -> dict[str, Any]:
-        """What a cached base model depends on."""
-        return {
-            "setting": self.setting,
-            "preset": self.preset,
-            "sizes": self.sizes,
-            "base_steps": self.base_steps,
-            "max_length": self.max_length if self.family == "bert" else None,
-            "data_seed": self.data_seed,
-        }
+        """What a cached base model depends on: the :data:`BASE_MODEL_FIELDS`, in that order."""
+        out = {name: getattr(self, name) for name in BASE_MODEL_FIELDS}
+        if self.family != "bert":
+            out["max_length"] = None  # only a tokenizer reads it
+        return out
 
 
 # What a setting's benchmark recipes share at both sizes

@@ -259,7 +259,8 @@ class DriftMonitor:
         levels, stake: the bets (:class:`TailBets`).
         history: alarm episodes kept.
 
-    Thread-safe: :meth:`update`, :meth:`reset` and :meth:`state` take a lock.
+    Thread-safe: :meth:`update`, :meth:`reset` and :meth:`state` take a lock; ``delta``, ``arl`` and
+    ``log10_threshold`` are fixed at construction.
     """
 
     def __init__(
@@ -278,9 +279,11 @@ class DriftMonitor:
             raise ValueError(f"arl must be a finite number > 1, got {arl!r}")
         if int(history) != history or history < 1:
             raise ValueError(f"history must be an integer >= 1, got {history!r}")
-        self._delta, self._arl = float(delta), a
+        self.delta = float(delta)
+        self.arl = a  # A, also the least mean number of ID inputs from a start or clear to a false alarm
         self._log_a = math.log(a)
         self._log_cap = self._log_a + CAP_DECADES * math.log(10)
+        self.log10_threshold = self._log_a / _LN10  # the alarm goes on when log10 C_t reaches it
         self._lock = threading.Lock()
         self._w = 0.0  # log C_t
         self._count = 0
@@ -329,14 +332,14 @@ class DriftMonitor:
         since start-up) and ``history`` (the last episodes, oldest first)."""
         with self._lock:
             return {
-                "alarm": self._open is not None,
-                "log10_statistic": self._w / _LN10,
-                "log10_threshold": self._log_a / _LN10,
-                "inputs": self._count,
-                "alarm_at": None if self._open is None else self._open.started_at,
-                "delta": self._delta,
-                "arl": self._arl,
-                "episodes": self._total,
+                "alarm": self.alarm,
+                "log10_statistic": self.log10_statistic,
+                "log10_threshold": self.log10_threshold,
+                "inputs": self.count,
+                "alarm_at": self.alarm_at,
+                "delta": self.delta,
+                "arl": self.arl,
+                "episodes": self.episodes_total,
                 "history": [e.as_dict() for e in self._episodes],
             }
 
@@ -345,19 +348,6 @@ class DriftMonitor:
         (simulation; the monitor's own state is untouched): ``(log10 C_t (S, T), alarm on after input t (S, T))``."""
         log_c, on = alarm_paths(self.bets.log_e(scores), self._log_a, self._log_cap)
         return log_c / _LN10, on
-
-    @property
-    def delta(self) -> float:
-        return self._delta
-
-    @property
-    def arl(self) -> float:
-        """``A``: the alarm level, and the least mean number of ID inputs from a start or clear to a false alarm."""
-        return self._arl
-
-    @property
-    def log10_threshold(self) -> float:
-        return self._log_a / _LN10
 
     @property
     def log10_statistic(self) -> float:

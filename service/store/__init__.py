@@ -13,38 +13,10 @@ same SQLAlchemy Core code; ``HYDRA_STORE=off`` turns it off.
   transactions; :mod:`.records`: the records in and out; :mod:`.errors`: the exceptions.
 """
 
+from . import records
 from .errors import StateConflict, StoreError, StoreUnavailable
-from .records import (
-    FEEDBACK_STATUSES,
-    FOREIGN,
-    UNLABELLED,
-    Counts,
-    FeedbackItem,
-    FeedbackStatus,
-    PredictionRecord,
-    Rows,
-    StateEntry,
-    StoreStats,
-    records_from_items,
-)
+from .records import *  # noqa: F403 (records.__all__ lists the records, re-exported whole)
 from .store import PredictionStore, StoreConfig, open_store
 
-__all__ = [
-    "FEEDBACK_STATUSES",
-    "FOREIGN",
-    "UNLABELLED",
-    "Counts",
-    "FeedbackItem",
-    "FeedbackStatus",
-    "PredictionRecord",
-    "PredictionStore",
-    "Rows",
-    "StateConflict",
-    "StateEntry",
-    "StoreConfig",
-    "StoreError",
-    "StoreStats",
-    "StoreUnavailable",
-    "open_store",
-    "records_from_items",
-]
+__all__ = ["PredictionStore", "StateConflict", "StoreConfig", "StoreError", "StoreUnavailable", "open_store"]
+__all__ += records.__all__

@@ -35,6 +35,8 @@ from .writes import Retention
 __all__ = ["PredictionStore", "StoreConfig", "open_store"]
 
 DAY_S = 86_400.0
+# the StoreConfig fields set by the HYDRA_STORE_<FIELD> setting of the same name (Settings.store_<field>)
+_STORE_SETTINGS = ("queue", "flush_rows", "flush_ms", "retention_days", "max_rows", "probs")
 
 
 @dataclass(frozen=True)
@@ -60,16 +62,8 @@ class StoreConfig:
         if not s.store:
             return None
         url = s.store_url.get_secret_value() if s.store_url is not None else None
-        return cls(
-            url=resolve_url(url, s.state_dir),
-            queue=s.store_queue,
-            flush_rows=s.store_flush_rows,
-            flush_ms=s.store_flush_ms,
-            retention_days=s.store_retention_days,
-            max_rows=s.store_max_rows,
-            probs=s.store_probs,
-            max_label_chars=s.max_text_chars,
-        )
+        tuning = {name: getattr(s, f"store_{name}") for name in _STORE_SETTINGS}
+        return cls(url=resolve_url(url, s.state_dir), max_label_chars=s.max_text_chars, **tuning)
 
 
 class PredictionStore:

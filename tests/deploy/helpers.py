@@ -8,6 +8,7 @@ A test that needs a missing tool skips and names the package to install.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
@@ -55,6 +56,19 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def kustomize_with_component(tmp_path: Path, component: str, overlay: str = "overlays/cpu") -> list[dict[str, Any]]:
+    """Render ``overlay`` with the optional ``component`` (a folder under deploy/) added, as a user's own
+    kustomization in ``tmp_path`` would."""
+    root = tmp_path / Path(component).name
+    root.mkdir()
+    rel = lambda p: os.path.relpath(DEPLOY / p, root)  # kustomize refuses absolute paths
+    (root / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {rel(overlay)}\ncomponents:\n  - {rel(component)}\n"
+    )
+    return kustomize(root)
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

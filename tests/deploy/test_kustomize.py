@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from tests.deploy.helpers import (
     by_kind,
     container,
     kustomize,
+    kustomize_with_component,
     one,
     parse_dockerfile,
 )
@@ -456,14 +456,7 @@ def test_network_policy_opens_the_serving_port_only(docs: list[dict[str, Any]]) 
 
 def test_pvc_component(tmp_path: Path) -> None:
     """The optional component swaps the init container for a ReadOnlyMany claim; the result still validates."""
-    root = tmp_path / "with-pvc"
-    root.mkdir()
-    rel = lambda p: os.path.relpath(DEPLOY / p, root)  # kustomize refuses absolute paths
-    (root / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources:\n  - {rel('overlays/cpu')}\ncomponents:\n  - {rel('components/artifacts-pvc')}\n"
-    )
-    docs = kustomize(root)
+    docs = kustomize_with_component(tmp_path, "components/artifacts-pvc")
     pvc = one(docs, "PersistentVolumeClaim")
     assert pvc["spec"]["accessModes"] == ["ReadOnlyMany"]
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]

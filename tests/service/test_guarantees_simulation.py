@@ -9,10 +9,8 @@ about means over the draw; a finite simulation estimates them).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,25 +21,15 @@ from offline.report.guarantees import _drift_table
 from service.core.conformal import SetCalibrator, ood_p_values, selective_thresholds
 from service.core.drift import CAP_DECADES, HORIZON, TailBets, alarm_paths
 from service.core.guarantees import outlier_oriented
+from tests.fixtures.cached_outputs import OUTPUT_IDS, OUTPUTS, load_outputs
 
-OUTPUTS = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "outputs").glob("*.npz"))
 TOL = 4.0  # standard errors of a simulated mean
 SPLITS = 300  # random calibration / test splits per check
 
 
-def _load(path: Path) -> dict:
-    z = np.load(path)
-    out = {"meta": json.loads(str(z["meta"]))}
-    for key in z.files:
-        if key != "meta":
-            name, field = key.split("/")
-            out.setdefault(name, {})[field] = z[key]
-    return out
-
-
-@pytest.fixture(params=OUTPUTS, ids=[p.stem for p in OUTPUTS], scope="module")
+@pytest.fixture(params=OUTPUTS, ids=OUTPUT_IDS, scope="module")
 def outputs(request: pytest.FixtureRequest) -> dict:
-    return _load(request.param)
+    return load_outputs(request.param)
 
 
 def _pool(o: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -17,7 +17,6 @@ import json
 import math
 import warnings
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,25 +38,15 @@ from service.core.online import (
     shift_log_statistic,
     wilson_interval,
 )
+from tests.fixtures.cached_outputs import OUTPUT_IDS, OUTPUTS, load_outputs
 
-OUTPUTS = sorted((Path(__file__).resolve().parents[2] / "fixtures" / "outputs").glob("*.npz"))
 N_CAL = 1000  # calibration labels per run
 
 
-def _load(path: Path) -> dict:
-    z = np.load(path)
-    out: dict = {"meta": json.loads(str(z["meta"]))}
-    for key in z.files:
-        if key != "meta":
-            name, part = key.split("/")
-            out.setdefault(name, {})[part] = z[key]
-    return out
-
-
-@pytest.fixture(params=OUTPUTS, ids=[p.stem for p in OUTPUTS], scope="module")
+@pytest.fixture(params=OUTPUTS, ids=OUTPUT_IDS, scope="module")
 def pool(request: pytest.FixtureRequest) -> tuple[np.ndarray, np.ndarray]:
     """``(probs (N, C) float64, labels (N,))``: the calibration and ID test splits together."""
-    o = _load(request.param)
+    o = load_outputs(request.param)
     cal, test = o["calibration"], o["test"]
     return np.concatenate([cal["probs"], test["probs"]]).astype(np.float64), np.concatenate(
         [cal["labels"], test["labels"]]

@@ -4,13 +4,10 @@ the NetworkPolicy admits, and no secret committed."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from service.settings import Settings
-from tests.deploy.helpers import DEPLOY, by_kind, container, kustomize, one
+from tests.deploy.helpers import DEPLOY, by_kind, container, kustomize, kustomize_with_component, one
 
 K8S = "1.37.0"
 
@@ -20,17 +17,6 @@ def _valid(doc: dict) -> None:
     kv.validate(doc, K8S, strict=True)
 
 
-def _with_component(tmp_path: Path) -> list[dict]:
-    root = tmp_path / "with-store"
-    root.mkdir()
-    rel = lambda p: os.path.relpath(DEPLOY / p, root)  # kustomize refuses absolute paths
-    (root / "kustomization.yaml").write_text(
-        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources:\n  - {rel('overlays/cpu')}\ncomponents:\n  - {rel('components/store-postgres')}\n"
-    )
-    return kustomize(root)
-
-
 def test_the_base_keeps_the_store_off():
     """Per-pod stores would split the answers between replicas: the base turns the store off."""
     (cm,) = by_kind(kustomize(DEPLOY / "overlays" / "cpu"), "ConfigMap")
@@ -38,7 +24,7 @@ def test_the_base_keeps_the_store_off():
 
 
 def test_the_component_points_every_replica_at_one_database(tmp_path):
-    docs = _with_component(tmp_path)
+    docs = kustomize_with_component(tmp_path, "components/store-postgres")
     (cm,) = by_kind(docs, "ConfigMap")
     assert cm["data"]["HYDRA_STORE"] == "on"
     env = {e["name"]: e for e in container(one(docs, "Deployment"))["env"]}
