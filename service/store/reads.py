@@ -52,7 +52,7 @@ def _select(model: str, version: str | None, *, labelled: bool, since: float | N
     query = select(*_COLUMNS).select_from(_JOIN).where(_P.c.model == model)
     if version is not None:
         query = query.where(_P.c.version == version)
-    order = _F.c.ts if labelled else _P.c.seq
+    order = _F.c.ts if labelled else _P.c.ts  # by label time, or by answer time (not by when it was written)
     if labelled:
         query = query.where(_F.c.model.is_not(None))
     if since is not None:

@@ -30,6 +30,8 @@ OPERATIONS = [
     "POST /zero-shot",
     "GET /v1/models/{model_name}/drift",
     "POST /v1/models/{model_name}/drift/reset",
+    "POST /v1/models/{model_name}/feedback",
+    "GET /v1/models/{model_name}/monitor",
 ]
 # examples per operation and generation mode: a bounded run (about 20 s on 2 busy cores)
 MAX_EXAMPLES = 15
@@ -50,7 +52,8 @@ CASES = [pytest.param(op, GenerationMode.POSITIVE, id=f"{op}-valid") for op in O
     pytest.param(op, GenerationMode.NEGATIVE, id=f"{op}-invalid")
     for op in OPERATIONS
     if op in ("POST /predict", "POST /zero-shot")
-]  # the others take no body (a model name at most, any string): nothing to make invalid
+]  # the others take no body, or (feedback) none the fuzzer can make invalid: tests/service/test_feedback.py
+# sends it garbage JSON, bad items and oversized batches
 
 
 @pytest.mark.parametrize(("label", "mode"), CASES)

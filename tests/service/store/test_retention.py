@@ -30,6 +30,7 @@ def test_by_age_with_feedback(make_store, monkeypatch):
     store.record([rec(f"new{i}", 0, time=now - 1 * DAY) for i in range(5)])
     labelled = [FeedbackItem(f"old{i}", 0, "cat") for i in range(10)] + [FeedbackItem("new0", 0, "dog")]
     assert store.add_feedback("m", LABELS, labelled) == ["accepted"] * 11
+    assert store.flush(10.0)  # every record written (feedback wrote only the ones it labels)
     deleted = apply_retention(store._db, Retention(max_age_s=30 * DAY, max_rows=1_000), now)
     assert deleted == 20
     counts = store.counts("m")
