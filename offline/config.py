@@ -368,10 +368,11 @@ def _check_distillation(h: HydraConfig) -> None:
     """The distillation weight, its temperatures (one per member when listed) and the partial fine-tuning."""
     if not 0 <= h.distill <= 1:
         raise ConfigError(f"hydra.distill must be in [0, 1], got {h.distill!r}")
-    temps = h.distill_temperatures if h.distill_temperatures is not None else [h.distill_temperature]
-    if h.distill_temperatures is not None and len(temps) != h.members:
-        raise ConfigError(f"hydra.distill_temperatures lists {len(temps)} temperatures for {h.members} members")
-    if not all(t > 0 for t in temps):
+    per_member = h.distill_temperatures
+    if per_member is not None and len(per_member) != h.members:
+        raise ConfigError(f"hydra.distill_temperatures lists {len(per_member)} temperatures for {h.members} members")
+    temps = [h.distill_temperature, *(per_member or [])]  # a bad value is refused even where the list overrides it
+    if not all(isinstance(t, (int, float)) and t > 0 for t in temps):
         raise ConfigError(f"distillation temperatures must be > 0, got {temps}")
     if not isinstance(h.finetune_blocks, int) or h.finetune_blocks < 0:
         raise ConfigError(f"hydra.finetune_blocks must be an integer >= 0, got {h.finetune_blocks!r}")
