@@ -276,9 +276,9 @@ def label_free_scores(features: torch.Tensor, stats: OODStats) -> torch.Tensor:
 def candidate_scores(columns: np.ndarray, full: LayerStats, ids: tuple[int, ...], reduce: str = "max") -> np.ndarray:
     """``mahalanobis_layers`` ``(N,)`` of the layer set ``ids`` combined by ``reduce``, from :func:`layer_columns`'
     ``(N, M, K+1)``."""
-    sub = restrict_layers(full, ids)
-    pos = [0] + [1 + full.ids.index(i) for i in ids]
-    return reduce_layers(torch.from_numpy(columns[:, :, pos]), sub.column_norms, reduce).numpy()
+    pos = [0] + [1 + full.ids.index(i) for i in ids]  # the columns of restrict_layers(full, ids): norms sliced alike
+    norms = (full.column_norms[0][pos], full.column_norms[1][pos])
+    return reduce_layers(torch.from_numpy(columns[:, :, pos]), norms, reduce).numpy()
 
 
 def layer_candidate_scores(columns: np.ndarray, full: LayerStats) -> dict[str, np.ndarray]:
