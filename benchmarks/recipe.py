@@ -89,18 +89,29 @@ def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
 
 
 def run_variant(
-    config: Path, name: str, work: Path, cache: Path, seed: int = 0, deep_ensemble: int = 0, shift_inputs: int = 0
+    config: Path,
+    name: str,
+    work: Path,
+    cache: Path,
+    seed: int = 0,
+    deep_ensemble: int = 0,
+    shift_inputs: int = 0,
+    device: str = "cpu",
 ) -> Path:
     """Build one variant into ``work/name`` (``name@seed<s>`` for another ``data.seed``: splits, base, members)
     unless a build with the same overrides is there already; ``deep_ensemble``: the size of the build's Deep
     Ensemble baseline (``base.deep_ensemble``, 0 = none); ``shift_inputs``: its shift section's inputs
-    (``data.shift_inputs``, 0 = none)."""
+    (``data.shift_inputs``, 0 = none); ``device``: ``build.device`` (``cuda`` trains in fp32 there too, so that its
+    figures stay those of the fp32 recipe)."""
     base_cfg = load_config(config)
     over = {**resolve(VARIANTS[name], base_cfg), "base.cache_dir": str(cache), "name": f"{base_cfg.name}-{name}"}
     if deep_ensemble:
         over["base.deep_ensemble"] = deep_ensemble
     if shift_inputs:
         over["data.shift_inputs"] = shift_inputs
+    if device != "cpu":
+        over["build.device"] = device
+        over["build.precision"] = "fp32"
     if seed:
         over["data.seed"] = seed
         name = f"{name}@seed{seed}"
@@ -267,20 +278,35 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="base.deep_ensemble of each build: a Deep Ensemble baseline of this many base models",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="build.device of each build (cuda: fp32 there too, so the figures are those of the fp32 recipe)",
+    )
     args = ap.parse_args(argv)
     work = args.work / args.config.stem
     work.mkdir(parents=True, exist_ok=True)
-    rows = []
+    machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
+    if args.device == "cuda":
+        import torch
+
+        machine += f"; builds on {torch.cuda.get_device_name(0)}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    text = ""
     for name in args.variants:
         for seed in args.seeds:
-            out = run_variant(args.config, name, work, args.cache, seed, args.deep_ensemble, args.shift_inputs)
+            out = run_variant(
+                args.config, name, work, args.cache, seed, args.deep_ensemble, args.shift_inputs, args.device
+            )
             rows.append({**summarize(out.name, out, VARIANTS[name]), "seed": seed, "recipe": name})
-    machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    doc = {"config": str(args.config), "machine": machine, "seeds": args.seeds, "rows": rows}
-    text = markdown(rows, str(args.config), machine) + (over_seeds(rows) if len(args.seeds) > 1 else "")
-    (args.out / "recipe.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (args.out / "recipe.md").write_text(text)
+            # written after every build: a long run that stops keeps the rows it has
+            doc = {"config": str(args.config), "machine": machine, "seeds": args.seeds, "rows": rows}
+            several = len({r["seed"] for r in rows}) > 1
+            text = markdown(rows, str(args.config), machine) + (over_seeds(rows) if several else "")
+            (args.out / "recipe.json").write_text(json.dumps(doc, indent=1) + "\n")
+            (args.out / "recipe.md").write_text(text)
     print(text)
     return 0
 
