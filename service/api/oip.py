@@ -328,7 +328,10 @@ async def _infer(request: Request, model_name: str, model_version: str | None) -
     wanted = requested_outputs(req, rt)
     parsed = parsed_request(rt, req, tensors)
     rt, out = await run_inference(request, parsed)
-    head = {"model_name": rt.name, "model_version": rt.version, "id": req.id or request_id(request)}
+    head: dict[str, Any] = {"model_name": rt.name, "model_version": rt.version, "id": req.id or request_id(request)}
+    levels = [r.alpha_t for r in out.results if r.alpha_t is not None]
+    if levels:  # the adaptive sets say so, with the level they were built at (one read per batch)
+        head["parameters"] = {"adaptive": True, "alpha_t": float(levels[0])}
     arrays = [(name, OUTPUTS[name].datatype, OUTPUTS[name].values(out), binary) for name, binary in wanted]
     body, json_length = encode_answer(head, arrays)
     if json_length is None:

@@ -1,7 +1,7 @@
 """The feedback loop through the real app (docs/api.md "Feedback and live quality"): predict -> feedback with the
 answer's X-Request-ID -> every status, the monitor's figures against a by-hand computation from the answers and
-labels sent, /metrics, a restart on the same store, the adaptive sets' known answer, and the refusals (one line,
-no 5xx). A tiny random image model with guarantees (300 calibration inputs), the store in a tmp SQLite file."""
+labels sent, /metrics, a restart on the same store, the adaptive sets' known answer, their guarantee on an
+adversarial stream, and the refusals (one line, no 5xx). A tiny random image model with guarantees (300 calibration inputs), the store in a tmp SQLite file."""
 
 from __future__ import annotations
 
@@ -253,6 +253,42 @@ def test_the_open_inference_protocol_takes_adaptive_and_records_its_answers(art:
         oip_set = next(o["data"] for o in r.json()["outputs"] if o["name"] == "prediction_set")
         rest = c.post("/predict", json={"image": img, "adaptive": True}).json()["predictions"][0]["conformal"]
         assert [TINY_LABELS[j] for j, x in enumerate(oip_set) if x] == sorted(rest["set"], key=TINY_LABELS.index)
+        assert r.json()["parameters"] == {"adaptive": True, "alpha_t": pytest.approx(rest["alpha_t"])}
+        plain = c.post(f"/v2/models/{NAME}/infer", json=body)
+        assert plain.status_code == 200 and "parameters" not in plain.json()  # the split set: nothing to say
         assert send(c, [(r.headers["x-request-id"], 0, "cat")]) == ["accepted"]
         bad = c.post(f"/v2/models/{NAME}/infer", json={**body, "parameters": {"adaptive": "yes"}})
         assert bad.status_code == 400 and "parameters.adaptive" in bad.json()["error"]  # the OIP's error body
+
+
+def test_adaptive_sets_keep_their_bound_on_an_adversarial_stream_through_the_server(art: Path, tmp_path: Path) -> None:
+    """The online guarantee end to end: T single-image requests with ``adaptive: true``, each labelled by feedback
+    before the next. First the top label (always covered), then the least likely one, which the split set never
+    holds: the split sets' miscoverage on this stream is far off alpha, while the served adaptive sets keep Gibbs and
+    Candes' deterministic bound ``|misses / T - alpha| <= (max(alpha_1, 1 - alpha_1) + gamma) / (gamma T)``. Every
+    served set equals the one an ACI run by hand builds from the same answers and labels."""
+    T, alpha = 400, 0.1
+    cal, aci, split = calibrator(art), AdaptiveConformal(alpha), AdaptiveConformal(alpha)
+    served_misses = split_misses = 0
+    with client(art, tmp_path) as c:
+        for t in range(T):
+            rid, (p,) = predict(c, 1, seed=1000 + t, adaptive=True)
+            probs = np.zeros((1, len(TINY_LABELS)))
+            for x in p["top_k"]:
+                probs[0, TINY_LABELS.index(x["label"])] = np.float32(x["prob"])
+            y = int(probs.argmax()) if t < T // 2 else int(probs.argmin())
+            sets, filled, level = aci.sets(cal, probs)
+            assert p["conformal"]["alpha_t"] == pytest.approx(level)
+            assert set(p["conformal"]["set"]) == {TINY_LABELS[j] for j in np.flatnonzero(sets[0])}
+            miss = bool(raw_misses(sets[:, y], filled)[0])
+            aci.update([miss])
+            served_misses += miss
+            s_sets, s_filled, _ = split.sets(cal, probs)  # split conformal: alpha_t never moves
+            split_misses += bool(raw_misses(s_sets[:, y], s_filled)[0])
+            assert send(c, [(rid, 0, TINY_LABELS[y])]) == ["accepted"]
+        a = c.get(f"/v1/models/{NAME}/monitor").json()["adaptive"]
+    bound = (max(alpha, 1 - alpha) + aci.gamma) / (aci.gamma * T)
+    assert (a["labels_applied"], a["misses"]) == (T, served_misses)
+    assert a["bound"] == pytest.approx(bound)
+    assert abs(served_misses / T - alpha) <= bound
+    assert abs(split_misses / T - alpha) > bound  # the stream is one the split guarantee does not cover
