@@ -260,6 +260,21 @@ async def request(
         await conn.close()
 
 
+async def burst(port: int, body: bytes, n: int = 200) -> None:
+    """A warm-up burst of ``n`` ``POST /predict`` from 8 clients before the clock starts: the first requests compile
+    and fill caches."""
+    conns = [Connection(port) for _ in range(8)]
+    left = [n]
+
+    async def go(c: Connection) -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            await c.request("POST", "/predict", body)
+        await c.close()
+
+    await asyncio.gather(*(go(c) for c in conns))
+
+
 def error_code(status: int, body: bytes) -> str:
     """The error code of an answer (docs/api.md; ``ok`` for 2xx; ``http_<status>`` when the body is not an error
     body of the API)."""

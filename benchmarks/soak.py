@@ -8,6 +8,12 @@ requests answered so far; every request's latency and answer are kept.
     python -m benchmarks.soak --artifact artifacts/default/text                    # 30 min, 32 clients
     python -m benchmarks.soak --tiny bert --minutes 2 --warmup-minutes 0.5         # a short check
 
+With ``--feedback`` every answer is labelled as it arrives (``POST /v1/models/{name}/feedback`` with the answer's
+id and its own top label), and the prediction store (SQLite in the soak's own state folder, capped at
+``--store-max-rows``) is sampled beside the memory: its files' bytes and its rows.
+
+    python -m benchmarks.soak --artifact artifacts/default/image --minutes 10 --warmup-minutes 3 --feedback
+
 The checks (the soak's targets):
 
 * ``no_errors``: every request answered 200: no error code, no timeout, no dropped connection;
@@ -15,7 +21,11 @@ The checks (the soak's targets):
   largest sample after it, resident memory grows by at most ``--rss-growth`` (5 %);
 * ``p99_stable``: the p99 latency of the last ``--window-minutes`` (5) is within ``--p99-band`` (20 %) of the
   p99 of the first window after the warm-up; the first window of the soak itself, warm-up included, is reported
-  and checked too (``p99_stable_from_start``).
+  and checked too (``p99_stable_from_start``);
+* with ``--feedback``: ``feedback_accepted`` (every label answered ``accepted``), ``store_flat`` (the store's bytes
+  grow by at most ``--store-growth``, 10 %, after the warm-up) and ``store_within_retention`` (its rows never
+  exceed ``--store-max-rows`` plus what is answered between two of the writer's retention passes, a minute apart,
+  plus one writer batch).
 
 Writes ``benchmarks/results/soak_<name>.json`` (the samples, per-minute throughput, p50 and p99, the windows)
 and ``soak_<name>.png`` (RSS and latency against time); exits 1 when a check fails. The CPU is named in the
@@ -27,6 +37,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import json
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -47,10 +59,42 @@ class Record:
         self.timeouts = 0
         self.connection_errors = 0
         self.samples: list[dict[str, float]] = []
+        self.feedback: dict[str, int] = {}  # --feedback: the labels' statuses (accepted, unknown_id, ...)
 
 
-async def soak(port: int, pid: int, body: bytes, args: argparse.Namespace) -> Record:
-    """``args.clients`` keep-alive clients for ``args.minutes``, RSS sampled every ``args.sample_s`` seconds."""
+def store_size(state: Path) -> dict[str, float]:
+    """The SQLite store in ``state``: its files' bytes (database, WAL, shared memory) and its prediction rows."""
+    size = sum(f.stat().st_size for f in state.glob("store.db*")) if state.is_dir() else 0
+    rows = -1
+    db = state / "store.db"
+    if db.is_file():
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as con:
+                rows = int(con.execute("SELECT count(*) FROM predictions").fetchone()[0])
+        except sqlite3.Error:
+            pass  # busy or not created yet: the next sample reads it
+    return {"store_bytes": size, "store_rows": rows}
+
+
+async def label(conn: harness.Connection, name: str, data: bytes, tally: Record) -> None:
+    """Send the answer ``data``'s own top label back as its feedback; count the status."""
+    answer = json.loads(data)
+    item = {"id": answer["id"], "index": 0, "label": answer["predictions"][0]["label"]}
+    body = json.dumps({"feedback": [item]}).encode()
+    try:
+        status, _, out = await conn.request("POST", f"/v1/models/{name}/feedback", body)
+    except (OSError, ValueError, asyncio.IncompleteReadError):
+        tally.feedback["connection_error"] = tally.feedback.get("connection_error", 0) + 1
+        return
+    code = json.loads(out)["results"][0]["status"] if status == 200 else harness.error_code(status, out)
+    tally.feedback[code] = tally.feedback.get(code, 0) + 1
+
+
+async def soak(
+    port: int, pid: int, body: bytes, args: argparse.Namespace, name: str = "", state: Path | None = None
+) -> Record:
+    """``args.clients`` keep-alive clients for ``args.minutes``, RSS sampled every ``args.sample_s`` seconds;
+    with ``args.feedback`` each answer is labelled (model ``name``) and the store in ``state`` sampled too."""
     rec = Record()
     t0 = time.perf_counter()
     deadline = t0 + args.minutes * 60
@@ -68,6 +112,8 @@ async def soak(port: int, pid: int, body: bytes, args: argparse.Namespace) -> Re
             rec.codes[code] = rec.codes.get(code, 0) + 1
             rec.t_end.append(now - t0)
             rec.latency_ms.append((now - t) * 1000)
+            if args.feedback and status == 200:
+                await label(conn, name, data, rec)
         await conn.close()
 
     async def sampler() -> None:
@@ -75,7 +121,10 @@ async def soak(port: int, pid: int, body: bytes, args: argparse.Namespace) -> Re
         while True:
             now = time.perf_counter() - t0
             mem = harness.rss_mb(pid)
-            rec.samples.append({"t_s": round(now, 1), "rss_mb": mem["rss"], "answered": len(rec.t_end)})
+            sample = {"t_s": round(now, 1), "rss_mb": mem["rss"], "answered": len(rec.t_end)}
+            if args.feedback and state is not None:
+                sample.update(store_size(state))
+            rec.samples.append(sample)
             if now - last_print >= 60:
                 last_print = now
                 recent = rec.latency_ms[bisect.bisect_right(rec.t_end, now - 60) :]  # t_end is sorted
@@ -129,6 +178,12 @@ def summarise(rec: Record, args: argparse.Namespace) -> tuple[dict[str, Any], di
         "p99_stable": drift(after_warmup) <= args.p99_band,
         "p99_stable_from_start": drift(first) <= args.p99_band,
     }
+    store: dict[str, Any] = {}
+    if args.feedback:
+        store = _store_summary(post, args, max(w["rps"] for w in per_minute))
+        checks["feedback_accepted"] = set(rec.feedback) == {"accepted"}
+        checks["store_flat"] = bool(store["growth_fraction"] <= args.store_growth)
+        checks["store_within_retention"] = bool(0 <= store["peak_rows"] <= store["rows_bound"])
     summary = {
         "requests": len(rec.t_end),
         "answers_by_code": dict(sorted(rec.codes.items())),
@@ -152,7 +207,32 @@ def summarise(rec: Record, args: argparse.Namespace) -> tuple[dict[str, Any], di
         },
         "per_minute": per_minute,
     }
+    if args.feedback:
+        summary["feedback_by_status"] = dict(sorted(rec.feedback.items()))
+        summary["store"] = store
     return summary, checks
+
+
+def _store_summary(post: list[dict[str, float]], args: argparse.Namespace, rps: float) -> dict[str, Any]:
+    """The store's bytes after the warm-up against their peak, and its largest row count against what retention
+    allows: the cap, plus the rows answered (at the busiest minute's rate ``rps``) between two of the writer's
+    retention passes, plus one writer batch."""
+    from service.store.store import StoreConfig
+
+    cfg = StoreConfig(url="")
+    sized = [s for s in post if s.get("store_rows", -1) >= 0]
+    base = sized[0]["store_bytes"] if sized else float("nan")
+    peak = max((s["store_bytes"] for s in sized), default=float("nan"))
+    return {
+        "bytes_after_warmup": base,
+        "peak_bytes_after_warmup": peak,
+        "growth_fraction": round((peak - base) / base, 4) if sized and base else float("nan"),
+        "bound": args.store_growth,
+        "peak_rows": max((int(s["store_rows"]) for s in sized), default=-1),
+        "max_rows": args.store_max_rows,
+        "rows_bound": int(args.store_max_rows + rps * cfg.retention_interval_s + cfg.flush_rows),
+        "retention_interval_s": cfg.retention_interval_s,
+    }
 
 
 def plot(rec: Record, summary: dict[str, Any], title: str, path: Path) -> None:
@@ -190,6 +270,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0, help="a request without an answer after this is hung")
     p.add_argument("--rss-growth", type=float, default=0.05, help="most RSS growth after the warm-up (fraction)")
     p.add_argument("--p99-band", type=float, default=0.20, help="most p99 change, last window vs first (fraction)")
+    p.add_argument("--feedback", action="store_true", help="label every answer (its own top label) by feedback")
+    p.add_argument("--store-max-rows", type=int, default=20_000, help="HYDRA_STORE_MAX_ROWS (the rows kept)")
+    p.add_argument("--store-growth", type=float, default=0.10, help="most store growth after the warm-up (fraction)")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/soak_<name>.json)")
     args = p.parse_args(argv)
     if not 1 <= args.clients <= 64 or not 0 < args.minutes <= 240 or args.sample_s <= 0:
@@ -208,13 +291,23 @@ def _print_summary(summary: dict[str, Any], window_minutes: float) -> None:
         f"{q['first_window']['p99_ms']} (first {window_minutes:g} min), "
         f"{q['first_window_after_warmup']['p99_ms']} (after the warm-up), {q['last_window']['p99_ms']} ms (last)"
     )
+    if "store" in summary:
+        st = summary["store"]
+        print(
+            f"feedback {summary['feedback_by_status']}; store {st['bytes_after_warmup'] / 2**20:.1f} -> peak "
+            f"{st['peak_bytes_after_warmup'] / 2**20:.1f} MiB after the warm-up "
+            f"({100 * st['growth_fraction']:+.1f} %), at most {st['peak_rows']} rows (bound {st['rows_bound']})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     tmp, artifact, manifest, body = harness.open_run(args, "hydra-soak-")
     name = manifest["name"]
-    env = {"HYDRA_LOG_LEVEL": "warning"}
+    state = Path(tmp.name) / "state"  # the store lives with the run, not in the user's state folder
+    env = {"HYDRA_LOG_LEVEL": "warning", "HYDRA_STATE_DIR": str(state)}
+    if args.feedback:
+        env["HYDRA_STORE_MAX_ROWS"] = str(args.store_max_rows)
     port = harness.free_port()
     log_file = Path(tmp.name) / "server.log"
     print(
@@ -225,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     proc = harness.start_server(artifact, port, env, log_file=log_file)
     try:
         ready_s = harness.wait_ready(port, proc)
-        asyncio.run(_burst(port, body))
-        rec = asyncio.run(soak(port, proc.pid, body, args))
+        asyncio.run(harness.burst(port, body))
+        rec = asyncio.run(soak(port, proc.pid, body, args, name, state))
         alive = proc.poll() is None
     finally:
         exit_status = harness.stop_server(proc)
@@ -240,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         "minutes": args.minutes,
         "warmup_minutes": args.warmup_minutes,
         "ready_s": round(ready_s, 1),
-        "server_env": env,
+        "server_env": {k: v for k, v in env.items() if k != "HYDRA_STATE_DIR"},
+        "feedback": args.feedback,
         **summary,
         "rss_samples": rec.samples,
         "checks": checks,
@@ -264,20 +358,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out} and {png}")
     tmp.cleanup()
     return 0 if result["passed"] else 1
-
-
-async def _burst(port: int, body: bytes, n: int = 200) -> None:
-    """A short warm-up burst (8 clients) before the clock starts: the first requests compile and fill caches."""
-    conns = [harness.Connection(port) for _ in range(8)]
-    left = [n]
-
-    async def go(c: harness.Connection) -> None:
-        while left[0] > 0:
-            left[0] -= 1
-            await c.request("POST", "/predict", body)
-        await c.close()
-
-    await asyncio.gather(*(go(c) for c in conns))
 
 
 if __name__ == "__main__":
