@@ -25,7 +25,9 @@ from .schema import feedback, predictions
 __all__ = ["confidence_sums", "count_rows", "read_rows"]
 
 _P, _F = predictions, feedback
-_JOIN = _P.outerjoin(_F, and_(_F.c.model == _P.c.model, _F.c.id == _P.c.id, _F.c.idx == _P.c.idx))
+_KEY = and_(_F.c.model == _P.c.model, _F.c.id == _P.c.id, _F.c.idx == _P.c.idx)
+_JOIN = _P.outerjoin(_F, _KEY)  # every served prediction, with its label when it has one
+_LABELLED = _F.join(_P, _KEY)  # the labelled ones only
 _COLUMNS = (
     _P.c.id,
     _P.c.idx,
@@ -49,14 +51,23 @@ _COLUMNS = (
 
 
 def _select(model: str, version: str | None, *, labelled: bool, since: float | None, last: int | None) -> Select:
-    query = select(*_COLUMNS).select_from(_JOIN).where(_P.c.model == model)
-    if version is not None:
-        query = query.where(_P.c.version == version)
-    order = _F.c.ts if labelled else _P.c.ts  # by label time, or by answer time (not by when it was written)
+    """The labelled rows are read from the feedback side (an inner join, filtered and ordered on the feedback's
+    ``(model, version, ts)`` index), so that reading the labels since a cursor costs the labels read, not every
+    prediction stored; the served rows from the predictions' ``(model, version, ts)`` index."""
     if labelled:
-        query = query.where(_F.c.model.is_not(None))
-    if since is not None:
-        query = query.where((_F.c.ts if labelled else _P.c.ts) >= since)
+        query = select(*_COLUMNS).select_from(_LABELLED).where(_F.c.model == model)
+        if version is not None:
+            query = query.where(_F.c.version == version)
+        if since is not None:
+            query = query.where(_F.c.ts >= since)
+        order = _F.c.ts  # by label time
+    else:
+        query = select(*_COLUMNS).select_from(_JOIN).where(_P.c.model == model)
+        if version is not None:
+            query = query.where(_P.c.version == version)
+        if since is not None:
+            query = query.where(_P.c.ts >= since)
+        order = _P.c.ts  # by answer time (not by when it was written)
     query = query.order_by(order.desc(), _P.c.seq.desc())
     return query.limit(last) if last is not None else query
 

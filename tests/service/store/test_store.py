@@ -280,3 +280,24 @@ def test_sqlite_runs_in_wal_mode(tmp_path):
     with engine.connect() as conn:
         assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
     engine.dispose()
+
+
+def test_reading_the_labels_since_a_cursor_searches_the_feedback_index_not_every_prediction():
+    """The monitor reads the labels since its cursor after every feedback batch: SQLite's plan for that read starts
+    from the feedback's (model, version, ts) index and looks each prediction up by its key, so its cost is the labels
+    read, not the predictions stored (a scan of them made a soak with feedback slow down as the store filled)."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.dialects import sqlite
+
+    from service.store.reads import _select
+    from service.store.schema import metadata
+
+    engine = create_engine("sqlite://")
+    metadata.create_all(engine)
+    query = _select("m", "v", labelled=True, since=1.0, last=None)
+    sql = str(query.compile(dialect=sqlite.dialect(), compile_kwargs={"literal_binds": True}))
+    with engine.connect() as conn:
+        plan = [row[3] for row in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + sql).all()]
+    assert plan[0].startswith("SEARCH feedback USING INDEX ix_feedback_model_ts"), plan
+    assert any(p.startswith("SEARCH predictions USING INDEX") for p in plan), plan
+    assert not any(p.startswith("SCAN") for p in plan), plan
