@@ -271,7 +271,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rss-growth", type=float, default=0.05, help="most RSS growth after the warm-up (fraction)")
     p.add_argument("--p99-band", type=float, default=0.20, help="most p99 change, last window vs first (fraction)")
     p.add_argument("--feedback", action="store_true", help="label every answer (its own top label) by feedback")
-    p.add_argument("--store-max-rows", type=int, default=20_000, help="HYDRA_STORE_MAX_ROWS (the rows kept)")
+    p.add_argument(
+        "--store-max-rows",
+        type=int,
+        default=5_000,
+        help="HYDRA_STORE_MAX_ROWS: the rows kept (full within the warm-up)",
+    )
     p.add_argument("--store-growth", type=float, default=0.10, help="most store growth after the warm-up (fraction)")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/soak_<name>.json)")
     args = p.parse_args(argv)

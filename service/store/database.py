@@ -219,6 +219,19 @@ class Database:
         except exc.SQLAlchemyError as e:
             log.debug("ANALYZE %s failed: %s", tables, short_error(e))
 
+    def checkpoint(self) -> None:
+        """SQLite: copy the write-ahead log into the database and truncate it (best effort). SQLite's own
+        checkpoints after each 1,000 pages restart the log only when no reader is inside it, which a busy server
+        rarely allows, so the log file grows; this one waits for the readers (new ones go on unimpeded) and
+        empties it. The writer calls it after each retention pass. PostgreSQL: nothing to do."""
+        if self.dialect != "sqlite":
+            return
+        try:
+            with self.engine.connect() as conn:
+                conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+        except exc.SQLAlchemyError as e:
+            log.debug("WAL checkpoint failed: %s", short_error(e))
+
     def lost(self) -> None:
         """The database failed: check the schema again on the next use (it may be a new, empty one)."""
         self._schema_ok = False

@@ -13,7 +13,9 @@ the thread retries after a back-off (``backoff_s``, doubling to ``backoff_max_s`
 new records are dropped. When the database refuses the batch itself (a bad value), the records are written one by
 one and only those it refuses are dropped (``dropped["error"]``).
 
-Every ``retention_interval_s`` seconds, while the database works, the thread applies retention (:mod:`.writes`).
+Every ``retention_interval_s`` seconds, while the database works, the thread applies retention (:mod:`.writes`),
+then empties SQLite's write-ahead log (:meth:`~.database.Database.checkpoint`), so that the files stay within
+retention too.
 
 **Shutdown.** :meth:`Writer.close` stops taking records (later ones are dropped as ``closed``), writes everything
 queued, retrying until ``close_timeout_s`` if the database is down, then drops (and counts, and logs) what is left.
@@ -303,8 +305,9 @@ class Writer:
             interval = self._config.retention_interval_s
             log.warning("prediction store: retention failed (%s); retried in %.0f s", short_error(e), interval)
             return
-        self._db.analyze("predictions", "feedback")
         if deleted:
             with self._cond:
                 self._stats.retention_deleted += deleted
             log.info("prediction store: retention deleted %d predictions (and their feedback)", deleted)
+        self._db.analyze("predictions", "feedback")
+        self._db.checkpoint()
