@@ -1,7 +1,8 @@
 """The feedback loop through the real app (docs/api.md "Feedback and live quality"): predict -> feedback with the
 answer's X-Request-ID -> every status, the monitor's figures against a by-hand computation from the answers and
 labels sent, /metrics, a restart on the same store, the adaptive sets' known answer, their guarantee on an
-adversarial stream, and the refusals (one line, no 5xx). A tiny random image model with guarantees (300 calibration inputs), the store in a tmp SQLite file."""
+adversarial stream, and the refusals (one line, no 5xx). A tiny random image model with guarantees (300
+calibration inputs), the store in a tmp SQLite file."""
 
 from __future__ import annotations
 
