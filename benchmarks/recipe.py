@@ -65,6 +65,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "hydra.distill_temperatures": [1.0, 2.0, 4.0],
         "hydra.finetune_steps": "x3",
     },
+    # kd+diverse without the preset's label smoothing (0.1 for the images): the smoothing is what keeps the members,
+    # and so Hydra, underconfident at T = 1
+    "kd+diverse+nols": {
+        **_OWN,
+        "hydra.distill": 0.5,
+        "hydra.distill_temperatures": [1.0, 2.0, 4.0],
+        "hydra.label_smoothing": 0.0,
+    },
     "partial": {**_OWN, "hydra.finetune_blocks": 2},
     "partial+kd+diverse": {
         **_OWN,
