@@ -107,28 +107,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
-    tmp, artifact, manifest, body = harness.open_run(args, "hydra-store-cost-")
-    name = manifest["name"]
+def run_rounds(
+    args: argparse.Namespace, artifact: Path, body: bytes, work: Path
+) -> tuple[list[dict[str, dict[str, Any]]], dict[str, float]]:
+    """Both servers up (the store's in ``work``), warmed, then ``args.rounds`` rounds: each round's result per
+    server, and the store-on server's record counts at the end."""
     envs = {
-        "on": {"HYDRA_LOG_LEVEL": "warning", "HYDRA_STATE_DIR": str(Path(tmp.name) / "state")},
+        "on": {"HYDRA_LOG_LEVEL": "warning", "HYDRA_STATE_DIR": str(work / "state")},
         "off": {"HYDRA_LOG_LEVEL": "warning", "HYDRA_STORE": "false"},
     }
     ports = {m: harness.free_port() for m in MODES}
-    print(f"store on vs off with {artifact}: {args.clients} clients on {harness.cpu_name()}", flush=True)
     procs = {}
     rounds: list[dict[str, dict[str, Any]]] = []
     try:
         for m in MODES:
-            procs[m] = harness.start_server(artifact, ports[m], envs[m], log_file=Path(tmp.name) / f"server-{m}.log")
+            procs[m] = harness.start_server(artifact, ports[m], envs[m], log_file=work / f"server-{m}.log")
         for m in MODES:
             harness.wait_ready(ports[m], procs[m])
             asyncio.run(harness.burst(ports[m], body, args.warmup))
         for r in range(args.rounds):
-            order = MODES if r % 2 == 0 else MODES[::-1]
             row: dict[str, dict[str, Any]] = {}
-            for m in order:
+            for m in MODES if r % 2 == 0 else MODES[::-1]:
                 row[m] = asyncio.run(drive(ports[m], body, args.clients, args.seconds, args.timeout))
             rounds.append(row)
             print(
@@ -136,10 +135,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"off {row['off']['rps']:.1f} req/s p99 {row['off']['p99_ms']:.1f} ms",
                 flush=True,
             )
-        records = store_records(ports["on"])
+        return rounds, store_records(ports["on"])
     finally:
         for proc in procs.values():
             harness.stop_server(proc)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    tmp, artifact, manifest, body = harness.open_run(args, "hydra-store-cost-")
+    print(f"store on vs off with {artifact}: {args.clients} clients on {harness.cpu_name()}", flush=True)
+    rounds, records = run_rounds(args, artifact, body, Path(tmp.name))
     throughput, p99 = ratios(rounds, "rps"), ratios(rounds, "p99_ms")
     errors = sum(x[m]["errors"] for x in rounds for m in MODES)
     checks = {
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     shown = artifact.relative_to(harness.ROOT) if artifact.is_relative_to(harness.ROOT) else artifact
     result = {
-        **harness.result_head("store_cost", argv, name, args, shown),
+        **harness.result_head("store_cost", argv, manifest["name"], args, shown),
         "clients": args.clients,
         "seconds_per_run": args.seconds,
         "rounds": rounds,
@@ -162,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": harness.machine(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = harness.write_result(result, args.out, f"store_cost/{name}.json")
+    out = harness.write_result(result, args.out, f"store_cost/{manifest['name']}.json")
     print(
         f"on / off, median over {args.rounds} rounds: throughput {throughput['median']:.3f} "
         f"(range {throughput['min']:.3f}-{throughput['max']:.3f}), p99 {p99['median']:.3f} "
