@@ -211,26 +211,24 @@ class Database:
         """PostgreSQL: refresh the planner's statistics of ``tables`` (best effort). Without them a table just
         filled looks empty, and a join over it runs as a nested loop over every pair of rows (seconds for 10,000
         rows); autovacuum catches up only after its own delay. SQLite's planner prefers the indexes without them."""
-        if self.dialect != "postgresql":
-            return
-        try:
-            with self.engine.connect() as conn:
-                conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(f"ANALYZE {', '.join(tables)}")
-        except exc.SQLAlchemyError as e:
-            log.debug("ANALYZE %s failed: %s", tables, short_error(e))
+        if self.dialect == "postgresql":
+            self._maintain(f"ANALYZE {', '.join(tables)}")
 
     def checkpoint(self) -> None:
         """SQLite: copy the write-ahead log into the database and truncate it (best effort). SQLite's own
         checkpoints after each 1,000 pages restart the log only when no reader is inside it, which a busy server
         rarely allows, so the log file grows; this one waits for the readers (new ones go on unimpeded) and
         empties it. The writer calls it after each retention pass. PostgreSQL: nothing to do."""
-        if self.dialect != "sqlite":
-            return
+        if self.dialect == "sqlite":
+            self._maintain("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def _maintain(self, sql: str) -> None:
+        """Run one maintenance statement outside a transaction, best effort: a failure is logged, not raised."""
         try:
             with self.engine.connect() as conn:
-                conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(sql)
         except exc.SQLAlchemyError as e:
-            log.debug("WAL checkpoint failed: %s", short_error(e))
+            log.debug("%s failed: %s", sql, short_error(e))
 
     def lost(self) -> None:
         """The database failed: check the schema again on the next use (it may be a new, empty one)."""

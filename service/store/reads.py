@@ -54,21 +54,13 @@ def _select(model: str, version: str | None, *, labelled: bool, since: float | N
     """The labelled rows are read from the feedback side (an inner join, filtered and ordered on the feedback's
     ``(model, version, ts)`` index), so that reading the labels since a cursor costs the labels read, not every
     prediction stored; the served rows from the predictions' ``(model, version, ts)`` index."""
-    if labelled:
-        query = select(*_COLUMNS).select_from(_LABELLED).where(_F.c.model == model)
-        if version is not None:
-            query = query.where(_F.c.version == version)
-        if since is not None:
-            query = query.where(_F.c.ts >= since)
-        order = _F.c.ts  # by label time
-    else:
-        query = select(*_COLUMNS).select_from(_JOIN).where(_P.c.model == model)
-        if version is not None:
-            query = query.where(_P.c.version == version)
-        if since is not None:
-            query = query.where(_P.c.ts >= since)
-        order = _P.c.ts  # by answer time (not by when it was written)
-    query = query.order_by(order.desc(), _P.c.seq.desc())
+    src, t = (_LABELLED, _F) if labelled else (_JOIN, _P)  # by label time, or by answer time
+    query = select(*_COLUMNS).select_from(src).where(t.c.model == model)
+    if version is not None:
+        query = query.where(t.c.version == version)
+    if since is not None:
+        query = query.where(t.c.ts >= since)
+    query = query.order_by(t.c.ts.desc(), _P.c.seq.desc())
     return query.limit(last) if last is not None else query
 
 
