@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
 import statistics
 import sys
 import time
@@ -73,14 +72,16 @@ async def drive(port: int, body: bytes, clients: int, seconds: float, timeout: f
 
 def store_records(port: int) -> dict[str, float]:
     """``hydra_store_records`` of the server's ``/metrics``, by outcome (written, queued, dropped ...)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     status, _, text = asyncio.run(harness.request(port, "GET", "/metrics"))
     assert status == 200, status
     out: dict[str, float] = {}
-    for line in text.decode().splitlines():
-        m = re.match(r"hydra_store_records\{([^}]*)\} (\S+)$", line)
-        if m:
-            outcome = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))).get("outcome", "?")
-            out[outcome] = out.get(outcome, 0.0) + float(m.group(2))
+    for fam in text_string_to_metric_families(text.decode()):
+        if fam.name == "hydra_store_records":
+            for s in fam.samples:
+                outcome = s.labels.get("outcome", "?")
+                out[outcome] = out.get(outcome, 0.0) + s.value
     return out
 
 
