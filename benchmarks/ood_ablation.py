@@ -9,8 +9,9 @@ the way a build does (Gaussians on the fit split, norms and thresholds on ID val
 * ``scratch-<steps>``: the small ViT trained here from scratch for that many steps (the demo's base before the
   backbone; 400 steps is what ``image-fast`` trained): does longer training, i.e. higher accuracy, collapse the
   last feature?
-* ``...+same-recipe``: the members fine-tuned on the same batches from the base's head, against the shipped recipe
-  (a bootstrap resample each, fresh heads): does the member recipe collapse it?
+* ``...+same-recipe``: the members fine-tuned on the same batches from the base's head, without distillation,
+  against the shipped config's recipe (a bootstrap resample each, distillation from the base): does the member
+  recipe collapse it?
 * ``fit=train``: the Gaussians fitted on the training images instead of held-out ones;
 * ``backbone``: the shipped configs' base, the pretrained backbone (``offline.pretrain``) fine-tuned.
 
@@ -72,7 +73,7 @@ SCRATCH_BASE = {
     "base.arch": {},
     "hydra.strategy": "circuit-avg",
 }  # the demo's base before the backbone
-SAME = {"hydra.member_data": "same", "hydra.reinit_head": False}
+SAME = {"hydra.member_data": "same", "hydra.reinit_head": False, "hydra.distill": 0.0}
 VARIANTS: dict[str, dict[str, Any]] = {
     "scratch-100": {**SCRATCH_BASE, "base.steps": 100},
     "scratch-400": {**SCRATCH_BASE, "base.steps": 400},
