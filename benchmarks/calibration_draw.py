@@ -18,38 +18,33 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import timm
 import torch
-from safetensors.torch import load_file
 
 from benchmarks.truth import reserved_images
 from offline.data import fashion
+from offline.loaders import load_timm
+from offline.pretrain import per_class_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
-BACKBONE = ROOT / "offline" / "backbones" / "fashion-vit-s"
+RECORD = ROOT / "offline" / "backbones" / "fashion-vit-s.json"
 
 
-def backbone() -> tuple[torch.nn.Module, float, float]:
-    """The pretrained backbone as its record says to load it, with its normalisation ``(model, mean, std)``."""
-    load = json.loads(BACKBONE.with_suffix(".json").read_text())["load"]
-    arch = dict(load["base.arch"])
-    overlay = arch.pop("pretrained_cfg_overlay")
-    model = timm.create_model(
-        load["base.source"].split(":", 1)[1], pretrained=False, **arch, num_classes=overlay["num_classes"]
-    )
-    model.load_state_dict(load_file(str(BACKBONE.with_suffix(".safetensors"))))
-    return model.eval(), float(overlay["mean"][0]), float(overlay["std"][0])
+def backbone() -> torch.nn.Module:
+    """The pretrained backbone loaded as its record says (the shipped configs load it the same way)."""
+    record = json.loads(RECORD.read_text())
+    name = record["load"]["base.source"].split(":", 1)[1]
+    classes = len(fashion.FASHION_ID_CLASSES)
+    return load_timm(name, str(RECORD.parent / record["file"]), classes, **record["load"]["base.arch"]).eval()
 
 
-def accuracy(model: torch.nn.Module, mean: float, std: float, x: np.ndarray, official: np.ndarray) -> dict[str, Any]:
-    """Overall and per-class accuracy (by the data set's names) of ``model`` on uint8 images ``x`` ``(N, 28, 28)``."""
+def accuracy(model: torch.nn.Module, x: np.ndarray, official: np.ndarray) -> dict[str, Any]:
+    """Overall and per-class accuracy (by the data set's names) of ``model`` on uint8 images ``x`` ``(N, 28, 28)``
+    with official Fashion-MNIST labels, at the demo normalisation (:func:`offline.pretrain.per_class_accuracy`)."""
     y = fashion.fashion_id_labels(official)
-    xt = (torch.from_numpy(x).float() / 255 - mean) / std
-    with torch.inference_mode():
-        pred = torch.cat([model(xt[i : i + 500, None]) for i in range(0, len(xt), 500)]).argmax(1).numpy()
-    names = [fashion.FASHION_CLASSES[c] for c in fashion.FASHION_ID_CLASSES]
-    per_class = {n: float((pred[y == c] == c).mean()) for c, n in enumerate(names)}
-    return {"n": len(y), "accuracy": float((pred == y).mean()), "per_class": per_class}
+    per_class = per_class_accuracy(model, x, y)
+    counts = np.bincount(y, minlength=len(per_class))
+    overall = float(sum(acc * n for acc, n in zip(per_class.values(), counts, strict=True)) / len(y))
+    return {"n": len(y), "accuracy": overall, "per_class": per_class}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "calibration_draw.json")
     args = ap.parse_args(argv)
     manifest = json.loads((args.artifact / "manifest.json").read_text())
-    model, mean, std = backbone()
-    sets = {name: accuracy(model, mean, std, x, y) for name, (x, y) in reserved_images(manifest).items()}
+    model = backbone()
+    sets = {name: accuracy(model, x, y) for name, (x, y) in reserved_images(manifest).items()}
     cal, unused = sets["calibration"], sets["unused"]
     var = sum(s["accuracy"] * (1 - s["accuracy"]) / s["n"] for s in (cal, unused))
     doc = {

@@ -144,13 +144,18 @@ def test_accuracy(model: torch.nn.Module) -> float:
 
 def test_per_class(model: torch.nn.Module) -> dict[str, float]:
     """Top-1 accuracy per ID class on the test file's ID images, keyed by the data set's own class name."""
-    x, y = test_images()
+    return {name: round(acc, 4) for name, acc in per_class_accuracy(model, *test_images()).items()}
+
+
+def per_class_accuracy(model: torch.nn.Module, x: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """Top-1 accuracy per ID class, keyed by the data set's own class name, of uint8 images ``x`` ``(N, 28, 28)``
+    with labels ``y`` (0..5) at the demo normalisation."""
     batches = make_batches(x, y, 500, kind="image", mean=list(GRAY_MEAN), std=list(GRAY_STD), size=[28, 28], channels=1)
     model.eval()
     with torch.no_grad():
         pred = torch.cat([model(b["pixel_values"]).argmax(-1) for b, _ in batches]).numpy()
     names = [data_mod.FASHION_CLASSES[c] for c in data_mod.FASHION_ID_CLASSES]
-    return {name: round(float(np.mean(pred[y == i] == i)), 4) for i, name in enumerate(names)}
+    return {name: float(np.mean(pred[y == i] == i)) for i, name in enumerate(names)}
 
 
 def _store(model: torch.nn.Module, cfg: PretrainConfig, out: Path) -> Path:
