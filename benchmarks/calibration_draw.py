@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     model = backbone()
     sets = {name: accuracy(model, x, y) for name, (x, y) in reserved_images(manifest).items()}
     cal, unused = sets["calibration"], sets["unused"]
+    artifact = args.artifact.resolve()
+    shown = artifact.relative_to(ROOT) if artifact.is_relative_to(ROOT) else artifact  # no machine's paths
     var = sum(s["accuracy"] * (1 - s["accuracy"]) / s["n"] for s in (cal, unused))
     doc = {
-        "command": f"python -m benchmarks.calibration_draw --artifact {args.artifact}",
+        "command": f"python -m benchmarks.calibration_draw --artifact {shown}",
         "model": "offline/backbones/fashion-vit-s (pretrained on the training pool, before any build)",
         "build": manifest.get("name"),
         "sets": sets,
