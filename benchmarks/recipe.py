@@ -192,14 +192,16 @@ def summarize(name: str, out: Path, overrides: dict[str, Any]) -> dict[str, Any]
 
 def targets(doc: dict[str, Any]) -> dict[str, Any]:
     """What the ensemble must earn, Hydra's and Single's side by side (``<figure>_hydra`` / ``<figure>_single``): NLL
-    at their own temperatures, AURC, the conformal sets' mean size at alpha 0.05 and 0.1, the accept rate and the
-    error among accepted answers of the risk rule at 5 %, and, with a shift section, ECE and AURC on the shifted
-    copies averaged over the corruptions and severities."""
+    at their own temperatures, AURC, OOD AUROC with MSP (also the Deep Ensemble's, where one is built), the conformal
+    sets' mean size at alpha 0.05 and 0.1, the accept rate and the error among accepted answers of the risk rule at
+    5 %, and, with a shift section, ECE and AURC on the shifted copies averaged over the corruptions and
+    severities."""
     rows = {r["method"]: r for r in doc["rows"]}
     extra = doc["extra"]
     guarantees = (extra.get("guarantees_report") or {}).get("methods") or {}
+    de = rows.get("deep_ensemble")
+    out: dict[str, Any] = {"auroc_msp_deep_ensemble": _served_auroc(de, "msp") if de else None}
     shift = (extra.get("shift") or {}).get("methods") or {}
-    out: dict[str, Any] = {}
     for method in ("hydra", "single"):
         row, g = rows[method], guarantees.get(method) or {}
         rule = next((r for r in g.get("selective", []) if abs(r["risk"] - 0.05) < 1e-9), {})
@@ -207,6 +209,7 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
         out |= {
             f"nll_ts_{method}": row.get("calibrated", {}).get("nll"),
             f"aurc_{method}": row.get("aurc"),
+            f"auroc_msp_{method}": _served_auroc(row, "msp"),
             f"set_size_05_{method}": (g.get("coverage") or {}).get("0.05", {}).get("mean_size"),
             f"set_size_10_{method}": (g.get("coverage") or {}).get("0.1", {}).get("mean_size"),
             f"accept_05_{method}": rule.get("test_accept_rate"),
@@ -332,7 +335,7 @@ def over_seeds(rows: list[dict[str, Any]]) -> str:
     """Mean ± standard deviation over the seeds of each recipe: the served flag and the AUROCs."""
     sets = list(rows[0]["recall"])
     head = ["recipe", "seeds", "ID test flagged %"] + [f"recall {s} %" for s in sets]
-    head += ["AUROC Hydra", "Single", "best member", "Deep Ens."]
+    head += ["AUROC Hydra", "Single", "best member", "Deep Ens.", "MSP AUROC Hydra", "MSP Deep Ens."]
     lines = ["", "Over seeds (mean ± std):", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for recipe in dict.fromkeys(r["recipe"] for r in rows):
         rs = [r for r in rows if r["recipe"] == recipe]
@@ -340,7 +343,14 @@ def over_seeds(rows: list[dict[str, Any]]) -> str:
         cells += [_mean_std([r["recall"].get(s) for r in rs]) for s in sets]
         cells += [
             _mean_std([r.get(k) for r in rs])
-            for k in ("auroc_hydra", "auroc_single", "auroc_best_member", "auroc_deep_ensemble")
+            for k in (
+                "auroc_hydra",
+                "auroc_single",
+                "auroc_best_member",
+                "auroc_deep_ensemble",
+                "auroc_msp_hydra",
+                "auroc_msp_deep_ensemble",
+            )
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n" + targets_over_seeds(rows)
@@ -358,10 +368,11 @@ TARGETS = (
     ("accepted % at risk 5 %", "accept_05", False),
     ("error among accepted %", "accepted_error_05", True),
     ("OOD AUROC %, served score", "auroc", False),
+    ("OOD AUROC %, MSP", "auroc_msp", False),
     ("shifted: ECE %, own T", "shift_ece", True),
     ("shifted: AURC", "shift_aurc", True),
 )
-_PERCENT = {"acc", "ece_ts", "ece", "accept_05", "accepted_error_05", "auroc", "shift_ece"}
+_PERCENT = {"acc", "ece_ts", "ece", "accept_05", "accepted_error_05", "auroc", "auroc_msp", "shift_ece"}
 
 
 def _key(stem: str, method: str) -> str:

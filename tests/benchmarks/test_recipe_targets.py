@@ -20,7 +20,7 @@ def _doc(acc: float, nll: float, accept: float) -> dict:
         "ece": 0.05,
         "aurc": 0.03,
         "calibrated": {"nll": nll, "ece": 0.02},
-        "ood_scores": {},
+        "ood_scores": {"msp": {"avg": {"auroc": a - 0.1}}},
     }
     guarantees = {
         m: {
@@ -41,6 +41,11 @@ def test_targets_read_each_figure_of_hydra_and_single():
     assert t["nll_ts_hydra"] == 0.4 and t["accept_05_hydra"] == 0.7 and t["accept_05_single"] == 0.7
     assert t["set_size_05_single"] == 1.2 and t["set_size_10_hydra"] == 1.05
     assert t["shift_ece_hydra"] == 0.1 and t["shift_aurc_single"] == 0.08 and t["aurc_hydra"] == 0.03
+    assert t["auroc_msp_hydra"] == 0.82 - 0.1 and t["auroc_msp_single"] == 0.8 - 0.1
+    assert t["auroc_msp_deep_ensemble"] is None  # no Deep Ensemble built
+    with_de = _doc(0.82, 0.4, 0.7)
+    with_de["rows"].append({"method": "deep_ensemble", "ood_scores": {"msp": {"avg": {"auroc": 0.75}}}})
+    assert targets(with_de)["auroc_msp_deep_ensemble"] == 0.75
     assert targets({"rows": _doc(0.8, 0.4, 0.7)["rows"], "extra": {}})["accept_05_hydra"] is None
 
 
@@ -67,4 +72,5 @@ def test_table_over_seeds_gives_each_figure_and_verdict():
     assert "**kd** (seeds 0, 1, 2)" in md
     assert "| accuracy % | 85.0 ± 1.0 | 81.0 ± 1.0 | win |" in md
     assert "| set size, alpha 0.05 | 1.2000 ± 0.0000 | 1.2000 ± 0.0000 | tie |" in md
-    assert "OOD AUROC" not in md  # no served-score AUROC in these rows: the line is left out
+    assert "OOD AUROC %, served score" not in md  # no served-score AUROC in these rows: the line is left out
+    assert "| OOD AUROC %, MSP | 75.0 ± 1.0 | 70.0 ± 0.0 | win |" in md
