@@ -124,6 +124,9 @@ class GuaranteesConfig:
     lam: float = 0.01  # raps: the penalty per rank
     alpha: float = 0.1  # the sets' default miscoverage (a request may ask for any alpha in (0, 1))
     mondrian: bool = False  # class-conditional sets: coverage at least 1 - alpha for every class
+    # training-conditional sets: this artifact's coverage is at least 1 - alpha with probability >= 1 - set_delta
+    # over the calibration draw (service.core.conformal.pac_rank); null: the marginal guarantee (on average over it)
+    set_delta: float | None = 0.1
     ood_alpha: float = 0.05  # the OOD flag's default level: p_value <= ood_alpha (false alarms on ID <= ood_alpha)
     risks: list[float] = field(default_factory=lambda: [0.01, 0.02, 0.05, 0.1])  # certified target error rates
     risk: float = 0.05  # the answers' default target (one of risks)
@@ -328,6 +331,8 @@ def _check_guarantees(g: GuaranteesConfig) -> None:
     for name in ("alpha", "ood_alpha", "delta", "drift_delta", "risk"):
         if not 0 < getattr(g, name) < 1:
             raise ConfigError(f"guarantees.{name} must be in (0, 1), got {getattr(g, name)}")
+    if g.set_delta is not None and not 0 < g.set_delta < 1:
+        raise ConfigError(f"guarantees.set_delta must be in (0, 1) or null, got {g.set_delta}")
     if not g.risks or any(not 0 < r < 1 for r in g.risks) or len(set(g.risks)) != len(g.risks):
         raise ConfigError(f"guarantees.risks must be distinct target risks in (0, 1), got {g.risks}")
     if g.risk not in g.risks:

@@ -152,7 +152,7 @@ def fit_guarantees(
     ``label_free``: the OOD score does not depend on the labels (zero-shot): its p-values hold for any labels,
     the sets and the risk rules only for the build's labels.
     """
-    sets = SetCalibrator.fit(cal.probs, cal.labels, g.method, g.k_reg, g.lam)
+    sets = SetCalibrator.fit(cal.probs, cal.labels, g.method, g.k_reg, g.lam, g.set_delta)
     ood = np.sort(outlier_oriented(cal.ood_score, metric))
     rules, sizes = risk_rules(g, cal, val, metric, ood_threshold)
     edges = drift_edges(outlier_oriented(val.ood_score, metric), g.drift_bins)
@@ -171,7 +171,8 @@ def fit_guarantees(
             "lam": g.lam,
             "alpha": g.alpha,
             "mondrian": g.mondrian,
-            "min_alpha": float(min_alpha(n)),
+            "delta": g.set_delta,
+            "min_alpha": float(sets.min_alpha()),
             "min_alpha_per_class": [float(a) for a in sets.min_alpha(mondrian=True)],
             "labels": "the build's" if label_free else "the model's",
         },
@@ -422,7 +423,13 @@ def evaluate_guarantees(
     threshold on its own validation scores (the risk rules' cut). Each method gets its guarantees fitted on the
     calibration split as the served model does (and on each shifted copy its rule at the default risk);
     ``served`` also gets the Mondrian sets, the risk-coverage curve and the drift runs."""
-    out: dict[str, Any] = {"alphas": list(REPORT_ALPHAS), "method": g.method, "metric": metric, "methods": {}}
+    out: dict[str, Any] = {
+        "alphas": list(REPORT_ALPHAS),
+        "method": g.method,
+        "set_delta": g.set_delta,
+        "metric": metric,
+        "methods": {},
+    }
     for name, o in by_method.items():
         fitted = fit_guarantees(g, o["calibration"], o["val"], metric, thresholds[name], {})
         ood = {k[4:]: v.ood_score for k, v in o.items() if k.startswith("ood:")}

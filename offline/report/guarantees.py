@@ -26,14 +26,21 @@ def guarantees_section(extra: Mapping[str, Any]) -> list[str]:
 
 def _intro(g: Mapping[str, Any], hydra: Mapping[str, Any]) -> list[str]:
     """How the guarantees were fitted and what to expect of them."""
+    d = g.get("set_delta")
+    sets = (
+        f"coverage at least 1 - alpha with probability {1 - d:g} over the calibration draw (training-conditional "
+        f"sets, delta {d:g})"
+        if d
+        else "coverage at least 1 - alpha on average over the calibration draw (marginal sets)"
+    )
     return [
         f"Fitted on the calibration split alone ({hydra.get('calibration_size', '–')} ID inputs nothing else of "
         f"the build touched), each method at its own temperature with its own statistics of the served score "
         f"(`{g['metric']}`), measured on ID test. Sets: `{g['method']}` scores; the smallest alpha the split "
         f"allows is {num(hydra.get('min_alpha'), 5)} (per class, Mondrian: "
-        f"{', '.join(num(a, 4) for a in hydra.get('min_alpha_per_class', []))}). Expected: coverage at least "
-        "1 - alpha (within the test set's sampling error), false alarms at most alpha, realised risk at most "
-        "the target with probability 1 - delta.",
+        f"{', '.join(num(a, 4) for a in hydra.get('min_alpha_per_class', []))}). Expected: {sets}, within the "
+        "test set's sampling error; false alarms at most alpha; realised risk at most the target with "
+        "probability 1 - delta.",
         "",
     ]
 

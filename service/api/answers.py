@@ -175,6 +175,7 @@ def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> Confor
     method = cast(Literal["lac", "aps", "raps"], g.sets.method)  # SetCalibrator accepts these alone
     return ConformalSet(
         alpha=r.set_alpha,
+        delta=None if r.alpha_t is not None else g.sets.delta,  # the adaptive method's guarantee is long-run
         set=[labels[j] for j in idx],
         size=len(idx),
         method=method,

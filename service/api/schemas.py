@@ -312,14 +312,23 @@ class OOD(BaseModel):
 
 
 class ConformalSet(BaseModel):
-    alpha: float = Field(description="miscoverage: the set holds the true label with probability >= 1 - alpha")
+    alpha: float = Field(
+        description="miscoverage: the sets hold the true label of at least 1 - alpha of the model's "
+        "in-distribution inputs (with delta: with probability >= 1 - delta over the calibration draw; "
+        "without: on average over it)"
+    )
+    delta: float | None = Field(
+        None,
+        description="training-conditional sets: the coverage of this model's sets is at least 1 - alpha with "
+        "probability >= 1 - delta over the draw of its calibration split (absent: the marginal guarantee)",
+    )
     set: list[str] = Field(description="the labels of the set, most probable first; never empty (see filled)")
     size: int
     method: Literal["lac", "aps", "raps"] = Field(description="the nonconformity score")
     mondrian: bool = Field(description="class-conditional: coverage >= 1 - alpha for every class")
     below_min_alpha: bool = Field(
-        description="alpha is below 1 / (n + 1) of the calibration split (for some "
-        "class, with mondrian): those labels are always in; marginal sets hold every label"
+        description="alpha is below what the calibration split supports (1 / (n + 1); with delta "
+        "1 - delta^(1/n); for some class, with mondrian): those labels are always in; marginal sets hold every label"
     )
     filled: bool = Field(
         False,

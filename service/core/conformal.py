@@ -16,6 +16,19 @@ ties, also ``P(y in C(x)) <= 1 - alpha + 1 / (n + 1)``. When ``k > n`` (``alpha 
 ``s(x, j) <= qhat_j``, with ``qhat_j`` from the ``n_j`` calibration points of class ``j``, and then
 ``P(y in C(x) | y = j) >= 1 - alpha`` for every class ``j`` (exchangeability within each class).
 
+**Training-conditional (PAC) sets** (Vovk 2012, "Conditional validity of inductive conformal predictors"; Bian &
+Barber 2023). The guarantee above averages over the draw of the calibration split: one deployed artifact, with its
+one split, may cover less than ``1 - alpha`` of its future inputs, and about half of all splits do (by up to a few
+``sqrt(alpha (1 - alpha) / n)``). With a ``delta`` in (0, 1) the rank is instead :func:`pac_rank`, the smallest
+``k`` with ``P(Binom(n, 1 - alpha) >= k) <= delta``; then, for i.i.d. data, the coverage of the deployed sets,
+``P(y in C(x) | calibration split)``, is at least ``1 - alpha`` with probability at least ``1 - delta`` over the
+draw of the split. (With continuous scores that coverage is ``F(s_(k))``, distributed ``Beta(k, n + 1 - k)``, and
+``P(F(s_(k)) < 1 - alpha)`` is the probability that ``k`` or more of the ``n`` scores fall below the
+``(1 - alpha)``-quantile: the binomial tail above; ties only raise the coverage.) Per class for Mondrian sets,
+each class at level ``delta``. The price: ``k / (n + 1)`` is about ``1 - alpha + z_(1 - delta) sqrt(alpha
+(1 - alpha) / n)``, e.g. 0.909 instead of 0.900 at ``n = 2000``, ``alpha = delta = 0.1``; and the smallest
+``alpha`` with a finite ``qhat`` is ``1 - delta^(1/n)`` (``(1 - alpha)^n <= delta``), about ``log(1 / delta) / n``.
+
 Scores, from the probabilities ``p`` (``(N, C)``, temperature-scaled):
 
 * ``lac`` (Sadinle et al. 2019, TorchCP's THR): ``1 - p_y``. Smallest sets on average; ignores how the rest of the
@@ -60,6 +73,7 @@ import torch
 from .selective import (
     P_VALUES,
     SelectiveRule,
+    _level,
     binomial_cdf,
     binomial_p_value,
     hb_p_value,
@@ -80,6 +94,7 @@ __all__ = [
     "min_accepted",
     "min_alpha",
     "ood_p_values",
+    "pac_rank",
     "quantile_rank",
     "selective_thresholds",
     "true_label_scores",
@@ -195,6 +210,35 @@ def quantile_rank(n: int | np.ndarray, alpha: float | np.ndarray) -> int | np.nd
     return int(k) if k.ndim == 0 else k
 
 
+def pac_rank(n: int | np.ndarray, alpha: float, delta: float) -> int | np.ndarray:
+    """The training-conditional rank (module docstring): the smallest ``k`` in ``[1, n]`` with
+    ``P(Binom(n, 1 - alpha) >= k) <= delta``, i.e. one plus the ``(1 - delta)``-quantile of ``Binom(n, 1 - alpha)``;
+    ``n + 1`` (no finite ``qhat``) when even ``k = n`` fails, i.e. ``(1 - alpha)^n > delta``. Vectorised over ``n``
+    (per-class counts); ``alpha`` and ``delta`` one number each. A bisection on the exact binomial CDF of
+    :func:`~service.core.selective.binomial_cdf`: O(log n) CDF evaluations per ``n``."""
+    a, d = _level("alpha", alpha), _level("delta", delta)
+    nn = np.atleast_1d(np.asarray(n, dtype=np.int64))
+    if nn.size and nn.min() < 0:
+        raise ValueError(f"n must be >= 0, got {nn.min()}")
+    out = np.empty_like(nn)
+    for i, m in enumerate(nn.tolist()):
+        # the CDF at j is non-decreasing in j and reaches 1 at j = n: find the smallest j with CDF(j) >= 1 - d
+        lo, hi = -1, m  # CDF(lo) < 1 - d (CDF(-1) = 0), CDF(hi) >= 1 - d
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if float(binomial_cdf(mid, m, 1.0 - a)) >= 1.0 - d else (mid, hi)
+        out[i] = hi + 1 if hi < m else m + 1  # j = n - 1 failing means k = n fails too: P(Bin >= n) > d
+    return int(out[0]) if np.ndim(n) == 0 else out
+
+
+def _pac_min_alpha(n: np.ndarray, delta: float) -> np.ndarray:
+    """Smallest ``alpha`` with :func:`pac_rank` ``<= n``: ``1 - delta^(1/n)`` (every ``alpha`` for ``n = 0`` would
+    need ``1``, so ``1.0`` there: no set is finite)."""
+    nn = np.asarray(n, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return np.where(nn > 0, -np.expm1(np.log(delta) / np.maximum(nn, 1.0)), 1.0)
+
+
 def conformal_quantile(sorted_scores: np.ndarray, alpha: float | np.ndarray) -> float | np.ndarray:
     """``qhat`` from calibration scores ``(n,)`` sorted ascending: the ``quantile_rank(n, alpha)``-th smallest.
 
@@ -219,7 +263,9 @@ class SetCalibrator:
     ``scores (n,)``: the true-label scores of the calibration points, ascending. ``class_scores (n,)``: the same
     scores grouped by true class and ascending within each class; class ``j`` holds
     ``class_scores[class_offsets[j]:class_offsets[j + 1]]`` (``class_offsets (C + 1,)``, so classes of unequal
-    sizes, or none at all, fit in one flat array). Build with :meth:`fit`; store with :meth:`to_tensors`.
+    sizes, or none at all, fit in one flat array). ``delta``: None for the marginal rank (:func:`quantile_rank`),
+    else the training-conditional one at this ``delta`` (:func:`pac_rank`; module docstring). Build with
+    :meth:`fit`; store with :meth:`to_tensors` (the tensors hold the scores; ``delta`` travels in the manifest).
     """
 
     method: str
@@ -228,9 +274,12 @@ class SetCalibrator:
     scores: np.ndarray
     class_scores: np.ndarray
     class_offsets: np.ndarray
+    delta: float | None = None
 
     def __post_init__(self) -> None:
         _method(self.method, self.k_reg, self.lam)
+        if self.delta is not None:
+            _level("delta", self.delta)
         s, cs, off = self.scores, self.class_scores, self.class_offsets
         if s.ndim != 1 or cs.shape != s.shape:
             raise ValueError(f"scores and class_scores must both be (n,), got {s.shape} and {cs.shape}")
@@ -254,9 +303,10 @@ class SetCalibrator:
         method: str = "aps",
         k_reg: int = 1,
         lam: float = 0.01,
+        delta: float | None = None,
     ) -> SetCalibrator:
         """Calibrate on ``probs (n, C)`` with true ``labels (n,)``; ``method``, ``k_reg``, ``lam`` as in
-        :func:`label_scores`."""
+        :func:`label_scores`; ``delta`` as in the class docstring."""
         p = _probs(probs)
         if p.shape[0] == 0:
             raise ValueError("need at least one calibration point, got probs of shape (0, C)")
@@ -264,7 +314,7 @@ class SetCalibrator:
         s = true_label_scores(p, y, method, k_reg, lam)
         by_class = np.lexsort((s, y))  # class first, then score
         offsets = np.concatenate([[0], np.cumsum(np.bincount(y, minlength=p.shape[1]))]).astype(np.int64)
-        return cls(method, int(k_reg), float(lam), np.sort(s), s[by_class], offsets)
+        return cls(method, int(k_reg), float(lam), np.sort(s), s[by_class], offsets, delta)
 
     @property
     def num_classes(self) -> int:
@@ -276,17 +326,34 @@ class SetCalibrator:
         return np.diff(self.class_offsets)
 
     def min_alpha(self, mondrian: bool = False) -> float | np.ndarray:
-        """Smallest ``alpha`` with a finite ``qhat``: ``1 / (n + 1)``, or per class ``(C,)`` for Mondrian."""
-        return min_alpha(self.class_counts) if mondrian else min_alpha(self.scores.shape[0])
+        """Smallest ``alpha`` with a finite ``qhat``, or per class ``(C,)`` for Mondrian: ``1 / (n + 1)``; with
+        ``delta``, ``1 - delta^(1/n)``."""
+        n = self.class_counts if mondrian else self.scores.shape[0]
+        if self.delta is None:
+            return min_alpha(n)
+        m = _pac_min_alpha(np.asarray(n), self.delta)
+        return m if mondrian else float(m)
 
-    def qhat(self, alpha: float, mondrian: bool = False) -> float | np.ndarray:
-        """The threshold: a float, or per class ``(C,)`` for Mondrian (``+inf`` where ``alpha`` is too small)."""
+    def rank(self, n: int | np.ndarray, alpha: float) -> int | np.ndarray:
+        """The rank (1-based) of ``qhat`` among ``n`` sorted scores at ``alpha``: marginal, or with ``delta``
+        training-conditional; ``> n``: no finite ``qhat``."""
+        return quantile_rank(n, alpha) if self.delta is None else pac_rank(n, alpha, self.delta)
+
+    def qhat(self, alpha: float, mondrian: bool = False, marginal: bool = False) -> float | np.ndarray:
+        """The threshold: a float, or per class ``(C,)`` for Mondrian (``+inf`` where ``alpha`` is too small).
+        ``marginal``: the marginal rank even with ``delta`` (the adaptive method's sets, whose guarantee is over
+        the stream, :mod:`service.core.online`)."""
         if _alpha(alpha).ndim != 0:
             raise ValueError(f"alpha must be one number here, got shape {np.shape(alpha)}")
+        pac = self.delta is not None and not marginal
         if not mondrian:
-            return conformal_quantile(self.scores, alpha)
+            if not pac:
+                return conformal_quantile(self.scores, alpha)
+            n = self.scores.shape[0]
+            r = int(self.rank(n, float(alpha)))
+            return float(self.scores[r - 1]) if r <= n else math.inf
         counts = self.class_counts
-        k = quantile_rank(counts, float(alpha))
+        k = np.asarray(self.rank(counts, float(alpha)) if pac else quantile_rank(counts, float(alpha)))
         idx = np.clip(self.class_offsets[:-1] + k - 1, 0, max(self.class_scores.shape[0] - 1, 0))
         return np.where(k <= counts, self.class_scores[idx], np.inf)
 
@@ -315,8 +382,11 @@ class SetCalibrator:
         }
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str = "conformal.") -> SetCalibrator:
-        """:class:`SetCalibrator` back from :meth:`to_tensors`' names (shapes and order checked)."""
+    def from_tensors(
+        cls, tensors: dict[str, torch.Tensor], prefix: str = "conformal.", delta: float | None = None
+    ) -> SetCalibrator:
+        """:class:`SetCalibrator` back from :meth:`to_tensors`' names (shapes and order checked); ``delta`` from the
+        manifest (``guarantees.conformal.delta``)."""
         names = ("method", "params", "scores", "class_scores", "class_offsets")
         missing = [prefix + k for k in names if prefix + k not in tensors]
         if missing:
@@ -335,6 +405,7 @@ class SetCalibrator:
             t["scores"].to(torch.float64).numpy(),
             t["class_scores"].to(torch.float64).numpy(),
             t["class_offsets"].to(torch.int64).numpy(),
+            delta,
         )
 
 

@@ -180,7 +180,7 @@ def load_guarantees(root: Path, manifest: Manifest) -> Guarantees | None:
     path = Path(root) / spec.file
     try:
         t = load_file(str(path))
-        sets = SetCalibrator.from_tensors(t, "conformal.")
+        sets = SetCalibrator.from_tensors(t, "conformal.", spec.conformal.delta)
         ood = t["ood.scores"].double().numpy()
         edges = t["drift.edges"].double().numpy()
     except (OSError, ValueError, KeyError) as e:

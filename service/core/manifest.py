@@ -327,7 +327,10 @@ class ConformalSpec(_OpenRecord):
     lam: float = Field(0.01, ge=0)
     alpha: Unit  # the answers' default miscoverage
     mondrian: bool = False  # class-conditional sets by default
-    min_alpha: Unit  # 1 / (n + 1): below it a set is every label
+    # training-conditional sets: coverage >= 1 - alpha with probability >= 1 - delta over the calibration draw
+    # (service.core.conformal.pac_rank); absent or null: the marginal guarantee
+    delta: Unit | None = None
+    min_alpha: Unit  # below it a set is every label: 1 / (n + 1), with delta 1 - delta^(1/n)
     min_alpha_per_class: list[float] = Field(default_factory=list)
 
 

@@ -525,6 +525,7 @@ class Runtime(abc.ABC):
             "alpha": g.alpha,
             "min_alpha": g.min_alpha,
             "mondrian": g.mondrian,
+            "set_delta": g.sets.delta,
             "ood_alpha": g.ood_alpha,
             "risk": g.risk,
             "delta": g.delta,

@@ -159,7 +159,8 @@ def _guarantees_on_the_calibration_split(out, manifest, risks) -> None:
     report = json.loads((out / "report.json").read_text())
     assert {r["method"] for r in report["rows"]} >= {"single", "single_ts", "hydra"}
     g = manifest["guarantees"]
-    assert g["conformal"]["min_alpha"] == pytest.approx(1 / 61) and g["ood"]["label_free"] is True
+    assert g["conformal"]["min_alpha"] == pytest.approx(1 - 0.1 ** (1 / 60)) and g["ood"]["label_free"] is True
+    assert g["conformal"]["delta"] == 0.1 and g["ood"]["min_alpha"] == pytest.approx(1 / 61)  # p-values: marginal
     hydra = report["extra"]["guarantees_report"]["methods"]["hydra"]
     assert hydra["calibration_size"] == 60
     for cell in hydra["coverage"].values():  # sets of the 3 labels; alpha 0.01 < 1/61: every label

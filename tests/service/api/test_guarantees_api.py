@@ -50,7 +50,8 @@ def _direct(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
     cal = t["ood.scores"].numpy()  # outlier-oriented: -MSP, sorted
     msp = s["msp"].double().numpy()
     p = (1 + (cal[None, :] >= -msp[:, None]).sum(1)) / (len(cal) + 1)
-    sets = SetCalibrator.from_tensors(t)
+    assert m.guarantees is not None and m.guarantees.conformal.delta == 0.1  # the builder's default: PAC sets
+    sets = SetCalibrator.from_tensors(t, delta=m.guarantees.conformal.delta)
     return {
         "probs": s["probs"].double().numpy(),
         "msp": msp,
@@ -78,7 +79,7 @@ def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_ar
         c = p["conformal"]
         raw = want["calibrator"].sets(want["probs"][i : i + 1], 0.1)
         expected = keep_top(raw, want["probs"][i : i + 1])[0][0]  # served sets are never empty
-        assert c["alpha"] == 0.1 and c["method"] == "lac" and c["mondrian"] is False
+        assert c["alpha"] == 0.1 and c["delta"] == 0.1 and c["method"] == "lac" and c["mondrian"] is False
         assert sorted(c["set"]) == sorted(TINY_LABELS[j] for j in np.flatnonzero(expected))
         assert c["size"] == len(c["set"])
         order = [TINY_LABELS[j] for j in np.argsort(-want["probs"][i], kind="stable")]
@@ -97,7 +98,7 @@ def test_the_request_chooses_the_levels(g_client, g_artifact):
     assert wide["ood"]["alpha"] == 0.9 and wide["ood"]["flag"] == (base["ood"]["p_value"] <= 0.9)
     assert set(wide["conformal"]["set"]) <= set(base["conformal"]["set"]) and wide["conformal"]["alpha"] == 0.6
     tiny = g_client.post("/predict", json={"image": img, "alpha": 0.001}).json()["predictions"][0]["conformal"]
-    assert tiny["below_min_alpha"] is True and sorted(tiny["set"]) == sorted(TINY_LABELS)  # below 1 / (300 + 1)
+    assert tiny["below_min_alpha"] is True and sorted(tiny["set"]) == sorted(TINY_LABELS)  # below 1 - 0.1^(1/300)
     strict = g_client.post("/predict", json={"image": img, "risk": 0.05}).json()["predictions"][0]["selective"]
     assert strict.pop("reason").startswith("no rule met the risk target 0.05")
     assert strict == {"accept": False, "risk": 0.05, "certified": False, "ood_threshold": CUT}  # not met on the split
@@ -146,7 +147,8 @@ def test_models_list_the_guarantees_and_metrics_count_them(g_client):
     g = m["guarantees"]
     assert g["calibration_size"] == 300 and g["alpha"] == 0.1 and g["ood_alpha"] == 0.05 and g["risk"] == 0.5
     assert set(g["risks"]) == {"0.05", "0.5"} and g["risks"]["0.05"] is None
-    assert g["min_alpha"] == pytest.approx(1 / 301)
+    assert g["min_alpha"] == pytest.approx(1 - 0.1 ** (1 / 300))  # training-conditional at delta 0.1 (1 / 301 without)
+    assert g["set_delta"] == 0.1
     assert g["drift"]["alarm"] is False and g["drift"]["log10_threshold"] == pytest.approx(5.0)  # A = 10^3 / 0.01
     g_client.post("/predict", json={"images": [b64(png(a)) for a in noise_images(4, seed=9)]})
     text = g_client.get("/metrics").text

@@ -17,7 +17,7 @@ from mapie.classification import SplitConformalClassifier
 from mapie.conformity_scores import APSConformityScore, RAPSConformityScore
 from mapie.risk_control.methods import compute_hoeffding_bentkus_p_value
 from safetensors.torch import load_file, save_file
-from scipy.stats import binom
+from scipy.stats import beta, binom
 from sklearn.base import BaseEstimator, ClassifierMixin
 
 from service.core.conformal import (
@@ -31,6 +31,7 @@ from service.core.conformal import (
     min_accepted,
     min_alpha,
     ood_p_values,
+    pac_rank,
     quantile_rank,
     selective_thresholds,
     true_label_scores,
@@ -278,6 +279,82 @@ def test_mondrian_class_coverage_by_simulation():
             cov[i, j] = hit[y[test] == j].mean()
     mean, se = cov.mean(0), cov.std(0, ddof=1) / math.sqrt(splits)
     assert np.all(mean >= 1 - alpha - Z * se), (mean, se)
+
+
+# ----------------------------------------------------------------------------- training-conditional (PAC) sets
+@pytest.mark.parametrize("alpha, delta", [(0.1, 0.1), (0.05, 0.1), (0.2, 0.05), (0.01, 0.5), (0.3, 0.01)])
+def test_pac_rank_is_one_above_scipys_binomial_quantile(alpha: float, delta: float):
+    """``pac_rank(n) = 1 + binom.ppf(1 - delta, n, 1 - alpha)`` (scipy's quantile), ``n + 1`` where even the
+    largest score fails; and the rank where the order statistic's coverage ``Beta(k, n + 1 - k)`` (scipy) first
+    has at most ``delta`` of its mass below ``1 - alpha``."""
+    ns = np.array([1, 2, 5, 10, 22, 59, 100, 333, 1000, 2000])
+    got = np.asarray(pac_rank(ns, alpha, delta))
+    want = np.minimum(binom.ppf(1 - delta, ns, 1 - alpha).astype(np.int64) + 1, ns + 1)
+    np.testing.assert_array_equal(got, want)
+    for n, k in zip(ns.tolist(), got.tolist(), strict=True):
+        if k <= n:
+            assert beta.cdf(1 - alpha, k, n + 1 - k) <= delta + 1e-12
+        if 1 < k <= n + 1:  # one rank lower is not enough
+            assert beta.cdf(1 - alpha, k - 1, n + 2 - k) > delta - 1e-12
+        assert k >= quantile_rank(n, alpha) or delta >= 0.5  # never below the marginal rank at delta < 1/2
+    assert pac_rank(2000, 0.1, 0.1) == 1818 and quantile_rank(2000, 0.1) == 1801  # docs/api.md's example
+    assert pac_rank(0, 0.1, 0.1) == 1  # no scores: no finite threshold
+
+
+def test_pac_min_alpha_is_where_the_rank_first_fits():
+    """``min_alpha`` with ``delta`` is ``1 - delta^(1/n)``: just above it the rank is at most ``n``, just below
+    it ``n + 1`` (every label)."""
+    for n in (1, 7, 60, 300, 2000):
+        cal = SetCalibrator("lac", 1, 0.01, np.linspace(0, 1, n), np.linspace(0, 1, n), np.array([0, n]), 0.1)
+        m = float(cal.min_alpha())
+        assert m == pytest.approx(1 - 0.1 ** (1 / n))
+        assert pac_rank(n, m * 1.001, 0.1) <= n and pac_rank(n, m * 0.999, 0.1) == n + 1
+        assert math.isfinite(cal.qhat(m * 1.001)) and cal.qhat(m * 0.999) == math.inf
+        assert cal.min_alpha(mondrian=True) == pytest.approx([m])
+
+
+def test_training_conditional_coverage_by_simulation():
+    """The PAC guarantee, over many calibration draws: with continuous scores ``U(0, 1)`` the coverage of the sets
+    given the split is ``qhat`` itself, so each draw's coverage is exact. With ``delta = 0.1`` at most 10 % of
+    draws cover less than ``1 - alpha`` (up to Monte-Carlo error); with the marginal rank about half of them do,
+    which is what the training-conditional rank is for. Mondrian sets hold it for each class."""
+    rng = np.random.default_rng(31)
+    n, alpha, delta, draws = 500, 0.1, 0.1, 4000
+    u = np.sort(rng.random((draws, n)), axis=1)
+    short_pac = np.empty(draws, dtype=bool)
+    short_marginal = np.empty(draws, dtype=bool)
+    for i in range(draws):
+        cal = SetCalibrator("lac", 1, 0.01, u[i], u[i], np.array([0, n]), delta)
+        short_pac[i] = cal.qhat(alpha) < 1 - alpha
+        short_marginal[i] = cal.qhat(alpha, marginal=True) < 1 - alpha
+    se = math.sqrt(delta * (1 - delta) / draws)
+    assert short_pac.mean() <= delta + Z * se, short_pac.mean()
+    assert short_pac.mean() >= delta - 0.05  # not needlessly conservative: the rank is the smallest that holds
+    assert short_marginal.mean() > 0.4, short_marginal.mean()
+    # Mondrian: two classes of 300 and 200 scores, each at level delta
+    offsets = np.array([0, 300, 500])
+    short = np.zeros(2)
+    for _ in range(1000):
+        a, b = np.sort(rng.random(300)), np.sort(rng.random(200))
+        cal = SetCalibrator("lac", 1, 0.01, np.sort(np.r_[a, b]), np.r_[a, b], offsets, delta)
+        short += np.asarray(cal.qhat(alpha, mondrian=True)) < 1 - alpha
+    assert np.all(short / 1000 <= delta + Z * math.sqrt(delta * (1 - delta) / 1000)), short / 1000
+
+
+def test_pac_sets_on_real_scores_cover_at_least_the_marginal_ones():
+    """On a model's probabilities the PAC threshold is the ``pac_rank``-th smallest calibration score, so its sets
+    contain the marginal ones; the calibrator fitted with ``delta`` and one rebuilt from its tensors (the delta
+    from the manifest) give the same sets."""
+    probs, y = _softmax_data(1500, 8, seed=41)
+    pac = SetCalibrator.fit(probs[:1000], y[:1000], "aps", delta=0.1)
+    marginal = SetCalibrator.fit(probs[:1000], y[:1000], "aps")
+    assert pac.qhat(0.1) == pac.scores[pac_rank(1000, 0.1, 0.1) - 1] >= marginal.qhat(0.1)
+    big, small = pac.sets(probs[1000:], 0.1), marginal.sets(probs[1000:], 0.1)
+    assert np.all(big >= small) and big.sum() > small.sum()
+    back = SetCalibrator.from_tensors(pac.to_tensors(), delta=0.1)
+    np.testing.assert_array_equal(back.sets(probs[1000:], 0.1, mondrian=True), pac.sets(probs[1000:], 0.1, True))
+    with pytest.raises(ValueError, match="delta"):
+        SetCalibrator.fit(probs[:10], y[:10], "lac", delta=1.0)
 
 
 # ----------------------------------------------------------------------------- OOD p-values
