@@ -189,10 +189,8 @@ class AdaptiveConformal:
         return self.alpha_1 + self.gamma * (self.alpha * self.labelled - self.misses)
 
     def qhat(self, calibrator: SetCalibrator, mondrian: bool = False) -> float | np.ndarray:
-        """The set threshold at ``alpha_t``: the calibrator's marginal one (:meth:`SetCalibrator.qhat`; the
-        guarantee here is over the stream, not the calibration draw, so no training-conditional margin); ``+inf``
-        (every label) at ``alpha_t <= 0``, ``-inf`` (the empty set) at ``alpha_t >= 1``; per class ``(C,)`` for
-        Mondrian."""
+        """The set threshold at ``alpha_t``: the calibrator's marginal one (the guarantee is over the stream);
+        ``+inf`` (every label) at ``alpha_t <= 0``, ``-inf`` (empty) at ``alpha_t >= 1``; ``(C,)`` for Mondrian."""
         a = self.alpha_t
         if 0 < a < 1:
             return calibrator.qhat(a, mondrian, marginal=True)
