@@ -128,8 +128,8 @@ class Guarantees:
 
     @property
     def min_alpha(self) -> float:
-        """The smallest ``alpha`` with a finite set threshold: ``1 / (n + 1)`` (per class for Mondrian: the
-        largest class minimum)."""
+        """The smallest ``alpha`` with a finite set threshold: ``1 / (n + 1)``, with the sets' ``delta``
+        ``1 - delta^(1/n)`` (per class for Mondrian: the largest class minimum)."""
         m = self.sets.min_alpha(self.mondrian)
         return float(np.max(m))
 
