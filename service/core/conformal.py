@@ -235,8 +235,7 @@ def _pac_min_alpha(n: np.ndarray, delta: float) -> np.ndarray:
     """Smallest ``alpha`` with :func:`pac_rank` ``<= n``: ``1 - delta^(1/n)`` (every ``alpha`` for ``n = 0`` would
     need ``1``, so ``1.0`` there: no set is finite)."""
     nn = np.asarray(n, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        return np.where(nn > 0, -np.expm1(np.log(delta) / np.maximum(nn, 1.0)), 1.0)
+    return np.where(nn > 0, -np.expm1(math.log(delta) / np.maximum(nn, 1.0)), 1.0)
 
 
 def conformal_quantile(sorted_scores: np.ndarray, alpha: float | np.ndarray) -> float | np.ndarray:
@@ -334,10 +333,10 @@ class SetCalibrator:
         m = _pac_min_alpha(np.asarray(n), self.delta)
         return m if mondrian else float(m)
 
-    def rank(self, n: int | np.ndarray, alpha: float) -> int | np.ndarray:
-        """The rank (1-based) of ``qhat`` among ``n`` sorted scores at ``alpha``: marginal, or with ``delta``
-        training-conditional; ``> n``: no finite ``qhat``."""
-        return quantile_rank(n, alpha) if self.delta is None else pac_rank(n, alpha, self.delta)
+    def rank(self, n: int | np.ndarray, alpha: float, marginal: bool = False) -> int | np.ndarray:
+        """The rank (1-based) of ``qhat`` among ``n`` sorted scores at ``alpha``: with ``delta`` the
+        training-conditional one unless ``marginal``, else the marginal one; ``> n``: no finite ``qhat``."""
+        return quantile_rank(n, alpha) if self.delta is None or marginal else pac_rank(n, alpha, self.delta)
 
     def qhat(self, alpha: float, mondrian: bool = False, marginal: bool = False) -> float | np.ndarray:
         """The threshold: a float, or per class ``(C,)`` for Mondrian (``+inf`` where ``alpha`` is too small).
@@ -345,15 +344,12 @@ class SetCalibrator:
         the stream, :mod:`service.core.online`)."""
         if _alpha(alpha).ndim != 0:
             raise ValueError(f"alpha must be one number here, got shape {np.shape(alpha)}")
-        pac = self.delta is not None and not marginal
         if not mondrian:
-            if not pac:
-                return conformal_quantile(self.scores, alpha)
             n = self.scores.shape[0]
-            r = int(self.rank(n, float(alpha)))
+            r = int(self.rank(n, float(alpha), marginal))
             return float(self.scores[r - 1]) if r <= n else math.inf
         counts = self.class_counts
-        k = np.asarray(self.rank(counts, float(alpha)) if pac else quantile_rank(counts, float(alpha)))
+        k = np.asarray(self.rank(counts, float(alpha), marginal))
         idx = np.clip(self.class_offsets[:-1] + k - 1, 0, max(self.class_scores.shape[0] - 1, 0))
         return np.where(k <= counts, self.class_scores[idx], np.inf)
 
