@@ -55,6 +55,11 @@ def test_overrides_win_over_file(tmp_path):
         ("family: bert\ndata: {setting: fashion-mnist}\nhydra: {prune_per_layer: 6}\n", {}, "needs text data"),
         ("family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6}\n", {"hydra.seeds": [0]}, "seeds"),
         ("family: bert\ndata: {setting: tweets, max_fit: -1}\nhydra: {prune_per_layer: 6}\n", {}, "max_fit must be"),
+        (
+            "family: bert\ndata: {setting: tweets}\nhydra: {prune_per_layer: 6}\n",
+            {"guarantees.set_delta": 1.5},
+            r"guarantees.set_delta must be in \(0, 1\) or null, got 1.5",
+        ),
     ],
 )
 def test_invalid_configs_fail_with_one_clear_line(tmp_path, text, overrides, match):
