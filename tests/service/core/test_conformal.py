@@ -298,6 +298,8 @@ def test_pac_rank_is_one_above_scipys_binomial_quantile(alpha: float, delta: flo
             assert beta.cdf(1 - alpha, k - 1, n + 2 - k) > delta - 1e-12
         assert k >= quantile_rank(n, alpha) or delta >= 0.5  # never below the marginal rank at delta < 1/2
     assert pac_rank(2000, 0.1, 0.1) == 1818 and quantile_rank(2000, 0.1) == 1801  # docs/api.md's example
+    # docs/api.md: with the marginal rank one calibration draw in ten covers 89.1 % or less (n 2000, alpha 0.1)
+    assert beta.ppf(0.1, 1801, 2001 - 1801) == pytest.approx(0.891, abs=5e-4)
     assert pac_rank(0, 0.1, 0.1) == 1  # no scores: no finite threshold
 
 
