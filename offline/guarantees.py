@@ -160,6 +160,8 @@ def fit_guarantees(
         **sets.to_tensors("conformal."),
         "ood.scores": torch.from_numpy(np.ascontiguousarray(ood)),
         "drift.edges": torch.from_numpy(np.ascontiguousarray(edges, dtype=np.float64)),
+        # the scale of the server's online accept rules (service/core/online_risk.py): the calibration confidences
+        "selective.confidences": torch.from_numpy(np.ascontiguousarray(np.sort(cal.probs.max(axis=1)))),
     }
     n = int(cal.labels.shape[0])
     spec = {

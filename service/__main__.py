@@ -28,7 +28,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from .server import Server, http_stack
-from .settings import Settings
+from .settings import Settings, settings_errors
 
 __all__ = ["main", "freeze_startup_heap", "EXIT_OK", "EXIT_FORCED", "EXIT_SETTINGS", "EXIT_REFUSED", "EXIT_LOAD_FAILED"]
 
@@ -55,8 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings()
         loop, http = http_stack(settings.loop, settings.http)
-    except (ValidationError, ValueError) as e:
-        print(f"invalid HYDRA_* settings:\n{e}", file=sys.stderr)
+    except ValidationError as e:
+        for line in settings_errors(e):
+            print(f"invalid HYDRA_* settings: {line}", file=sys.stderr)
+        return EXIT_SETTINGS
+    except ValueError as e:
+        print(f"invalid HYDRA_* settings: {e}", file=sys.stderr)
         return EXIT_SETTINGS
     # imported once the settings are known to be valid: service.main builds its module-level `app` (for uvicorn
     # service.main:app) from the environment at import, and loads torch

@@ -112,6 +112,13 @@ SPECS: dict[str, Spec] = {
         "Answers with a risk target, by whether the certified rule accepted them.",
         ("model", "risk", "accept"),
     ),
+    "suspended": Spec(
+        Counter,
+        "hydra_guarantees_suspended_total",
+        "Answers given while the drift alarm suspended the guarantees (HYDRA_DRIFT_POLICY abstain or mark), by "
+        "whether the certified rule's accept was withheld (abstain: it would have accepted, the answer did not).",
+        ("model", "withheld"),
+    ),
     # live quality from the feedback labels (docs/monitoring.md; docs/api.md "Feedback and live quality")
     "feedback": Spec(Counter, "hydra_feedback_total", "Feedback items received, by their status.", ("model", "status")),
     "live_quality": Spec(
@@ -176,6 +183,7 @@ class Metrics:
     ood_p_value: Histogram
     set_size: Histogram
     selective: Counter
+    suspended: Counter
     feedback: Counter
     live_quality: Gauge
     labelled_predictions: Gauge

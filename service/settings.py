@@ -9,13 +9,16 @@ from __future__ import annotations
 import importlib.util
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["STORE_SCHEMES", "Settings"]
+__all__ = ["DRIFT_POLICIES", "STORE_SCHEMES", "Settings", "settings_errors"]
 
 # database URLs the prediction store takes (service/store/database.py): SQLite, and PostgreSQL through psycopg 3
 STORE_SCHEMES = frozenset({"sqlite", "postgresql", "postgres", "postgresql+psycopg"})
+# what an answer does while its model's drift alarm is on (docs/api.md "Guarantees"): abstain from accepting, mark the
+# guarantees suspended but answer as without the alarm, or nothing
+DRIFT_POLICIES = ("abstain", "mark", "off")
 
 
 def _split_commas(value: object) -> object:
@@ -117,11 +120,23 @@ class Settings(BaseSettings):
     store_flush_ms: float = Field(200.0, ge=1.0, le=60_000.0)
     # also store each prediction's probabilities (4 bytes per label), for statistics that need them
     store_probs: bool = True
+    # while the model's drift alarm is on: abstain = no answer is accepted by the certified risk rule (only the online
+    # rule of adaptive requests, from labels that came back since); mark = answers as without the alarm, their
+    # guarantees marked suspended; off = the alarm changes no answer
+    drift_policy: Literal["abstain", "mark", "off"] = "abstain"
 
     @field_validator("artifacts", "cors_origins", mode="before")
     @classmethod
     def _comma_list(cls, value: object) -> object:
         return _split_commas(value)
+
+    @field_validator("drift_policy", mode="before")
+    @classmethod
+    def _drift_policy(cls, value: object) -> object:
+        v = value.strip().lower() if isinstance(value, str) else value
+        if v not in DRIFT_POLICIES:
+            raise ValueError(f"HYDRA_DRIFT_POLICY must be one of {', '.join(DRIFT_POLICIES)}; got {value!r}")
+        return v
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod
@@ -170,3 +185,19 @@ class Settings(BaseSettings):
                 "a full-size request could never be queued; raise HYDRA_MAX_QUEUE"
             )
         return self
+
+
+def settings_errors(error: ValidationError) -> list[str]:
+    """One line per bad setting, naming its variable: ``HYDRA_MAX_BATCH: Input should be greater than or equal to
+    1 (got '0')``."""
+    out = []
+    for e in error.errors():
+        field = str(e["loc"][0]).upper() if e["loc"] else ""
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        if msg.startswith("HYDRA_"):
+            out.append(msg)
+            continue
+        name = f"HYDRA_{field}" if field else "HYDRA_* settings"
+        given = f" (got {e['input']!r})" if field and "input" in e else ""
+        out.append(f"{name}: {msg}{given}")
+    return out

@@ -32,7 +32,7 @@ from ..config import BuildConfig, ConfigError
 from ..data import Data
 from ..foreign import foreign_images
 from ..ood_fit import Run
-from ..shift import SEVERITIES, SHIFT_PREFIX, corrupt, corruptions
+from ..shift import REPORT_SEVERITIES, SHIFT_PREFIX, corrupt, corruptions
 from .context import BuildContext
 
 __all__ = [
@@ -261,7 +261,7 @@ def shift_sets(ctx: BuildContext, pre: ImagePreprocessor | TextPreprocessor) -> 
     return {
         f"{kind}@{s}": eval_batches(pre, corrupt(inputs, kind, s, SHIFT_SEED, ctx.data.modality), labels)[0]
         for kind in corruptions(ctx.data.modality)
-        for s in SEVERITIES
+        for s in REPORT_SEVERITIES
     }
 
 

@@ -135,32 +135,45 @@ def _ood(r: ItemResult, metric: str, threshold: float, return_scores: bool) -> O
         p_value=r.p_value,
         alpha=r.ood_alpha,
         reason=reason,
+        suspended=r.suspended,
         scores=_all_scores(r) if return_scores else None,
     )
 
 
 def _selective(r: ItemResult, metric: str, g: Guarantees | None) -> Selective | None:
-    """The risk rule's decision, both its thresholds, and why an input is not accepted."""
+    """The risk rule's decision, both its thresholds, what the drift alarm says, and why an input is not accepted."""
     if r.accept is None or g is None or r.risk is None:
         return None
-    lam = g.rules[r.risk]
-    reason = None
-    if lam is None:
+    lam, online = r.rule_threshold, r.rule == "online"
+    reason = r.abstain
+    if reason is None and g.rules[r.risk] is None and not online:
         reason = f"no rule met the risk target {r.risk:g} on the calibration split: nothing is accepted at it"
-    elif not r.accept:
+    elif reason is None and lam is None and not r.accept:
+        reason = f"the online rule of the risk target {r.risk:g} stands above every confidence: nothing is accepted"
+    elif reason is None and not r.accept:
         why = []
         past = not (r.ood_score >= g.ood_threshold if OOD_METRICS[metric] else r.ood_score <= g.ood_threshold)
         if past:
             side = "below" if OOD_METRICS[metric] else "above"
             why.append(f"the {metric} score {r.ood_score:.4g} is {side} the rule's OOD cut {g.ood_threshold:.4g}")
         conf = float(r.probs[r.prediction])
-        if conf < lam:
-            why.append(f"confidence {conf:.4g} is below the rule's threshold {lam:.4g}")
+        if lam is not None and conf < lam:
+            which = "online rule's threshold" if online else "rule's threshold"
+            why.append(f"confidence {conf:.4g} is below the {which} {lam:.4g}")
         reason = "; ".join(why)
+    if r.suspended and r.abstain is None and not online:  # HYDRA_DRIFT_POLICY=mark: the decision as without the alarm
+        mark = (
+            f"the drift alarm is on since input {r.alarm_at}: the certificate does not hold now (the decision is "
+            "shown as without the alarm)"
+        )
+        reason = f"{mark}; {reason}" if reason else mark
     return Selective(
         accept=r.accept,
         risk=r.risk,
-        certified=lam is not None,
+        certified=g.rules[r.risk] is not None and not r.suspended,
+        rule="online" if online else "certified",
+        suspended=bool(r.suspended),
+        alarm_at=r.alarm_at,
         threshold=lam,
         ood_threshold=g.ood_threshold,
         reason=reason,
@@ -184,6 +197,7 @@ def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> Confor
         filled=r.set_filled,
         adaptive=True if r.alpha_t is not None else None,
         alpha_t=r.alpha_t,
+        suspended=bool(r.suspended),
     )
 
 

@@ -87,10 +87,12 @@ async def monitor(request: Request, model_name: str) -> dict[str, Any]:
     """The model's live figures, alarms and store state now."""
     state = server_state(request)
     rt, store, mon = _monitored(state, model_name)
-    report = await anyio.to_thread.run_sync(mon.report)
+    drift = rt.drift_state()
+    alarm_at = drift["alarm_at"] if drift is not None else None
+    report = await anyio.to_thread.run_sync(mon.report, alarm_at)
     return {
         **report,
-        "drift": rt.drift_state(),
+        "drift": drift,
         "store": {"backend": store.backend, "stats": asdict(store.stats())},
     }
 

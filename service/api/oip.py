@@ -103,6 +103,8 @@ OUTPUTS: dict[str, OutputSpec] = {
     "ood_p_value": OutputSpec("FP32", lambda rt: [], _optional("p_value", np.float32, np.nan), guarantee=True),
     "prediction_set": OutputSpec("BOOL", lambda rt: [_classes(rt)], _sets, guarantee=True),  # (B, C)
     "accept": OutputSpec("BOOL", lambda rt: [], _optional("accept", bool, False), guarantee=True),  # (B,)
+    # true while the drift alarm suspends the guarantees above (HYDRA_DRIFT_POLICY abstain or mark)
+    "suspended": OutputSpec("BOOL", lambda rt: [], _optional("suspended", bool, False), guarantee=True),  # (B,)
 }
 # sent when the request names no outputs: all the model has but the (B, M, C) member probabilities
 DEFAULT_OUTPUTS = tuple(name for name in OUTPUTS if name != "member_probabilities")
@@ -329,14 +331,24 @@ async def _infer(request: Request, model_name: str, model_version: str | None) -
     parsed = parsed_request(rt, req, tensors)
     rt, out = await run_inference(request, parsed)
     head: dict[str, Any] = {"model_name": rt.name, "model_version": rt.version, "id": req.id or request_id(request)}
-    levels = [r.alpha_t for r in out.results if r.alpha_t is not None]
-    if levels:  # the adaptive sets say so, with the level they were built at (one read per batch)
-        head["parameters"] = {"adaptive": True, "alpha_t": float(levels[0])}
+    head.update(_answer_parameters(out))
     arrays = [(name, OUTPUTS[name].datatype, OUTPUTS[name].values(out), binary) for name, binary in wanted]
     body, json_length = encode_answer(head, arrays)
     if json_length is None:
         return Response(body, media_type="application/json")
     return Response(body, media_type="application/octet-stream", headers={HEADER_LENGTH: str(json_length)})
+
+
+def _answer_parameters(out: Outcome) -> dict[str, Any]:
+    """The answer's own ``parameters``: the adaptive sets' level, and the drift alarm that suspends the guarantees
+    (``{}`` when neither: an answer with split conformal sets and no alarm has no ``parameters``)."""
+    params: dict[str, Any] = {}
+    first = out.results[0] if out.results else None
+    if first is not None and first.alpha_t is not None:  # one read per request: the same for every input
+        params.update({"adaptive": True, "alpha_t": float(first.alpha_t)})
+    if first is not None and first.suspended:
+        params.update({"guarantees_suspended": True, "drift_alarm_at": first.alarm_at})
+    return {"parameters": params} if params else {}
 
 
 # each model route twice: the model's path, and its path with a version (the model's own, else 404)

@@ -308,6 +308,12 @@ class OOD(BaseModel):
     )
     alpha: float | None = Field(None, description="the level the flag used (the request's ood_alpha or the model's)")
     reason: str | None = Field(None, description="only when flagged: the rule that fired, with its numbers")
+    suspended: bool | None = Field(
+        None,
+        description="models with a calibration split: true while the model's drift alarm is on. The p-value's "
+        "guarantee (at most alpha of in-distribution inputs flagged) assumes traffic like the calibration split, "
+        "which the alarm has found it is not: the guarantee is suspended until the alarm clears",
+    )
     scores: dict[str, float] | None = Field(None, description="only with return_scores: every score computed")
 
 
@@ -342,17 +348,45 @@ class ConformalSet(BaseModel):
     alpha_t: float | None = Field(
         None, description="the adaptive set's level now (moved by feedback labels; alpha is its long-run target)"
     )
+    suspended: bool = Field(
+        False,
+        description="true while the model's drift alarm is on: the coverage guarantee assumes traffic like the "
+        "calibration split, which the alarm has found it is not, so it is suspended until the alarm clears (an "
+        "adaptive set's long-run guarantee holds over any stream, but only as labels come back)",
+    )
 
 
 class Selective(BaseModel):
-    accept: bool = Field(description="the certified rule of the target risk accepts this input")
+    accept: bool = Field(
+        description="the rule of the target risk accepts this input: the certified rule, or the online rule for "
+        "adaptive requests; never while the drift alarm is on but through the online rule (HYDRA_DRIFT_POLICY)"
+    )
     risk: float = Field(
         description="the target: among accepted in-distribution inputs at most this error rate, "
-        "with probability >= 1 - delta over the calibration draw"
+        "with probability >= 1 - delta over the calibration draw (certified rule), or over the labelled stream "
+        "in the long run (online rule)"
     )
-    certified: bool = Field(description="false: no rule met this target on the calibration split (accepts nothing)")
+    certified: bool = Field(
+        description="the build's certificate for this target holds now: false when no rule met the target on the "
+        "calibration split (that rule accepts nothing), and while the drift alarm is on (suspended)"
+    )
+    rule: Literal["certified", "online"] = Field(
+        "certified",
+        description="which rule decided: the certified one (fixed threshold, from the calibration split), or the "
+        "online one of adaptive requests, whose threshold the feedback labels move",
+    )
+    suspended: bool = Field(
+        False,
+        description="true while the model's drift alarm is on: the certificate assumes traffic like the calibration "
+        "split, which the alarm has found it is not (alarm_at says since when)",
+    )
+    alarm_at: int | None = Field(
+        None, description="while the drift alarm is on: the input (counted since start-up) at which it went on"
+    )
     threshold: float | None = Field(
-        None, description="the rule's confidence threshold: accepted inputs have confidence >= it (null: not certified)"
+        None,
+        description="the deciding rule's confidence threshold: accepted inputs have confidence >= it (null: the "
+        "rule accepts nothing)",
     )
     ood_threshold: float | None = Field(
         None,
@@ -360,7 +394,11 @@ class Selective(BaseModel):
         "have an OOD score at most it (at least it for msp). It is the build's "
         "validation threshold, not the flag's level: an unflagged input can be past it",
     )
-    reason: str | None = Field(None, description="only when not accepted: which of the rule's conditions failed")
+    reason: str | None = Field(
+        None,
+        description="when not accepted: which of the rule's conditions failed, or that the drift alarm withholds it; "
+        "with HYDRA_DRIFT_POLICY=mark also on accepted inputs while the alarm is on",
+    )
 
 
 class MemberPrediction(BaseModel):

@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from .artifact import ArtifactError, Manifest
 from .conformal import SetCalibrator, keep_top, ood_p_values
 from .drift import DriftMonitor
+from .online_risk import ConfidenceRanks
 from .uncertainty import OOD_METRICS
 
 __all__ = ["GUARANTEES_FILE", "Answer", "Guarantees", "load_guarantees", "outlier_oriented"]
@@ -55,6 +56,7 @@ class Answer:
     below_min_alpha: bool = False
     filled: np.ndarray | None = None  # (B,) bool: the set was empty at alpha and holds the prediction alone
     accepts: list[bool] | None = None  # (B,) the risk rule's decisions
+    eligible: list[bool] | None = None  # (B,) the rule's OOD cut passed (the confidence threshold aside)
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class Guarantees:
     drift_bins: int
     drift_edges: np.ndarray  # (bins - 1,)
     label_free: bool  # zero-shot: the OOD score does not depend on the labels
+    # the calibration confidences, the scale of the online accept rules (None: an artifact built before them)
+    ranks: ConfidenceRanks | None = None
     # the set thresholds asked for so far, by (alpha, mondrian): a quantile of the sorted calibration scores is the
     # same for every request at one level, and computing it is most of a set's cost at batch 1
     _qhats: dict[tuple[float, bool], tuple[np.ndarray, bool]] = field(default_factory=dict, repr=False, compare=False)
@@ -100,12 +104,13 @@ class Guarantees:
         if probs is None:
             return Answer(p)
         sets, below, filled = self.prediction_sets(probs, alpha, checked=True)
-        lam = self.rules[risk]
+        lam, cut = self.rules[risk], self._cut
+        eligible = [o <= cut for o in oriented]
         if lam is None:
-            return Answer(p, sets, below, filled, [False] * len(scores))
+            return Answer(p, sets, below, filled, [False] * len(scores), eligible)
         conf = probs.max(axis=1).tolist()
-        accepts = [o <= self._cut and c >= lam for o, c in zip(oriented, conf, strict=True)]
-        return Answer(p, sets, below, filled, accepts)
+        accepts = [e and c >= lam for e, c in zip(eligible, conf, strict=True)]
+        return Answer(p, sets, below, filled, accepts, eligible)
 
     def flag_threshold(self, ood_alpha: float) -> float | None:
         """The served score's threshold of the OOD flag at ``ood_alpha``: ``p_value <= ood_alpha`` exactly when the
@@ -162,9 +167,11 @@ class Guarantees:
         lam = self.rules[risk]
         if lam is None:
             return np.zeros(probs.shape[0], dtype=bool)
-        cut = outlier_oriented(np.asarray([self.ood_threshold]), self.metric)[0]
-        eligible = outlier_oriented(scores, self.metric) <= cut
-        return eligible & (probs.max(axis=1) >= lam)
+        return self.eligible(scores) & (probs.max(axis=1) >= lam)
+
+    def eligible(self, scores: np.ndarray) -> np.ndarray:
+        """``(B,)`` bool: served OOD scores ``(B,)`` not past the risk rules' OOD cut (the build's threshold)."""
+        return outlier_oriented(scores, self.metric) <= self._cut
 
     def monitor(self) -> DriftMonitor:
         """A fresh drift alarm whose reference is the calibration split's scores (:mod:`service.core.drift`)."""
@@ -183,6 +190,8 @@ def load_guarantees(root: Path, manifest: Manifest) -> Guarantees | None:
         sets = SetCalibrator.from_tensors(t, "conformal.", spec.conformal.delta)
         ood = t["ood.scores"].double().numpy()
         edges = t["drift.edges"].double().numpy()
+        conf = t.get("selective.confidences")
+        ranks = None if conf is None else ConfidenceRanks(conf.double().numpy())
     except (OSError, ValueError, KeyError) as e:
         raise ArtifactError(f"{path}: unreadable guarantees ({e})") from e
     labels = manifest.labels or []
@@ -191,6 +200,8 @@ def load_guarantees(root: Path, manifest: Manifest) -> Guarantees | None:
     sel, o, drift = spec.selective, spec.ood, spec.drift
     if ood.shape != (sets.scores.shape[0],) or np.any(np.diff(ood) < 0):
         raise ArtifactError(f"{path}: {ood.shape[0]} OOD calibration scores (sorted) for {sets.scores.shape[0]} inputs")
+    if ranks is not None and ranks.n != ood.shape[0]:
+        raise ArtifactError(f"{path}: {ranks.n} calibration confidences for {ood.shape[0]} calibration inputs")
     if edges.shape != (drift.bins - 1,):
         raise ArtifactError(f"{path}: {edges.shape[0]} drift bin edges for {drift.bins} bins")
     served = manifest.uncertainty.ood_score
@@ -211,4 +222,5 @@ def load_guarantees(root: Path, manifest: Manifest) -> Guarantees | None:
         drift_bins=drift.bins,
         drift_edges=edges,
         label_free=o.label_free,
+        ranks=ranks,
     )

@@ -34,6 +34,7 @@ from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, Manifest, artifact_
 from ..core.drift import DriftFeed, DriftMonitor
 from ..core.errors import InvalidInput
 from ..core.guarantees import Answer, load_guarantees, outlier_oriented
+from ..core.online_risk import OnlineRisk
 from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
@@ -41,7 +42,7 @@ from ..metrics import Metrics
 from ..settings import Settings
 from ..store import PredictionStore
 from .batching import Batcher, BatchLimits, BatchResult
-from .monitor import LiveMonitor
+from .monitor import STALE_S, LiveMonitor
 from .plan import Plan
 
 __all__ = [
@@ -83,6 +84,12 @@ class ItemResult:
     accept: bool | None = None  # the risk rule of target ``risk``
     risk: float | None = None
     alpha_t: float | None = None  # the set is the adaptive one, built at this level (request option adaptive)
+    # the drift alarm's word on the guarantees (HYDRA_DRIFT_POLICY): suspended while it is on (None: no guarantees)
+    suspended: bool | None = None
+    alarm_at: int | None = None  # the input at which the alarm went on, while it is on
+    rule: str | None = None  # which accept rule decided: "certified" (the build's) or "online" (adaptive requests)
+    rule_threshold: float | None = None  # that rule's confidence threshold now (None: it accepts nothing)
+    abstain: str | None = None  # why the answer is not accepted whatever its confidence (the alarm), None else
 
 
 @dataclass
@@ -234,6 +241,8 @@ class Runtime(abc.ABC):
             DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics) if self.guarantees is not None else None
         )
         self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
+        # (alarm_at, labels the online rules had then) of the last drift alarm episode an answer saw
+        self._alarm_mark: tuple[int | None, int] = (None, 0)
         self._drift_episodes = 0  # alarm episodes already counted in hydra_drift_episodes_total
         if self.drift is not None and metrics is not None:
             self._drift_metrics(self.drift.monitor)
@@ -336,8 +345,9 @@ class Runtime(abc.ABC):
             raise InvalidInput(f"adaptive: the adaptive sets track the model's alpha {g.alpha:g}; leave alpha out")
 
     def _guarantees(self, results: list[ItemResult], query: Query) -> None:
-        """Each result's OOD p-value and flag at the request's level, prediction set and risk decision. The drift
-        test and the guarantees' metrics need none of the answer: they are updated after it (:meth:`_record`)."""
+        """Each result's OOD p-value and flag at the request's level, prediction set and risk decision, and what the
+        drift alarm says of them now (:meth:`_alarm_now`, this request's inputs taken into it first, unless the
+        policy is ``off``). The guarantees' metrics need none of the answer: they are updated after it."""
         g = self.guarantees
         assert g is not None
         scores = [r.ood_score for r in results]
@@ -350,22 +360,92 @@ class Runtime(abc.ABC):
             probs = probs.astype(np.float64, copy=False)
         ans = g.answer(scores, probs, alpha, risk)
         p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
-        alpha_t = None
+        alarm_at = self._alarm_now(scores, query)
+        alpha_t, rule, lam, abstain = None, "certified", g.rules[risk], None
+        withheld = 0
         if query.adaptive and self.monitor is not None and probs is not None:  # check_query: sets hold
             sets, filled, alpha_t = self.monitor.adaptive_sets(probs)
-            ans = Answer(p_list, sets, False, filled, accepted)
+            ans = Answer(p_list, sets, False, filled, accepted, ans.eligible)
+            online = self.monitor.online_rule(risk)
+            if online is not None:  # None: an artifact built before the online rules (no calibration confidences)
+                rule = "online"
+                accepted, lam, abstain = self._online(online, probs, ans.eligible, alarm_at)
+        if rule == "certified" and alarm_at is not None and accepted is not None and self._abstains:
+            withheld = sum(accepted)
+            accepted = [False] * len(results)
+            abstain = (
+                f"the drift alarm is on since input {alarm_at}: the traffic is not like the calibration split, so the "
+                "certified rule does not hold now and accepts nothing until the alarm clears (adaptive requests get "
+                "the online rule, once labels come back through the feedback route)"
+            )
         cut = g.flag_threshold(ood_alpha)
+        suspended = alarm_at is not None
         for i, r in enumerate(results):
             r.p_value, r.ood_alpha, r.ood_flag, r.flag_threshold = p_list[i], ood_alpha, p_list[i] <= ood_alpha, cut
+            r.suspended, r.alarm_at = suspended, alarm_at
             if sets is not None and accepted is not None and ans.filled is not None:
                 r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, ans.below_min_alpha
                 r.set_filled = bool(ans.filled[i])
                 r.accept, r.risk, r.alpha_t = accepted[i], risk, alpha_t
-        record = (scores if query.monitor else None, p_list, sets, accepted, risk)
+                r.rule, r.rule_threshold, r.abstain = rule, lam, abstain
+        record = (scores if query.monitor and self._lazy_drift else None, p_list, sets, accepted)
         try:  # after the answer: the loop runs it once this request's task yields (while the model runs others)
-            asyncio.get_running_loop().call_soon(self._record, *record)
+            asyncio.get_running_loop().call_soon(self._record, *record, risk, suspended, withheld)
         except RuntimeError:  # no event loop (a direct call): now
-            self._record(*record)
+            self._record(*record, risk, suspended, withheld)
+
+    @property
+    def _lazy_drift(self) -> bool:
+        """Whether the drift alarm is fed after the answer, in chunks (policy ``off``: no answer reads it)."""
+        return self.settings.drift_policy == "off"
+
+    def _alarm_now(self, scores: list[float], query: Query) -> int | None:
+        """The input at which the drift alarm went on, if it is on now and the policy lets it speak (None: off, or
+        ``HYDRA_DRIFT_POLICY=off``). This request's scores go into the alarm first (not the server's own warm-up and
+        probe inputs), so the answer that turns it on is the first it suspends."""
+        if self.drift is None or self._lazy_drift:
+            return None
+        g = self.guarantees
+        assert g is not None
+        if query.monitor:
+            self.drift.add(outlier_oriented(np.asarray(scores, dtype=np.float64), g.metric))
+        at = self.drift.flush().alarm_at
+        if at is not None and self.monitor is not None and self._alarm_mark[0] != at:
+            # a new episode: the online rule takes labels from here (its copy read again now, in the background)
+            rules = self.monitor.state.risk
+            self._alarm_mark = (at, max((r.labelled for r in rules.values()), default=0))
+            self.monitor.refresh()
+        return at
+
+    @property
+    def _abstains(self) -> bool:
+        """Whether answers abstain from accepting while the drift alarm is on (``HYDRA_DRIFT_POLICY=abstain``)."""
+        return self.settings.drift_policy == "abstain"
+
+    def _online(
+        self, rule: OnlineRisk, probs: np.ndarray, eligible: list[bool] | None, alarm_at: int | None
+    ) -> tuple[list[bool], float | None, str | None]:
+        """The online accept rule ``rule`` on ``probs (B, C)``: ``(accepts, its confidence threshold, why it
+        abstains)``. Under the drift alarm (policy ``abstain``) it accepts only once labels came back since the alarm
+        went on, and only from a copy of the shared state read within :data:`~service.runtime.monitor.STALE_S`
+        seconds: a prediction store that is down keeps the answers abstaining."""
+        g, mon = self.guarantees, self.monitor
+        assert g is not None and g.ranks is not None and mon is not None
+        b = probs.shape[0]
+        lam = g.ranks.threshold(rule.level)
+        if alarm_at is not None and self._abstains:
+            since = f"the drift alarm is on since input {alarm_at}"
+            if mon.age > STALE_S:
+                why = (
+                    f"{since}, and the online rule's state could not be read from the prediction store for "
+                    f"{mon.age:.0f} s: nothing is accepted until it can"
+                )
+                return [False] * b, lam, why
+            if rule.labelled <= self._alarm_mark[1]:
+                why = f"{since}, and no label has come back since: nothing is accepted until labels do"
+                return [False] * b, lam, why
+        accepts = rule.accepts(g.ranks.rank(probs.max(axis=1)), eligible).tolist()
+        return accepts, lam, None
 
     def _record(
         self,
@@ -374,9 +454,13 @@ class Runtime(abc.ABC):
         sets: np.ndarray | None,
         accepted: list[bool] | None,
         risk: float,
+        suspended: bool = False,
+        withheld: int = 0,
     ) -> None:
-        """The drift test fed (``scores``: None for the server's own warm-up and probe inputs) and the guarantees'
-        metrics: p-values, set sizes, accept decisions."""
+        """The drift test fed when no answer reads it (``scores``; None for the server's own warm-up and probe inputs,
+        and when :meth:`_alarm_now` fed it already) and the guarantees' metrics: p-values, set sizes, accept
+        decisions, answers given while the alarm suspended the guarantees (``withheld`` of them would have been
+        accepted)."""
         g = self.guarantees
         if g is None:
             return
@@ -396,6 +480,11 @@ class Runtime(abc.ABC):
                 self._child("selective", str(risk), "true").inc(n_acc)
             if len(accepted) - n_acc:
                 self._child("selective", str(risk), "false").inc(len(accepted) - n_acc)
+        if suspended:
+            if withheld:
+                self._child("suspended", "true").inc(withheld)
+            if len(p) - withheld:
+                self._child("suspended", "false").inc(len(p) - withheld)
 
     def _child(self, metric: str, *labels: str) -> Any:
         """The metric ``metric`` of this model with the further ``labels`` (prometheus_client's lookup costs

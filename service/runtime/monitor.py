@@ -53,16 +53,18 @@ from ..core.online import (
     estimate_figure,
     raw_misses,
 )
+from ..core.online_risk import OnlineRisk
 from ..metrics import Metrics
 from ..store import FOREIGN, PredictionStore, Rows, records_from_items
 from ..store.records import ServedItem
 
-__all__ = ["FIGURES", "REFRESH_S", "WINDOW", "LiveMonitor", "MonitorState"]
+__all__ = ["FIGURES", "REFRESH_S", "STALE_S", "WINDOW", "LiveMonitor", "MonitorState"]
 
 log = logging.getLogger("hydra.monitor")
 
 WINDOW = 1_000  # answers in the recent window (issue 32: "a recent window of 1,000")
 REFRESH_S = 1.0  # an adaptive request refreshes this replica's alpha_t when its copy is older than this
+STALE_S = 5.0  # under the drift alarm the online rule accepts only from a copy of the shared state read this recently
 # the live figures, as hydra_live_quality's `figure` label names them
 FIGURES = ("accuracy", "coverage", "accepted_error", "ood_precision", "ood_recall", "estimated_accuracy")
 
@@ -76,6 +78,7 @@ class MonitorState:
     window: QualityWindow
     cursor: float | None = None  # label time of the last label applied
     at_cursor: list[list[Any]] = field(default_factory=list)  # [id, index] of the labels applied at that time
+    risk: dict[str, OnlineRisk] = field(default_factory=dict)  # the online accept rule of each target, by str(risk)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -84,17 +87,22 @@ class MonitorState:
             "window": self.window.to_state(),
             "cursor": self.cursor,
             "at_cursor": self.at_cursor,
+            "risk": {k: r.to_state() for k, r in self.risk.items()},
         }
 
     @classmethod
-    def from_json(cls, value: dict[str, Any]) -> MonitorState:
+    def from_json(cls, value: dict[str, Any], fresh_risk: dict[str, OnlineRisk] | None = None) -> MonitorState:
+        """The state back from :meth:`to_json`; a state written before the online rules (no ``risk``) gets
+        ``fresh_risk``."""
         a, h = value.get("adaptive"), value.get("alarm")
+        risk = value.get("risk")
         return cls(
             adaptive=None if a is None else AdaptiveConformal.from_state(a),
             alarm=None if h is None else HarmfulShiftAlarm.from_state(h),
             window=QualityWindow.from_state(value["window"]),
             cursor=value.get("cursor"),
             at_cursor=[list(k) for k in value.get("at_cursor", [])],
+            risk=dict(fresh_risk or {}) if risk is None else {k: OnlineRisk.from_state(v) for k, v in risk.items()},
         )
 
 
@@ -133,7 +141,17 @@ class LiveMonitor:
         """The state before any label: ACI at ``alpha_1 = alpha``, the alarm (or None), empty windows."""
         g = self.guarantees
         adaptive = AdaptiveConformal(g.alpha) if g is not None else None
-        return MonitorState(adaptive, self._new_alarm(), QualityWindow(WINDOW))
+        return MonitorState(adaptive, self._new_alarm(), QualityWindow(WINDOW), risk=self._new_rules())
+
+    def _new_rules(self) -> dict[str, OnlineRisk]:
+        """A fresh online accept rule per target risk of the model, each at its certified threshold."""
+        g = self.guarantees
+        if g is None or g.ranks is None:  # an artifact built before the online rules: none
+            return {}
+        return {str(r): OnlineRisk.starting_at(r, lam, g.ranks) for r, lam in sorted(g.rules.items())}
+
+    def _state(self, value: Any) -> MonitorState:
+        return self.fresh() if value is None else MonitorState.from_json(value, self._new_rules())
 
     def _new_alarm(self) -> HarmfulShiftAlarm | None:
         g, k = self.guarantees, self.calibration_errors
@@ -170,9 +188,24 @@ class LiveMonitor:
         """``(sets (B, C), filled (B,), alpha_t)`` of ``probs (B, C)`` at this replica's ``alpha_t``."""
         g, a = self.guarantees, self._cached.adaptive
         assert g is not None and a is not None
-        if time.monotonic() - self._read_at > REFRESH_S:
-            self._refresh_in_background()
+        self.refresh()
         return a.sets(g.sets, probs, g.mondrian)
+
+    def online_rule(self, risk: float) -> OnlineRisk | None:
+        """This replica's copy of the online accept rule of target ``risk`` (None: not one of the model's targets);
+        read again in the background when older than :data:`REFRESH_S`."""
+        self.refresh()
+        return self._cached.risk.get(str(risk))
+
+    @property
+    def age(self) -> float:
+        """Seconds since this replica last read the shared state (``inf`` before the first read)."""
+        return time.monotonic() - self._read_at
+
+    def refresh(self) -> None:
+        """Read the shared state again in the background when this replica's copy is older than :data:`REFRESH_S`."""
+        if self.age > REFRESH_S:
+            self._refresh_in_background()
 
     def _refresh_in_background(self) -> None:
         if not self._refreshing.acquire(blocking=False):
@@ -203,6 +236,13 @@ class LiveMonitor:
         foreign = rows.foreign
         if st.adaptive is not None and self.guarantees is not None:
             st.adaptive.update(self._misses(st.adaptive, rows, self.guarantees))
+        g = self.guarantees
+        if st.risk and g is not None and g.ranks is not None:
+            take = rows.has_accept  # answers a risk rule decided (the model's own labels, or foreign ones)
+            ranks, wrong = g.ranks.rank(rows.confidence[take]), ~rows.correct[take]
+            eligible = g.eligible(rows.ood_score[take])
+            for rule in st.risk.values():
+                rule.update(ranks, wrong, eligible)
         if st.alarm is not None:
             st.alarm.update((~rows.correct).astype(np.float64))
         for a, b in _runs(rows.has_set):
@@ -242,31 +282,42 @@ class LiveMonitor:
         """Apply every label not applied yet to the shared state (blocking; :class:`StoreUnavailable` when the
         database is down) and keep a copy; the state."""
         entry = self.store.get_state(self.key)
-        st = self.fresh() if entry is None else MonitorState.from_json(entry.value)  # type: ignore[arg-type]
+        st = self._state(None if entry is None else entry.value)
         _, keep = self._new_rows(st)
         if keep.any():
 
             def change(value: Any) -> dict[str, Any]:
-                cur = self.fresh() if value is None else MonitorState.from_json(value)
+                cur = self._state(value)
                 rows, new = self._new_rows(cur)
                 if new.any():
                     self._apply_rows(cur, _select(rows, new))
                 return cur.to_json()
 
-            st = MonitorState.from_json(self.store.update_state(self.key, change).value)  # type: ignore[arg-type]
+            st = self._state(self.store.update_state(self.key, change).value)
         self._cached, self._read_at = st, time.monotonic()
         self.publish()
         return st
 
     # ------------------------------------------------------------------------------------------------- read
-    def report(self) -> dict[str, Any]:
-        """The live figures now (docs/api.md, ``GET /v1/models/{name}/monitor``), blocking."""
+    def report(self, drift_alarm_at: int | None = None) -> dict[str, Any]:
+        """The live figures now (docs/api.md, ``GET /v1/models/{name}/monitor``), blocking. ``drift_alarm_at``: the
+        input at which the model's drift alarm went on, while it is on: the label-free estimate is then withheld
+        (``estimate.reliable`` false, its figures null, its gauges NaN). It trusts the model's probabilities, which a
+        shift makes overconfident, so it reads too high exactly then."""
         st = self.apply()
         recent_served = self.store.served(self.name, self.version, last=WINDOW)
         n, total, var = self.store.confidence_sums(self.name, self.version)
         recent = _with_estimate(st.window.window(), _served_counts(recent_served))
         overall = _with_estimate(st.window.overall(), Counts(served=n, served_sum=total, served_var=var))
-        self.publish(recent, overall)
+        why = None
+        if drift_alarm_at is not None:
+            why = (
+                f"the drift alarm is on since input {drift_alarm_at}: the traffic is not like the calibration "
+                "split, and the label-free estimate (the mean confidence) reads too high under such a shift; "
+                "read the labelled figures"
+            )
+            recent, overall = _withheld(recent), _withheld(overall)
+        self.publish(recent, overall, estimate_withheld=why is not None)
         return {
             "model": self.name,
             "version": self.version,
@@ -274,9 +325,13 @@ class LiveMonitor:
             "accuracy": overall.accuracy.value,
             "coverage": overall.coverage.value,
             "estimated_accuracy": overall.estimated_accuracy.value,
+            "estimate": {"reliable": why is None, "reason": why},
             "coverage_target": None if self.guarantees is None else 1 - self.guarantees.alpha,
             "windows": {"recent": _quality_json(recent, WINDOW), "all": _quality_json(overall, None)},
             "adaptive": self._adaptive_json(st),
+            "online_risk": {k: _rule_json(r, self.guarantees) for k, r in st.risk.items()}
+            if self.guarantees is not None
+            else {},
             "harmful_shift": self._alarm_json(st),
         }
 
@@ -314,8 +369,11 @@ class LiveMonitor:
         }
 
     # ---------------------------------------------------------------------------------------------- metrics
-    def publish(self, recent: Quality | None = None, overall: Quality | None = None) -> None:
-        """Set this model's live gauges from the cached state (and the figures, when given)."""
+    def publish(
+        self, recent: Quality | None = None, overall: Quality | None = None, estimate_withheld: bool = False
+    ) -> None:
+        """Set this model's live gauges from the cached state (and the figures, when given; ``estimate_withheld``:
+        the label-free estimate's gauges are NaN, under the drift alarm)."""
         m, st = self.metrics, self._cached
         if m is None:
             return
@@ -325,7 +383,7 @@ class LiveMonitor:
         for window, q in (("recent", recent), ("all", overall)):
             for fig in FIGURES:
                 f: Figure = getattr(q, fig)
-                if f.value is None and fig == "estimated_accuracy":
+                if f.value is None and fig == "estimated_accuracy" and not estimate_withheld:
                     continue  # not read from the store here: keep the last value
                 for bound in ("value", "low", "high"):
                     v = getattr(f, bound)
@@ -351,6 +409,29 @@ def _select(rows: Rows, keep: np.ndarray) -> Rows:
         else:
             out[name] = value
     return Rows(**out)
+
+
+def _rule_json(r: OnlineRisk, g: Guarantees) -> dict[str, Any]:
+    """One online accept rule as ``GET /v1/models/{name}/monitor`` shows it."""
+    assert g.ranks is not None
+    return {
+        "risk": r.risk,
+        "threshold": g.ranks.threshold(r.level),
+        "level": r.level,
+        "gamma": r.gamma,
+        "labels_applied": r.labelled,
+        "accepted": r.accepted,
+        "errors": r.errors,
+        "error_rate": r.error_rate,
+        "bound": None if r.accepted == 0 else r.bound(1),
+    }
+
+
+def _withheld(q: Quality) -> Quality:
+    """``q`` with its label-free estimate (and the estimate's error against the labels) withheld: no value."""
+    keys = ("estimated_accuracy", "estimated_on_labelled", "estimate_error")
+    none = {k: Figure(None, None, None, getattr(q, k).n) for k in keys}
+    return Quality(**{**{k: getattr(q, k) for k in q.__dataclass_fields__}, **none})
 
 
 def _served_counts(rows: Rows) -> Counts:

@@ -87,7 +87,16 @@ def test_every_answer_carries_sets_p_values_and_the_risk_decision(g_client, g_ar
         sel = p["selective"]
         accept = bool(want["msp"][i] >= CUT and want["msp"][i] >= lam)
         assert sel.pop("reason", None) is None if accept else "below" in sel.pop("reason")
-        assert sel == {"accept": accept, "risk": 0.5, "certified": True, "threshold": lam, "ood_threshold": CUT}
+        assert sel == {
+            "accept": accept,
+            "risk": 0.5,
+            "certified": True,
+            "rule": "certified",
+            "suspended": False,
+            "threshold": lam,
+            "ood_threshold": CUT,
+        }
+        assert p["ood"]["suspended"] is False and c["suspended"] is False  # no drift alarm
 
 
 def test_the_request_chooses_the_levels(g_client, g_artifact):
@@ -101,7 +110,8 @@ def test_the_request_chooses_the_levels(g_client, g_artifact):
     assert tiny["below_min_alpha"] is True and sorted(tiny["set"]) == sorted(TINY_LABELS)  # below 1 - 0.1^(1/300)
     strict = g_client.post("/predict", json={"image": img, "risk": 0.05}).json()["predictions"][0]["selective"]
     assert strict.pop("reason").startswith("no rule met the risk target 0.05")
-    assert strict == {"accept": False, "risk": 0.05, "certified": False, "ood_threshold": CUT}  # not met on the split
+    not_met = {"accept": False, "risk": 0.05, "certified": False, "ood_threshold": CUT}  # not met on the split
+    assert strict == {**not_met, "rule": "certified", "suspended": False}
     form = g_client.post(
         "/predict",
         files=[("file", ("a.png", png(noise_images(1, seed=8)[0]), "image/png"))],
