@@ -132,19 +132,27 @@ class LayerChoice:
 
     ids: tuple[int, ...]
     reduce: str = "max"
+    # one Gaussian of the ID inputs per (member, layer) instead of one per class: an early layer's pooled features
+    # carry little of the class, and the distance to all ID inputs moves more under a pixel-level shift
+    label_free: bool = False
 
 
-def layer_candidate_name(ids: Sequence[int], reduce: str = "max") -> str:
-    """``mahalanobis_layers@0,2`` (the largest column), ``mahalanobis_layers@0,2:mean``, ``...:members``."""
-    suffix = "" if reduce == "max" else f":{reduce}"
-    return f"{LAYERS}@{','.join(str(i) for i in ids)}{suffix}"
+FREE = "free"  # the suffix of a label-free layer candidate's name
+
+
+def layer_candidate_name(ids: Sequence[int], reduce: str = "max", label_free: bool = False) -> str:
+    """``mahalanobis_layers@0,2`` (the largest column), ``mahalanobis_layers@0,2:mean``, ``...:members``; label-free
+    layer Gaussians add ``:free`` (``mahalanobis_layers@0,2:max:free``)."""
+    suffix = "" if reduce == "max" and not label_free else f":{reduce}"
+    return f"{LAYERS}@{','.join(str(i) for i in ids)}{suffix}{':' + FREE if label_free else ''}"
 
 
 def parse_layer_candidate(name: str) -> LayerChoice:
     """The :class:`LayerChoice` of a :func:`layer_candidate_name`."""
     spec = name.split("@", 1)[1]
-    ids, _, reduce = spec.partition(":")
-    return LayerChoice(tuple(int(i) for i in ids.split(",")), reduce or "max")
+    ids, _, rest = spec.partition(":")
+    reduce, _, free = rest.partition(":")
+    return LayerChoice(tuple(int(i) for i in ids.split(",")), reduce or "max", free == FREE)
 
 
 # ----------------------------------------------------------------------------- statistics, selection, evaluation
@@ -172,14 +180,17 @@ def fit_layer_stats(
     val_mahalanobis: torch.Tensor,
     ids: tuple[int, ...] | None = None,
     reduce: str = "max",
+    label_free: bool = False,
 ) -> LayerStats:
-    """:class:`service.core.ood.LayerStats` of layers ``ids`` (default: all): a Gaussian per (member, layer) on the fit
-    split's layer features ``(N, M, L-1, d)``, the pairs' and the columns' norms on ID validation (``val_layers``;
-    ``val_mahalanobis (N',)``: the last feature's combined ``mahalanobis`` on the same inputs, column 0); ``reduce``:
-    how the served score combines the columns."""
+    """:class:`service.core.ood.LayerStats` of layers ``ids`` (default: all): Gaussians per (member, layer) on the fit
+    split's layer features ``(N, M, L-1, d)`` (one per class, or with ``label_free`` one of all the fit inputs), the
+    pairs' and the columns' norms on ID validation (``val_layers``; ``val_mahalanobis (N',)``: the last feature's
+    combined ``mahalanobis`` on the same inputs, column 0); ``reduce``: how the served score combines the columns."""
     ids = tuple(range(fit_layers.shape[2])) if ids is None else tuple(ids)
     N, M, _, d = fit_layers.shape
     k = len(ids)
+    if label_free:
+        fit_labels, classes = torch.zeros(N, dtype=torch.int64), 1
     g = fit_gaussians(fit_layers[:, :, list(ids)].reshape(N, M * k, d), fit_labels, classes)
     n = val_layers.shape[0]
     md = mahalanobis(val_layers[:, :, list(ids)].reshape(n, M * k, d), g)  # (N', M*K)
@@ -281,12 +292,13 @@ def candidate_scores(columns: np.ndarray, full: LayerStats, ids: tuple[int, ...]
     return reduce_layers(torch.from_numpy(columns[:, :, pos]), norms, reduce).numpy()
 
 
-def layer_candidate_scores(columns: np.ndarray, full: LayerStats) -> dict[str, np.ndarray]:
+def layer_candidate_scores(columns: np.ndarray, full: LayerStats, label_free: bool = False) -> dict[str, np.ndarray]:
     """Every ``mahalanobis_layers`` candidate's scores ``(N,)`` by name: each layer set of :func:`layer_candidates`
-    with each reduction of :data:`service.core.ood.LAYER_REDUCTIONS` (``members`` only with several members)."""
+    with each reduction of :data:`service.core.ood.LAYER_REDUCTIONS` (``members`` only with several members);
+    ``label_free``: ``full`` holds label-free layer Gaussians (the names say so)."""
     reductions = [r for r in LAYER_REDUCTIONS if r != "members" or columns.shape[1] > 1]
     return {
-        layer_candidate_name(ids, r): candidate_scores(columns, full, ids, r)
+        layer_candidate_name(ids, r, label_free): candidate_scores(columns, full, ids, r)
         for ids in layer_candidates(len(full.ids))
         for r in reductions
     }

@@ -20,9 +20,9 @@ corruption         what it does                                severity 1 / 2 / 
 The image levels are ImageNet-C's (Hendrycks & Dietterich 2019) where a level is defined on [0, 1] pixels
 (noise: its five levels; contrast: its levels 1 to 4 and one between 3 and 4), within its range for JPEG (25 to 7),
 and scaled to the image's side where a level is defined in pixels (blur). Severities 1, 3 and 5 are the three
-levels of the report before the stream benchmark asked for five, so the reports' figures keep their meaning. A typo is one of: two neighbouring letters swapped, a letter
-deleted, a letter doubled, a letter replaced by a neighbour on a QWERTY keyboard. Every corruption is a
-function of ``(inputs, severity, seed)`` only: the same call gives the same copies.
+levels the report had before there were five, so its figures keep their meaning. A typo is one of: two
+neighbouring letters swapped, a letter deleted, a letter doubled, a letter replaced by a neighbour on a QWERTY
+keyboard. Every corruption is a function of ``(inputs, severity, seed)`` only: the same call gives the same copies.
 
     shifted = corrupt(data.test.inputs, "blur", 2, seed=0)   # same type and shape as the inputs
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from service.core.artifact import file_sha256
 
-from ..outliers import CORRUPTIONS, corrupted
+from ..outliers import CORRUPTIONS, SHIFTS, corrupted, shifted
 from .common import (
     ROOT,
     Data,
@@ -192,6 +192,7 @@ def fashion_mnist_setting(sizes: Sizes) -> Data:
         "fashion-heldout": xtr[ix.near_val],
         "digits": digits_up[dval],
         "corrupted": corrupted(val.inputs[: min(sizes.max_ood, len(val))], sizes.seed),
+        "shifted": shifted(val.inputs[: min(sizes.max_ood, len(val))], sizes.seed),
     }
     ood_test = {
         "fashion-heldout": (xte[ix.near_test], "near"),
@@ -283,6 +284,12 @@ def _fashion_ood_records(
                 "kind": "far",
                 "corruptions": list(CORRUPTIONS),
                 "size": len(ood_val["corrupted"]),
+            },
+            "shifted": {
+                "from": "the ID validation images, each under a mild shift (offline.outliers.shifted)",
+                "kind": "shift",
+                "shifts": list(SHIFTS),
+                "size": len(ood_val["shifted"]),
             },
         },
         "ood_test": {

@@ -229,6 +229,8 @@ def _ood_block(cal: Calibration, data: Data, scores: list[str], **extra: Any) ->
         spec["layers"] = list(layers.ids)
         if layers.reduce != "max":  # written only when it differs from what older artifacts mean by its absence
             spec["layers_reduce"] = layers.reduce
+        if cal.layers is not None and cal.layers.label_free:
+            spec["layers_label_free"] = True
     return spec
 
 
@@ -284,6 +286,7 @@ def report_extra(ctx: BuildContext, cal: Calibration, evaluation: Evaluation, gu
     if cal.layers is not None:  # the blocks mahalanobis_layers reads: served, or the best layer set on validation
         out["ood_layers"] = list(cal.layers.ids)
         out["ood_layers_reduce"] = cal.layers.reduce
+        out["ood_layers_label_free"] = cal.layers.label_free
     shift = shift_report(evaluation.shift, guarantees.report)
     return {**out, **evaluation.extra, "guarantees_report": guarantees.report} | ({"shift": shift} if shift else {})
 

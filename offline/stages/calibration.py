@@ -108,17 +108,17 @@ def _served(
     id_val: dict[str, np.ndarray],
     ood_val: dict[str, dict[str, np.ndarray]],
     stats: OODStats | None,
-    layers: LayerStats | None,
+    layers: dict[bool, LayerStats] | None,
 ) -> Calibration:
     """The served score among every candidate's validation scores (``id_val``; ``ood_val`` per OOD validation set):
     the best mean recall unless the config names one; a ``mahalanobis_layers`` candidate serves the statistics of its
-    layers out of ``layers`` (:class:`service.core.ood.LayerStats` of every layer)."""
+    layers out of ``layers`` (:class:`service.core.ood.LayerStats` of every layer, by whether label-free)."""
     forced = forced_score(cfg)
     selected, candidates = select_score(id_val, ood_val, cfg.calibration.tpr, forced)
     metric = base_score(selected)
     choice = best_layers(candidates, selected)
     if metric == LAYERS and layers is not None and stats is not None and choice is not None:
-        stats = with_layers(stats, restrict_layers(layers, choice.ids, choice.reduce))
+        stats = with_layers(stats, restrict_layers(layers[choice.label_free], choice.ids, choice.reduce))
     c = candidates[selected]
     recall = c["val_mean_recall"] or 0.0
     tpr = cfg.calibration.tpr
@@ -143,12 +143,14 @@ def calibrate_ood(ctx: BuildContext, fn: Callable[[Batch], Any], runs: dict[str,
     stats = fit_ood_stats(fit[1], y_fit, classes, val_l, val_f, T) if fit[1] is not None else None
     id_val = scores_np((val_l, val_f, None), stats, T)
     ood = {name: scores_np((run[0], run[1], None), stats, T) for name, run in ood_val.items()}
-    full = None
+    full: dict[bool, LayerStats] | None = None
     if stats is not None and val_layers is not None and fit[2] is not None and val_layers.shape[2] > 0:
-        full = fit_layer_stats(fit[2], y_fit, classes, val_layers, torch.from_numpy(id_val["mahalanobis"]))
-        id_val |= layer_candidate_scores(layer_columns(hydra, stats, full, T), full)
-        for name, run in ood_val.items():
-            ood[name] |= layer_candidate_scores(layer_columns(run, stats, full, T), full)
+        val_md = torch.from_numpy(id_val["mahalanobis"])
+        full = {f: fit_layer_stats(fit[2], y_fit, classes, val_layers, val_md, label_free=f) for f in (False, True)}
+        for free, layers in full.items():
+            id_val |= layer_candidate_scores(layer_columns(hydra, stats, layers, T), layers, free)
+            for name, run in ood_val.items():
+                ood[name] |= layer_candidate_scores(layer_columns(run, stats, layers, T), layers, free)
     return _served(cfg, T, id_val, ood, stats, full)
 
 
@@ -241,7 +243,8 @@ def calibrate_label_free(
             last = standardize(mahalanobis(emb, stats.gaussians), *stats.norms["mahalanobis"])  # type: ignore[arg-type]
             scores[name] |= layer_candidate_scores(columns_of(last, layers, full), full)
     ood_val = {name[7:]: v for name, v in scores.items() if name.startswith("oodval:")}
-    return _served(cfg, temperature, scores["val"], ood_val, stats, full), scores
+    layers = None if full is None else {False: full}  # one Gaussian of the ID images already: no per-class variant
+    return _served(cfg, temperature, scores["val"], ood_val, stats, layers), scores
 
 
 def served_label_free(cal: Calibration, scores: dict[str, dict[str, np.ndarray]]) -> dict[str, Any]:

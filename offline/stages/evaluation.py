@@ -221,7 +221,9 @@ def method_stats(
     if stats is not None and layers and fit_layers is not None and val_layers is not None:
         val_md = torch.from_numpy(scores_np((val_l, val_f, None), stats, T)["mahalanobis"])
         reduce = layers.reduce if val_layers.shape[1] > 1 else "max"  # one member: its largest column
-        fitted = fit_layer_stats(fit_layers, y_fit, classes, val_layers, val_md, layers.ids, reduce)
+        fitted = fit_layer_stats(
+            fit_layers, y_fit, classes, val_layers, val_md, layers.ids, reduce, label_free=layers.label_free
+        )
         stats = with_layer_stats(stats, fitted)
     return T, stats
 

@@ -315,6 +315,9 @@ class OODSpec(_OpenRecord):
     # mahalanobis_layers: how it combines its columns (service.core.ood.LAYER_REDUCTIONS; absent: "max"). The
     # statistics file carries the same choice, which is what the server applies
     layers_reduce: Literal["max", "mean", "members"] | None = None
+    # mahalanobis_layers: the layer Gaussians are one per (member, layer) of all the ID fit inputs, not one per class
+    # (absent: per class); the statistics file holds them either way, which is what the server applies
+    layers_label_free: bool | None = None
     label_free: bool | None = None  # zero-shot: one Gaussian of the ID images, the same score for any labels
 
 

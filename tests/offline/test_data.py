@@ -111,7 +111,7 @@ def test_fashion_setting_shapes_counts_disjoint_and_deterministic():
     for split, n in ((d.train, 600), (d.val, 120), (d.test, 240)):
         assert np.bincount(split.labels, minlength=6).tolist() == [n // 6] * 6  # stratified, balanced source
     assert not np.array_equal(d.train.labels[:12], np.sort(d.train.labels[:12]))  # shuffled, not class-sorted
-    assert set(d.ood_val) == {"fashion-heldout", "digits", "corrupted"}
+    assert set(d.ood_val) == {"fashion-heldout", "digits", "corrupted", "shifted"}
     assert {k: v[1] for k, v in d.ood_test.items()} == {"fashion-heldout": "near", "digits": "far", "noise": "far"}
     assert all(len(x) == 100 for x in d.ood_val.values()) and all(len(x) == 100 for x, _ in d.ood_test.values())
     assert _rows(d.train.inputs).isdisjoint(_rows(d.val.inputs))

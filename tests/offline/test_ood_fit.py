@@ -240,6 +240,44 @@ def test_layer_candidate_names_round_trip():
     assert layer_candidate_name((1,), "members") == "mahalanobis_layers@1:members"
     for ids, reduce in (((0, 2), "max"), ((3,), "mean"), ((0, 1, 2), "members")):
         assert parse_layer_candidate(layer_candidate_name(ids, reduce)) == LayerChoice(ids, reduce)
+        for free in (False, True):
+            name = layer_candidate_name(ids, reduce, free)
+            assert parse_layer_candidate(name) == LayerChoice(ids, reduce, free)
+    assert layer_candidate_name((0, 2), "max", True) == "mahalanobis_layers@0,2:max:free"
+
+
+def test_label_free_layer_statistics_are_one_gaussian_of_every_fit_input():
+    """``label_free``: each (member, layer) Gaussian is that of all fit inputs, whatever their class (the mean is
+    their mean); its candidates equal the server's score on the restricted statistics, as the per-class ones do."""
+    from offline.ood_fit import (
+        candidate_scores,
+        fit_layer_stats,
+        fit_ood_stats,
+        layer_columns,
+        restrict_layers,
+        scores_np,
+        with_layers,
+    )
+
+    logits, feats, layers, y = _layer_data()
+    fit, val, new = slice(0, 120), slice(120, 180), slice(180, 240)
+    stats = fit_ood_stats(feats[fit], y[fit], 3, logits[val], feats[val], 1.0)
+    val_md = torch.from_numpy(scores_np((logits[val], feats[val], None), stats, 1.0)["mahalanobis"])
+    free = fit_layer_stats(layers[fit], y[fit], 3, layers[val], val_md, label_free=True)
+    n, m, k, d = layers[fit].shape
+    assert free.gaussians.means.shape == (m * k, 1, d)
+    torch.testing.assert_close(
+        free.gaussians.means[:, 0].to(torch.float64),
+        layers[fit].to(torch.float64).mean(0).reshape(m * k, d),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+    same = fit_layer_stats(layers[fit], torch.zeros_like(y[fit]), 1, layers[val], val_md)
+    torch.testing.assert_close(free.gaussians.precision, same.gaussians.precision)
+    run = (logits[new], feats[new], layers[new])
+    cols = layer_columns(run, stats, free, 1.0)
+    served = scores_np(run, with_layers(stats, restrict_layers(free, (0, 2), "mean")), 1.0)["mahalanobis_layers"]
+    np.testing.assert_allclose(candidate_scores(cols, free, (0, 2), "mean"), served, rtol=0, atol=1e-12)
 
 
 def test_every_layer_reduction_is_a_candidate_and_members_needs_several():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from offline.outliers import CORRUPTIONS, corrupted
+from offline.outliers import CORRUPTIONS, SHIFTS, corrupted, shifted
 
 
 def _images(n: int = 12, seed: int = 0) -> np.ndarray:
@@ -52,3 +52,28 @@ def test_unknown_corruption_is_refused():
 
     with pytest.raises(ValueError, match="unknown corruption"):
         _one(np.zeros((4, 4), np.uint8), "melt", np.zeros((4, 4), np.uint8), np.random.default_rng(0))
+
+
+def test_each_mild_shift_keeps_the_image_recognisable_and_is_seeded():
+    """The shifts of the fourth validation set: each one in turn, its known effect on a blob, same shape and dtype."""
+    x = _images()
+    out = shifted(x, seed=3)
+    assert out.shape == x.shape and out.dtype == np.uint8
+    assert np.array_equal(out, shifted(x, seed=3)) and not np.array_equal(out, shifted(x, seed=4))
+    pix = out[SHIFTS.index("pixelate")].astype(int)
+    assert np.array_equal(pix[0::2, 0::2], pix[1::2, 1::2])  # 2x2 blocks of one value
+    sp = out[SHIFTS.index("speckle")]
+    changed = sp != x[1]
+    assert 0.01 < changed.mean() < 0.08 and set(np.unique(sp[changed]).tolist()) <= {0, 255}
+    post = out[SHIFTS.index("posterize")]
+    assert set(np.unique(post).tolist()) <= {0, 85, 170, 255}
+    moved = out[SHIFTS.index("translate")]
+    assert moved.astype(float).sum() > 0 and not np.array_equal(moved, x[3])
+    assert abs(int(moved.astype(bool).sum()) - int(x[3].astype(bool).sum())) <= 14 * 3  # the blob moved, whole
+    gamma = out[SHIFTS.index("gamma")].astype(float)
+    assert not np.allclose(gamma, x[2]) and gamma[x[2] == 0].max() == 0  # black stays black
+    sheared = out[SHIFTS.index("shear")]
+    assert sheared.shape == (28, 28) and not np.array_equal(sheared, x[5])
+    colour = [np.random.default_rng(2).integers(0, 256, (10, 14, 3), dtype=np.uint8) for _ in range(6)]
+    assert [o.shape for o in shifted(colour, seed=0)] == [(10, 14, 3)] * 6
+    assert shifted([], seed=0) == []

@@ -144,7 +144,7 @@ def test_drop_removes_the_stated_share_and_keeps_order_and_one_word(severity):
 
 def test_bad_requests_are_one_clear_error():
     with pytest.raises(ValueError, match="severity"):
-        shift.corrupt(blobs(1), "blur", 4)
+        shift.corrupt(blobs(1), "blur", 6)
     with pytest.raises(ValueError, match="unknown corruption"):
         shift.corrupt(blobs(1), "fog", 1)
     with pytest.raises(ValueError, match="corrupts texts"):

@@ -13,7 +13,7 @@ from offline.build import build
 from offline.config import ConfigError, load_config
 from offline.metrics import aurc, ece
 from offline.report.shift import shift_section
-from offline.shift import corrupt
+from offline.shift import REPORT_SEVERITIES, corrupt
 from offline.stages.data import load_data
 from offline.stages.shift import shift_report, shift_summary
 from service.core.artifact import load_manifest
@@ -77,13 +77,13 @@ def test_build_reports_every_method_on_shifted_copies(user_files, tmp_path):
     shift = doc["extra"]["shift"]
     methods = shift["methods"]
     assert {"single", "member_0", "member_1", "member_2", "hydra", "ensemble_unfused"} <= set(methods)
-    copies = {f"{k}@{s}" for k in ("typos", "drop") for s in (1, 2, 3)}
-    assert set(methods["hydra"]["sets"]) == copies and set(methods["hydra"]["summary"]) == {"1", "2", "3", "mean"}
+    copies = {f"{k}@{s}" for k in ("typos", "drop") for s in REPORT_SEVERITIES}
+    assert set(methods["hydra"]["sets"]) == copies and set(methods["hydra"]["summary"]) == {"1", "3", "5", "mean"}
     assert "## Shifted inputs" in (out / "report.md").read_text()
-    # Hydra on drop@2, recomputed from the artifact: the first 12 test texts, corrupted, through the served model
+    # Hydra on drop@3, recomputed from the artifact: the first 12 test texts, corrupted, through the served model
     m = load_manifest(out)
     d = load_data(load_config(None, ticket_build(ckpt, data)))
-    texts = corrupt(d.test.inputs[:12], "drop", 2, seed=0)
+    texts = corrupt(d.test.inputs[:12], "drop", 3, seed=0)
     pre = make_preprocessor(m.preprocessing, out, 1 << 20)
     model = load_model(out / "model.safetensors", m.model.config)
     with torch.inference_mode():
@@ -91,7 +91,7 @@ def test_build_reports_every_method_on_shifted_copies(user_files, tmp_path):
     member_probs = torch.softmax(logits.double() / m.uncertainty.temperature, -1).numpy()  # (N, M, C)
     probs = member_probs.mean(1)
     y = d.test.labels[:12]
-    got = methods["hydra"]["sets"]["drop@2"]
+    got = methods["hydra"]["sets"]["drop@3"]
     assert got["acc"] == pytest.approx(float((probs.argmax(1) == y).mean()), abs=1e-9)
     assert got["ece"] == pytest.approx(ece(member_probs, y), abs=1e-4)
     assert got["aurc"] == pytest.approx(aurc(probs.max(1), probs.argmax(1) == y), abs=1e-4)
