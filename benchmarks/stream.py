@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.stream_report import markdown, plot
 
 ROOT = Path(__file__).resolve().parents[1]
 SEVERITIES = (1, 2, 3, 4, 5)
@@ -284,48 +285,14 @@ def replica_simulation(replicas: tuple[int, ...] = (1, 2, 4), runs: int = 200, s
     for path in OUTPUTS:
         d = load_outputs(path)
         mon = DriftMonitor(d["calibration"]["score"], delta=0.01)
-        idt = d["test"]["score"]
-        oods = [k for k in d if k.startswith("ood:")]
         rng = np.random.default_rng(seed)
+        oods = [d[k]["score"] for k in d if k.startswith("ood:")]
         rows = []
         for r in replicas:
-            before, after = 400 * r, 3000 * r  # fleet inputs before and after the shift
             for reach in ("all", "one"):
-                first_own, first_shared, good_suspended = [], [], []
-                for k in range(runs):
-                    o = d[oods[k % len(oods)]]["score"]
-                    who = rng.integers(0, r, before + after)  # the replica of each fleet input
-                    x = rng.choice(idt, before + after)
-                    shifted = np.zeros(before + after, dtype=bool)
-                    shifted[before:] = rng.random(after) < 0.3
-                    if reach == "one":
-                        shifted &= who == 0
-                    x = np.where(shifted, rng.choice(o, before + after), x)
-                    on = np.zeros(before + after, dtype=bool)  # the serving replica's own alarm, per fleet input
-                    for j in range(r):
-                        mine = np.flatnonzero(who == j)
-                        on[mine] = mon.simulate(x[mine][None, :])[1][0]
-                    fleet = np.maximum.accumulate(on)  # shared: once any replica's alarm fired (it stays on here)
-                    hit = shifted & on
-                    first_own.append(int(np.argmax(hit)) - before + 1 if hit.any() else None)
-                    hit_s = shifted & fleet
-                    first_shared.append(int(np.argmax(hit_s)) - before + 1 if hit_s.any() else None)
-                    if reach == "one":
-                        good = (who != 0) & (np.arange(before + after) >= before)
-                        good_suspended.append((bool((good & on).any()), bool((good & fleet).any())))
-                row = {
-                    "replicas": r,
-                    "shift_reaches": reach,
-                    "own_first_suspension_median": _median(first_own),
-                    "shared_first_suspension_median": _median(first_shared),
-                }
-                if good_suspended:
-                    row["unshifted_replicas_suspended_own"] = float(np.mean([g[0] for g in good_suspended]))
-                    row["unshifted_replicas_suspended_shared"] = float(np.mean([g[1] for g in good_suspended]))
-                rows.append(row)
-            # false suspensions: 10,000 ID inputs per replica, runs / 4 fleets
-            n_fleets = max(runs // 4, 1)
-            _, on = mon.simulate(rng.choice(idt, size=(n_fleets * r, 10_000)))
+                rows.append(_shift_reaching(mon, d["test"]["score"], oods, r, reach, runs, rng))
+            n_fleets = max(runs // 4, 1)  # false suspensions: 10,000 ID inputs per replica
+            _, on = mon.simulate(rng.choice(d["test"]["score"], size=(n_fleets * r, 10_000)))
             per_fleet = on.any(axis=1).reshape(n_fleets, r)
             rows.append(
                 {
@@ -338,6 +305,40 @@ def replica_simulation(replicas: tuple[int, ...] = (1, 2, 4), runs: int = 200, s
             )
         out[path.stem] = rows
     return out
+
+
+def _shift_reaching(
+    mon: Any, idt: np.ndarray, oods: list[np.ndarray], r: int, reach: str, runs: int, rng: np.random.Generator
+) -> dict[str, Any]:
+    """One row of :func:`replica_simulation`: ``runs`` fleets of ``r`` replicas, the shift reaching ``reach``."""
+    before, after = 400 * r, 3000 * r  # fleet inputs before and after the shift
+    first_own, first_shared, good_suspended = [], [], []
+    for k in range(runs):
+        who = rng.integers(0, r, before + after)  # the replica of each fleet input
+        shifted = np.zeros(before + after, dtype=bool)
+        shifted[before:] = rng.random(after) < 0.3
+        if reach == "one":
+            shifted &= who == 0
+        x = np.where(shifted, rng.choice(oods[k % len(oods)], before + after), rng.choice(idt, before + after))
+        on = np.zeros(before + after, dtype=bool)  # the serving replica's own alarm, per fleet input
+        for j in range(r):
+            mine = np.flatnonzero(who == j)
+            on[mine] = mon.simulate(x[mine][None, :])[1][0]
+        fleet = np.maximum.accumulate(on)  # shared: once any replica's alarm fired (it stays on here)
+        first_own.append(int(np.argmax(shifted & on)) - before + 1 if (shifted & on).any() else None)
+        first_shared.append(int(np.argmax(shifted & fleet)) - before + 1 if (shifted & fleet).any() else None)
+        good = (who != 0) & (np.arange(before + after) >= before)
+        good_suspended.append((bool((good & on).any()), bool((good & fleet).any())))
+    row: dict[str, Any] = {
+        "replicas": r,
+        "shift_reaches": reach,
+        "own_first_suspension_median": _median(first_own),
+        "shared_first_suspension_median": _median(first_shared),
+    }
+    if reach == "one":
+        row["unshifted_replicas_suspended_own"] = float(np.mean([g[0] for g in good_suspended]))
+        row["unshifted_replicas_suspended_shared"] = float(np.mean([g[1] for g in good_suspended]))
+    return row
 
 
 def _median(values: list[int | None]) -> float | None:
@@ -424,148 +425,19 @@ def checks(doc: dict[str, Any]) -> dict[str, bool]:
         out[f"{m}: clean streams: accept rate within 2 points of the certified rule's"] = all(
             abs(r["served"]["accept_rate"] - r["certified_rule_without_alarm"]["accept_rate"]) <= 0.02 for r in clean
         )
-    for r in doc["labelled"]:
-        err = r["served"]["accepted_error"]
+    for r in doc["labelled"]:  # the target is on a stream where the certified rule misses
+        err, fixed = r["served"]["accepted_error"], r["certified_rule_without_alarm"]["accepted_error"]
         risk = doc["models"][r["modality"]]["risk"]
-        out[f"{r['modality']} labelled stream: online error among accepted <= target + 1 point"] = (
-            err is not None and err <= risk + 0.01
-        )
+        if fixed is not None and fixed > risk + 0.01:
+            out[
+                f"{r['modality']} labelled stream (the certified rule errs {100 * fixed:.1f} %): online error among "
+                "accepted <= target + 1 point"
+            ] = err is not None and err <= risk + 0.01
     for name, c in (doc.get("cached_false_suspensions") or {}).items():
         out[f"{name}: cached ID streams with a suspension within the bound"] = (
             c["streams_with_a_suspension"] <= c["bound_streams"]
         )
     return out
-
-
-# ----------------------------------------------------------------------------------------------- output
-def _pct(v: float | None) -> str:
-    return "–" if v is None else f"{100 * v:.1f}"
-
-
-def markdown(doc: dict[str, Any]) -> str:
-    lines = [
-        "# Streams through a running server",
-        "",
-        f"`{doc['command']}`",
-        "",
-        f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs. One input per request, in order, a fresh "
-        'server per stream, `HYDRA_DRIFT_POLICY=abstain`; counted from each stream\'s first input. "certified rule": '
-        "what the rule accepts on the same answers without the alarm (the server before the policy). p: exact "
-        'one-sided binomial p-value of "the error among accepted answers is above the risk target".',
-        "",
-    ]
-    for m, info in doc["models"].items():
-        lines += [
-            f"## {info['name']} ({m}, risk target {_pct(info['risk'])} %)",
-            "",
-            "| stream | accuracy % | accepted % | error among accepted % [95 %] | p | certified rule: accepted % "
-            "/ error % | first suspended input | accepts suspended | flagged % | estimate gap (points) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in [x for x in doc["clean"] + doc["shifted"] if x["modality"] == m]:
-            s, f = r["served"], r["certified_rule_without_alarm"]
-            ci = "" if s["interval"] is None else f" [{_pct(s['interval'][0])}, {_pct(s['interval'][1])}]"
-            name = "clean" if r["corruption"] is None else f"{r['corruption']} @{r['severity']}"
-            lines.append(
-                f"| {name} | {_pct(r['accuracy'])} | {_pct(s['accept_rate'])} | {_pct(s['accepted_error'])}{ci} | "
-                f"{s['p_above_risk']:.3g} | {_pct(f['accept_rate'])} / {_pct(f['accepted_error'])} | "
-                f"{r['first_suspended_input'] or '–'} | {r['accepts_suspended']} | {_pct(r['flagged'])} | "
-                f"{100 * r['estimate_gap']:+.1f} |"
-            )
-        lines.append("")
-    if doc["labelled"]:
-        lines += [
-            "## Labelled streams (adaptive requests, each label sent back before the next request)",
-            "",
-            "| model | stream | inputs | accuracy % | online rule: accepted % / error % [95 %] | certified rule "
-            "without alarm: accepted % / error % |",
-            "|---|---|---:|---:|---:|---:|",
-        ]
-        for r in doc["labelled"]:
-            s, f = r["served"], r["certified_rule_without_alarm"]
-            ci = "" if s["interval"] is None else f" [{_pct(s['interval'][0])}, {_pct(s['interval'][1])}]"
-            lines.append(
-                f"| {doc['models'][r['modality']]['name']} | {r['corruption']} @{r['severity']} | {r['inputs']} | "
-                f"{_pct(r['accuracy'])} | {_pct(s['accept_rate'])} / {_pct(s['accepted_error'])}{ci} | "
-                f"{_pct(f['accept_rate'])} / {_pct(f['accepted_error'])} |"
-            )
-        lines.append("")
-    if doc.get("cached_false_suspensions"):
-        lines += ["## False suspensions on cached in-distribution outputs", ""]
-        for name, c in doc["cached_false_suspensions"].items():
-            lines.append(
-                f"- {name}: {c['streams']} streams of {c['inputs']:,} inputs: {c['streams_with_a_suspension']} with a "
-                f"suspension (bound {c['bound_streams']:.0f}: `m / A`, A = {c['arl']:,.0f}), "
-                f"{100 * c['answers_suspended']:.3f} % of answers suspended"
-            )
-        lines.append("")
-    if doc.get("replicas"):
-        lines += [
-            "## Each replica's own alarm, or one shared by the fleet (simulated on cached outputs)",
-            "",
-            "R replicas behind a random load balancer; a shift to 30 % of an OOD set's inputs reaching every "
-            "replica or only one. Fleet inputs from the shift to the first suspended answer to shifted traffic "
-            "(median), whether answers to unshifted replicas were suspended, and the runs with a false suspension "
-            "on 10,000 in-distribution inputs per replica.",
-            "",
-            "| model | R | shift reaches | own alarm: first suspension | shared: first suspension | unshifted "
-            "suspended (own / shared) |",
-            "|---|---:|---|---:|---:|---:|",
-        ]
-        for name, rows in doc["replicas"].items():
-            for r in [x for x in rows if "shift_reaches" in x]:
-                good = (
-                    f"{100 * r['unshifted_replicas_suspended_own']:.0f} % / "
-                    f"{100 * r['unshifted_replicas_suspended_shared']:.0f} %"
-                    if "unshifted_replicas_suspended_own" in r
-                    else "–"
-                )
-                lines.append(
-                    f"| {name} | {r['replicas']} | {r['shift_reaches']} | {r['own_first_suspension_median']} | "
-                    f"{r['shared_first_suspension_median']} | {good} |"
-                )
-        lines += ["", "| model | R | false suspensions, own (per replica) | shared (per fleet) | bound own / shared |"]
-        lines += ["|---|---:|---:|---:|---:|"]
-        for name, rows in doc["replicas"].items():
-            for r in [x for x in rows if "false_suspension_runs_shared" in x]:
-                lines.append(
-                    f"| {name} | {r['replicas']} | {100 * r['false_suspension_runs_own_per_replica']:.1f} % | "
-                    f"{100 * r['false_suspension_runs_shared']:.1f} % | {100 * r['bound_own_per_replica']:.0f} % / "
-                    f"{100 * r['bound_shared']:.0f} % |"
-                )
-        lines.append("")
-    lines += ["## Checks", ""] + [f"- {'PASS' if v else 'FAIL'} {k}" for k, v in doc["checks"].items()]
-    return "\n".join(lines) + "\n"
-
-
-def plot(doc: dict[str, Any], path: Path) -> None:
-    """Error among accepted answers against accuracy, one point per stream: the certified rule without the alarm
-    (open) and the answers served (filled), per model; the risk target as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = list(doc["models"])
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for ax, m in zip(axes[0], models, strict=True):
-        rows = [r for r in doc["clean"] + doc["shifted"] if r["modality"] == m]
-        for key, style, label in (
-            ("certified_rule_without_alarm", dict(facecolors="none", edgecolors="tab:red"), "certified rule, no alarm"),
-            ("served", dict(color="tab:blue"), "served (alarm policy abstain)"),
-        ):
-            pts = [(r["accuracy"], r[key]["accepted_error"]) for r in rows if r[key]["accepted_error"] is not None]
-            if pts:
-                ax.scatter(*zip(*pts, strict=True), s=28, label=label, **style)
-        ax.axhline(doc["models"][m]["risk"], color="grey", ls="--", lw=1, label="risk target")
-        ax.set_xlabel("stream accuracy")
-        ax.set_ylabel("error among accepted answers")
-        ax.set_title(f"{doc['models'][m]['name']}: {len(rows)} streams")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

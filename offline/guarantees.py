@@ -158,10 +158,7 @@ def fit_guarantees(
     edges = drift_edges(outlier_oriented(val.ood_score, metric), g.drift_bins)
     tensors = {
         **sets.to_tensors("conformal."),
-        "ood.scores": torch.from_numpy(np.ascontiguousarray(ood)),
-        "drift.edges": torch.from_numpy(np.ascontiguousarray(edges, dtype=np.float64)),
-        # the scale of the server's online accept rules (service/core/online_risk.py): the calibration confidences
-        "selective.confidences": torch.from_numpy(np.ascontiguousarray(np.sort(cal.probs.max(axis=1)))),
+        **{k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64)) for k, v in _arrays(cal, ood, edges).items()},
     }
     n = int(cal.labels.shape[0])
     spec = {
@@ -197,6 +194,13 @@ def fit_guarantees(
         "drift": {"delta": g.drift_delta, "bins": g.drift_bins, "seed": 0, "edges": DRIFT_EDGES_SOURCE},
     }
     return Fitted(tensors, spec, sets, rules)
+
+
+def _arrays(cal: CalibrationOutputs, ood: np.ndarray, edges: np.ndarray) -> dict[str, np.ndarray]:
+    """The guarantees' arrays besides the sets': the calibration split's outlier-oriented OOD scores (sorted), the
+    drift bins, and its confidences (sorted), the scale of the server's online accept rules
+    (``service/core/online_risk.py``)."""
+    return {"ood.scores": ood, "drift.edges": edges, "selective.confidences": np.sort(cal.probs.max(axis=1))}
 
 
 def calibration_errors(cal: CalibrationOutputs) -> int:

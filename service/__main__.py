@@ -55,12 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings()
         loop, http = http_stack(settings.loop, settings.http)
-    except ValidationError as e:
-        for line in settings_errors(e):
-            print(f"invalid HYDRA_* settings: {line}", file=sys.stderr)
-        return EXIT_SETTINGS
-    except ValueError as e:
-        print(f"invalid HYDRA_* settings: {e}", file=sys.stderr)
+    except (ValidationError, ValueError) as e:
+        lines = settings_errors(e) if isinstance(e, ValidationError) else [str(e)]
+        print("\n".join(f"invalid HYDRA_* settings: {line}" for line in lines), file=sys.stderr)
         return EXIT_SETTINGS
     # imported once the settings are known to be valid: service.main builds its module-level `app` (for uvicorn
     # service.main:app) from the environment at import, and loads torch

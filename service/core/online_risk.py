@@ -132,7 +132,7 @@ class OnlineRisk:
     ) -> OnlineRisk:
         """A fresh rule that accepts what the certified rule of confidence ``threshold`` accepts (None: no rule was
         certified; start at 1, above every rank: nothing is accepted)."""
-        start = 1.0 if threshold is None else float(ranks.rank(threshold))
+        start = 1.0 if threshold is None else float(ranks.rank([threshold])[0])
         return cls(risk, start, gamma)
 
     @property

@@ -1,5 +1,6 @@
 """What every runtime shares: the :class:`Runtime` base, what it is asked (:class:`Query`) and what it answers
-(:class:`Outcome`: per-input uncertainty, :class:`ItemResult`).
+(:class:`Outcome`: per-input uncertainty, :class:`ItemResult`; both in :mod:`service.runtime.results`), with the
+guarantees' path of :mod:`service.runtime.guarded`.
 
 A runtime is one loaded artifact behind one batcher: the request side decodes and
 preprocesses the inputs (:meth:`Runtime.prepare`), the worker thread runs the model
@@ -22,28 +23,27 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, cast
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, Manifest, artifact_version
-from ..core.drift import DriftFeed, DriftMonitor
+from ..core.artifact import ArtifactError, Manifest, artifact_version
+from ..core.drift import DriftFeed
 from ..core.errors import InvalidInput
-from ..core.guarantees import Answer, load_guarantees, outlier_oriented
-from ..core.online_risk import OnlineRisk
+from ..core.guarantees import load_guarantees
 from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
 from ..metrics import Metrics
 from ..settings import Settings
 from ..store import PredictionStore
-from .batching import Batcher, BatchLimits, BatchResult
-from .monitor import STALE_S, LiveMonitor
+from .batching import Batcher, BatchLimits
+from .guarded import GuaranteedAnswers
+from .monitor import LiveMonitor
 from .plan import Plan
+from .results import ItemResult, Outcome, Query
 
 __all__ = [
     "ItemResult",
@@ -56,66 +56,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("hydra.runtime")
-
-
-@dataclass
-class ItemResult:
-    """Uncertainty of one input, from its member logits ``(M, C)``."""
-
-    probs: np.ndarray  # (C,) ensemble probabilities
-    member_probs: np.ndarray  # (M, C)
-    prediction: int
-    msp: float
-    entropy: float
-    expected_entropy: float
-    mutual_information: float
-    disagreement: float
-    ood_score: float
-    ood_flag: bool
-    scores: dict[str, float] | None = None  # every OOD score computed for this input (return_scores)
-    # the guarantees (models with a calibration split; Runtime.outcome sets them for the request's levels)
-    p_value: float | None = None  # conformal OOD p-value; ood_flag is then p_value <= ood_alpha
-    ood_alpha: float | None = None
-    flag_threshold: float | None = None  # the score threshold equivalent to p_value <= ood_alpha (None: never)
-    prediction_set: np.ndarray | None = None  # (C,) bool, never empty
-    set_alpha: float | None = None
-    below_min_alpha: bool = False
-    set_filled: bool = False  # no label passed the set's threshold: the set is the prediction alone
-    accept: bool | None = None  # the risk rule of target ``risk``
-    risk: float | None = None
-    alpha_t: float | None = None  # the set is the adaptive one, built at this level (request option adaptive)
-    # the drift alarm's word on the guarantees (HYDRA_DRIFT_POLICY): suspended while it is on (None: no guarantees)
-    suspended: bool | None = None
-    alarm_at: int | None = None  # the input at which the alarm went on, while it is on
-    rule: str | None = None  # which accept rule decided: "certified" (the build's) or "online" (adaptive requests)
-    rule_threshold: float | None = None  # that rule's confidence threshold now (None: it accepts nothing)
-    abstain: str | None = None  # why the answer is not accepted whatever its confidence (the alarm), None else
-
-
-@dataclass
-class Outcome:
-    """One request through the model: a result per input, in order, over ``labels``, and its batch timings."""
-
-    results: list[ItemResult]
-    labels: list[str]  # the model's own labels, or a zero-shot request's
-    batch: BatchResult
-
-
-@dataclass(frozen=True)
-class Query:
-    """What a request asks of a runtime besides its inputs."""
-
-    top_k: int = 5
-    return_members: bool = False
-    # zero-shot: the request's candidate labels and prompt template; None: the model's own labels (/predict)
-    labels: list[str] | None = None
-    template: str = DEFAULT_TEMPLATE
-    return_scores: bool = False  # add every OOD score computed to the answer
-    alpha: float | None = None  # the prediction sets' miscoverage (None: the model's default)
-    ood_alpha: float | None = None  # the OOD flag's level (None: the model's default)
-    risk: float | None = None  # the risk target of selective.accept (None: the model's default)
-    monitor: bool = True  # feed the drift test (False: the server's own warm-up and probe inputs)
-    adaptive: bool = False  # the prediction sets of the online (adaptive) method (service.runtime.monitor)
 
 
 def summarize_rows(
@@ -207,7 +147,7 @@ def load_ood_stats(root: Path, manifest: Manifest) -> OODStats | None:
     return stats
 
 
-class Runtime(abc.ABC):
+class Runtime(GuaranteedAnswers, abc.ABC):
     """One loaded artifact behind one batcher. Subclasses set ``task`` and implement the abstract methods."""
 
     task: ClassVar[str]
@@ -324,10 +264,6 @@ class Runtime(abc.ABC):
         self._count(out.results)
         return out
 
-    def sets_hold(self, query: Query) -> bool:
-        """Whether the prediction sets and risk rules hold for this request (the calibration's labels)."""
-        return True
-
     def check_query(self, query: Query) -> None:
         """Refuse levels the model cannot serve (422 naming the value and what is accepted)."""
         g = self.guarantees
@@ -343,191 +279,6 @@ class Runtime(abc.ABC):
             raise InvalidInput(f"adaptive: model {self.name!r} serves no adaptive sets: {why}", status=422)
         if query.adaptive and query.alpha is not None and g is not None and query.alpha != g.alpha:
             raise InvalidInput(f"adaptive: the adaptive sets track the model's alpha {g.alpha:g}; leave alpha out")
-
-    def _guarantees(self, results: list[ItemResult], query: Query) -> None:
-        """Each result's OOD p-value and flag at the request's level, prediction set and risk decision, and what the
-        drift alarm says of them now (:meth:`_alarm_now`, this request's inputs taken into it first, unless the
-        policy is ``off``). The guarantees' metrics need none of the answer: they are updated after it."""
-        g = self.guarantees
-        assert g is not None
-        scores = [r.ood_score for r in results]
-        ood_alpha = g.ood_alpha if query.ood_alpha is None else query.ood_alpha
-        alpha = g.alpha if query.alpha is None else query.alpha
-        risk = g.risk if query.risk is None else query.risk
-        probs = None
-        if self.sets_hold(query):  # (B, C) float64
-            probs = results[0].probs[None, :] if len(results) == 1 else np.stack([r.probs for r in results])
-            probs = probs.astype(np.float64, copy=False)
-        ans = g.answer(scores, probs, alpha, risk)
-        p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
-        alarm_at = self._alarm_now(scores, query)
-        alpha_t, rule, lam, abstain = None, "certified", g.rules[risk], None
-        withheld = 0
-        if query.adaptive and self.monitor is not None and probs is not None:  # check_query: sets hold
-            sets, filled, alpha_t = self.monitor.adaptive_sets(probs)
-            ans = Answer(p_list, sets, False, filled, accepted, ans.eligible)
-            online = self.monitor.online_rule(risk)
-            if online is not None:  # None: an artifact built before the online rules (no calibration confidences)
-                rule = "online"
-                accepted, lam, abstain = self._online(online, probs, ans.eligible, alarm_at)
-        if rule == "certified" and alarm_at is not None and accepted is not None and self._abstains:
-            withheld = sum(accepted)
-            accepted = [False] * len(results)
-            abstain = (
-                f"the drift alarm is on since input {alarm_at}: the traffic is not like the calibration split, so the "
-                "certified rule does not hold now and accepts nothing until the alarm clears (adaptive requests get "
-                "the online rule, once labels come back through the feedback route)"
-            )
-        cut = g.flag_threshold(ood_alpha)
-        suspended = alarm_at is not None
-        for i, r in enumerate(results):
-            r.p_value, r.ood_alpha, r.ood_flag, r.flag_threshold = p_list[i], ood_alpha, p_list[i] <= ood_alpha, cut
-            r.suspended, r.alarm_at = suspended, alarm_at
-            if sets is not None and accepted is not None and ans.filled is not None:
-                r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, ans.below_min_alpha
-                r.set_filled = bool(ans.filled[i])
-                r.accept, r.risk, r.alpha_t = accepted[i], risk, alpha_t
-                r.rule, r.rule_threshold, r.abstain = rule, lam, abstain
-        record = (scores if query.monitor and self._lazy_drift else None, p_list, sets, accepted)
-        try:  # after the answer: the loop runs it once this request's task yields (while the model runs others)
-            asyncio.get_running_loop().call_soon(self._record, *record, risk, suspended, withheld)
-        except RuntimeError:  # no event loop (a direct call): now
-            self._record(*record, risk, suspended, withheld)
-
-    @property
-    def _lazy_drift(self) -> bool:
-        """Whether the drift alarm is fed after the answer, in chunks (policy ``off``: no answer reads it)."""
-        return self.settings.drift_policy == "off"
-
-    def _alarm_now(self, scores: list[float], query: Query) -> int | None:
-        """The input at which the drift alarm went on, if it is on now and the policy lets it speak (None: off, or
-        ``HYDRA_DRIFT_POLICY=off``). This request's scores go into the alarm first (not the server's own warm-up and
-        probe inputs), so the answer that turns it on is the first it suspends."""
-        if self.drift is None or self._lazy_drift:
-            return None
-        g = self.guarantees
-        assert g is not None
-        if query.monitor:
-            self.drift.add(outlier_oriented(np.asarray(scores, dtype=np.float64), g.metric))
-        at = self.drift.flush().alarm_at
-        if at is not None and self.monitor is not None and self._alarm_mark[0] != at:
-            # a new episode: the online rule takes labels from here (its copy read again now, in the background)
-            rules = self.monitor.state.risk
-            self._alarm_mark = (at, max((r.labelled for r in rules.values()), default=0))
-            self.monitor.refresh()
-        return at
-
-    @property
-    def _abstains(self) -> bool:
-        """Whether answers abstain from accepting while the drift alarm is on (``HYDRA_DRIFT_POLICY=abstain``)."""
-        return self.settings.drift_policy == "abstain"
-
-    def _online(
-        self, rule: OnlineRisk, probs: np.ndarray, eligible: list[bool] | None, alarm_at: int | None
-    ) -> tuple[list[bool], float | None, str | None]:
-        """The online accept rule ``rule`` on ``probs (B, C)``: ``(accepts, its confidence threshold, why it
-        abstains)``. Under the drift alarm (policy ``abstain``) it accepts only once labels came back since the alarm
-        went on, and only from a copy of the shared state read within :data:`~service.runtime.monitor.STALE_S`
-        seconds: a prediction store that is down keeps the answers abstaining."""
-        g, mon = self.guarantees, self.monitor
-        assert g is not None and g.ranks is not None and mon is not None
-        b = probs.shape[0]
-        lam = g.ranks.threshold(rule.level)
-        if alarm_at is not None and self._abstains:
-            since = f"the drift alarm is on since input {alarm_at}"
-            if mon.age > STALE_S:
-                why = (
-                    f"{since}, and the online rule's state could not be read from the prediction store for "
-                    f"{mon.age:.0f} s: nothing is accepted until it can"
-                )
-                return [False] * b, lam, why
-            if rule.labelled <= self._alarm_mark[1]:
-                why = f"{since}, and no label has come back since: nothing is accepted until labels do"
-                return [False] * b, lam, why
-        accepts = rule.accepts(g.ranks.rank(probs.max(axis=1)), eligible).tolist()
-        return accepts, lam, None
-
-    def _record(
-        self,
-        scores: list[float] | None,
-        p: list[float],
-        sets: np.ndarray | None,
-        accepted: list[bool] | None,
-        risk: float,
-        suspended: bool = False,
-        withheld: int = 0,
-    ) -> None:
-        """The drift test fed when no answer reads it (``scores``; None for the server's own warm-up and probe inputs,
-        and when :meth:`_alarm_now` fed it already) and the guarantees' metrics: p-values, set sizes, accept
-        decisions, answers given while the alarm suspended the guarantees (``withheld`` of them would have been
-        accepted)."""
-        g = self.guarantees
-        if g is None:
-            return
-        if scores is not None and self.drift is not None:
-            self.drift.add(outlier_oriented(np.asarray(scores, dtype=np.float64), g.metric))
-        if self.metrics is None:
-            return
-        p_hist = self._child("ood_p_value")
-        for v in p:
-            p_hist.observe(v)
-        if sets is not None and accepted is not None:
-            size_hist = self._child("set_size")
-            for n_labels in sets.sum(axis=1).tolist():
-                size_hist.observe(n_labels)
-            n_acc = sum(accepted)
-            if n_acc:
-                self._child("selective", str(risk), "true").inc(n_acc)
-            if len(accepted) - n_acc:
-                self._child("selective", str(risk), "false").inc(len(accepted) - n_acc)
-        if suspended:
-            if withheld:
-                self._child("suspended", "true").inc(withheld)
-            if len(p) - withheld:
-                self._child("suspended", "false").inc(len(p) - withheld)
-
-    def _child(self, metric: str, *labels: str) -> Any:
-        """The metric ``metric`` of this model with the further ``labels`` (prometheus_client's lookup costs
-        microseconds a call, so each child is looked up once)."""
-        key = (metric, *labels)
-        child = self._children.get(key)
-        if child is None:
-            assert self.metrics is not None
-            child = self._children[key] = getattr(self.metrics, metric).labels(self.name, *labels)
-        return child
-
-    def _drift_metrics(self, monitor: DriftMonitor) -> None:
-        """The drift gauges and episode counter after the monitor advanced (or was reset)."""
-        if self.metrics is not None:
-            self._child("drift_alarm").set(1 if monitor.alarm else 0)
-            self._child("drift_statistic").set(monitor.log10_statistic)
-            self._child("drift_inputs").set(monitor.count)
-            started = monitor.episodes_total - self._drift_episodes
-            self._child("drift_episodes").inc(started)  # 0 too: the series exists from start-up
-            self._drift_episodes += started
-
-    def refresh_drift(self) -> None:
-        """Take the buffered inputs into the drift alarm, so that its metrics are those of every input served (a
-        ``/metrics`` scrape; fewer than ``DriftFeed.every`` inputs wait there, so this is short)."""
-        if self.drift is not None:
-            self.drift.flush()
-
-    def reset_drift(self) -> dict[str, Any]:
-        """Restart the drift alarm's statistic (after an investigation): an open alarm episode closes, the history and
-        the input count go on."""
-        if self.drift is None:
-            raise InvalidInput(
-                f"model {self.name!r} has no drift test (it was built without a calibration split)", status=409
-            )
-        before = self.drift_state()
-        self.drift.reset()
-        return {"model": self.name, "before": before, "after": self.drift_state()}
-
-    def drift_state(self) -> dict[str, Any] | None:
-        """The drift alarm now (:meth:`service.core.drift.DriftMonitor.state`), every input served included."""
-        if self.drift is None:
-            return None
-        return self.drift.flush().state()
 
     @abc.abstractmethod
     async def warmup(self) -> None:

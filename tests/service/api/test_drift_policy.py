@@ -192,7 +192,7 @@ def test_a_store_that_is_down_under_the_alarm_keeps_the_answers_abstaining(drift
 
         monkeypatch.setattr(mon.store, "get_state", down)
         monkeypatch.setattr(monitor_module, "STALE_S", 0.0)
-        monkeypatch.setattr("service.runtime.interface.STALE_S", 0.0)
+        monkeypatch.setattr("service.runtime.guarded.STALE_S", 0.0)
         mon._read_at -= 10.0  # the last successful read is old now
         _, stale = _predict(c, ok, adaptive=True)
     for p in stale:

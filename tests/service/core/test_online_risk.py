@@ -228,6 +228,4 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="alike"):
         OnlineRisk(RISK, 0.5).update([0.5, 0.6], [True])
     assert OnlineRisk(RISK, 0.5).bound() == math.inf
-    assert OnlineRisk.starting_at(RISK, None, ConfidenceRanks(np.array([0.5, 0.9]))).accepts([0.99]).tolist() == [
-        False
-    ]
+    assert OnlineRisk.starting_at(RISK, None, ConfidenceRanks(np.array([0.5, 0.9]))).accepts([0.99]).tolist() == [False]
