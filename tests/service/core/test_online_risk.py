@@ -114,8 +114,8 @@ def _streams(
 ) -> tuple[ConfidenceRanks, float, list[tuple[np.ndarray, np.ndarray]]]:
     """Shifted streams of ``n`` answers drawn from ``splits`` of a default model's cached outputs: ``(ranks of the
     calibration confidences, the certified threshold at RISK, [(confidences, wrong, eligible)])``, ``eligible``: the
-    served OOD score within the rule's cut (as the build: 95 % of the validation split let through). ``hard``: 80 % of the
-    answers from the third of the classes the model errs on most; ``errors4``: wrong answers four times as likely
+    served OOD score within the rule's cut (as the build: 95 % of the validation split let through). ``hard``: 80 %
+    of the answers from the third of the classes the model errs on most; ``errors4``: wrong answers four times as likely
     to be drawn; ``none``: as they are; ``ood:<set>``: 30 % of the answers from that OOD set (foreign: wrong)."""
     d = load_outputs(path)
     cal = d["calibration"]
