@@ -1,25 +1,25 @@
-"""Server throughput and latency vs the raw fused model, in one run.
+"""Server throughput and latency against the raw model and a bare frontend, driven from outside by ``wrk``.
 
-Starts ``python -m service`` on 127.0.0.1 (loopback only) in a subprocess with one
-artifact, drives ``POST /predict`` with a bounded number of concurrent clients
-(1, 8 and 32 by default; each level bounded in requests and seconds), and reports
-throughput and p50 / p95 / p99 latency next to the raw model's throughput at the
-same batch sizes (the backend the server chose, same threads, measured before
-and after the server ran, the better run kept). Target: at concurrency 32 the server delivers >= 80% of the raw
-model's best throughput. Writes ``benchmarks/results/server_<name>.json``.
+Starts ``python -m service`` on 127.0.0.1 (loopback only) with one artifact, once per ``--workers`` value
+(``HYDRA_WORKERS``), and the floor (``benchmarks/floor_server.py``: a bare FastAPI endpoint that decodes the
+same base64 PNG, normalises it and answers with ``orjson``; image artifacts), then drives each with ``wrk`` (Debian's
+package: a C client that is not the bottleneck) at every ``--connections`` level, the servers' order alternating
+per level so that load drift hits them alike. Per server and level: requests/s, p50 / p90 / p99 latency, the CPU
+milliseconds per request of the server's whole process group (its workers included) and the mean batch the server
+formed (``hydra_batch_size``). The raw model (the backend the server chose, same threads) is timed at each batch
+size before and after, the better run kept. Ratios: server / raw model's best batch, server / floor, workers N /
+workers 1, p50 at 1 connection minus the raw batch-1 latency, p99 / p50.
 
     python -m benchmarks.bench_server --artifact artifacts/default/image
-    python -m benchmarks.bench_server --tiny vit --requests 300     # a tiny random artifact, to check the script
+    python -m benchmarks.bench_server --tiny vit --server-cpus 0 --wrk-cpus 1   # one core each, as the floor row
+    python -m benchmarks.bench_server --tiny vit --workers 1 2                   # HYDRA_WORKERS=2 against =1
 
-The clients (a minimal HTTP/1.1 client on asyncio streams, JSON bodies) run on
-the same machine as the server and take some CPU from it: on a 2-core machine
-that is part of what is measured.
+Writes ``benchmarks/results/server/<name>[-<tag>].json`` and ``.md``; name the CPU with every figure.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -29,23 +29,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 # the raw model runs under the server's OpenMP setting (the server sets it too), set before torch is imported
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from benchmarks import harness
+from benchmarks.wrk import group_cpu_s, post_script, run_wrk
 
 ROOT = Path(__file__).resolve().parents[1]
+FLOOR = "floor"
 
 
-def batch_stats(url: str) -> tuple[float, float]:
+def batch_stats(port: int) -> tuple[float, float]:
     """(sum, count) of the server's ``hydra_batch_size`` histogram over all models."""
-    import httpx
+    import asyncio
+
     from prometheus_client.parser import text_string_to_metric_families
 
+    _, _, data = asyncio.run(harness.request(port, "GET", "/metrics", timeout=10.0))
     total = count = 0.0
-    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
+    for fam in text_string_to_metric_families(data.decode()):
         if fam.name == "hydra_batch_size":
             for s in fam.samples:
                 if s.name.endswith("_sum"):
@@ -53,47 +55,6 @@ def batch_stats(url: str) -> tuple[float, float]:
                 elif s.name.endswith("_count"):
                     count += s.value
     return total, count
-
-
-async def drive(port: int, body: dict[str, Any], concurrency: int, requests: int, duration: float) -> dict[str, Any]:
-    """``concurrency`` clients in a loop until ``requests`` answers or ``duration`` seconds; latencies in ms."""
-    data = json.dumps(body).encode()
-    conns = [harness.Connection(port) for _ in range(concurrency)]
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    sent = 0
-    for conn in conns[: min(concurrency, 4)]:  # open connections, fill caches
-        await conn.request("POST", "/predict", data)
-    t_start = time.perf_counter()
-    deadline = t_start + duration
-
-    async def worker(conn: harness.Connection) -> None:
-        nonlocal sent
-        while sent < requests and time.perf_counter() < deadline:
-            sent += 1
-            t0 = time.perf_counter()
-            status, _, answer = await conn.request("POST", "/predict", data)
-            if status == 200:
-                latencies.append((time.perf_counter() - t0) * 1000)
-            else:
-                code = json.loads(answer).get("error", {}).get("code", str(status))
-                errors[code] = errors.get(code, 0) + 1
-
-    await asyncio.gather(*(worker(c) for c in conns))
-    wall = time.perf_counter() - t_start
-    for conn in conns:
-        await conn.close()
-    q = np.percentile(latencies, [50, 95, 99]) if latencies else [float("nan")] * 3
-    return {
-        "concurrency": concurrency,
-        "requests": len(latencies),
-        "errors": errors,
-        "seconds": round(wall, 3),
-        "throughput_rps": round(len(latencies) / wall, 2),
-        "p50_ms": round(float(q[0]), 2),
-        "p95_ms": round(float(q[1]), 2),
-        "p99_ms": round(float(q[2]), 2),
-    }
 
 
 def raw_throughput(
@@ -128,190 +89,234 @@ def raw_throughput(
         backend(inputs)  # warm-up for this shape
         times = []
         t_end = time.perf_counter() + min_seconds
-        while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 200):
+        while len(times) < 3 or (time.perf_counter() < t_end and len(times) < 2000):
             t0 = time.perf_counter()
             backend(inputs)
             times.append(time.perf_counter() - t0)
         med = statistics.median(times)
-        out[str(b)] = {
-            "batch": b,
-            "latency_ms": round(med * 1000, 3),
-            "throughput_ips": round(b / med, 2),
-            "runs": len(times),
-        }
-        print(f"  batch {b:3d}: {b / med:9.1f} inputs/s  ({med * 1000:.2f} ms per batch)", flush=True)
+        out[str(b)] = {"batch": b, "latency_ms": round(med * 1000, 4), "throughput_ips": round(b / med, 2)}
+        print(f"  batch {b:3d}: {b / med:9.1f} inputs/s  ({med * 1000:.3f} ms per batch)", flush=True)
     return out
 
 
-def check_served(server: tuple[Any, int], name: str, plan: dict[str, str]) -> None:
-    """The server is ready and runs the backend, device and precision the raw model is measured with."""
-    import httpx
-
-    proc, port = server
-    try:
-        harness.wait_ready(port, proc, timeout=300)
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
-    models = httpx.get(f"http://{harness.HOST}:{port}/v1/models", timeout=5).json()["models"]
-    (model,) = [m for m in models if m["name"] == name]
-    served = {k: model[k] for k in ("backend", "device", "precision")}
-    if served != plan:
-        raise SystemExit(f"the server runs {served}, the raw model was measured with {plan}")
-    print(f"{name}: backend {plan['backend']}, device {plan['device']}, precision {plan['precision']}", flush=True)
-
-
-def drive_level(port: int, body: dict[str, Any], c: int, requests: int, duration: float) -> dict[str, Any]:
-    """One concurrency level against the server on ``port``, with the mean batch size it formed meanwhile."""
-    url = f"http://{harness.HOST}:{port}"
-    s0, n0 = batch_stats(url)
-    res = asyncio.run(drive(port, body, c, requests, duration))
-    s1, n1 = batch_stats(url)
-    return {**res, "mean_batch": round((s1 - s0) / max(n1 - n0, 1), 2)}
-
-
-def _plan_tuple(p: Any) -> tuple[str, str, str]:
-    return p.backend, p.device, p.precision
+def best_raw(raw_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The better of the raw runs per batch size: the server is compared with the raw model at its best."""
+    return {b: max((run[b] for run in raw_runs), key=lambda r: r["throughput_ips"]) for b in raw_runs[0]}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_artifact_arguments(p)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="client counts (each <= 64)")
-    p.add_argument("--requests", type=int, default=200, help="most requests per concurrency level")
-    p.add_argument("--duration", type=float, default=30.0, help="most seconds per concurrency level")
+    p.add_argument("--connections", type=int, nargs="+", default=[1, 32, 64, 256], help="wrk connection levels")
+    p.add_argument("--seconds", type=float, default=10.0, help="wrk's run per level (after a 2 s warm-up)")
+    p.add_argument("--workers", nargs="+", default=["1"], help="HYDRA_WORKERS of each server (auto or N)")
+    p.add_argument("--no-floor", action="store_true", help="do not run the bare FastAPI floor beside the server")
+    p.add_argument("--server-cpus", default=None, help="pin the servers to these CPUs (taskset list, e.g. 0)")
+    p.add_argument("--wrk-cpus", default=None, help="pin wrk to these CPUs (e.g. 1)")
+    p.add_argument("--wrk-threads", type=int, default=2)
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "torchscript", "onnx", "aoti"])
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="HYDRA_DEVICE")
     p.add_argument("--max-batch", type=int, default=32, help="HYDRA_MAX_BATCH")
-    p.add_argument("--max-wait-ms", type=float, default=None, help="HYDRA_MAX_WAIT_MS (default: the server's)")
     p.add_argument("--threads", type=int, default=None, help="HYDRA_THREADS (torch / ORT intra-op threads)")
+    p.add_argument("--store", default="on", choices=["on", "off"], help="HYDRA_STORE (a fresh SQLite store)")
     p.add_argument("--raw-seconds", type=float, default=3.0, help="time per batch size for the raw model")
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/server_<name>.json)")
-    p.add_argument(
-        "--batch-fill",
-        nargs="+",
-        default=["in_system"],
-        choices=["in_system", "recent"],
-        help="HYDRA_BATCH_FILL: several start one server each, driven in turn at every level (the order "
-        "alternating per level), so the rules are compared side by side in one run",
-    )
+    p.add_argument("--tag", default="", help="added to the result's file name")
+    p.add_argument("--out", type=Path, default=None, help="result folder (default benchmarks/results/server)")
     args = p.parse_args(argv)
-    if any(not 1 <= c <= 64 for c in args.concurrency):
-        p.error("--concurrency values must be between 1 and 64")
-    if not 1 <= args.requests <= 100_000 or not 0 < args.duration <= 600:
-        p.error("--requests must be in 1..100000 and --duration in (0, 600]")
+    if any(not 1 <= c <= 4096 for c in args.connections) or not 0 < args.seconds <= 600:
+        p.error("--connections must be in 1..4096 and --seconds in (0, 600]")
     return args
 
 
-def server_env(args: argparse.Namespace) -> dict[str, str]:
-    """The servers' environment: the backend, precision, device and batching the run asks for."""
+def server_env(args: argparse.Namespace, workers: str, state_dir: str) -> dict[str, str]:
+    """A server's environment: the backend, precision, device, batching, workers and a store of its own."""
     env = {
         "HYDRA_BACKEND": args.backend,
         "HYDRA_PRECISION": args.precision,
         "HYDRA_DEVICE": args.device,
         "HYDRA_MAX_BATCH": str(args.max_batch),
-        "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.concurrency))),
+        "HYDRA_MAX_QUEUE": str(max(1024, 4 * max(args.connections))),
         "HYDRA_LOG_LEVEL": "warning",
+        "HYDRA_WORKERS": workers,
+        "HYDRA_STORE": "true" if args.store == "on" else "false",
+        "HYDRA_STATE_DIR": state_dir,
     }
-    if args.max_wait_ms is not None:
-        env["HYDRA_MAX_WAIT_MS"] = str(args.max_wait_ms)
     if args.threads:
         env["HYDRA_THREADS"] = str(args.threads)
     return env
 
 
-def drive_servers(
-    args: argparse.Namespace, artifact: Path, name: str, plan: dict[str, str], body: Any
-) -> dict[str, list[dict[str, Any]]]:
-    """One server per batch fill rule, each driven at every concurrency level (the rules' order alternating per
-    level, so load drift hits them alike); the levels' results per rule."""
-    env = server_env(args)
-    servers = {}  # batch fill rule -> (process, port)
-    by_fill: dict[str, list[dict[str, Any]]] = {f: [] for f in args.batch_fill}
-    try:
-        for fill in args.batch_fill:
-            port = harness.free_port()
-            print(f"starting the server (HYDRA_BATCH_FILL={fill}) on port {port} with {artifact}", flush=True)
-            proc = harness.start_server(artifact, port, {**env, "HYDRA_BATCH_FILL": fill}, inherit_output=True)
-            servers[fill] = (proc, port)
-            check_served(servers[fill], name, plan)
-        for i, c in enumerate(args.concurrency):
-            for fill in args.batch_fill if i % 2 == 0 else args.batch_fill[::-1]:
-                res = drive_level(servers[fill][1], body, c, args.requests, args.duration)
-                by_fill[fill].append({**res, "batch_fill": fill})
-                print(
-                    f"  {fill:>9} concurrency {c:3d}: {res['throughput_rps']:9.1f} req/s  p50 {res['p50_ms']:8.1f} "
-                    f"ms  p95 {res['p95_ms']:8.1f} ms  p99 {res['p99_ms']:8.1f} ms  mean batch "
-                    f"{res['mean_batch']:5.1f}  errors {res['errors'] or 0}",
-                    flush=True,
-                )
-    finally:
-        for proc, _ in servers.values():
-            harness.stop_server(proc)
-    return by_fill
+def start(args: argparse.Namespace, artifact: Path, name: str, tmp: Path) -> Any:
+    """One server (``name``: ``workers=<N>``) or the floor: ``(process, port)`` once it is ready."""
+    import subprocess
+
+    port = harness.free_port()
+    prefix = ["taskset", "-c", args.server_cpus] if args.server_cpus else []
+    log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 (the child holds its own descriptor)
+    if name == FLOOR:
+        cmd = [*prefix, sys.executable, "-m", "benchmarks.floor_server", "--port", str(port)]
+        env = harness.server_env(artifact, port)
+    else:
+        workers = name.split("=", 1)[1]
+        state = tmp / f"state-{workers}"
+        state.mkdir(exist_ok=True)
+        cmd = [*prefix, sys.executable, "-m", "service"]
+        env = harness.server_env(artifact, port, server_env(args, workers, str(state)))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    harness.wait_ready(port, proc, timeout=300)
+    return proc, port
 
 
-def best_raw(raw_runs: list[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
-    """The better of the raw runs per batch size: the server is compared with the raw model at its best."""
-    raw = {b: max((run[b] for run in raw_runs), key=lambda r: r["throughput_ips"]) for b in raw_runs[0]}
-    print("raw model, the better of the two runs:")
-    for r in raw.values():
-        print(f"  batch {r['batch']:3d}: {r['throughput_ips']:9.1f} inputs/s  ({r['latency_ms']:.2f} ms per batch)")
-    return raw
+def level(args: argparse.Namespace, server: Any, script: Path, connections: int, floor: bool) -> dict[str, Any]:
+    """One connection level against one server: a 2 s warm-up, then the measured run."""
+    proc, port = server
+    url = f"http://{harness.HOST}:{port}/predict"
+    run_wrk(url, script, connections, 2.0, args.wrk_threads, args.wrk_cpus)
+    b0 = (0.0, 0.0) if floor else batch_stats(port)
+    cpu0 = group_cpu_s(proc.pid)
+    res = run_wrk(url, script, connections, args.seconds, args.wrk_threads, args.wrk_cpus)
+    cpu1 = group_cpu_s(proc.pid)
+    b1 = (0.0, 0.0) if floor else batch_stats(port)
+    out = res.as_dict()
+    out["cpu_ms_per_request"] = round(1000 * (cpu1 - cpu0) / max(res.requests, 1), 4)
+    out["mean_batch"] = None if floor else round((b1[0] - b0[0]) / max(b1[1] - b0[1], 1), 2)
+    return out
+
+
+def drive(args: argparse.Namespace, artifact: Path, body: dict[str, Any], image: bool) -> dict[str, list[dict]]:
+    """Every server at every level, the servers' order alternating per level."""
+    names = [f"workers={w}" for w in args.workers] + ([] if args.no_floor or not image else [FLOOR])
+    out: dict[str, list[dict]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="hydra-bench-") as tmp:
+        script = post_script(Path(tmp) / "post.lua", json.dumps(body).encode())
+        floor_script = post_script(Path(tmp) / "floor.lua", json.dumps({"image": body.get("image", "")}).encode())
+        servers = {}
+        try:
+            for n in names:
+                servers[n] = start(args, artifact, n, Path(tmp))
+            for i, c in enumerate(args.connections):
+                for n in names if i % 2 == 0 else names[::-1]:
+                    r = level(args, servers[n], floor_script if n == FLOOR else script, c, n == FLOOR)
+                    out[n].append(r)
+                    print(
+                        f"  {n:>10} {c:4d} connections: {r['rps']:9.1f} req/s  p50 {r['p50_ms']:8.2f} ms  p99 "
+                        f"{r['p99_ms']:8.2f} ms  cpu {r['cpu_ms_per_request']:.3f} ms/req  batch {r['mean_batch']}"
+                        f"  errors {r['socket_errors'] or 0} non-2xx {r['non_2xx']}",
+                        flush=True,
+                    )
+        finally:
+            for proc, _ in servers.values():
+                harness.stop_server(proc)
+    return out
+
+
+def ratios(servers: dict[str, list[dict]], raw: dict[str, Any], connections: list[int]) -> dict[str, Any]:
+    """The issue's ratios from the measured levels."""
+    best = max(r["throughput_ips"] for r in raw.values())
+    at = {n: {r["connections"]: r for r in rows} for n, rows in servers.items()}
+    first = next(n for n in at if n != FLOOR)
+    out: dict[str, Any] = {"raw_best_ips": best}
+    for n, rows in at.items():
+        if n == FLOOR:
+            continue
+        out[n] = {f"server_over_raw_at_{c}": round(rows[c]["rps"] / best, 3) for c in connections if c in rows}
+        if FLOOR in at:
+            out[n].update({f"server_over_floor_at_{c}": round(rows[c]["rps"] / at[FLOOR][c]["rps"], 3) for c in rows})
+        if 1 in rows and "1" in raw:
+            out[n]["p50_at_1_minus_raw_batch1_ms"] = round(rows[1]["p50_ms"] - raw["1"]["latency_ms"], 3)
+        if 64 in rows:
+            out[n]["p99_over_p50_at_64"] = round(rows[64]["p99_ms"] / rows[64]["p50_ms"], 2)
+        if n != first:
+            out[n].update({f"over_{first}_at_{c}": round(rows[c]["rps"] / at[first][c]["rps"], 3) for c in rows})
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [
+        f"# Server against the raw model and the floor: {doc['name']}",
+        "",
+        f"`{doc['command']}`",
+        "",
+        f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs. Backend {doc['backend']}, "
+        f"{doc['device']}, {doc['precision']}. Client: wrk ({doc['settings']['wrk_threads']} threads"
+        + (f", pinned to CPUs {doc['settings']['wrk_cpus']}" if doc["settings"]["wrk_cpus"] else "")
+        + ")"
+        + (f"; servers pinned to CPUs {doc['settings']['server_cpus']}" if doc["settings"]["server_cpus"] else "")
+        + f"; {doc['settings']['seconds']:g} s per level after a 2 s warm-up. Raw model best: "
+        f"{doc['ratios']['raw_best_ips']:.0f} inputs/s.",
+        "",
+        "| server | connections | requests/s | p50 ms | p99 ms | CPU ms / request | mean batch | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n, rows in doc["servers"].items():
+        for r in rows:
+            errs = sum(r["socket_errors"].values()) + r["non_2xx"]
+            lines.append(
+                f"| {n} | {r['connections']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                f"{r['cpu_ms_per_request']:.3f} | {r['mean_batch'] if r['mean_batch'] is not None else '–'} | {errs} |"
+            )
+    lines += [
+        "",
+        "Raw model: "
+        + ", ".join(
+            f"batch {r['batch']} {r['throughput_ips']:.0f} inputs/s ({r['latency_ms']:.3f} ms)"
+            for r in doc["raw"].values()
+        ),
+        "",
+        "```json",
+        json.dumps({k: v for k, v in doc["ratios"].items()}, indent=1),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="hydra-bench-")
-    artifact, doc = harness.open_artifact(args, Path(tmp.name))
+    artifact, doc = harness.open_artifact(args, Path(tmp.name), full=True)
     from service.core.artifact import load_manifest
     from service.runtime.plan import resolve_plan
 
     manifest = load_manifest(artifact)
     body = harness.payload(doc)
-    # the backend the server will pick (checked against /v1/models below); raw runs before and after the server
     resolved = resolve_plan(manifest, device=args.device, backend=args.backend, precision=args.precision)
-    plan = dict(zip(("backend", "device", "precision"), _plan_tuple(resolved), strict=True))
-    batches = sorted(set(args.concurrency))
-    print(f"raw model, before the server ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
+    plan = {"backend": resolved.backend, "device": resolved.device, "precision": resolved.precision}
+    batches = sorted({1, *[c for c in args.connections if c <= args.max_batch], args.max_batch})
+    print(f"raw model, before the servers ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
     raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]
-    by_fill = drive_servers(args, artifact, manifest.name, plan, body)
-    levels = by_fill[args.batch_fill[0]]
-    print("raw model, after the server:", flush=True)
+    servers = drive(args, artifact, body, "image" in body)
+    print("raw model, after the servers:", flush=True)
     raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
     raw = best_raw(raw_runs)
-    top_raw = max(r["throughput_ips"] for r in raw.values())
-    top = max(levels, key=lambda x: x["concurrency"])
-    ratio = top["throughput_rps"] / top_raw if top_raw else float("nan")
-    print(f"server at concurrency {top['concurrency']} / best raw = {ratio:.2f} (target >= 0.80)")
-    where = artifact.resolve()
     result = {
-        "name": manifest.name,
-        "artifact": f"tiny {args.tiny} (random weights)"
-        if args.tiny
-        else (str(where.relative_to(ROOT)) if where.is_relative_to(ROOT) else str(artifact)),
+        **harness.result_head("bench_server", argv, manifest.name, args, artifact),
         "family": manifest.family,
         "members": manifest.members,
         **plan,
         "settings": {
             "max_batch": args.max_batch,
-            "max_wait_ms": args.max_wait_ms or "server default",
-            "batch_fill": args.batch_fill,
             "threads": args.threads,
-            "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+            "store": args.store,
+            "seconds": args.seconds,
+            "wrk_threads": args.wrk_threads,
+            "wrk_cpus": args.wrk_cpus,
+            "server_cpus": args.server_cpus,
         },
         "machine": harness.machine(),
-        "server": levels,
-        "server_by_batch_fill": by_fill,
+        "servers": servers,
         "raw": raw,
         "raw_runs": raw_runs,
-        "ratio_top_concurrency_vs_best_raw": round(ratio, 3),
-        "target": 0.8,
-        "target_met": bool(ratio >= 0.8),
+        "ratios": ratios(servers, raw, args.connections),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = harness.write_result(result, args.out, f"server_{manifest.name}.json")
-    print(f"wrote {out}")
+    stem = manifest.name + (f"-{args.tag}" if args.tag else "")
+    out_dir = args.out or ROOT / "benchmarks" / "results" / "server"
+    path = harness.write_result(result, out_dir / f"{stem}.json", f"server/{stem}.json")
+    (out_dir / f"{stem}.md").write_text(markdown(result))
+    print(json.dumps(result["ratios"], indent=1))
+    print(f"wrote {path}")
     tmp.cleanup()
     return 0
 

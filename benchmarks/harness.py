@@ -301,14 +301,27 @@ def payload(manifest: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     return {"image": base64.b64encode(buf.getvalue()).decode()}
 
 
-def tiny_artifact(out: Path, family: str) -> Path:
+def tiny_artifact(out: Path, family: str, full: bool = False) -> Path:
     """A tiny random ``family`` (``vit`` / ``bert``) artifact named ``tiny-<family>`` in ``out/<family>``, to check
-    a script without a built model."""
+    a script without a built model. ``full``: with what a default artifact serves besides the model (OOD statistics
+    serving ``mahalanobis_layers`` for images, ``mahalanobis`` for text, and the guarantees), so that a server's
+    per-request work is the default's."""
     # torch and the builder's export code are loaded only when a tiny artifact is asked for: the load scripts'
     # clients otherwise stay light
     from tests.fixtures.tiny_artifact import make_tiny_artifact
 
-    return make_tiny_artifact(Path(out) / family, family, name=f"tiny-{family}")
+    if not full:
+        return make_tiny_artifact(Path(out) / family, family, name=f"tiny-{family}")
+    score = "mahalanobis_layers" if family == "vit" else "mahalanobis"
+    return make_tiny_artifact(
+        Path(out) / family,
+        family,
+        name=f"tiny-{family}",
+        ood=True,
+        ood_score=score,
+        ood_threshold=None,
+        guarantees={"risks": [0.05, 0.5], "risk": 0.5},
+    )
 
 
 # ----------------------------------------------------------------------------- the scripts' common frame
@@ -319,12 +332,13 @@ def add_artifact_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--tiny", choices=["vit", "bert"], help="build a tiny random artifact of this family instead")
 
 
-def open_artifact(args: argparse.Namespace, tmp: Path) -> tuple[Path, dict[str, Any]]:
+def open_artifact(args: argparse.Namespace, tmp: Path, full: bool = False) -> tuple[Path, dict[str, Any]]:
     """The artifact to serve and its manifest: ``args.artifact``, or a tiny one built under ``tmp`` for
-    ``args.tiny``. Hugging Face stays offline (the default) in this process and in the server."""
+    ``args.tiny`` (``full``: :func:`tiny_artifact`'s). Hugging Face stays offline (the default) in this process and
+    in the server."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    artifact = tiny_artifact(tmp, args.tiny) if args.tiny else args.artifact.resolve()
+    artifact = tiny_artifact(tmp, args.tiny, full) if args.tiny else args.artifact.resolve()
     return artifact, json.loads((artifact / "manifest.json").read_text())
 
 

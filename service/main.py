@@ -45,9 +45,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .api.errors import install_error_handlers
-from .api.middleware import GuardMiddleware, RequestContext
+from .api.middleware import Front
 from .api.oip import install_oip_routes
-from .api.v1 import install_routes
+from .api.v1 import FAST_ROUTES, install_routes
 from .lifecycle import ServerState, lifespan
 from .metrics import Metrics
 from .settings import Settings
@@ -57,8 +57,9 @@ __all__ = ["HydraApp", "create_app", "app"]
 
 
 class HydraApp(FastAPI):
-    """FastAPI, with :class:`RequestContext` around all of it (Starlette's error middleware and OpenTelemetry's
-    included), so that a request's ID is on every answer and its access line sees the final status."""
+    """FastAPI, with :class:`~service.api.middleware.Front` around all of it (Starlette's error middleware and
+    OpenTelemetry's included), so that a request's ID is on every answer and its access line sees the final status;
+    the JSON inference requests are answered there (its fast routes)."""
 
     context: ASGIApp | None = None
 
@@ -85,20 +86,20 @@ def create_app(settings: Settings | None = None) -> HydraApp:
     app.state.hydra = state
     state.metrics.ready.set_function(lambda: 1.0 if state.serving else 0.0)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, state=state)
+    install_routes(app)
+    install_oip_routes(app)
+    if settings.otel:
+        instrument(app)
+    context: ASGIApp = Front(partial(FastAPI.__call__, app), state, FAST_ROUTES, app)
     if settings.cors_origins:  # outermost, so that 401/413 answers carry CORS headers too
-        app.add_middleware(
-            CORSMiddleware,
+        context = CORSMiddleware(
+            context,
             allow_origins=settings.cors_origins,
             allow_methods=["GET", "POST"],
             allow_headers=["Authorization", "Content-Type", "X-Request-ID", "traceparent"],
             expose_headers=["X-Request-ID"],
         )
-    install_routes(app)
-    install_oip_routes(app)
-    if settings.otel:
-        instrument(app)
-    app.context = RequestContext(partial(FastAPI.__call__, app), state)
+    app.context = context
     return app
 
 

@@ -1,39 +1,33 @@
 """The body of a ``/predict`` or ``/zero-shot`` answer, built from a runtime's :class:`~service.runtime.Outcome`.
 
-The answer is built as the response models of :mod:`service.api.schemas` (:class:`PredictResponse` and its parts),
-so the body the client gets and the schema the API documents (docs/api.md) are one thing. The Open Inference
-Protocol builds its tensors from the same outcome (:mod:`service.api.oip`).
+The answer is plain data (dicts, lists, Python numbers), written with ``orjson`` (:func:`dumps`): building it as
+pydantic models and serialising those cost more per request than the rest of the answer path. It is exactly what
+the response models of :mod:`service.api.schemas` dump without their unset fields
+(``PredictResponse.model_validate(answer).model_dump(exclude_none=True) == answer``, held by the tests), so the body
+the client gets and the schema the API documents (docs/api.md) stay one thing. Fields are absent, not null, when
+unset. The Open Inference Protocol builds its tensors from the same outcome (:mod:`service.api.oip`).
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Literal, cast
+from typing import Any
 
 import numpy as np
+import orjson
 
 from ..core.guarantees import Guarantees
 from ..core.uncertainty import OOD_METRICS
 from ..runtime import ItemResult, Outcome, Query, Runtime
 from ..runtime.batching import BatchResult
-from .schemas import (
-    OOD,
-    ConformalSet,
-    MemberPrediction,
-    Prediction,
-    PredictResponse,
-    Selective,
-    Timing,
-    TopK,
-    Uncertainty,
-)
 
-__all__ = ["build_predictions", "predict_response"]
+__all__ = ["build_predictions", "dumps", "predict_answer"]
 
 
-def predict_response(rt: Runtime, out: Outcome, query: Query, t0: float, request_id: str) -> PredictResponse:
+def predict_answer(rt: Runtime, out: Outcome, query: Query, t0: float, request_id: str) -> dict[str, Any]:
     """The answer to one request (``/predict``, ``/zero-shot``): its results over their labels, with timings;
-    ``t0`` is when the request arrived (``total_ms``)."""
+    ``t0`` is when the request arrived (``total_ms``, taken last: it covers building the answer too)."""
     predictions = build_predictions(
         out.results,
         out.labels,
@@ -44,23 +38,29 @@ def predict_response(rt: Runtime, out: Outcome, query: Query, t0: float, request
         return_scores=query.return_scores,
         guarantees=rt.guarantees,
     )
-    # total_ms last: it covers building the answer too
-    return PredictResponse(
-        id=request_id,
-        model=rt.name,
-        model_version=rt.version,
-        predictions=predictions,
-        timing=timing(out.batch, t0),
-    )
+    answer: dict[str, Any] = {"id": request_id, "model": rt.name, "model_version": rt.version}
+    answer["predictions"] = predictions
+    answer["timing"] = timing(out.batch, t0)
+    return answer
 
 
-def timing(res: BatchResult, t0: float) -> Timing:
+def dumps(answer: dict[str, Any]) -> bytes:
+    """``answer`` as JSON bytes. A non-finite float, which JSON cannot hold (``orjson`` writes it as null), makes
+    :func:`json.dumps` raise instead (a 500 ``internal``, never a null in an answer): an answer has no null field,
+    so "null" in the bytes is either such a float or a string that spells it, which the strict path passes."""
+    body = orjson.dumps(answer)
+    if b"null" in body:
+        body = json.dumps(answer, allow_nan=False, separators=(",", ":")).encode()
+    return body
+
+
+def timing(res: BatchResult, t0: float) -> dict[str, float]:
     """The answer's timings: the batch's queue and inference time, and the total since ``t0``."""
-    return Timing(
-        queue_ms=round(res.queue_s * 1000, 3),
-        inference_ms=round(res.inference_s * 1000, 3),
-        total_ms=round((time.perf_counter() - t0) * 1000, 3),
-    )
+    return {
+        "queue_ms": round(res.queue_s * 1000, 3),
+        "inference_ms": round(res.inference_s * 1000, 3),
+        "total_ms": round((time.perf_counter() - t0) * 1000, 3),
+    }
 
 
 def build_predictions(
@@ -73,77 +73,72 @@ def build_predictions(
     threshold: float,
     return_scores: bool = False,
     guarantees: Guarantees | None = None,
-) -> list[Prediction]:
+) -> list[dict[str, Any]]:
     """The ``predictions`` of an answer (docs/api.md), one per input; ``top_k`` is clamped to ``len(labels)``.
 
-    ``members`` is set only when asked for; ``conformal`` and ``selective`` when the results carry them (models with
-    a calibration split, ``guarantees``); the answer is serialised without the unset (None) fields.
-    """
+    ``members`` only when asked for; ``conformal`` and ``selective`` when the results carry them (models with a
+    calibration split, ``guarantees``)."""
     k = max(1, min(int(top_k), len(labels)))
     out = []
     for r in results:
-        order = np.argsort(-r.probs, kind="stable")[:k]
-        members = None
+        probs = r.probs.tolist()  # Python floats, once
+        order = np.argsort(-r.probs, kind="stable").tolist()
+        p: dict[str, Any] = {
+            "label": labels[r.prediction],
+            "label_index": r.prediction,
+            "confidence": probs[r.prediction],
+            "top_k": [{"label": labels[j], "prob": probs[j]} for j in order[:k]],
+            "uncertainty": {
+                "msp": r.msp,
+                "entropy": r.entropy,
+                "expected_entropy": r.expected_entropy,
+                "mutual_information": r.mutual_information,
+                "disagreement": r.disagreement,
+            },
+            "ood": _ood(r, metric, threshold, return_scores),
+        }
+        if guarantees is not None and r.prediction_set is not None and r.set_alpha is not None:
+            p["conformal"] = _conformal(r, labels, order, guarantees)
+        if guarantees is not None and r.accept is not None and r.risk is not None:
+            p["selective"] = _selective(r, metric, guarantees)
         if return_members:
-            idx = r.member_probs.argmax(-1)  # (M,) each member's own prediction
-            members = [
-                MemberPrediction(label=labels[int(j)], confidence=float(r.member_probs[m, j]))
-                for m, j in enumerate(idx)
-            ]
-        out.append(
-            Prediction(
-                label=labels[r.prediction],
-                label_index=r.prediction,
-                confidence=float(r.probs[r.prediction]),
-                top_k=[TopK(label=labels[j], prob=float(r.probs[j])) for j in order],
-                uncertainty=Uncertainty(
-                    msp=r.msp,
-                    entropy=r.entropy,
-                    expected_entropy=r.expected_entropy,
-                    mutual_information=r.mutual_information,
-                    disagreement=r.disagreement,
-                ),
-                ood=_ood(r, metric, threshold, return_scores),
-                conformal=_conformal(r, labels, guarantees),
-                selective=_selective(r, metric, guarantees),
-                members=members,
-            )
-        )
+            idx = r.member_probs.argmax(-1).tolist()  # (M,) each member's own prediction
+            mp = r.member_probs.tolist()
+            p["members"] = [{"label": labels[j], "confidence": mp[m][j]} for m, j in enumerate(idx)]
+        out.append(p)
     return out
 
 
-def _ood(r: ItemResult, metric: str, threshold: float, return_scores: bool) -> OOD:
+def _ood(r: ItemResult, metric: str, threshold: float, return_scores: bool) -> dict[str, Any]:
     """The answer's OOD block: ``threshold`` is the rule the flag applied (with a p-value, the score threshold of
     ``p_value <= alpha`` at the request's level; else the build's), and a flagged input says why."""
     past = "below" if OOD_METRICS[metric] else "above"
+    out: dict[str, Any] = {"flag": r.ood_flag, "score": r.ood_score, "metric": metric}
     if r.p_value is None:
-        cut: float | None = threshold
-        reason = f"the {metric} score {r.ood_score:.4g} is {past} the threshold {threshold:.4g}" if r.ood_flag else None
+        out["threshold"] = threshold
+        if r.ood_flag:
+            out["reason"] = f"the {metric} score {r.ood_score:.4g} is {past} the threshold {threshold:.4g}"
     else:
         cut = r.flag_threshold
-        reason = (
-            f"p-value {r.p_value:.4g} <= alpha {r.ood_alpha:g}: the {metric} score {r.ood_score:.4g} is {past} "
-            f"{cut:.4g}, the threshold at this level"
-            if r.ood_flag and cut is not None
-            else None
-        )
-    return OOD(
-        flag=r.ood_flag,
-        score=r.ood_score,
-        metric=metric,
-        threshold=cut,
-        p_value=r.p_value,
-        alpha=r.ood_alpha,
-        reason=reason,
-        suspended=r.suspended,
-        scores=_all_scores(r) if return_scores else None,
-    )
+        if cut is not None:
+            out["threshold"] = cut
+        out["p_value"], out["alpha"] = r.p_value, r.ood_alpha
+        if r.ood_flag and cut is not None:
+            out["reason"] = (
+                f"p-value {r.p_value:.4g} <= alpha {r.ood_alpha:g}: the {metric} score {r.ood_score:.4g} is {past} "
+                f"{cut:.4g}, the threshold at this level"
+            )
+    if r.suspended is not None:
+        out["suspended"] = r.suspended
+    if return_scores:
+        out["scores"] = {"msp": r.msp, "entropy": r.entropy, "mutual_information": r.mutual_information}
+        out["scores"].update(r.scores or {})
+    return out
 
 
-def _selective(r: ItemResult, metric: str, g: Guarantees | None) -> Selective | None:
+def _selective(r: ItemResult, metric: str, g: Guarantees) -> dict[str, Any]:
     """The risk rule's decision, both its thresholds, what the drift alarm says, and why an input is not accepted."""
-    if r.accept is None or g is None or r.risk is None:
-        return None
+    assert r.risk is not None and r.accept is not None
     lam, online = r.rule_threshold, r.rule == "online"
     reason = r.abstain
     if reason is None and g.rules[r.risk] is None and not online:
@@ -167,41 +162,42 @@ def _selective(r: ItemResult, metric: str, g: Guarantees | None) -> Selective | 
             "shown as without the alarm)"
         )
         reason = f"{mark}; {reason}" if reason else mark
-    return Selective(
-        accept=r.accept,
-        risk=r.risk,
-        certified=g.rules[r.risk] is not None and not r.suspended,
-        rule="online" if online else "certified",
-        suspended=bool(r.suspended),
-        alarm_at=r.alarm_at,
-        threshold=lam,
-        ood_threshold=g.ood_threshold,
-        reason=reason,
+    out: dict[str, Any] = {
+        "accept": r.accept,
+        "risk": r.risk,
+        "certified": g.rules[r.risk] is not None and not r.suspended,
+        "rule": "online" if online else "certified",
+        "suspended": bool(r.suspended),
+    }
+    if r.alarm_at is not None:
+        out["alarm_at"] = r.alarm_at
+    if lam is not None:
+        out["threshold"] = lam
+    out["ood_threshold"] = g.ood_threshold
+    if reason is not None:
+        out["reason"] = reason
+    return out
+
+
+def _conformal(r: ItemResult, labels: list[str], order: list[int], g: Guarantees) -> dict[str, Any]:
+    """The answer's prediction set, its labels most probable first (``order``: the labels by probability)."""
+    assert r.prediction_set is not None
+    member = r.prediction_set.tolist()
+    names = [labels[j] for j in order if member[j]]
+    out: dict[str, Any] = {"alpha": r.set_alpha}
+    if r.alpha_t is None and g.sets.delta is not None:  # the adaptive method's guarantee is long-run
+        out["delta"] = g.sets.delta
+    out.update(
+        {
+            "set": names,
+            "size": len(names),
+            "method": g.sets.method,
+            "mondrian": g.mondrian,
+            "below_min_alpha": r.below_min_alpha,
+            "filled": r.set_filled,
+        }
     )
-
-
-def _conformal(r: ItemResult, labels: list[str], g: Guarantees | None) -> ConformalSet | None:
-    """The answer's prediction set, its labels most probable first."""
-    if r.prediction_set is None or g is None or r.set_alpha is None:
-        return None
-    idx = [int(j) for j in np.argsort(-r.probs, kind="stable") if r.prediction_set[j]]
-    method = cast(Literal["lac", "aps", "raps"], g.sets.method)  # SetCalibrator accepts these alone
-    return ConformalSet(
-        alpha=r.set_alpha,
-        delta=None if r.alpha_t is not None else g.sets.delta,  # the adaptive method's guarantee is long-run
-        set=[labels[j] for j in idx],
-        size=len(idx),
-        method=method,
-        mondrian=g.mondrian,
-        below_min_alpha=r.below_min_alpha,
-        filled=r.set_filled,
-        adaptive=True if r.alpha_t is not None else None,
-        alpha_t=r.alpha_t,
-        suspended=bool(r.suspended),
-    )
-
-
-def _all_scores(r: ItemResult) -> dict[str, float]:
-    """Every OOD score of one input: the probability scores always, the others when the artifact has statistics."""
-    base = {"msp": r.msp, "entropy": r.entropy, "mutual_information": r.mutual_information}
-    return {**base, **(r.scores or {})}
+    if r.alpha_t is not None:
+        out["adaptive"], out["alpha_t"] = True, r.alpha_t
+    out["suspended"] = bool(r.suspended)
+    return out

@@ -1,11 +1,13 @@
 """The HTTP routes (docs/api.md): health, readiness, metrics, the model list, ``/predict`` and ``/zero-shot``; the
 feedback and monitor routes are :mod:`service.api.feedback`'s.
 
-Handlers are thin. The two inference endpoints share one path, :func:`infer`: parse the
+Handlers are thin. The two inference endpoints share one path, :func:`answer_body`: parse the
 body (:mod:`service.api.requests`), then the inference path every endpoint shares
-(:func:`service.api.dataplane.run_inference`: limits -> model -> inputs -> batcher). The answer is a
-:class:`~service.api.schemas.PredictResponse` (:func:`service.api.answers.predict_response`), sent
-without its unset fields, serialised by pydantic-core and not validated again (:func:`json_answer`).
+(:func:`service.api.dataplane.run_inference`: limits -> model -> inputs -> batcher). The answer is plain data shaped
+as :class:`~service.api.schemas.PredictResponse` dumps without its unset fields
+(:func:`service.api.answers.predict_answer`), written with orjson. JSON requests to these routes are answered by
+:class:`service.api.middleware.Front` through the same :func:`answer_body` without FastAPI's routing
+(:data:`FAST_ROUTES`); the routes here answer the rest (multipart bodies) and document both.
 Errors are domain exceptions mapped to the contract's body in :mod:`service.api.errors`. The Open
 Inference Protocol's routes (``/v2``) are :mod:`service.api.oip`.
 
@@ -24,14 +26,15 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel
+from starlette.types import Receive, Scope
 from swagger_ui_bundle import swagger_ui_path
 
 from ..core.errors import Forbidden, NotFound, NotReady
 from ..lifecycle import not_ready_reason
 from ..metrics import CONTENT_TYPE_LATEST
-from .answers import predict_response
+from .answers import dumps, predict_answer
 from .dataplane import request_id, run_inference, server_state
 from .feedback import feedback, monitor, store_metrics
 from .requests import parse_request
@@ -48,7 +51,7 @@ from .schemas import (
     ZeroShotRequest,
 )
 
-__all__ = ["DOCS_ASSETS", "contract_openapi", "infer", "install_docs", "install_routes", "json_answer"]
+__all__ = ["DOCS_ASSETS", "FAST_ROUTES", "answer_body", "contract_openapi", "infer", "install_docs", "install_routes"]
 
 # Swagger UI's files, served by the app itself from the pinned swagger-ui-bundle package (no CDN: /docs works
 # offline): URL path under DOCS_ASSETS -> media type. A fixed list, each its own route: no request names a file.
@@ -63,28 +66,28 @@ ERROR_REF = "#/components/schemas/ErrorResponse"
 EXAMPLE_IMAGE = "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAAAAADhZOFXAAAAEElEQVR42mNsYIAAJgaKGAAmCACQtTEKkQAAAABJRU5ErkJggg=="
 
 
-async def infer(request: Request, task: str) -> Response:
-    """Parse the body of ``/predict`` or ``/zero-shot`` -> the shared inference path -> the answer."""
+async def answer_body(request: Request, task: str) -> bytes:
+    """Parse the body of ``/predict`` or ``/zero-shot`` -> the shared inference path -> the answer's JSON bytes."""
     t0 = request.scope.get("hydra.t0", time.perf_counter())
     parsed = await parse_request(request, task, server_state(request).settings.max_items)
     rt, out = await run_inference(request, parsed)
-    answer = predict_response(rt, out, parsed.query, t0, request_id(request))
-    return json_answer(answer)
+    return dumps(predict_answer(rt, out, parsed.query, t0, request_id(request)))
 
 
-def json_answer(answer: BaseModel) -> Response:
-    """``answer`` as a JSON response, without its None fields (``members`` unless asked for, ...).
+async def infer(request: Request, task: str) -> Response:
+    """The route's answer (:func:`answer_body`)."""
+    return Response(await answer_body(request, task), media_type="application/json")
 
-    Validated when built, so serialised as is, in one call into pydantic-core (Rust) rather than through a dict of
-    Python objects and ``json.dumps``. With every None field left out, ``null`` can only be a non-finite float (which
-    pydantic writes as null): such an answer goes through ``json.dumps``, which refuses it (500 ``internal``) as
-    before. The bytes differ from ``json.dumps``' only in how some floats are spelt (``0.00001`` for ``1e-05``: the
-    same number).
-    """
-    body = answer.model_dump_json(exclude_none=True).encode()
-    if b"null" in body:  # rare (also a label or ID spelling "null"): the strict path decides
-        return JSONResponse(answer.model_dump(exclude_none=True))
-    return Response(body, media_type="application/json")
+
+def _fast(task: str) -> Any:
+    async def route(scope: Scope, receive: Receive) -> bytes:
+        return await answer_body(Request(scope, receive), task)
+
+    return route
+
+
+# the JSON requests answered by service.api.middleware.Front without FastAPI's routing: path -> (scope, receive) -> body
+FAST_ROUTES = {"/predict": _fast("classification"), "/zero-shot": _fast("zero-shot")}
 
 
 def body_doc(json_model: type[BaseModel], extra_fields: dict[str, Any], example: dict[str, Any]) -> dict[str, Any]:

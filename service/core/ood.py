@@ -313,18 +313,41 @@ def reduce_layers(columns: torch.Tensor, column_norms: tuple[torch.Tensor, torch
     raise ValueError(f"unknown layer reduction {reduce!r}; known: {list(LAYER_REDUCTIONS)}")
 
 
+# what each served score combines of the per-member scores (ensemble_scores(..., only=...) computes just these)
+MEMBER_NEEDS = {
+    "energy": ("energy",),
+    "max_logit": ("max_logit",),
+    "mahalanobis": ("mahalanobis",),
+    "relative_mahalanobis": ("relative_mahalanobis",),
+    "mahalanobis_mi": ("mahalanobis",),
+    "mahalanobis_energy": ("mahalanobis", "energy"),
+    "mahalanobis_layers": ("mahalanobis",),
+}
+
+
 def member_scores(
-    logits: torch.Tensor, features: torch.Tensor | None, stats: GaussianStats | None, temperature: float = 1.0
+    logits: torch.Tensor,
+    features: torch.Tensor | None,
+    stats: GaussianStats | None,
+    temperature: float = 1.0,
+    names: tuple[str, ...] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-member outlier scores ``(B, M)`` from member logits ``(B, M, C)`` and features ``(B, M, D)``.
 
     ``energy`` and ``max_logit`` use the logits divided by ``temperature``; the Mahalanobis scores need
-    ``features`` and ``stats`` and are left out without them.
+    ``features`` and ``stats`` and are left out without them. ``names``: only these (default every one).
     """
-    out = {"energy": energy(logits, temperature), "max_logit": max_logit(logits.float() / temperature)}
+    want = (lambda k: True) if names is None else (lambda k: k in names)
+    out = {}
+    if want("energy"):
+        out["energy"] = energy(logits, temperature)
+    if want("max_logit"):
+        out["max_logit"] = max_logit(logits.float() / temperature)
     if features is not None and stats is not None:
-        out["mahalanobis"] = mahalanobis(features, stats)
-        out["relative_mahalanobis"] = relative_mahalanobis(features, stats)
+        if want("mahalanobis"):
+            out["mahalanobis"] = mahalanobis(features, stats)
+        if want("relative_mahalanobis"):
+            out["relative_mahalanobis"] = relative_mahalanobis(features, stats)
     return out
 
 
@@ -335,8 +358,11 @@ def ensemble_scores(
     temperature: float = 1.0,
     summary: dict[str, torch.Tensor] | None = None,
     layer_features: torch.Tensor | None = None,
+    only: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Every score :data:`HIGHER_IS_ID` names that the inputs allow, one value per input ``(B,)``, float64.
+    """Every score :data:`HIGHER_IS_ID` names that the inputs allow, one value per input ``(B,)``, float64; with
+    ``only``, the probability scores and that score alone (what a request that asks for no other needs: each score
+    is computed the same way, on the same rows, either way).
 
     ``msp``, ``entropy``, ``mutual_information`` are the ensemble's (``summary``: a
     :func:`service.core.uncertainty.summarize` of the same logits, computed here when not given); the per-member scores
@@ -351,18 +377,20 @@ def ensemble_scores(
     """
     s = summary if summary is not None else summarize(logits, temperature)
     out = {k: s[k].to(torch.float64) for k in SUMMARY_SCORES}
-    if stats is None:
+    if stats is None or (only is not None and only not in MEMBER_NEEDS):
         return out
-    per_member = member_scores(logits, features, stats.gaussians, temperature)
+    want = (lambda k: True) if only is None else (lambda k: k == only)
+    names = None if only is None else MEMBER_NEEDS[only]
+    per_member = member_scores(logits, features, stats.gaussians, temperature, names)
     for name, values in per_member.items():
         if name in stats.norms:
             out[name] = combine(values, *stats.norms[name])
-    if "mahalanobis" in out and "mutual_information" in stats.norms:
+    if want("mahalanobis_mi") and "mahalanobis" in out and "mutual_information" in stats.norms:
         mi = standardize(out["mutual_information"].unsqueeze(1), *stats.norms["mutual_information"]).squeeze(1)
         out["mahalanobis_mi"] = out["mahalanobis"] + mi
-    if "mahalanobis" in out and "energy" in out:  # feature space and logit space: each catches what the other misses
+    if want("mahalanobis_energy") and "mahalanobis" in out and "energy" in out:  # feature and logit space
         out["mahalanobis_energy"] = out["mahalanobis"] + out["energy"]
-    if "mahalanobis" in out and stats.layers is not None and layer_features is not None:
+    if want("mahalanobis_layers") and "mahalanobis" in out and stats.layers is not None and layer_features is not None:
         last = standardize(per_member["mahalanobis"], *stats.norms["mahalanobis"]).unsqueeze(2)  # (B, M, 1)
         columns = torch.cat([last, layer_pair_scores(layer_features, stats.layers)], dim=2)  # (B, M, K+1)
         out["mahalanobis_layers"] = reduce_layers(columns, stats.layers.column_norms, stats.layers.reduce)

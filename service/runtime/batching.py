@@ -214,10 +214,10 @@ class Batcher:
                 if timeout <= 0:
                     break
                 self._event.clear()
-                try:
-                    await asyncio.wait_for(self._event.wait(), timeout)
-                except asyncio.TimeoutError:  # noqa: UP041 (3.10: not the builtin)
-                    break
+                # a timer that sets the event, not asyncio.wait_for: no task and no cancellation per wait
+                timer = asyncio.get_running_loop().call_later(timeout, self._event.set)
+                await self._event.wait()
+                timer.cancel()
             batch = self._take()
             if batch:
                 try:

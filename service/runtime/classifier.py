@@ -18,7 +18,16 @@ from ..core.backends import Backend, BackendConfigError
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
 from ..metrics import Metrics
 from ..settings import Settings
-from .interface import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
+from .interface import (
+    ItemResult,
+    Outcome,
+    Query,
+    Runtime,
+    fill_scores,
+    load_ood_stats,
+    preprocess_images,
+    summarize_rows,
+)
 from .plan import Plan, load_backend, resolve_plan
 
 __all__ = ["ClassifierRuntime"]
@@ -100,12 +109,14 @@ class ClassifierRuntime(Runtime):
         features = outs[1] if len(outs) > 1 else None  # (B, M, D)
         layers = outs[2] if len(outs) > 2 else None  # (B, M, L-1, d)
         return summarize_rows(
-            logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats, layers
+            logits, self.temperature, self.ood_metric, self.ood_threshold, features, self.ood_stats, layers, False
         )
 
     async def _outcome(self, prepared: list[Any], query: Query) -> Outcome:
         """Prepared inputs of one request -> its results over the artifact's labels."""
         res = await self.batcher.submit(prepared)
+        if query.return_scores:  # the batch computed the served score only
+            fill_scores(res.results, self.ood_stats, self.temperature)
         return Outcome(res.results, self.labels, res)
 
     async def warmup(self) -> None:

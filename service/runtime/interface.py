@@ -52,6 +52,7 @@ __all__ = [
     "Runtime",
     "load_ood_stats",
     "preprocess_images",
+    "fill_scores",
     "summarize_rows",
 ]
 
@@ -66,20 +67,24 @@ def summarize_rows(
     features: torch.Tensor | None = None,
     stats: OODStats | None = None,
     layer_features: torch.Tensor | None = None,
+    every_score: bool = True,
 ) -> list[ItemResult]:
     """Member logits ``(B, M, C)`` (and features ``(B, M, D)``, layer features ``(B, M, L-1, d)``) -> one
     :class:`ItemResult` per input.
 
     The uncertainty comes from :mod:`service.core.uncertainty`; with the artifact's OOD statistics ``stats`` every
-    score of :func:`service.core.ood.ensemble_scores` is computed too, and ``metric`` may name any of them.
+    score of :func:`service.core.ood.ensemble_scores` is computed too (``ItemResult.scores``), and ``metric`` may name
+    any of them. ``every_score`` False: only the served one (the batch's work when no request asks for the others);
+    each result keeps its rows of the outputs (``ItemResult.outputs``) for :func:`fill_scores`.
     """
     s = summarize(logits, temperature)
-    all_scores = (
-        ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features)
+    only = None if every_score else metric
+    scores = (
+        ensemble_scores(logits, features, stats, temperature, summary=s, layer_features=layer_features, only=only)
         if stats is not None
         else None
     )
-    score = all_scores[metric] if all_scores is not None else ood_score(s, metric)  # float64 with statistics
+    score = scores[metric] if scores is not None else ood_score(s, metric)  # float64 with statistics
     flag = ood_flag(score, metric, threshold)
     probs = s["probs"].numpy()  # (B, C)
     mp = s["member_probs"].numpy()  # (B, M, C)
@@ -91,11 +96,35 @@ def summarize_rows(
         ItemResult(p, m, int(pred), msp, ent, exp_ent, mi, dis, float(sc), bool(fl))
         for p, m, pred, msp, ent, exp_ent, mi, dis, sc, fl in rows
     ]
-    if all_scores is not None:
-        per_input = {k: v.tolist() for k, v in all_scores.items()}
+    if scores is not None and every_score:
+        per_input = {k: v.tolist() for k, v in scores.items()}
         for i, r in enumerate(out):
             r.scores = {k: float(v[i]) for k, v in per_input.items()}
+    elif stats is not None:
+        for i, r in enumerate(out):
+            r.outputs = (
+                logits[i],
+                None if features is None else features[i],
+                None if layer_features is None else layer_features[i],
+            )
     return out
+
+
+def fill_scores(results: list[ItemResult], stats: OODStats | None, temperature: float) -> None:
+    """Every OOD score of the results that have only the served one (``return_scores`` asked for them), computed on
+    their rows of the outputs as :func:`summarize_rows` would have: the same numbers."""
+    todo = [r for r in results if r.scores is None and r.outputs is not None]
+    if stats is None or not todo:
+        return
+    logits = torch.stack([r.outputs[0] for r in todo])  # type: ignore[index]
+    rows = [r.outputs[1] for r in todo]  # type: ignore[index]
+    features = None if rows[0] is None else torch.stack(rows)
+    layers = [r.outputs[2] for r in todo]  # type: ignore[index]
+    layer_features = None if layers[0] is None else torch.stack(layers)
+    scores = ensemble_scores(logits, features, stats, temperature, layer_features=layer_features)
+    per_input = {k: v.tolist() for k, v in scores.items()}
+    for i, r in enumerate(todo):
+        r.scores = {k: float(v[i]) for k, v in per_input.items()}
 
 
 def preprocess_images(

@@ -4,6 +4,7 @@ guarantees, :class:`ItemResult`): plain data, shared by the runtimes, the guaran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,6 +29,9 @@ class ItemResult:
     ood_score: float
     ood_flag: bool
     scores: dict[str, float] | None = None  # every OOD score computed for this input (return_scores)
+    # this input's rows of the model's outputs (logits, features, layer features), kept while only the served score
+    # was computed, so that a request asking for every score gets them (service.runtime.interface.fill_scores)
+    outputs: tuple[Any, Any, Any] | None = None
     # the guarantees (models with a calibration split; Runtime.outcome sets them for the request's levels)
     p_value: float | None = None  # conformal OOD p-value; ood_flag is then p_value <= ood_alpha
     ood_alpha: float | None = None

@@ -46,8 +46,8 @@ def test_key_compared_by_digest_in_constant_time(artifacts, monkeypatch):
     assert c.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
     # every comparison is of two SHA-256 digests: the time depends neither on the key's content nor on its length
     assert calls == [(32, 32)] * 6
-    guard = app.middleware_stack
-    while not isinstance(guard, service.api.middleware.GuardMiddleware):
+    guard = app.context
+    while not isinstance(guard, service.api.middleware.Front):
         guard = guard.app
     assert guard._key_digest == hashlib.sha256(KEY.encode()).digest()
     assert not [k for k, v in vars(guard).items() if v in (KEY, KEY.encode())]  # only the digest is kept

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.api import v1
+from service.api.schemas import PredictResponse
 from service.core.artifact import load_manifest
 from service.core.registry import load_model
 from service.core.uncertainty import ood_flag, ood_score, summarize
@@ -299,31 +300,39 @@ def test_unexpected_exception_in_a_handler_is_a_contract_500(artifacts, monkeypa
 
 
 def test_answer_is_the_built_response_serialised_once(artifacts, monkeypatch):
-    """The body is the PredictResponse the runtime built, without its None fields, as ``application/json``: the JSON of
-    its dump, whichever way it was serialised (pydantic-core; ``json.dumps`` when the text holds "null"). A
-    non-finite float, which JSON cannot hold (pydantic would write null), is a 500 ``internal``, never a null."""
+    """The body is the answer the runtime's outcome built (plain data, written once with orjson), as
+    ``application/json``: exactly what the documented response model dumps without its unset fields. A string that
+    spells "null" goes through; a non-finite float, which JSON cannot hold (orjson would write null), is a 500
+    ``internal``, never a null."""
+    from service.api import answers
+
     app = create_app(settings_for(artifacts["vit"]))
     with TestClient(app, raise_server_exceptions=False) as c:
-        respond, built = v1.predict_response, []
+        build, built = answers.predict_answer, []
 
         def keep(*args, edit=lambda answer: None, **kwargs):
-            answer = respond(*args, **kwargs)
+            answer = build(*args, **kwargs)
             edit(answer)
             built.append(answer)
             return answer
 
-        monkeypatch.setattr(v1, "predict_response", keep)
+        monkeypatch.setattr(v1, "predict_answer", keep)
         r = c.post("/predict", json={"image": b64(png(5)), "top_k": 2})
         assert r.status_code == 200 and r.headers["content-type"] == "application/json"
-        assert r.json() == built[-1].model_dump(exclude_none=True) and "members" not in r.json()["predictions"][0]
+        assert r.json() == built[-1] and "members" not in r.json()["predictions"][0]
+        assert PredictResponse.model_validate(r.json()).model_dump(exclude_none=True) == r.json()
         assert "null" not in r.text and int(r.headers["content-length"]) == len(r.content)
-        null_id = lambda x: setattr(x, "id", "null")
-        monkeypatch.setattr(v1, "predict_response", lambda *a, **k: keep(*a, edit=null_id, **k))
+        null_id = lambda x: x.update(id="null")
+        monkeypatch.setattr(v1, "predict_answer", lambda *a, **k: keep(*a, edit=null_id, **k))
         r = c.post("/predict", json={"image": b64(png(5))})
-        assert r.status_code == 200 and r.json() == built[-1].model_dump(exclude_none=True) and r.json()["id"] == "null"
-        nan = lambda x: setattr(x.predictions[0].uncertainty, "entropy", float("nan"))
-        monkeypatch.setattr(v1, "predict_response", lambda *a, **k: keep(*a, edit=nan, **k))
+        assert r.status_code == 200 and r.json() == built[-1] and r.json()["id"] == "null"
+        nan = lambda x: x["predictions"][0]["uncertainty"].update(entropy=float("nan"))
+        monkeypatch.setattr(v1, "predict_answer", lambda *a, **k: keep(*a, edit=nan, **k))
         assert_error(c.post("/predict", json={"image": b64(png(5))}), 500, "internal")
+        # the same through FastAPI's route (a multipart request): one handler for both
+        monkeypatch.setattr(v1, "predict_answer", keep)
+        r = c.post("/predict", files=[("file", ("a.png", png(5), "image/png"))])
+        assert r.status_code == 200 and r.json() == built[-1]
 
 
 # ----------------------------------------------------------------------------- the three backends

@@ -1,4 +1,4 @@
-"""The runtimes package: one registry, the answer built as the response models, the eager-only device policy."""
+"""The runtimes package: one registry, the answer built as the response models dump, the eager-only device policy."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from service.api.answers import build_predictions
-from service.api.schemas import PredictResponse, Timing
+from service.api.schemas import PredictResponse
 from service.core.backends import BackendConfigError
 from service.runtime import RUNTIMES, ClassifierRuntime, CLIPZeroShotRuntime, summarize_rows
 from service.runtime.plan import resolve_plan
@@ -25,10 +25,11 @@ def test_answer_is_the_response_model_and_members_only_when_asked():
     results = summarize_rows(torch.randn(2, 4, 3, generator=torch.Generator().manual_seed(0)), 1.5, "msp", 0.5)
     for members in (False, True):
         preds = build_predictions(results, LABELS, top_k=9, return_members=members, metric="msp", threshold=0.5)
-        timing = Timing(queue_ms=0, inference_ms=1, total_ms=2)
-        answer = PredictResponse(id="r1", model="m", model_version="v1", predictions=preds, timing=timing)
-        body = json.loads(json.dumps(answer.model_dump(exclude_none=True)))
-        PredictResponse.model_validate(body)  # what the client reads fits the documented schema
+        timing = {"queue_ms": 0.0, "inference_ms": 1.0, "total_ms": 2.0}
+        answer = {"id": "r1", "model": "m", "model_version": "v1", "predictions": preds, "timing": timing}
+        body = json.loads(json.dumps(answer))
+        # what the client reads fits the documented schema, and is exactly its dump without unset fields
+        assert PredictResponse.model_validate(body).model_dump(exclude_none=True) == body
         for p, r in zip(body["predictions"], results, strict=True):
             assert ("members" in p) is members
             assert len(p["top_k"]) == len(LABELS)  # clamped to the label count
