@@ -82,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         # the server's own access line (service.logs) replaces uvicorn's with JSON logs
         access_log=settings.log_level == "debug" and not json_logs,
         server_header=False,
+        # the app reads no client address: no X-Forwarded-For layer in front of every request
+        proxy_headers=False,
     )
     server = Server(config)
     log.info("HTTP server: uvicorn on %s with %s", loop, http)

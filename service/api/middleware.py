@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -145,6 +146,8 @@ class Front:
         """A fast route's answer, or the error answer FastAPI's handlers would give (service.api.errors)."""
         try:
             body = await route(scope, receive)
+        except ClientDisconnect:  # the client left before its body was read: nobody to answer
+            return
         except ServiceError as exc:
             if exc.status >= 500 and exc.code not in ("overloaded", "not_ready"):
                 log.error("%s %s -> %s: %s", scope.get("method"), scope["path"], exc.code, exc.message)

@@ -30,7 +30,7 @@ from ..settings import Settings
 from .errors import format_validation_errors, validate_json_body
 from .schemas import FormOptions, PredictRequest, ZeroShotRequest, check_limits
 
-__all__ = ["ParsedRequest", "check_labels", "normalise_label", "parse_labels", "parse_request"]
+__all__ = ["ParsedRequest", "check_labels", "normalise_label", "parse_json_body", "parse_labels", "parse_request"]
 
 # the endpoint's task -> its JSON body, and the option fields its multipart form accepts besides `file`
 JSON_BODIES: dict[str, type[PredictRequest] | type[ZeroShotRequest]] = {
@@ -105,6 +105,12 @@ async def parse_request(request: Request, task: str, max_items: int) -> ParsedRe
 async def parse_json(request: Request, model: type[BaseModel]) -> Any:
     """The body validated by ``model``: 400 for an empty or malformed body, 422 naming the fields that do not fit."""
     return validate_json_body(await request.body(), model, "one UTF-8 encoded JSON object")
+
+
+def parse_json_body(body: bytes, task: str) -> ParsedRequest:
+    """A JSON body of the endpoint of ``task`` (read already) as a :class:`ParsedRequest`, as :func:`parse_request`
+    gives it for a JSON request."""
+    return from_json(validate_json_body(body, JSON_BODIES[task], "one UTF-8 encoded JSON object"), task)
 
 
 def from_json(req: PredictRequest | ZeroShotRequest, task: str) -> ParsedRequest:

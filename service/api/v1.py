@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope
 from swagger_ui_bundle import swagger_ui_path
 
@@ -37,7 +38,7 @@ from ..metrics import CONTENT_TYPE_LATEST
 from .answers import dumps, predict_answer
 from .dataplane import request_id, run_inference, server_state
 from .feedback import feedback, monitor, store_metrics
-from .requests import parse_request
+from .requests import ParsedRequest, parse_json_body, parse_request
 from .schemas import (
     ERROR_RESPONSES,
     TEMPLATE_PATTERN,
@@ -66,10 +67,12 @@ ERROR_REF = "#/components/schemas/ErrorResponse"
 EXAMPLE_IMAGE = "iVBORw0KGgoAAAANSUhEUgAAAAgAAAAICAAAAADhZOFXAAAAEElEQVR42mNsYIAAJgaKGAAmCACQtTEKkQAAAABJRU5ErkJggg=="
 
 
-async def answer_body(request: Request, task: str) -> bytes:
-    """Parse the body of ``/predict`` or ``/zero-shot`` -> the shared inference path -> the answer's JSON bytes."""
+async def answer_body(request: Request, task: str, parsed: ParsedRequest | None = None) -> bytes:
+    """Parse the body of ``/predict`` or ``/zero-shot`` (unless ``parsed`` already) -> the shared inference path ->
+    the answer's JSON bytes."""
     t0 = request.scope.get("hydra.t0", time.perf_counter())
-    parsed = await parse_request(request, task, server_state(request).settings.max_items)
+    if parsed is None:
+        parsed = await parse_request(request, task, server_state(request).settings.max_items)
     rt, out = await run_inference(request, parsed)
     return dumps(predict_answer(rt, out, parsed.query, t0, request_id(request)))
 
@@ -79,9 +82,22 @@ async def infer(request: Request, task: str) -> Response:
     return Response(await answer_body(request, task), media_type="application/json")
 
 
+async def read_body(receive: Receive) -> bytes:
+    """A request's whole body from the ASGI channel (what ``Request.body`` does, without its wrappers)."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
 def _fast(task: str) -> Any:
     async def route(scope: Scope, receive: Receive) -> bytes:
-        return await answer_body(Request(scope, receive), task)
+        parsed = parse_json_body(await read_body(receive), task)
+        return await answer_body(Request(scope, receive), task, parsed)
 
     return route
 

@@ -209,6 +209,19 @@ class TailBets:
         pay = (hit / self.upper).sum(axis=-1)  # (...,)
         return np.log1p(self.stake * (pay / len(self.levels) - 1.0))
 
+    def log_e_list(self, scores: Sequence[float]) -> list[float]:
+        """:meth:`log_e` of a few outlier scores in plain Python (a request's: numpy's fixed cost per call is larger
+        than the work); the same numbers, summed in the same order."""
+        pairs = list(zip(self.thresholds.tolist(), (1.0 / self.upper).tolist(), strict=True))
+        k, stake = len(self.levels), self.stake
+        out = []
+        for s in scores:
+            pay = 0.0
+            for t, w in pairs:
+                pay += w if s > t else 0.0
+            out.append(math.log1p(stake * (pay / k - 1.0)))
+        return out
+
     @property
     def max_log_e(self) -> float:
         """``log e_max``: what the most outlying input multiplies the statistic by."""
@@ -293,10 +306,15 @@ class DriftMonitor:
 
     def update(self, scores: np.ndarray | torch.Tensor | Sequence[float]) -> None:
         """Feed a batch of outlier scores ``(B,)``, in order: the statistic, the alarm and its episodes advance."""
-        s = np.asarray(scores, dtype=np.float64).ravel()
-        if np.isnan(s).any():
-            raise ValueError("scores must not be NaN")
-        x = self.bets.log_e(s).tolist()
+        if isinstance(scores, list) and len(scores) <= 16:  # a request's few scores: plain Python
+            if any(v != v for v in scores):
+                raise ValueError("scores must not be NaN")
+            x = self.bets.log_e_list(scores)
+        else:
+            s = np.asarray(scores, dtype=np.float64).ravel()
+            if np.isnan(s).any():
+                raise ValueError("scores must not be NaN")
+            x = self.bets.log_e(s).tolist()
         with self._lock:
             w, ep, t = self._w, self._open, self._count
             log_a, log_cap = self._log_a, self._log_cap
@@ -406,34 +424,36 @@ class DriftFeed:
             raise ValueError(f"every must be >= 1 and max_delay_s >= 0, got {every!r}, {max_delay_s!r}")
         self.monitor = monitor
         self.every, self.max_delay_s, self.on_update = int(every), float(max_delay_s), on_update
-        self._pending: list[np.ndarray] = []
-        self._waiting = 0
+        self._pending: list[float] = []
+        self._unreported = False  # the monitor advanced since on_update last ran
         self._last = time.monotonic()
 
     @property
     def waiting(self) -> int:
         """Scores buffered, not yet in the monitor."""
-        return self._waiting
+        return len(self._pending)
 
-    def add(self, scores: np.ndarray) -> None:
+    def add(self, scores: np.ndarray | Sequence[float]) -> None:
         """Buffer a batch of outlier scores ``(B,)``; advance the monitor if enough are waiting or time has passed."""
-        s = np.asarray(scores, dtype=np.float64).ravel()
-        if np.isnan(s).any():
+        s = np.asarray(scores, dtype=np.float64).ravel().tolist() if isinstance(scores, np.ndarray) else scores
+        if any(v != v for v in s):
             raise ValueError("scores must not be NaN")
-        self._pending.append(s)
-        self._waiting += s.size
-        if self._waiting >= self.every or time.monotonic() - self._last >= self.max_delay_s:
+        self._pending.extend(float(v) for v in s)
+        if len(self._pending) >= self.every or time.monotonic() - self._last >= self.max_delay_s:
             self.flush()
 
-    def flush(self) -> DriftMonitor:
-        """Advance the monitor over every buffered score (in arrival order); the monitor, up to date."""
+    def flush(self, notify: bool = True) -> DriftMonitor:
+        """Advance the monitor over every buffered score (in arrival order); the monitor, up to date. ``on_update``
+        runs when it advanced, unless ``notify`` is False (a request that only reads the alarm: the next notifying
+        flush, a ``/metrics`` scrape's, reports every advance since)."""
         self._last = time.monotonic()
         if self._pending:
-            batch = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
-            self._pending, self._waiting = [], 0
+            batch, self._pending = self._pending, []
             self.monitor.update(batch)
-            if self.on_update is not None:
-                self.on_update(self.monitor)
+            self._unreported = True
+        if notify and self._unreported and self.on_update is not None:
+            self._unreported = False
+            self.on_update(self.monitor)
         return self.monitor
 
     def reset(self) -> None:

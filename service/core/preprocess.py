@@ -131,7 +131,7 @@ class ImagePreprocessor:
             raise InvalidInput(f"{where}: image has no pixels ({w}x{h})")
         try:
             im.load()
-            im = ImageOps.exif_transpose(im) or im
+            ImageOps.exif_transpose(im, in_place=True)  # turned as its EXIF orientation says; no copy otherwise
         except Image.DecompressionBombError as e:
             raise PayloadTooLarge(f"{where}: image too large ({e})") from e
         except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt data

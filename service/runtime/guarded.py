@@ -19,6 +19,7 @@ from ..core.drift import DriftFeed, DriftMonitor
 from ..core.errors import InvalidInput
 from ..core.guarantees import Answer, Guarantees, outlier_oriented
 from ..core.online_risk import OnlineRisk
+from ..core.uncertainty import OOD_METRICS
 from ..metrics import Metrics
 from ..settings import Settings
 from .monitor import STALE_S, LiveMonitor
@@ -110,8 +111,9 @@ class GuaranteedAnswers:
         g = self.guarantees
         assert g is not None
         if query.monitor:
-            self.drift.add(outlier_oriented(np.asarray(scores, dtype=np.float64), g.metric))
-        at = self.drift.flush().alarm_at
+            sign = -1.0 if OOD_METRICS[g.metric] else 1.0  # outlier-oriented: MSP negated
+            self.drift.add([sign * s for s in scores])
+        at = self.drift.flush(notify=False).alarm_at  # the metrics follow at the next scrape (refresh_drift)
         if at is not None and self.monitor is not None and self._alarm_mark[0] != at:
             # a new episode: the online rule takes labels from here (its copy read again now, in the background)
             rules = self.monitor.state.risk

@@ -191,3 +191,33 @@ def test_float_pixels_are_refused_with_415():
     wide = Image.fromarray(np.full((4, 4), 70_000, dtype=np.int32))
     with pytest.raises(UnsupportedMediaType, match="32-bit integer"):
         _eight_bit(wide)
+
+
+def test_an_exif_orientation_is_applied_and_the_pixels_are_those_of_the_turned_image():
+    """A JPEG whose EXIF says "rotated 90 degrees" (orientation 6) is turned before preprocessing, as the camera
+    meant it: the same tensor as the turned image sent without EXIF; an image without the tag is left as it is."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from service.core.preprocess import ImagePreprocessor
+
+    pre = ImagePreprocessor({"type": "image", "size": [8, 12], "mean": [0.5], "std": [0.5], "channels": 1}, 1 << 20)
+    a = np.zeros((12, 8), np.uint8)
+    a[:3, :] = 255  # a white band at the top of a portrait image
+
+    def jpeg(img: Image.Image, exif: bytes | None = None) -> bytes:
+        buf = io.BytesIO()
+        img.save(buf, format="PNG" if exif is None else "JPEG", **({} if exif is None else {"exif": exif}))
+        return buf.getvalue()
+
+    stored = Image.fromarray(a).transpose(Image.Transpose.ROTATE_90)  # what the sensor wrote: landscape (8 x 12)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 CW to view
+    turned = pre(jpeg(stored.convert("L"), exif.tobytes()))
+    plain = pre(jpeg(Image.fromarray(a)))
+    assert turned.shape == plain.shape == (1, 8, 12)
+    assert abs(turned - plain).mean() < 0.2  # JPEG's loss aside, the same picture
+    unturned = pre(jpeg(stored))
+    assert abs(unturned - plain).mean() > 0.3
