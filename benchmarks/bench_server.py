@@ -168,6 +168,18 @@ def start(args: argparse.Namespace, artifact: Path, name: str, tmp: Path) -> Any
     return proc, port
 
 
+def settle(servers: dict[str, Any], limit_s: float = 60.0) -> None:
+    """Wait until every server is idle (its process group uses under 3 % of a core): what a server still does after
+    its run (the store's writer emptying its queue) must not be measured as the next server's load."""
+    t_end = time.monotonic() + limit_s
+    while time.monotonic() < t_end:
+        before = [group_cpu_s(proc.pid) for proc, _ in servers.values()]
+        time.sleep(0.5)
+        after = [group_cpu_s(proc.pid) for proc, _ in servers.values()]
+        if all(b - a < 0.015 for a, b in zip(before, after, strict=True)):
+            return
+
+
 def level(args: argparse.Namespace, server: Any, script: Path, connections: int, floor: bool) -> dict[str, Any]:
     """One connection level against one server: a 2 s warm-up, then the measured run."""
     proc, port = server
@@ -197,6 +209,7 @@ def drive(args: argparse.Namespace, artifact: Path, body: dict[str, Any], image:
                 servers[n] = start(args, artifact, n, Path(tmp))
             for i, c in enumerate(args.connections):
                 for n in names if i % 2 == 0 else names[::-1]:
+                    settle(servers)
                     r = level(args, servers[n], floor_script if n == FLOOR else script, c, n == FLOOR)
                     out[n].append(r)
                     print(

@@ -11,6 +11,9 @@ in-flight requests finish (up to ``--graceful-timeout`` seconds), then the app's
 lifespan drains the batch queues and stops the model workers, and the process
 exits 0 (:class:`service.server.Server` explains how nothing is reset).
 
+With ``HYDRA_WORKERS`` above 1 this process supervises that many server processes on one
+port (:mod:`service.workers`); each runs :func:`service.serving.serve`.
+
 Exit status: 0 stopped by a signal after a graceful shutdown; 1 forced stop (a
 second SIGINT); 2 invalid settings; 3 refused to
 start (the log names the bad artifact file or setting); 4 loading or warming up
@@ -20,92 +23,39 @@ a model failed after start-up (the log says why; restart after fixing it).
 from __future__ import annotations
 
 import argparse
-import gc
-import logging
 import sys
 
-import uvicorn
 from pydantic import ValidationError
 
-from .server import Server, http_stack
+from .server import http_stack
+from .serving import EXIT_FORCED, EXIT_LOAD_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_SETTINGS, freeze_startup_heap, serve
 from .settings import Settings, settings_errors
 
 __all__ = ["main", "freeze_startup_heap", "EXIT_OK", "EXIT_FORCED", "EXIT_SETTINGS", "EXIT_REFUSED", "EXIT_LOAD_FAILED"]
 
-EXIT_OK, EXIT_FORCED, EXIT_SETTINGS, EXIT_REFUSED, EXIT_LOAD_FAILED = 0, 1, 2, 3, 4
-
-log = logging.getLogger("hydra.service")
-
-
-def freeze_startup_heap() -> None:
-    """Collect, then move every object alive now (modules, models, tokenizers: hundreds of thousands) out of the
-    garbage collector's reach (``gc.freeze``), so that its full collections, which run on the event loop, scan only
-    what serving allocates. Measured with the tiny text model on 2 busy cores: over 2,000 requests after warm-up, one
-    full collection of 334k tracked objects held the event loop for 182 ms; with the heap frozen, 1 ms."""
-    gc.collect()
-    gc.freeze()
-
 
 def main(argv: list[str] | None = None) -> int:
-    """Validate the settings, then run uvicorn until a signal stops it; the exit status is 0 on a clean stop."""
+    """Validate the settings, then serve until a signal stops the server; the exit status is 0 on a clean stop."""
     p = argparse.ArgumentParser(prog="python -m service", description=__doc__.splitlines()[0])
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
     args = p.parse_args(argv)
 
     try:
         settings = Settings()
-        loop, http = http_stack(settings.loop, settings.http)
+        http_stack(settings.loop, settings.http)
     except (ValidationError, ValueError) as e:
         lines = settings_errors(e) if isinstance(e, ValidationError) else [str(e)]
         print("\n".join(f"invalid HYDRA_* settings: {line}" for line in lines), file=sys.stderr)
         return EXIT_SETTINGS
-    # imported once the settings are known to be valid: service.main builds its module-level `app` (for uvicorn
-    # service.main:app) from the environment at import, and loads torch
-    from .logs import configure_logging
-    from .main import create_app
+    from .workers import resolve_workers, supervise
 
-    configure_logging(settings)
-    app = create_app(settings)
-    json_logs = settings.log_format == "json"
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        # uvloop and httptools unless not installed or HYDRA_LOOP / HYDRA_HTTP say otherwise (service/server.py)
-        loop=loop,
-        http=http,
-        log_level=settings.log_level,
-        # JSON logs: uvicorn's loggers go through the root handler (JSON) instead of their own text handlers
-        log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG,
-        timeout_graceful_shutdown=args.graceful_timeout,
-        lifespan="on",
-        # the server's own access line (service.logs) replaces uvicorn's with JSON logs
-        access_log=settings.log_level == "debug" and not json_logs,
-        server_header=False,
-        # the app reads no client address: no X-Forwarded-For layer in front of every request
-        proxy_headers=False,
-    )
-    server = Server(config)
-    log.info("HTTP server: uvicorn on %s with %s", loop, http)
-    state = app.state.hydra
+    n = resolve_workers(settings.workers, settings.device)
+    if n > 1:
+        from .logs import configure_logging
 
-    def fatal(reason: str) -> None:  # background loading failed: stop serving, exit non-zero
-        server.should_exit = True
-
-    state.on_fatal = fatal
-    state.on_ready = freeze_startup_heap
-    try:
-        server.run()
-    except SystemExit as e:  # uvicorn: the lifespan start-up failed (our log names the file)
-        return e.code if isinstance(e.code, int) and e.code else EXIT_REFUSED
-    if state.load_error is not None:
-        log.error("exiting with status %d: %s", EXIT_LOAD_FAILED, state.load_error)
-        return EXIT_LOAD_FAILED
-    if not server.started:
-        return EXIT_REFUSED
-    if server.force_exit:
-        return EXIT_FORCED
-    return EXIT_OK
+        configure_logging(settings)
+        return supervise(n, settings.host, settings.port, args.graceful_timeout)
+    return serve(args.graceful_timeout, settings)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch
 from .core.artifact import ArtifactError
 from .core.backends import BackendConfigError
 from .core.errors import InvalidInput, NotReady
+from .fleet import all_ready
 from .metrics import Metrics
 from .runtime import Runtime, open_runtime
 from .settings import Settings
@@ -162,6 +163,7 @@ async def load_and_warm(state: ServerState) -> None:
         state.metrics.model_info.labels(*info).set(1)
         log.info("%s warmed up in %.2f s", rt.name, time.perf_counter() - t0)
     state.ready = True
+    state.metrics.ready.set(1.0)  # also read at every scrape (/metrics): with several workers, each one's value counts
     log.info("ready: %s", ", ".join(state.runtimes))
     if state.on_ready is not None:
         state.on_ready()
@@ -188,6 +190,7 @@ async def load_in_background(state: ServerState) -> None:
 async def shutdown(state: ServerState) -> None:
     """Not ready any more; stop loading, finish what is queued, then stop the workers."""
     state.ready = False
+    state.metrics.ready.set(0.0)
     loader, state.loader = state.loader, None
     if loader is not None and not loader.done():
         loader.cancel()  # a model being read in a worker thread finishes first
@@ -242,6 +245,9 @@ def not_ready_reason(state: ServerState) -> str | None:
             f"not ready: model(s) {', '.join(bad)} failed {s.unready_after_failures} or more batches in a row; "
             f"a probe batch runs every {s.probe_interval_s:g} s until one succeeds"
         )
+    fleet = all_ready()  # a worker of several (HYDRA_WORKERS): ready when every worker is
+    if fleet is not None and fleet[0] < fleet[1]:
+        return f"not ready: {fleet[0]} of {fleet[1]} workers ready (HYDRA_WORKERS)"
     return None
 
 

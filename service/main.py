@@ -84,7 +84,6 @@ def create_app(settings: Settings | None = None) -> HydraApp:
         redoc_url=None,  # ReDoc would load from a CDN, and no pinned package ships it
     )
     app.state.hydra = state
-    state.metrics.ready.set_function(lambda: 1.0 if state.serving else 0.0)
     install_error_handlers(app)
     install_routes(app)
     install_oip_routes(app)

@@ -1,11 +1,18 @@
 """Prometheus metrics of the server (docs/api.md), in a registry of their own per app (tests build many apps).
 
-Every metric is one row of :data:`SPECS` (its attribute on :class:`Metrics`, type, name, help text, labels and
-buckets); :class:`Metrics` registers them in that order.
+Every metric is one row of :data:`SPECS` (its attribute on :class:`Metrics`, type, name, help text, labels,
+buckets, and for a gauge how several workers' values combine); :class:`Metrics` registers them in that order.
+
+With several workers (``HYDRA_WORKERS``; :mod:`service.workers`) the supervisor sets ``PROMETHEUS_MULTIPROC_DIR``
+before a worker imports prometheus_client, whose multiprocess mode then keeps every value in files there, and
+:meth:`Metrics.render` of any worker gives one view of all of them: counters and histograms summed over the workers
+(those that died included: counts only grow), each gauge combined as its ``mode`` says over the live workers (a
+queue depth summed, an alarm the largest, readiness the smallest). Counters then have no ``_created`` series.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +37,7 @@ class Spec:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] | None = None
+    mode: str = "livemax"  # a gauge's combination over several workers (prometheus_client's multiprocess_mode)
 
 
 MODEL = ("model",)
@@ -50,7 +58,7 @@ SPECS: dict[str, Spec] = {
         LATENCY_BUCKETS,
     ),
     "batch_size": Spec(Histogram, "hydra_batch_size", "Inputs per model forward pass.", MODEL, BATCH_BUCKETS),
-    "queue_depth": Spec(Gauge, "hydra_queue_depth", "Inputs waiting for a batch.", MODEL),
+    "queue_depth": Spec(Gauge, "hydra_queue_depth", "Inputs waiting for a batch.", MODEL, mode="livesum"),
     "predictions": Spec(Counter, "hydra_predictions_total", "Predictions answered, by OOD flag.", ("model", "ood")),
     "queue_wait": Spec(
         Histogram, "hydra_queue_wait_seconds", "Time an input waited before its batch started.", MODEL, LATENCY_BUCKETS
@@ -64,14 +72,19 @@ SPECS: dict[str, Spec] = {
         "Loaded models (value 1) with their version, backend, device and precision.",
         ("model", "version", "family", "task", "backend", "device", "precision"),
     ),
-    "ready": Spec(Gauge, "hydra_ready", "1 while /readyz answers 200: every model loaded, warmed up and healthy."),
+    "ready": Spec(
+        Gauge, "hydra_ready", "1 while /readyz answers 200: every model loaded, warmed up and healthy.", mode="livemin"
+    ),
     "model_healthy": Spec(
         Gauge,
         "hydra_model_healthy",
         "0 after HYDRA_UNREADY_AFTER_FAILURES failed batches in a row, until a batch runs.",
         MODEL,
+        mode="livemin",
     ),
-    "in_flight": Spec(Gauge, "hydra_requests_in_flight", "HTTP requests received and not yet answered."),
+    "in_flight": Spec(
+        Gauge, "hydra_requests_in_flight", "HTTP requests received and not yet answered.", mode="livesum"
+    ),
     # the guarantees (artifacts with a calibration split: docs/api.md "Guarantees")
     "drift_alarm": Spec(
         Gauge,
@@ -92,7 +105,9 @@ SPECS: dict[str, Spec] = {
         "log10 A: the drift statistic's alarm level (A inputs: the least mean run length to a false alarm).",
         MODEL,
     ),
-    "drift_inputs": Spec(Gauge, "hydra_drift_inputs", "Inputs the drift alarm has seen since start-up.", MODEL),
+    "drift_inputs": Spec(
+        Gauge, "hydra_drift_inputs", "Inputs the drift alarm has seen since start-up.", MODEL, mode="livesum"
+    ),
     "drift_episodes": Spec(
         Counter, "hydra_drift_episodes", "Drift alarm episodes started (the alarm going on) since start-up.", MODEL
     ),
@@ -156,8 +171,11 @@ SPECS: dict[str, Spec] = {
         "Prediction records of the store's writer since start-up: written, queued now, or dropped (queue full, "
         "database error, store closed).",
         ("outcome",),
+        mode="livesum",
     ),
-    "store_up": Spec(Gauge, "hydra_store_up", "1 while the prediction store's last database operation succeeded."),
+    "store_up": Spec(
+        Gauge, "hydra_store_up", "1 while the prediction store's last database operation succeeded.", mode="livemin"
+    ),
 }
 
 
@@ -198,10 +216,20 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         for attr, spec in SPECS.items():
             extra: dict[str, Any] = {} if spec.buckets is None else {"buckets": spec.buckets}
+            if spec.kind is Gauge:
+                extra["multiprocess_mode"] = spec.mode
             setattr(self, attr, spec.kind(spec.name, spec.help, spec.labels, registry=self.registry, **extra))
         # registered by the first zero-shot model (service.runtime.zeroshot.text_cache_counter): a server without
         # one does not list it
         self.zero_shot_text_cache: Counter | None = None
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The Prometheus text: this process's metrics, or with several workers every worker's (module docstring)."""
+        path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not path:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=path)
+        return generate_latest(registry)

@@ -60,6 +60,8 @@ from typing import Any
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
+from .fleet import mark_ready
+
 __all__ = [
     "DRAIN_LIMIT_S",
     "DRAIN_SETTLE_S",
@@ -226,6 +228,7 @@ class Server(uvicorn.Server):
         if self.stop_signal is None:
             self.stop_signal = sig
             log.info("received %s: graceful shutdown", signal.Signals(sig).name)
+            mark_ready(False)  # a worker of several: the others' /readyz says the server is not whole any more
             self.stop_accepting()  # at once: uvicorn's loop notices the signal up to 0.1 s later
         super().handle_exit(sig, frame)
 

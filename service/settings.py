@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     # HTTP/1.1 parser of `python -m service`: auto = httptools when it imports, else h11 (pure Python)
     http: Literal["auto", "h11", "httptools"] = "auto"
+    # server processes of `python -m service` on one port (service/workers.py): N, or auto = 1 on CPU (the model
+    # bounds throughput there), on CUDA one per two cores, at most 8
+    workers: int | Literal["auto"] = "auto"
     # auto = CUDA when available, else CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # auto = onnx on CPU when exported and fp32, torch eager otherwise (see service/runtime/plan.py)
@@ -129,6 +132,20 @@ class Settings(BaseSettings):
     @classmethod
     def _comma_list(cls, value: object) -> object:
         return _split_commas(value)
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: object) -> object:
+        v = value.strip().lower() if isinstance(value, str) else value
+        if v == "auto":
+            return v
+        try:
+            n = int(v)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            n = 0
+        if isinstance(v, bool) or n < 1 or n > 64 or str(n) != str(v).strip():
+            raise ValueError(f"HYDRA_WORKERS must be auto or an integer from 1 to 64; got {value!r}")
+        return n
 
     @field_validator("drift_policy", mode="before")
     @classmethod

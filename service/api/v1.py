@@ -163,6 +163,7 @@ async def metrics(request: Request) -> Response:
     for rt in state.runtimes.values():
         rt.refresh_drift()
     store_metrics(state)
+    state.metrics.ready.set(1.0 if not_ready_reason(state) is None else 0.0)  # what /readyz answers now
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

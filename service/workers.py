@@ -1,0 +1,178 @@
+"""Several server processes on one port (``HYDRA_WORKERS``): N full replicas sharing the listening socket.
+
+**The design.** ``python -m service`` with ``HYDRA_WORKERS`` above 1 becomes a supervisor: it binds the socket, then
+starts N worker processes (``spawn``), each a whole server (the models loaded, its own batcher, event loop and drift
+alarm) accepting from that one socket, the kernel handing each new connection to one of them. Workers share what
+replicas share, through the prediction store (the adaptive sets' and the online rules' state, the labels, the live
+figures), so every route answers as a replica does. The other design, N API processes feeding one engine process per
+device (vLLM's, LitServe's), keeps one copy of the model and fuller batches, at the price of a hop between processes
+for every request (its inputs and results serialised both ways) and of one more process to supervise; measured here
+on 2 CPU cores, the model is what bounds throughput (``auto`` is 1 worker there), and a replica per core adds what
+that core gives without the hop. ``benchmarks/gpu.sh`` measures 1 to 8 workers on a GPU.
+
+**What holds across workers.** Each worker's drift alarm watches its own share of the traffic and its answers read
+it (docs/api.md, "The drift alarm and the answers"); ``/metrics`` is one view of all workers (prometheus_client's
+multiprocess mode: counters and histograms summed, each gauge combined as its metric says, :mod:`service.metrics`);
+``/readyz`` answers 200 only when every worker is ready (:func:`service.fleet.all_ready`, each worker's mark in a
+folder the supervisor makes); SIGTERM or SIGINT reaches every worker, each drains as one server does
+(:class:`service.server.Server`) and the supervisor waits for all of them; a worker that dies is replaced (its
+requests in flight are lost, the others keep answering), unless it dies before it ever was ready: then the
+configuration is wrong, every worker stops and the supervisor exits with the worker's status.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from .fleet import READY_DIR_ENV, WORKERS_ENV
+from .serving import EXIT_REFUSED, serve
+
+__all__ = ["resolve_workers", "supervise"]
+
+log = logging.getLogger("hydra.service")
+
+METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode reads it at import
+RESTART_LIMIT = 10  # worker replacements per minute before the supervisor gives up
+POLL_S = 0.2
+
+
+def resolve_workers(value: int | str, device: str) -> int:
+    """``HYDRA_WORKERS``: a count, or ``auto``: 1 where the model bounds throughput (CPU), and on CUDA a worker per
+    two cores, at most 8 (the Python frontend bounds it there: one process answers about a thousand requests a
+    second)."""
+    if value != "auto":
+        return int(value)
+    if device == "cpu":
+        return 1
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available() and device in ("auto", "cuda")
+    except ImportError:
+        cuda = False
+    return max(1, min(8, (os.cpu_count() or 2) // 2)) if cuda else 1
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _worker(sock: socket.socket, graceful: float) -> None:
+    """A worker process: the whole server on the supervisor's socket (:func:`service.serving.serve`)."""
+    sys.exit(serve(graceful, sockets=[sock]))
+
+
+class Supervisor:
+    """Starts, watches and stops the workers (module docstring)."""
+
+    def __init__(self, n: int, sock: socket.socket, graceful: float) -> None:
+        self.n, self.sock, self.graceful = n, sock, graceful
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.stopping = False
+        self.restarts: list[float] = []
+
+    def start(self) -> Any:
+        p = self.ctx.Process(target=_worker, args=(self.sock, self.graceful), name="hydra-worker", daemon=False)
+        p.start()
+        log.info("worker %d started", p.pid)
+        return p
+
+    def on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if not self.stopping:
+            log.info("received %s: stopping %d workers", signal.Signals(sig).name, len(self.procs))
+        self.stopping = True
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, sig)
+
+    def run(self) -> int:
+        """Until a signal: keep N workers; then stop them all. The exit status (0 after a clean stop)."""
+        self.procs = [self.start() for _ in range(self.n)]
+        status = 0
+        while not self.stopping:
+            time.sleep(POLL_S)
+            for i, p in enumerate(self.procs):
+                if p.is_alive() or self.stopping:
+                    continue
+                was_ready = (Path(os.environ[READY_DIR_ENV]) / f"ready-{p.pid}").exists()
+                mark = Path(os.environ[READY_DIR_ENV]) / f"ready-{p.pid}"
+                mark.unlink(missing_ok=True)
+                _dead(p.pid)
+                if not was_ready and p.exitcode not in (None, 0, -signal.SIGKILL, -signal.SIGTERM):
+                    log.error("worker %d exited with status %s before it was ready: stopping", p.pid, p.exitcode)
+                    status = p.exitcode if p.exitcode and p.exitcode > 0 else EXIT_REFUSED
+                    self.on_signal(signal.SIGTERM, None)
+                    break
+                now = time.monotonic()
+                self.restarts = [t for t in self.restarts if now - t < 60] + [now]
+                if len(self.restarts) > RESTART_LIMIT:
+                    log.error("%d workers died within a minute: stopping", len(self.restarts))
+                    status = EXIT_REFUSED
+                    self.on_signal(signal.SIGTERM, None)
+                    break
+                log.error("worker %d died (status %s): starting a replacement", p.pid, p.exitcode)
+                self.procs[i] = self.start()
+        deadline = time.monotonic() + self.graceful + 30
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                log.error("worker %d did not stop in time: killing it", p.pid)
+                p.kill()
+                p.join(5)
+            elif p.exitcode and not status:
+                status = p.exitcode
+        return status
+
+
+def _dead(pid: int) -> None:
+    """prometheus_client's multiprocess mode: a dead worker's live gauges leave the view."""
+    if os.environ.get(METRICS_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+
+
+def supervise(n: int, host: str, port: int, graceful: float) -> int:
+    """Serve with ``n`` workers on ``host:port`` until a signal (module docstring); the exit status."""
+    tmp = Path(tempfile.mkdtemp(prefix="hydra-workers-"))
+    (tmp / "metrics").mkdir()
+    (tmp / "ready").mkdir()
+    os.environ[METRICS_ENV] = str(tmp / "metrics")
+    os.environ[READY_DIR_ENV] = str(tmp / "ready")
+    os.environ[WORKERS_ENV] = str(n)
+    if not os.environ.get("HYDRA_THREADS"):  # the cores shared out, not each worker's torch on all of them
+        os.environ["HYDRA_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    try:
+        sock = _bind(host, port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", host, port, e)
+        shutil.rmtree(tmp, ignore_errors=True)
+        return EXIT_REFUSED
+    sup = Supervisor(n, sock, graceful)
+    original = {sig: signal.signal(sig, sup.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    log.info("%d workers on %s:%d (HYDRA_WORKERS)", n, host, port)
+    try:
+        return sup.run()
+    finally:
+        for sig, handler in original.items():
+            signal.signal(sig, handler)
+        sock.close()
+        shutil.rmtree(tmp, ignore_errors=True)
