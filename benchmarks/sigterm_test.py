@@ -24,6 +24,7 @@ Target: 0 resets (and broken) and 0 lost over 20 repetitions at 16 clients:
 
     python -m benchmarks.sigterm_test --tiny vit --repeat 20 --load-seconds 3 --after-seconds 2
     python -m benchmarks.sigterm_test --artifact artifacts/default/image --concurrency 32
+    python -m benchmarks.sigterm_test --tiny vit --workers 2 --concurrency 256 --repeat 5   # every worker drains
 
 Writes ``benchmarks/results/sigterm_<name>.json`` (every repetition and the totals); exits 1 when a check fails.
 """
@@ -137,7 +138,7 @@ RESETS = ("reset", "broken")
 
 def run_once(args: argparse.Namespace, artifact: Path, body: bytes, workdir: Path) -> dict[str, Any]:
     """One server, loaded, stopped by SIGTERM under load: the client's and the server's accounts, and the checks."""
-    env = {"HYDRA_MAX_QUEUE": str(args.max_queue), "HYDRA_LOG_LEVEL": "info"}
+    env = {"HYDRA_MAX_QUEUE": str(args.max_queue), "HYDRA_LOG_LEVEL": "info", "HYDRA_WORKERS": str(args.workers)}
     port = harness.free_port()
     log_file = workdir / "server.log"
     proc = harness.start_server(artifact, port, env, log_file=log_file)
@@ -148,13 +149,15 @@ def run_once(args: argparse.Namespace, artifact: Path, body: bytes, workdir: Pat
             proc.kill()
             proc.wait(10)
     log = log_file.read_text(errors="replace")
-    m = SHUTDOWN_LINE.search(log)
-    received, answered = (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+    lines = SHUTDOWN_LINE.findall(log)  # one per worker (HYDRA_WORKERS): every worker's counts add up
+    m = len(lines) == args.workers
+    received = sum(int(a) for a, _ in lines) if m else -1
+    answered = sum(int(b) for _, b in lines) if m else -1
     acc = account(outcomes, at_signal["t"])
     client_answered = acc["answered"] + control_answered
     lost = received - answered if m else None
     resets = sum(acc["by_outcome"].get(k, 0) for k in RESETS)
-    checks = _checks(acc, exit_status, m is not None, lost, resets, client_answered == answered)
+    checks = _checks(acc, exit_status, m, lost, resets, client_answered == answered)
     return {
         "loopback": f"{harness.HOST}:{port}",
         "client": acc,
@@ -228,7 +231,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The flags, checked: the load bounded."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     harness.add_artifact_arguments(p)
-    p.add_argument("--concurrency", type=int, default=16, help="clients (<= 64)")
+    p.add_argument("--concurrency", type=int, default=16, help="clients (<= 512)")
+    p.add_argument("--workers", type=int, default=1, help="HYDRA_WORKERS: server processes on the one port")
     p.add_argument("--repeat", type=int, default=1, help="repetitions, a fresh server each (the target: 20)")
     p.add_argument("--load-seconds", type=float, default=8.0, help="load before SIGTERM")
     p.add_argument("--after-seconds", type=float, default=4.0, help="clients keep trying this long after SIGTERM")
@@ -236,8 +240,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=1024, help="HYDRA_MAX_QUEUE (large: no overload here)")
     p.add_argument("--out", type=Path, default=None, help="JSON (default benchmarks/results/sigterm_<name>.json)")
     args = p.parse_args(argv)
-    if not 1 <= args.concurrency <= 64 or not 0 < args.load_seconds <= 60 or not 0 < args.after_seconds <= 30:
-        p.error("--concurrency in 1..64, --load-seconds in (0, 60], --after-seconds in (0, 30]")
+    if not 1 <= args.concurrency <= 512 or not 0 < args.load_seconds <= 60 or not 0 < args.after_seconds <= 30:
+        p.error("--concurrency in 1..512, --load-seconds in (0, 60], --after-seconds in (0, 30]")
+    if not 1 <= args.workers <= 64:
+        p.error("--workers in 1..64")
     if not 1 <= args.repeat <= 200:
         p.error("--repeat in 1..200")
     return args
@@ -288,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         **harness.result_head("sigterm_test", argv, name, args, artifact),
         "concurrency": args.concurrency,
+        "workers": args.workers,
         "load_seconds": args.load_seconds,
         "after_seconds": args.after_seconds,
         "target": "0 resets and 0 lost over 20 repetitions at 16 clients",

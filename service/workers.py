@@ -17,7 +17,10 @@ multiprocess mode: counters and histograms summed, each gauge combined as its me
 folder the supervisor makes); SIGTERM or SIGINT reaches every worker, each drains as one server does
 (:class:`service.server.Server`) and the supervisor waits for all of them; a worker that dies is replaced (its
 requests in flight are lost, the others keep answering), unless it dies before it ever was ready: then the
-configuration is wrong, every worker stops and the supervisor exits with the worker's status.
+configuration is wrong, every worker stops and the supervisor exits with the worker's status. A worker loads its
+models before it takes connections (``HYDRA_LOAD_IN_BACKGROUND`` is false for workers), so that a replacement
+warming up takes no traffic; ``/healthz`` then answers once the first worker has loaded (a Kubernetes startup probe
+should allow for it).
 """
 
 from __future__ import annotations
@@ -160,6 +163,9 @@ def supervise(n: int, host: str, port: int, graceful: float) -> int:
     os.environ[WORKERS_ENV] = str(n)
     if not os.environ.get("HYDRA_THREADS"):  # the cores shared out, not each worker's torch on all of them
         os.environ["HYDRA_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+    # a worker loads its models before it takes connections from the shared socket: a replacement warming up would
+    # otherwise take its share of the traffic and answer 503 while the others could answer
+    os.environ["HYDRA_LOAD_IN_BACKGROUND"] = "false"
     try:
         sock = _bind(host, port)
     except OSError as e:
