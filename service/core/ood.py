@@ -144,9 +144,10 @@ def squared_distances(
         raise ValueError(f"features must be (B, M={means.shape[0]}, D={means.shape[2]}), got {tuple(features.shape)}")
     f = features.to(torch.float64)
     mu, p = means.to(torch.float64), precision.to(torch.float64)
-    pf = torch.einsum("bmd,mde->bme", f, p)  # (B, M, D)
+    # batched matrix products per member (what einsum dispatches to, without its per-call parsing)
+    pf = torch.matmul(f.transpose(0, 1), p).transpose(0, 1)  # (M, B, D) @ (M, D, D) -> (B, M, D)
     f_norm = (f * pf).sum(-1, keepdim=True)  # (B, M, 1)
-    cross = torch.einsum("mkd,bmd->bmk", mu, pf)  # (B, M, K)
+    cross = torch.matmul(pf.transpose(0, 1), mu.transpose(1, 2)).transpose(0, 1)  # (M, B, D) @ (M, D, K) -> (B, M, K)
     if mean_norms is None:
         mean_norms = quadratic_norms(mu, p)
     return (f_norm - 2.0 * cross + mean_norms.unsqueeze(0)).clamp_min(0.0)  # (B, M, K)
