@@ -12,7 +12,7 @@ export HYDRA_DATA_DIR ?= $(CURDIR)/.cache/datasets
 HYDRA_ARTIFACTS ?= artifacts/default/text,artifacts/default/image,artifacts/default/zeroshot
 export HYDRA_ARTIFACTS
 
-.PHONY: install data test test-all serve artifacts lint bench-gpu
+.PHONY: install data test test-all serve artifacts lint bench-gpu wrk wrk-debs bench-server
 
 $(VENV)/.installed: pyproject.toml requirements-assets.txt
 	$(PYTHON) -m venv $(VENV)
@@ -51,3 +51,17 @@ lint: install
 # every GPU measurement in one go (CUDA tests, a CUDA build, cost and server benchmarks): benchmarks/gpu.sh
 bench-gpu: data
 	benchmarks/gpu.sh
+
+# the load client of the server benchmarks (benchmarks/wrk.py): Debian's wrk
+wrk:
+	@command -v wrk >/dev/null 2>&1 || { sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+		$$sudo apt-get install -y --no-install-recommends wrk || { $$sudo apt-get update && $$sudo apt-get install -y --no-install-recommends wrk; }; }
+
+# wrk and its libraries as .deb files in .deb/, for a machine that reaches no registry (benchmarks/gpu.sh unpacks them)
+wrk-debs:
+	mkdir -p .deb && cd .deb && apt-get download wrk libluajit-5.1-2 libluajit-5.1-common
+
+# the server against the raw model and the bare FastAPI floor, driven by wrk (benchmarks/results/server/)
+bench-server: data wrk
+	$(PY) -m benchmarks.bench_server --tiny vit --server-cpus 0 --wrk-cpus 1 --wrk-threads 1 --threads 1 --precision fp32 --tag one-core
+	$(PY) -m benchmarks.bench_server --tiny vit --workers 1 2 --no-floor --precision fp32 --connections 64 --tag workers

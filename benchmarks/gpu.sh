@@ -4,7 +4,10 @@
 #   2. a fast build on CUDA (image-fast: build.device cuda, bf16 autocast), its per-stage times in its manifest; its
 #      base is the repository's own backbone, so the run needs the Fashion-MNIST files and no downloaded model;
 #   3. the cost benchmark on CUDA, fp32 and bf16, both big layouts (ViT-B/16, BERT-base), batches 1, 4 and 32;
-#   4. the server benchmark on that artifact with HYDRA_DEVICE=cuda, at 1, 8 and 32 clients.
+#   4. the server benchmarks with wrk (benchmarks/bench_server.py) on CUDA: that artifact and a ViT-B/16-sized one
+#      (random weights, 224 x 224 JPEG inputs), each with HYDRA_WORKERS 1 and 8, at 1 and 256 connections.
+# The device reaches no package registry: wrk comes as Debian packages in .deb/ (`make wrk-debs` downloads them
+# here); they are unpacked into .deb/root when wrk is not installed.
 # Results go to benchmarks/results/gpu/<GPU name>/ (or $OUT), each file naming the GPU. A failing CUDA test is
 # recorded (cuda-tests.xml) and the measurements still run; the script then exits with the tests' status.
 #
@@ -28,6 +31,14 @@ run() {
     [ "$DRY" = 1 ] || "$@"
 }
 
+if [ "$DRY" = 0 ] && ! command -v wrk >/dev/null 2>&1; then
+    compgen -G ".deb/*.deb" >/dev/null || { echo "wrk is not installed and .deb/ has no packages: make wrk-debs"; exit 2; }
+    mkdir -p .deb/root
+    for f in .deb/*.deb; do dpkg -x "$f" .deb/root; done
+    export PATH="$PWD/.deb/root/usr/bin:$PATH"
+    export LD_LIBRARY_PATH="$PWD/.deb/root/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+
 run mkdir -p "$OUT"
 TESTS=0
 run "$PY" -m pytest -m gpu -q -rs --junitxml "$OUT/cuda-tests.xml" || TESTS=$?
@@ -38,8 +49,10 @@ run mkdir -p "$OUT/build-image-fast-cuda"
 run cp -r "$ART/manifest.json" "$ART/report.md" "$ART/report.json" "$ART/plots" "$OUT/build-image-fast-cuda/"
 run "$PY" -m benchmarks.run --only cost --layouts vit_b16 bert_base --devices cuda --precisions fp32 bf16 \
     --batches 1 4 32 --repeats 20 --out "$OUT" --no-readme
-run "$PY" -m benchmarks.bench_server --artifact "$ART" --device cuda --concurrency 1 8 32 \
-    --requests 2000 --duration 20 --out "$OUT/server-image-fast-cuda.json"
+run "$PY" -m benchmarks.bench_server --artifact "$ART" --device cuda --workers 1 8 --no-floor \
+    --connections 1 256 --seconds 8 --raw-seconds 2 --tag cuda --out "$OUT/server"
+run "$PY" -m benchmarks.bench_server --tiny vit_b16 --device cuda --workers 1 8 --no-floor \
+    --connections 1 256 --seconds 8 --raw-seconds 2 --tag cuda --out "$OUT/server"
 run "$PY" -c "import json, torch; json.dump({'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__, 'cuda': torch.version.cuda}, open('$OUT/device.json', 'w'))"
 echo "results in $OUT"
 exit "$TESTS"

@@ -288,7 +288,8 @@ def error_code(status: int, body: bytes) -> str:
 
 # ----------------------------------------------------------------------------- what to send
 def payload(manifest: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    """One ``/predict`` body of the artifact's modality: a noise image of the model's size, or a sentence."""
+    """One ``/predict`` body of the artifact's modality: a noise image of the model's size (a JPEG from 64 pixels a
+    side on, as a camera sends; a PNG below), or a sentence."""
     prep = manifest["preprocessing"]
     if prep["type"] == "text":
         return {"text": TEXT}
@@ -297,7 +298,8 @@ def payload(manifest: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     h, w = prep["size"]
     shape = (h, w) if int(prep.get("channels", 3)) == 1 else (h, w, 3)
     buf = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)).save(buf, format="PNG")
+    pixels = np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, format="JPEG" if min(h, w) >= 64 else "PNG")
     return {"image": base64.b64encode(buf.getvalue()).decode()}
 
 
@@ -310,6 +312,8 @@ def tiny_artifact(out: Path, family: str, full: bool = False) -> Path:
     # clients otherwise stay light
     from tests.fixtures.tiny_artifact import make_tiny_artifact
 
+    if family == "vit_b16":
+        return vit_b16_artifact(Path(out) / family)
     if not full:
         return make_tiny_artifact(Path(out) / family, family, name=f"tiny-{family}")
     score = "mahalanobis_layers" if family == "vit" else "mahalanobis"
@@ -324,12 +328,55 @@ def tiny_artifact(out: Path, family: str, full: bool = False) -> Path:
     )
 
 
+def vit_b16_artifact(out: Path) -> Path:
+    """A ViT-B/16-sized artifact with random weights (224 x 224 RGB, 12 blocks of width 768, 3 members keeping 8 of 12
+    heads, 10 classes), served with what a default artifact serves (``mahalanobis_layers`` and the guarantees): the
+    model a server benchmark on a GPU needs to be the bottleneck. Eager only (no exports): it runs on CUDA."""
+    from service.core.manifest import ImagePreprocessing
+    from tests.fixtures.tiny_artifact import make_tiny_artifact
+
+    cfg = {
+        "arch": "vit",
+        "members": 3,
+        "img_size": [224, 224],
+        "patch_size": 16,
+        "in_chans": 3,
+        "dim": 768,
+        "head_dim": 64,
+        "num_heads": [8] * 12,
+        "mlp_hidden": 3072,
+        "num_classes": 10,
+        "act": "gelu",
+        "eps": 1e-6,
+    }
+    prep = ImagePreprocessing(
+        size=(224, 224), mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225], interpolation="bicubic", channels=3
+    )
+    return make_tiny_artifact(
+        out,
+        "vit",
+        name="vit-b16-random",
+        config=cfg,
+        labels=[f"class_{i}" for i in range(10)],
+        preprocessing=prep,
+        exports=(),
+        ood=True,
+        ood_score="mahalanobis_layers",
+        ood_threshold=None,
+        guarantees={"risks": [0.05, 0.5], "risk": 0.5},
+    )
+
+
 # ----------------------------------------------------------------------------- the scripts' common frame
 def add_artifact_arguments(p: argparse.ArgumentParser) -> None:
     """``--artifact DIR`` or ``--tiny {vit,bert}``, one of them required: what the script serves."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--artifact", type=Path, help="artifact directory to serve")
-    src.add_argument("--tiny", choices=["vit", "bert"], help="build a tiny random artifact of this family instead")
+    src.add_argument(
+        "--tiny",
+        choices=["vit", "bert", "vit_b16"],
+        help="build a tiny random artifact of this family instead (vit_b16: ViT-B/16-sized, random weights)",
+    )
 
 
 def open_artifact(args: argparse.Namespace, tmp: Path, full: bool = False) -> tuple[Path, dict[str, Any]]:

@@ -29,9 +29,14 @@ def _name(cmd: list[str]) -> str:
     return cmd[1] if len(cmd) > 1 else cmd[0]
 
 
+def _programs(commands: list[list[str]], script: str) -> list[list[str]]:
+    """The arguments of every command that runs ``script``."""
+    return [c[3:] if c[1] == "-m" else c[2:] for c in commands if _name(c) == script]
+
+
 def _program(commands: list[list[str]], script: str) -> list[str]:
-    (cmd,) = [c for c in commands if _name(c) == script]
-    return cmd[3:] if cmd[1] == "-m" else cmd[2:]
+    (args,) = _programs(commands, script)
+    return args
 
 
 def test_it_runs_the_cuda_tests_a_cuda_build_and_both_benchmarks(commands):
@@ -59,6 +64,16 @@ def test_the_benchmark_commands_parse(commands, script, monkeypatch):
     import importlib
 
     module = importlib.import_module(script)
-    with pytest.raises(SystemExit) as done:
-        module.main([*_program(commands, script), "--help"])
-    assert done.value.code == 0
+    for args in _programs(commands, script):
+        with pytest.raises(SystemExit) as done:
+            module.main([*args, "--help"])
+        assert done.value.code == 0
+
+
+def test_the_server_benchmarks_drive_256_connections_on_both_artifacts(commands):
+    """The issue's GPU rows: fashion-vit-fast and a ViT-B/16-sized artifact, at 256 connections and at 1."""
+    from benchmarks.bench_server import parse_args
+
+    runs = [parse_args(a) for a in _programs(commands, "benchmarks.bench_server")]
+    assert {r.tiny for r in runs} == {None, "vit_b16"} and all(r.device == "cuda" for r in runs)
+    assert all({1, 256} <= set(r.connections) for r in runs)

@@ -143,3 +143,19 @@ def test_bf16_backend_stores_gemm_weights_in_bf16_with_the_same_outputs(family):
         and ("attn." in n or "mlp." in n or n.split(".")[0] in ("patch_embed", "head", "classifier", "pooler"))
         for n in low
     ), low
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["vit", "bert"])
+def test_cuda_inputs_go_through_reused_pinned_buffers_with_the_same_outputs(artifacts, family):
+    """On CUDA each input is staged in a page-locked buffer reused across batches (the copy to the device is
+    asynchronous): batches of different sizes, one after another, give what the CPU gives."""
+    m = load_manifest(artifacts[family])
+    names = list(example_inputs(family, batch=1).keys())
+    cuda = TorchBackend(load_model(artifacts[family] / m.model.weights, m.model.config), names, "cuda", "fp32")
+    cpu = TorchBackend(load_model(artifacts[family] / m.model.weights, m.model.config), names, "cpu", "fp32")
+    for batch, seed in ((4, 1), (2, 2), (4, 3), (7, 4)):
+        inputs = example_inputs(family, batch=batch, seed=seed)
+        torch.testing.assert_close(cuda(inputs), cpu(inputs), atol=1e-4, rtol=1e-4)
+    assert cuda._pinned and all(b.is_pinned() for b in cuda._pinned.values())
