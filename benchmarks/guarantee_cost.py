@@ -61,14 +61,14 @@ async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dic
 
 async def _paired(rt: Any, prepared: list[Any], query: Any, args: argparse.Namespace) -> tuple[list, list]:
     """Mean ms per answer with and without the guarantees, one pair per repetition (after 4 warm-up blocks)."""
-    from service.api.answers import predict_response
+    from service.api.answers import predict_answer
 
     g, drift = rt.guarantees, rt.drift
 
     async def one(on: bool) -> float:
         rt.guarantees, rt.drift = (g, drift) if on else (None, None)
         t = time.perf_counter()
-        predict_response(rt, await rt.outcome(prepared, query), query, t, "")
+        predict_answer(rt, await rt.outcome(prepared, query), query, t, "")
         return time.perf_counter() - t
 
     async def block(first: bool) -> tuple[float, float]:
@@ -99,7 +99,7 @@ async def _step_in_path(rt: Any, prepared: list[Any], query: Any, n: int) -> tup
 
     The guarantees' step where it runs, right after the model (cold caches): timed inside the answers.
     """
-    from service.api.answers import predict_response
+    from service.api.answers import predict_answer
 
     spent, step = [0.0, 0], rt._guarantees
 
@@ -112,7 +112,7 @@ async def _step_in_path(rt: Any, prepared: list[Any], query: Any, n: int) -> tup
     rt._guarantees = timed
     t = time.perf_counter()
     for _ in range(n):
-        predict_response(rt, await rt.outcome(prepared, query), query, time.perf_counter(), "")
+        predict_answer(rt, await rt.outcome(prepared, query), query, time.perf_counter(), "")
     answer_ms = (time.perf_counter() - t) * 1000 / n
     del rt._guarantees
     return answer_ms, spent[0] * 1000 / spent[1]
