@@ -97,8 +97,11 @@ def build(cfg: BuildConfig, out: str | Path, stage: str | None = None, member: i
 
 
 def resumable_only(out: Path) -> bool:
-    """``out`` holds nothing but a build's resumable state (``.checkpoints``: a stopped build, or earlier stages)."""
-    return all(p.name == ".checkpoints" for p in out.iterdir())
+    """``out`` is empty or an unfinished build: it holds ``.checkpoints``, the resumable state a build keeps until
+    the very end (the builder makes it before writing anything else and removes it after the manifest), so the same
+    command resumes a build stopped anywhere, even while it wrote the artifact's files."""
+    names = {p.name for p in out.iterdir()}
+    return not names or ".checkpoints" in names
 
 
 class OneLineParser(argparse.ArgumentParser):

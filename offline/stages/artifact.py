@@ -67,9 +67,12 @@ class Exports:
 
 def prepare_out(ctx: BuildContext) -> None:
     """Empty ``out`` for a new artifact, keeping ``.checkpoints`` (resumable training state) until the end; then save
-    the tokenizer first (the server's text preprocessing, which evaluation runs, reads the artifact's)."""
+    the tokenizer first (the server's text preprocessing, which evaluation runs, reads the artifact's).
+
+    ``.checkpoints`` is made here if it is missing: a folder that has it is an unfinished build, which the same
+    command resumes (:func:`offline.build.resumable_only`), wherever it was stopped."""
     out = ctx.out
-    out.mkdir(parents=True, exist_ok=True)
+    (out / ".checkpoints").mkdir(parents=True, exist_ok=True)  # marks ``out`` as a build's until its manifest
     for p in out.iterdir():
         if p.name != ".checkpoints":
             shutil.rmtree(p) if p.is_dir() else p.unlink()
@@ -324,16 +327,16 @@ def write_artifact(
     title: str,
     extra: dict[str, Any],
 ) -> Path:
-    """Write the report, then the manifest (``manifest(metrics_summary)``, listing every file), and drop the
-    training checkpoints: the last step, so a failed build leaves no manifest behind."""
+    """Write the report, then the manifest (``manifest(metrics_summary)``, listing every file; written whole or not
+    at all), then drop the training checkpoints, the last step: until they are gone the folder is an unfinished
+    build that the same command resumes, and a failed build leaves no manifest behind."""
     out, data = ctx.out, ctx.data
     evaluation.plots["class_names"] = list(data.class_names)  # the per-class table and confusion matrix, by name
     ood_kinds = {name: kind for name, (_, kind) in data.ood_test.items()}
     summary = write_report(out, evaluation.rows, ood_kinds, evaluation.plots, title, extra)
-    m = manifest(summary)
+    write_manifest(out, manifest(summary))
     ckpt = out / ".checkpoints"
     if ckpt.exists():
         shutil.rmtree(ckpt)
-    write_manifest(out, m)
     log.info("artifact written to %s", out)
     return out

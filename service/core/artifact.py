@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -58,7 +59,8 @@ def list_files(root: Path) -> list[Path]:
 
 def write_manifest(out: str | Path, manifest: Manifest) -> Path:
     """Add ``files`` (sha256 and size of every file in ``out``) to ``manifest``, validate and write it as
-    ``out/manifest.json``; raises :class:`ArtifactError` naming the first bad field."""
+    ``out/manifest.json`` (whole or not at all: a stopped build never leaves half a manifest); raises
+    :class:`ArtifactError` naming the first bad field."""
     out = Path(out)
     doc = manifest.to_dict()
     doc["files"] = {
@@ -66,7 +68,9 @@ def write_manifest(out: str | Path, manifest: Manifest) -> Path:
     }
     doc = parse_manifest(doc, out).to_dict()
     path = out / MANIFEST
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp = out / f".{MANIFEST}.tmp"  # hidden: never listed; renamed over the manifest in one step
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.replace(tmp, path)
     return path
 
 
