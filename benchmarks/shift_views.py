@@ -10,9 +10,13 @@ input sees of each corruption and severity:
 * per view, the share of inputs above the calibration split's 95th percentile (what a flag at ``ood_alpha`` 0.05
   on that view alone would catch), with the ID validation split as the false-alarm check;
 * the first input at which the drift alarm would fire on the served score (the server's procedure,
-  :class:`service.core.drift.DriftMonitor`) against an alarm on every view at once: one CUSUM e-detector per view,
-  each with bets fitted at ``delta / J`` and on when the mean of the ``J`` statistics reaches ``A`` (the mean of
-  Shiryaev-Roberts processes is one, so the alarm keeps the served alarm's false-alarm bound ``m / A``).
+  :class:`service.core.drift.DriftMonitor`) against two alternatives that keep its false-alarm bound ``m / A`` (the
+  mean of Shiryaev-Roberts processes is one): an alarm on every view at once (one CUSUM e-detector per view, bets
+  fitted at ``delta / J``, on when the mean of the ``J`` statistics reaches ``A``), and a mixture of stakes on the
+  served score (:data:`STAKES`);
+* Lorden's lower bound on the mean delay of *any* detector with that false-alarm rate, ``log A / KL`` with the
+  divergence of the stream's served p-values from uniform (estimated): where it exceeds the delay a target asks
+  for, no alarm on the served score can meet it.
 
 Nothing is fitted: every threshold comes from the artifact's calibration split. Also the views' share on the build's
 mild-shift validation set (:func:`offline.outliers.shifted`, shifts none of the corruptions have).
@@ -41,7 +45,7 @@ from offline.outliers import shifted
 from offline.shift import corrupt, corruptions
 from offline.stages import EVAL_MAX_PIXELS, eval_batches, load_data
 from service.core.artifact import load_manifest
-from service.core.drift import CAP_DECADES, HORIZON, DriftMonitor, TailBets
+from service.core.drift import CAP_DECADES, HORIZON, STAKE, DriftMonitor, TailBets
 from service.core.guarantees import outlier_oriented
 from service.core.ood import ensemble_scores, layer_pair_scores, mahalanobis, ood_from_tensors, standardize
 from service.core.preprocess import make_preprocessor
@@ -50,6 +54,8 @@ from service.core.uncertainty import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIFT_DELTA = 0.01  # the builder's default drift delta
+STAKES = (0.1, 0.25, 0.5, 0.75)  # the stake mixture: one detector per stake on the served score (same split event)
+P_BINS = np.array([0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0])  # p-value bins of the KL estimate
 
 
 class Views:
@@ -97,20 +103,37 @@ class Views:
         return (scores, torch.cat(preds).numpy()) if predictions else scores
 
 
-def first_alarm_mixture(cal: np.ndarray, stream: np.ndarray) -> int | None:
-    """The first input (1-based) at which the mean of one CUSUM e-detector per view (bets at ``delta / J``)
-    reaches ``A = HORIZON / delta``, from a fresh start; None if it never does. ``cal (n, J)``, ``stream (T, J)``."""
+def first_alarm_mixture(
+    cal: np.ndarray, stream: np.ndarray, bets: list[tuple[int, float, float]] | None = None
+) -> int | None:
+    """The first input (1-based) at which the mean of several CUSUM e-detectors reaches ``A = HORIZON / delta``,
+    from a fresh start; None if it never does. ``cal (n, J)``, ``stream (T, J)``; ``bets``: per detector its view,
+    stake and split delta; default one per view at the served stake and ``delta / J`` (every view)."""
     j = cal.shape[1]
-    bets = [TailBets.fit(cal[:, k], DRIFT_DELTA / j) for k in range(j)]
-    log_e = np.stack([b.log_e(stream[:, k]) for k, b in enumerate(bets)], axis=1)  # (T, J)
-    log_a = math.log(HORIZON / DRIFT_DELTA)
-    cap = log_a + math.log(j) + CAP_DECADES * math.log(10)
-    w = np.zeros(j)
+    bets = bets or [(k, STAKE, DRIFT_DELTA / j) for k in range(j)]
+    fitted = [(k, TailBets.fit(cal[:, k], d, stake=stake)) for k, stake, d in bets]
+    log_e = np.stack([b.log_e(stream[:, k]) for k, b in fitted], axis=1)  # (T, K)
+    log_a, log_k = math.log(HORIZON / DRIFT_DELTA), math.log(len(bets))
+    cap = log_a + log_k + CAP_DECADES * math.log(10)
+    w = np.zeros(len(bets))
     for t, x in enumerate(log_e):
         w = np.minimum(np.maximum(w, 0.0) + x, cap)
-        if np.logaddexp.reduce(w) - math.log(j) >= log_a:
+        if np.logaddexp.reduce(w) - log_k >= log_a:
             return t + 1
     return None
+
+
+def lorden_estimate(cal: np.ndarray, scores: np.ndarray) -> float | None:
+    """``log A / KL``: Lorden's lower bound on the mean delay of any change detector whose mean run length to a false
+    alarm is at least ``A``, for a change from the calibration split's p-values (uniform) to these; KL estimated
+    from the served score's p-values in :data:`P_BINS` (an estimate, not a bound: binning lowers the divergence, a
+    sample of 640 raises it). None: no divergence seen."""
+    cal = np.sort(cal)
+    p = (1.0 + cal.size - np.searchsorted(cal, scores, side="left")) / (cal.size + 1.0)
+    q = np.histogram(p, P_BINS)[0] / p.size
+    u = np.diff(P_BINS)
+    kl = float(np.sum(q[q > 0] * np.log(q[q > 0] / u[q > 0])))
+    return round(math.log(HORIZON / DRIFT_DELTA) / kl, 1) if kl > 1e-9 else None
 
 
 def first_alarm_served(cal: np.ndarray, stream: np.ndarray) -> int | None:
@@ -129,6 +152,8 @@ def row(name: str, cal: np.ndarray, x: np.ndarray, accuracy: float | None) -> di
         "flagged": (x > cut).mean(axis=0).round(4).tolist(),
         "alarm_served": first_alarm_served(cal, x),
         "alarm_every_view": first_alarm_mixture(cal, x),
+        "alarm_stake_mixture": first_alarm_mixture(cal, x, [(0, st, DRIFT_DELTA) for st in STAKES]),
+        "lorden_delay": lorden_estimate(cal[:, 0], x[:, 0]),
     }
 
 
@@ -172,7 +197,7 @@ def run(root: Path, inputs: int) -> dict[str, Any]:
 def markdown(doc: dict[str, Any]) -> str:
     names = doc["views"]
     head = "| stream | accuracy % | " + " | ".join(f"{n}: flagged %" for n in names)
-    head += " | alarm, served score | alarm, every view |"
+    head += " | alarm, served | alarm, every view | alarm, stake mixture | Lorden delay (est.) |"
     lines = [
         f"# What each view of an input sees of shift: {doc['artifact']}",
         "",
@@ -182,17 +207,20 @@ def markdown(doc: dict[str, Any]) -> str:
         "stream benchmark's pool, draw and corruption seed). Flagged: above the calibration split's 95th percentile "
         "of that view. Alarm: the first input at which the drift alarm fires from a fresh start (`-`: not within "
         "the stream); every view: one detector per view, bets at delta / J, on at the mean of the statistics "
-        "reaching A (the same false-alarm bound).",
+        f"reaching A (the same false-alarm bound); stake mixture: one detector per stake {list(STAKES)} on the "
+        "served score, on at their mean reaching A (the same bound). Lorden delay: log A / KL of the served "
+        "score's p-values against uniform, the least mean delay any detector with this false-alarm rate can have "
+        "(estimated from the stream's binned p-values).",
         "",
         head,
-        "|---|---:|" + "---:|" * (len(names) + 2),
+        "|---|---:|" + "---:|" * (len(names) + 4),
     ]
     for r in doc["rows"]:
         acc = "–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}"
         flags = " | ".join(f"{100 * f:.1f}" for f in r["flagged"])
-        a1 = "–" if r["alarm_served"] is None else str(r["alarm_served"])
-        a2 = "–" if r["alarm_every_view"] is None else str(r["alarm_every_view"])
-        lines.append(f"| {r['stream']} | {acc} | {flags} | {a1} | {a2} |")
+        cells = [r[k] for k in ("alarm_served", "alarm_every_view", "alarm_stake_mixture", "lorden_delay")]
+        alarms = " | ".join("–" if v is None else str(v) for v in cells)
+        lines.append(f"| {r['stream']} | {acc} | {flags} | {alarms} |")
     return "\n".join(lines) + "\n"
 
 

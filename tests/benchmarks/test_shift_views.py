@@ -6,7 +6,14 @@ import math
 
 import numpy as np
 
-from benchmarks.shift_views import DRIFT_DELTA, first_alarm_mixture, first_alarm_served, markdown
+from benchmarks.shift_views import (
+    DRIFT_DELTA,
+    STAKES,
+    first_alarm_mixture,
+    first_alarm_served,
+    lorden_estimate,
+    markdown,
+)
 from service.core.drift import HORIZON
 
 
@@ -41,6 +48,24 @@ def test_every_view_alarm_keeps_the_false_alarm_bound():
     assert fired / 200 <= bound and math.isclose(bound, 0.02)
 
 
+def test_a_stake_mixture_fires_sooner_on_a_strong_shift_and_is_no_alarm_on_id_traffic():
+    rng = np.random.default_rng(3)
+    cal = rng.normal(size=(1000, 1))
+    mixture = [(0, s, DRIFT_DELTA) for s in STAKES]
+    strong = rng.normal(size=(200, 1)) + 5.0
+    assert first_alarm_mixture(cal, strong, mixture) < first_alarm_served(cal, strong) == 11
+    assert all(first_alarm_mixture(cal, rng.normal(size=(2000, 1)), mixture) is None for _ in range(20))
+
+
+def test_lorden_estimate_known_answers():
+    cal = np.arange(1000.0)
+    # every score above the split: every p-value is 1/1001, in the first bin (width 0.005): KL = log 200
+    assert lorden_estimate(cal, np.full(500, 2000.0)) == round(math.log(1e5) / math.log(200), 1)
+    # the split's own scores: p-values uniform, no divergence beyond the bins' rounding
+    est = lorden_estimate(cal, cal)
+    assert est is None or est > 1000
+
+
 def test_markdown_names_every_view_and_stream():
     doc = {
         "artifact": "m",
@@ -49,8 +74,16 @@ def test_markdown_names_every_view_and_stream():
         "inputs": 10,
         "views": ["served (msp)", "MSP"],
         "rows": [
-            {"stream": "noise @1", "accuracy": 0.5, "flagged": [0.1, 0.2], "alarm_served": 12, "alarm_every_view": None}
+            {
+                "stream": "noise @1",
+                "accuracy": 0.5,
+                "flagged": [0.1, 0.2],
+                "alarm_served": 12,
+                "alarm_every_view": None,
+                "alarm_stake_mixture": 9,
+                "lorden_delay": 4.5,
+            }
         ],
     }
     md = markdown(doc)
-    assert "| noise @1 | 50.0 | 10.0 | 20.0 | 12 | – |" in md and "served (msp): flagged %" in md
+    assert "| noise @1 | 50.0 | 10.0 | 20.0 | 12 | – | 9 | 4.5 |" in md and "served (msp): flagged %" in md
