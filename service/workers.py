@@ -6,9 +6,15 @@ alarm) accepting from that one socket, the kernel handing each new connection to
 replicas share, through the prediction store (the adaptive sets' and the online rules' state, the labels, the live
 figures), so every route answers as a replica does. The other design, N API processes feeding one engine process per
 device (vLLM's, LitServe's), keeps one copy of the model and fuller batches, at the price of a hop between processes
-for every request (its inputs and results serialised both ways) and of one more process to supervise; measured here
-on 2 CPU cores, the model is what bounds throughput (``auto`` is 1 worker there), and a replica per core adds what
-that core gives without the hop. ``benchmarks/gpu.sh`` measures 1 to 8 workers on a GPU.
+for every request (its inputs and results serialised both ways) and of one more process to supervise; a replica
+per worker adds what its cores give without the hop. ``benchmarks/gpu.sh`` measures 1 to 8 workers on a GPU.
+
+**``auto`` on CPU is 1.** Measured on 2 CPU cores (``benchmarks/results/server/*-workers.md``), two workers of one
+thread each answer 1.3 to 1.6 times what one worker of two threads does on the default models, at 32 to 256
+connections: one worker's Python overlaps the other's model. The price is the drift alarm: each worker's watches its
+own half of the traffic, so under a shift the server answers about twice as many inputs before the first suspension
+(docs/api.md, "The drift alarm and the answers"), and the alarm is what the answers' guarantees rest on. So ``auto``
+keeps one worker on CPU, and ``HYDRA_WORKERS=2`` is the setting for throughput first.
 
 **What holds across workers.** Each worker's drift alarm watches its own share of the traffic and its answers read
 it (docs/api.md, "The drift alarm and the answers"); ``/metrics`` is one view of all workers (prometheus_client's
@@ -51,9 +57,9 @@ POLL_S = 0.2
 
 
 def resolve_workers(value: int | str, device: str) -> int:
-    """``HYDRA_WORKERS``: a count, or ``auto``: 1 where the model bounds throughput (CPU), and on CUDA a worker per
-    two cores, at most 8 (the Python frontend bounds it there: one process answers about a thousand requests a
-    second)."""
+    """``HYDRA_WORKERS``: a count, or ``auto``: 1 on CPU (one drift alarm over all the traffic: module docstring), and
+    on CUDA a worker per two cores, at most 8 (the Python frontend bounds it there: one process answers about a
+    thousand requests a second)."""
     if value != "auto":
         return int(value)
     if device == "cpu":
