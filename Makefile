@@ -34,9 +34,10 @@ serve: artifacts
 	$(PY) -m service
 
 # The architecture contracts (pyproject.toml [tool.importlinter]) first: a broken module boundary fails fast.
+# The suite runs on every core (pytest-xdist), each test file in one process: much of it waits on servers it starts.
 test: data
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q -n auto --dist loadfile
 
 test-all: data
 	$(PY) -m pytest -q
