@@ -148,3 +148,70 @@ def test_workers_setting_is_checked_and_auto_is_one_on_cpu():
         (line,) = settings_errors(e.value)
         assert line == f"HYDRA_WORKERS must be auto or an integer from 1 to 64; got {bad!r}"
     assert resolve_workers("auto", "cpu") == 1 and resolve_workers(4, "cpu") == 4
+
+
+async def _slow_client(port: int, seconds: float) -> None:
+    """A client that sends a request's head and then its body a few bytes at a time (a slow uplink, or a slowloris
+    attack): the worker that took it holds the connection, and must not stall on it."""
+    reader, writer = await asyncio.open_connection(harness.HOST, port)
+    writer.write(
+        b"POST /predict HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    )
+    t_end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < t_end:
+            writer.write(b'{"image"   ')
+            await writer.drain()
+            await asyncio.sleep(0.2)
+    except OSError:
+        pass
+    finally:
+        writer.close()
+
+
+async def _too_large(port: int, limit: int) -> tuple[int, bytes]:
+    """A body of 8 times the limit, streamed: the answer (413) comes without the server reading it all."""
+    reader, writer = await asyncio.open_connection(harness.HOST, port)
+    size = 8 * limit
+    head = f"POST /predict HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    writer.write(head.encode())
+    try:
+        for _ in range(size // 4096):
+            writer.write(b" " * 4096)
+            await writer.drain()
+    except OSError:  # the server answered and closed before the body was sent
+        pass
+    got = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    status = int(got.split()[1])
+    length = int(next(ln.split(b":")[1] for ln in got.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    body = await asyncio.wait_for(reader.readexactly(length), 10)
+    writer.close()
+    return status, body
+
+
+def test_slow_clients_and_an_oversized_body_stall_no_worker(tmp_path):
+    """With two workers, 16 slow clients (spread over both by the kernel) and a body over the limit do not keep
+    either worker from answering the others: every normal request during them is answered."""
+    art = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-s")
+    port, limit = harness.free_port(), 64 * 1024
+    extra = {"HYDRA_WORKERS": "2", "HYDRA_STORE": "off", "HYDRA_MAX_BODY_BYTES": str(limit)}
+    proc = harness.start_server(art, port, extra, log_file=tmp_path / "server.log")
+    try:
+        harness.wait_ready(port, proc, timeout=120)
+        assert len(workers_of(proc.pid)) == 2
+        body = json.dumps({"image": b64(png(noise_images(1, seed=4)[0]))}).encode()
+
+        async def scenario() -> tuple[dict[str, int], tuple[int, bytes]]:
+            slow = [asyncio.create_task(_slow_client(port, 4.0)) for _ in range(16)]
+            await asyncio.sleep(0.3)
+            big = asyncio.create_task(_too_large(port, limit))
+            tally = await load(port, body, 3.0)
+            out = await big
+            await asyncio.gather(*slow)
+            return tally, out
+
+        tally, (code, answer) = asyncio.run(scenario())
+        assert tally["ok"] > 30 and tally["error"] == tally["reset"] == 0, tally
+        assert code == 413 and json.loads(answer)["error"]["code"] == "payload_too_large"
+    finally:
+        assert harness.stop_server(proc) == 0
