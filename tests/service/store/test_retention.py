@@ -60,7 +60,8 @@ def test_the_writer_applies_it_periodically(make_store):
     for batch in range(5):
         store.record([rec(f"w{batch}-{i}", 0) for i in range(50)])
         assert store.flush(5.0)
-    assert _wait_for(lambda: store.counts("m").predictions == 100)
+    # the writer commits the deletion, then counts it: wait for both (read between them, the count lags)
+    assert _wait_for(lambda: store.counts("m").predictions == 100 and store.stats().retention_deleted == 150)
     assert store.stats().retention_deleted == 150
     assert store.served("m").ids == [f"w{b}-{i}" for b in (3, 4) for i in range(50)]
 
