@@ -72,7 +72,7 @@ def prepare_out(ctx: BuildContext) -> None:
     ``.checkpoints`` is made here if it is missing: a folder that has it is an unfinished build, which the same
     command resumes (:func:`offline.build.resumable_only`), wherever it was stopped."""
     out = ctx.out
-    (out / ".checkpoints").mkdir(parents=True, exist_ok=True)  # marks ``out`` as a build's until its manifest
+    (out / ".checkpoints").mkdir(parents=True, exist_ok=True)  # an unfinished build until write_artifact ends
     for p in out.iterdir():
         if p.name != ".checkpoints":
             shutil.rmtree(p) if p.is_dir() else p.unlink()
