@@ -37,9 +37,9 @@ sys.exit(main(sys.argv[3:]))
 # (where, when): each stage boundary, then each step of the final write
 FAST_STOPS = [
     ("offline.pipeline:export_classifier", "before"),  # weights and statistics written, no exports, no manifest
-    ("offline.stages.artifact:write_manifest", "after"),  # the manifest written, the checkpoints not yet removed
 ]
 SLOW_STOPS = [
+    ("offline.stages.artifact:write_manifest", "after"),  # the manifest written, the checkpoints not yet removed
     ("offline.pipeline:scored_members", "before"),  # the base done
     ("offline.pipeline:fuse_members", "before"),  # the members fine-tuned
     ("offline.pipeline:save_weights", "before"),  # evaluation done, nothing of the artifact written
