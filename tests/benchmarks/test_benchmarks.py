@@ -355,3 +355,19 @@ def test_compiled_backends_compute_what_eager_computes(tmp_path: Path, backend: 
 
 def test_peak_probe_reports_a_positive_throughput():
     assert 0 < cost_mod.peak_gflops("fp32", n=256, repeats=2) < 1e6
+
+
+def test_a_results_artifact_is_named_from_the_repository_root(tmp_path):
+    import argparse
+
+    from benchmarks import harness
+
+    args = argparse.Namespace(tiny=None)
+    inside = harness.result_head("bench_server", ["--x"], "m", args, harness.ROOT / "artifacts" / "default" / "text")
+    assert (
+        inside["artifact"] == "artifacts/default/text" and inside["command"] == "python -m benchmarks.bench_server --x"
+    )
+    assert harness.result_head("bench_server", [], "m", args, tmp_path)["artifact"] == str(tmp_path)
+    assert harness.result_head("b", [], "m", argparse.Namespace(tiny="vit"), tmp_path)["artifact"] == (
+        "tiny vit (random weights)"
+    )
