@@ -407,11 +407,11 @@ def result_head(
     return {
         "command": f"python -m benchmarks.{script} " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "name": name,
-        "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else _relative(shown),
+        "artifact": f"tiny {args.tiny} (random weights)" if args.tiny else relative_to_root(shown),
     }
 
 
-def _relative(path: Path) -> str:
+def relative_to_root(path: Path) -> str:
     """``path`` from the repository's root when it lies inside it (results name no folder outside the repository)."""
     full = Path(path).resolve()
     return str(full.relative_to(ROOT)) if full.is_relative_to(ROOT) else str(path)

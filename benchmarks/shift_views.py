@@ -45,6 +45,7 @@ from offline.outliers import shifted
 from offline.shift import corrupt, corruptions
 from offline.stages import EVAL_MAX_PIXELS, eval_batches, load_data
 from service.core.artifact import load_manifest
+from service.core.conformal import ood_p_values
 from service.core.drift import CAP_DECADES, HORIZON, STAKE, DriftMonitor, TailBets
 from service.core.guarantees import outlier_oriented
 from service.core.ood import ensemble_scores, layer_pair_scores, mahalanobis, ood_from_tensors, standardize
@@ -52,7 +53,6 @@ from service.core.preprocess import make_preprocessor
 from service.core.registry import load_model
 from service.core.uncertainty import summarize
 
-ROOT = Path(__file__).resolve().parents[1]
 DRIFT_DELTA = 0.01  # the builder's default drift delta
 STAKES = (0.1, 0.25, 0.5, 0.75)  # the stake mixture: one detector per stake on the served score (same split event)
 P_BINS = np.array([0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0])  # p-value bins of the KL estimate
@@ -88,7 +88,8 @@ class Views:
             out = out if isinstance(out, tuple) else (out,)
             logits, feats = out[0], out[1] if len(out) > 1 else None
             lf = out[2] if len(out) > 2 else None
-            s = ensemble_scores(logits, feats, self.stats, self.T, layer_features=lf)
+            summary = summarize(logits, self.T)
+            s = ensemble_scores(logits, feats, self.stats, self.T, summary=summary, layer_features=lf)
             cols = [torch.as_tensor(outlier_oriented(s[self.metric].numpy(), self.metric))]
             if self.layers is not None:
                 assert self.stats is not None and feats is not None and lf is not None
@@ -97,8 +98,7 @@ class Views:
                 cols += list(standardize(c.double(), *self.layers.column_norms).T)
             cols.append(-s["msp"].double())
             rows.append(torch.stack([c.double() for c in cols], dim=1))
-            if predictions:
-                preds.append(summarize(logits, self.T)["prediction"])
+            preds.append(summary["prediction"])
         scores = torch.cat(rows).numpy()
         return (scores, torch.cat(preds).numpy()) if predictions else scores
 
@@ -128,8 +128,7 @@ def lorden_estimate(cal: np.ndarray, scores: np.ndarray) -> float | None:
     alarm is at least ``A``, for a change from the calibration split's p-values (uniform) to these; KL estimated
     from the served score's p-values in :data:`P_BINS` (an estimate, not a bound: binning lowers the divergence, a
     sample of 640 raises it). None: no divergence seen."""
-    cal = np.sort(cal)
-    p = (1.0 + cal.size - np.searchsorted(cal, scores, side="left")) / (cal.size + 1.0)
+    p = ood_p_values(scores, np.sort(cal))
     q = np.histogram(p, P_BINS)[0] / p.size
     u = np.diff(P_BINS)
     kl = float(np.sum(q[q > 0] * np.log(q[q > 0] / u[q > 0])))
@@ -179,13 +178,12 @@ def run(root: Path, inputs: int) -> dict[str, Any]:
     for kind in corruptions(modality):
         for sev in SEVERITIES:
             streams.append((f"{kind} @{sev}", corrupt(picked, kind, sev, seed=STREAM_SEED, modality=modality)))
-    shown = root.relative_to(ROOT) if root.is_relative_to(ROOT) else root
     for name, xs in streams:
         scores, pred = views(xs, predictions=True)
         rows.append(row(name, cal, scores, float((pred == y[idx]).mean())))
         print(f"{name}: {rows[-1]}", flush=True)
     return {
-        "command": f"python -m benchmarks.shift_views --artifact {shown}",
+        "command": f"python -m benchmarks.shift_views --artifact {harness.relative_to_root(root)}",
         "machine": harness.machine(),
         "artifact": m.name,
         "views": views.names,

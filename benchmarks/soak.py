@@ -331,9 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     summary, checks = summarise(rec, args)
     checks["server_alive"] = alive
     checks["exit_status_0_on_sigterm"] = exit_status == 0
-    shown = artifact.relative_to(harness.ROOT) if artifact.is_relative_to(harness.ROOT) else artifact
     result = {
-        **harness.result_head("soak", argv, name, args, shown),
+        **harness.result_head("soak", argv, name, args, artifact),
         "clients": args.clients,
         "minutes": args.minutes,
         "warmup_minutes": args.warmup_minutes,

@@ -156,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         "no_record_dropped": records.get("written", 0.0) > 0
         and sum(v for k, v in records.items() if k.startswith("dropped")) == 0,
     }
-    shown = artifact.relative_to(harness.ROOT) if artifact.is_relative_to(harness.ROOT) else artifact
     result = {
-        **harness.result_head("store_cost", argv, manifest["name"], args, shown),
+        **harness.result_head("store_cost", argv, manifest["name"], args, artifact),
         "clients": args.clients,
         "seconds_per_run": args.seconds,
         "rounds": rounds,
