@@ -107,6 +107,10 @@ class HydraConfig:
     distill_temperature: float = 2.0  # the distillation softmax temperature ...
     distill_temperatures: list[float] | None = None  # ... or one per member (members learn at different temperatures)
     finetune_blocks: int = 0  # member fine-tuning trains only the last N transformer blocks and the head (0 = all)
+    # the shared trunk: members prune and fine-tune only the blocks from k on, and the fused model runs blocks < k
+    # once, before the member streams split (cost about (k + M (L - k) c) / L of Single); in [0, L); vit and bert
+    # only; with k > 0, finetune_blocks 0 trains every block after the trunk, and at most L - k may be given
+    shared_blocks: int = 0
 
 
 @dataclass
@@ -381,6 +385,8 @@ def _check_distillation(h: HydraConfig) -> None:
         raise ConfigError(f"distillation temperatures must be > 0, got {temps}")
     if not isinstance(h.finetune_blocks, int) or h.finetune_blocks < 0:
         raise ConfigError(f"hydra.finetune_blocks must be an integer >= 0, got {h.finetune_blocks!r}")
+    if not isinstance(h.shared_blocks, int) or isinstance(h.shared_blocks, bool) or h.shared_blocks < 0:
+        raise ConfigError(f"hydra.shared_blocks must be an integer >= 0, got {h.shared_blocks!r}")
 
 
 def _check_calibration(c: CalibrationConfig, family: str) -> None:
@@ -452,21 +458,45 @@ def validate(cfg: BuildConfig) -> None:
         raise ConfigError(f"family {cfg.family} needs image data, but data.setting is {d.setting}")
     if cfg.base.path is not None and not Path(cfg.base.path).exists():
         raise ConfigError(f"base.path {cfg.base.path} does not exist")
+    if cfg.hydra.shared_blocks and cfg.family == "clip":
+        raise ConfigError("hydra.shared_blocks: a shared trunk is for the vit and bert families, not clip")
     _check_data_sizes(d)
 
 
-def check_budget(cfg: BuildConfig, heads_per_layer: list[int]) -> None:
-    """Refuse a budget that prunes more heads than the base model has (call once the head counts are known)."""
+def check_trunk(cfg: BuildConfig, depth: int) -> None:
+    """``hydra.shared_blocks`` lies in ``[0, depth)`` and leaves ``hydra.finetune_blocks`` room (one line; checked
+    with the budget, :func:`check_budget`, before anything loads where the head counts are read from config files)."""
     h = cfg.hydra
+    k = h.shared_blocks
+    if not 0 <= k < depth:
+        raise ConfigError(f"hydra.shared_blocks must be in [0, {depth}) for the base model's {depth} blocks, got {k}")
+    if k and h.finetune_blocks > depth - k:
+        raise ConfigError(
+            f"hydra.finetune_blocks={h.finetune_blocks} would train blocks of the shared trunk (hydra.shared_blocks="
+            f"{k} of {depth}): give at most {depth - k}, or 0 for every block after the trunk"
+        )
+
+
+def check_budget(cfg: BuildConfig, heads_per_layer: list[int]) -> None:
+    """Refuse a budget that prunes more heads than the base model has, or a shared trunk that does not fit it (call
+    once the head counts are known). With ``hydra.shared_blocks`` k, only the layers from k on are pruned."""
+    h = cfg.hydra
+    k = h.shared_blocks
+    check_trunk(cfg, len(heads_per_layer))
+    prunable = heads_per_layer[k:]
     if h.prune_per_layer is not None:
-        bad = [i for i, n in enumerate(heads_per_layer) if h.prune_per_layer > n]
+        bad = [i for i, n in enumerate(prunable, start=k) if h.prune_per_layer > n]
         if bad:
             raise ConfigError(
                 f"hydra.prune_per_layer={h.prune_per_layer} exceeds the "
                 f"{heads_per_layer[bad[0]]} heads of layer {bad[0]}"
             )
-    elif h.prune_total > sum(heads_per_layer):
-        raise ConfigError(f"hydra.prune_total={h.prune_total} exceeds the model's {sum(heads_per_layer)} heads")
+    elif h.prune_total > sum(prunable):
+        if k:
+            where = f"the {sum(prunable)} heads after the shared trunk (hydra.shared_blocks={k})"
+        else:
+            where = f"the model's {sum(prunable)} heads"
+        raise ConfigError(f"hydra.prune_total={h.prune_total} exceeds {where}")
 
 
 def _help(comment: str, default: Any) -> str:

@@ -79,6 +79,7 @@ def sample_members(
     budget: Budget,
     seeds: Sequence[int],
     pool: int | float | None = None,
+    shared: int = 0,
 ) -> list[list[list[int]]]:
     """Kept heads (per member, per layer, base indices) for each seed.
 
@@ -88,13 +89,15 @@ def sample_members(
     Per-layer budget: in each layer the candidates are that layer's first ``pool``
     heads in ranking order and ``budget.per_layer`` are drawn. The same seed gives
     the same member. A layer is never emptied by a per-layer budget smaller than its head count.
+    ``shared``: the layers before it (a shared trunk) keep every head; only the later ones are candidates.
     """
-    budget.check(heads_per_layer)
     L = len(heads_per_layer)
+    budget.check(heads_per_layer[shared:])
+    ranking = [(lay, h) for lay, h in ranking if lay >= shared]
     members = []
     if budget.total is not None:
         n = budget.total
-        size = pool_size(n, sum(heads_per_layer), pool)
+        size = pool_size(n, sum(heads_per_layer[shared:]), pool)
         if len(ranking) < size:
             raise ValueError(f"the ranking covers {len(ranking)} heads, the pool needs {size}")
         candidates = list(ranking[:size])
@@ -107,8 +110,8 @@ def sample_members(
         per_layer = [[h for lay, h in ranking if lay == layer] for layer in range(L)]
         for seed in seeds:
             rng = np.random.default_rng(seed)
-            keep = []
-            for layer in range(L):
+            keep: list[list[int]] = [list(range(heads_per_layer[layer])) for layer in range(shared)]
+            for layer in range(shared, L):
                 order = per_layer[layer]
                 size = pool_size(r, heads_per_layer[layer], pool)
                 if len(order) < size:

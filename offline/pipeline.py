@@ -309,6 +309,7 @@ def write_classifier(
             task="classification",
             base_model=base_desc,
             members=len(members),
+            shared_blocks=fcfg.get("shared_blocks") or None,  # absent for none: older servers load it
             heads=[adapter.kept_heads(m) for m in members],
             strategy=strategy,
             labels=list(data.class_names),

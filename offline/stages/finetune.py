@@ -32,10 +32,11 @@ __all__ = [
 MEMBER_SEED_STRIDE = 1009  # member i's fine-tuning seed: data.seed + stride * (i + 1) when members differ in data
 
 
-def member_train_config(cfg: BuildConfig, i: int) -> train_mod.TrainConfig:
+def member_train_config(cfg: BuildConfig, i: int, depth: int | None = None) -> train_mod.TrainConfig:
     """Member ``i``'s fine-tuning recipe: the preset's, with the ``hydra`` levers (steps, what trains and in which
     blocks, batch order, label smoothing, learning rate, flips, distillation and member ``i``'s temperature)
-    applied."""
+    applied. ``depth``: the member's number of blocks, which a shared trunk (``hydra.shared_blocks``) needs: then
+    only the blocks after it train (``finetune_blocks``, or all ``depth - shared_blocks`` of them for 0)."""
     h = cfg.hydra
     preset = train_mod.PRESETS[h.finetune_preset or cfg.base.preset]["finetune"]
     own = h.member_data != "same"
@@ -49,6 +50,10 @@ def member_train_config(cfg: BuildConfig, i: int) -> train_mod.TrainConfig:
             over[key] = value
     if h.finetune_blocks:
         over["last_blocks"] = h.finetune_blocks
+    elif h.shared_blocks:
+        if depth is None:
+            raise ValueError("hydra.shared_blocks: the member's fine-tuning needs its number of blocks")
+        over["last_blocks"] = depth - h.shared_blocks
     if h.distill > 0:  # left at the defaults otherwise: runs without distillation keep their checkpoints
         temps = h.distill_temperatures or [h.distill_temperature]
         over.update(distill_weight=h.distill, distill_temperature=temps[i % len(temps)])
@@ -92,7 +97,7 @@ def finetune_one(ctx: BuildContext, member: nn.Module, i: int) -> nn.Module:
     """Member ``i`` fine-tuned with its own recipe, resumable (a finished run reloads at once from its last
     checkpoint, which is how ``--stage finish`` collects members fine-tuned by other processes)."""
     cfg = ctx.config
-    tcfg = member_train_config(cfg, i)
+    tcfg = member_train_config(cfg, i, ctx.adapter.num_layers(member))
     if cfg.hydra.reinit_head:
         reinit_head(member, tcfg.seed + i)
     key = {"member_data": cfg.hydra.member_data, "reinit_head": cfg.hydra.reinit_head}

@@ -131,11 +131,15 @@ def _build_members(
     h = cfg.hydra
     heads = adapter.heads(base)
     budget = budget_of(cfg)
+    k = h.shared_blocks  # the shared trunk's layers keep every head
     if h.strategy == "taylor":
-        members, info = taylor_members(cfg, adapter, base, scoring.calib, budget.per_layer_counts(heads))
+        counts = [0] * k + budget.per_layer_counts(heads[k:])
+        members, info = taylor_members(cfg, adapter, base, scoring.calib, counts)
         timer.lap("taylor scoring and pruning")
-        return members, info
+        return members, ({**info, "shared_blocks": k} if k else info)
     info: dict[str, Any] = {"name": h.strategy, "seeds": seeds_of(cfg), "budget": vars(budget), "pool": h.pool}
+    if k:
+        info["shared_blocks"] = k
     if h.strategy == "random":
         ranking = random_ranking(heads, seed=cfg.data.seed)
     else:
@@ -143,22 +147,25 @@ def _build_members(
         ranking = _circuit_ranking(cfg, adapter, base, scoring, info)
         timer.lap(f"circuit extraction ({score})")
     info["ranking"] = [list(x) for x in ranking]
-    keeps = sample_members(ranking, heads, budget, seeds_of(cfg), pool=h.pool)
-    return [adapter.prune_to(base, k) for k in keeps], info
+    keeps = sample_members(ranking, heads, budget, seeds_of(cfg), pool=h.pool, shared=k)
+    return [adapter.prune_to(base, keep) for keep in keeps], info
 
 
 def _circuit_ranking(
     cfg: BuildConfig, adapter: FamilyAdapter, base: nn.Module, scoring: ScoringBatches, info: dict[str, Any]
 ) -> list[tuple[int, int]]:
     """The circuit ranking of ``hydra.strategy`` (``circuit-<score>``) over as many heads as the members' candidate
-    pools need (per layer with a per-layer budget); its scores go into ``info``."""
+    pools need (per layer with a per-layer budget; none of a shared trunk's); its scores go into ``info``."""
     h, budget, heads = cfg.hydra, budget_of(cfg), adapter.heads(base)
+    k = h.shared_blocks
     score = h.strategy.split("-", 1)[1]
     args = (adapter, base, scoring.val_id, scoring.val_y, scoring.val_ood)
     if budget.total is not None:
-        res = circuit_ranking(*args, score=score, budget=pool_size(budget.total, sum(heads), h.pool))
+        size = pool_size(budget.total, sum(heads[k:]), h.pool)
+        caps = [0] * k + list(heads[k:]) if k else None
+        res = circuit_ranking(*args, score=score, budget=size, max_per_layer=caps)
     else:
-        caps = [pool_size(budget.per_layer, n, h.pool) for n in heads]
+        caps = [0] * k + [pool_size(budget.per_layer, n, h.pool) for n in heads[k:]]
         res = circuit_ranking(*args, score=score, budget=sum(caps), max_per_layer=caps)
     info.update(circuit_scores=res.scores, circuit_base_score=res.base_score)
     return res.ranking
@@ -191,7 +198,9 @@ class Fused:
 
 
 def fuse_members(ctx: BuildContext, members: Members) -> Fused:
-    """The members fused with ``hydra.mlp`` (one shared MLP per layer, or each member's own)."""
-    model, config = fuse(ctx.adapter, members.models, mlp=ctx.config.hydra.mlp)
+    """The members fused with ``hydra.mlp`` (one shared MLP per layer, or each member's own) and
+    ``hydra.shared_blocks`` (the shared trunk)."""
+    h = ctx.config.hydra
+    model, config = fuse(ctx.adapter, members.models, mlp=h.mlp, shared_blocks=h.shared_blocks)
     ctx.timer.lap("fusion")
     return Fused(model, config)

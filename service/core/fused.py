@@ -128,6 +128,11 @@ class FusedClassifier(nn.Module):
         self.with_layer_features = False
 
     @property
+    def streams(self) -> int:
+        """How many streams enter the encoder: M, or 1 into a shared trunk (config ``shared_blocks``)."""
+        return 1 if self.encoder.shared_blocks else self.members
+
+    @property
     def layer_features(self) -> bool:
         """Whether forward returns the layer features (:attr:`with_layer_features` and a second layer to pool)."""
         return self.with_features and self.with_layer_features and len(self.encoder.blocks) > 1
@@ -163,7 +168,7 @@ class FusedViT(FusedClassifier):
     Config keys: members, img_size, patch_size, in_chans, dim, head_dim, num_heads
     (per layer, padded), mlp_hidden, num_classes, act, eps, qkv_bias, layer_scale,
     mlp ("shared"|"per_member"), class_token, global_pool ("token"|"avg"),
-    norm_pre, final_norm, fc_norm, patch_bias.
+    norm_pre, final_norm, fc_norm, patch_bias, shared_blocks (the trunk: see :class:`FusedEncoder`).
     """
 
     def __init__(self, cfg: dict[str, Any]) -> None:
@@ -177,8 +182,9 @@ class FusedViT(FusedClassifier):
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if self.num_prefix else None
         self.pos_embed = nn.Parameter(torch.randn(1, gh * gw + self.num_prefix, d) * 0.02)
         eps = cfg.get("eps", 1e-6)
-        self.norm_pre = MemberLayerNorm(M, d, eps) if cfg.get("norm_pre", False) else None
         self.encoder = FusedEncoder(cfg, norm_first=True)
+        # before a shared trunk every member's stream is the same one: one norm
+        self.norm_pre = MemberLayerNorm(self.streams, d, eps) if cfg.get("norm_pre", False) else None
         self.norm = MemberLayerNorm(M, d, eps) if cfg.get("final_norm", True) else None
         self.fc_norm = MemberLayerNorm(M, d, eps) if cfg.get("fc_norm", False) else None
         self.global_pool = cfg.get("global_pool", "token")
@@ -196,12 +202,12 @@ class FusedViT(FusedClassifier):
             x = torch.cat([self.cls_token.expand(B, -1, -1), x], dim=1)  # (B, T, d)
         x = x + self.pos_embed
         T = x.shape[1]
-        x = stack_members(x, self.members)  # (M, B*T, d)
+        x = stack_members(x, self.streams)  # (M, B*T, d); (1, B*T, d) into a shared trunk
         if self.norm_pre is not None:
             x = self.norm_pre(x)
         M, d = self.members, self.dim
         pooled: list[torch.Tensor] | None = [] if self.layer_features else None
-        pool = (lambda h: h.view(M, B, T, d).mean(dim=2)) if pooled is not None else None  # (M, B, d): every token
+        pool = (lambda h: h.view(-1, B, T, d).mean(dim=2)) if pooled is not None else None  # (m, B, d): every token
         if self.global_pool == "avg":
             x = self.encoder(x, T, pooled=pooled, pool=pool)  # (M, B*T, d)
             if self.norm is not None:
@@ -223,7 +229,7 @@ class FusedBert(FusedClassifier):
     embedding LayerNorm, every block's LayerNorms, the pooler and the classifier
     are per member. Config keys: members, vocab_size, max_position, type_vocab_size,
     dim, head_dim, num_heads (per layer, padded), mlp_hidden, num_classes, act, eps,
-    mlp, pooler (bool).
+    mlp, pooler (bool), shared_blocks (the trunk: see :class:`FusedEncoder`).
     """
 
     def __init__(self, cfg: dict[str, Any]) -> None:
@@ -233,8 +239,8 @@ class FusedBert(FusedClassifier):
         self.position_embeddings = nn.Embedding(cfg["max_position"], d)
         self.token_type_embeddings = nn.Embedding(cfg.get("type_vocab_size", 2), d)
         eps = cfg.get("eps", 1e-12)
-        self.emb_norm = MemberLayerNorm(M, d, eps)
         self.encoder = FusedEncoder({**cfg, "eps": eps}, norm_first=False)
+        self.emb_norm = MemberLayerNorm(self.streams, d, eps)  # one before a shared trunk
         self.pooler = GroupedLinear(M, d, d) if cfg.get("pooler", True) else None
         self.classifier = GroupedLinear(M, d, cfg["num_classes"])
 
@@ -246,17 +252,18 @@ class FusedBert(FusedClassifier):
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device)
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
-        x = self.emb_norm(stack_members(x, self.members))  # (M, B*T, d)
-        # key padding mask, True = attend: (B, T) -> (M*B, 1, 1, T)
-        mask = attention_mask.to(torch.bool).view(1, B, 1, 1, T).expand(self.members, B, 1, 1, T)
-        mask = mask.reshape(self.members * B, 1, 1, T)
+        S = self.streams  # M, or 1 into a shared trunk
+        x = self.emb_norm(stack_members(x, S))  # (S, B*T, d)
+        # key padding mask, True = attend: (B, T) -> (S*B, 1, 1, T)
+        mask = attention_mask.to(torch.bool).view(1, B, 1, 1, T).expand(S, B, 1, 1, T)
+        mask = mask.reshape(S * B, 1, 1, T)
         pooled: list[torch.Tensor] | None = [] if self.layer_features else None
         pool = None
-        if pooled is not None:  # the mean over each text's real tokens (padding left out): (M, B*T, d) -> (M, B, d)
-            M, d = self.members, self.dim
+        if pooled is not None:  # the mean over each text's real tokens (padding left out): (m, B*T, d) -> (m, B, d)
+            d = self.dim
             w = attention_mask.to(x.dtype)  # (B, T)
             w = (w / w.sum(dim=1, keepdim=True).clamp_min(1.0)).view(1, B, T, 1)  # (1, B, T, 1) weights
-            pool = lambda h: (h.view(M, B, T, d) * w).sum(dim=2)  # noqa: E731
+            pool = lambda h: (h.view(-1, B, T, d) * w).sum(dim=2)  # noqa: E731
         x = self._first_token_states(x, T, mask, pooled=pooled, pool=pool)  # (M, B, d) the [CLS] token
         if self.pooler is not None:
             x = torch.tanh(self.pooler(x))

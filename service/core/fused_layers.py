@@ -49,6 +49,7 @@ __all__ = [
     "QuickGELU",
     "Sequences",
     "first_tokens",
+    "shared_blocks_of",
 ]
 
 
@@ -322,13 +323,34 @@ class FusedBlock(nn.Module):
         return torch.addcmul(x, self.mlp(self.norm2(x)), self.ls2)
 
 
+def shared_blocks_of(cfg: dict[str, Any]) -> int:
+    """The config's shared trunk: how many first blocks every member runs as one (``shared_blocks``, absent = 0).
+
+    Raises ValueError unless it lies in ``[0, L)``: the last block is always the members' own."""
+    k = cfg.get("shared_blocks", 0)
+    L = len(cfg["num_heads"])
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < L:
+        raise ValueError(f"shared_blocks must be an integer in [0, {L}) for {L} blocks, got {k!r}")
+    return k
+
+
 class FusedEncoder(nn.Module):
-    """A stack of :class:`FusedBlock` built from the config's per-layer head counts."""
+    """A stack of :class:`FusedBlock` built from the config's per-layer head counts.
+
+    With a shared trunk (config ``shared_blocks`` k > 0: the members left blocks ``< k`` whole and untrained, so
+    those blocks are the same computation for all of them) the first k blocks hold one member's weights and run
+    once, on ``(1, B*T, d)``; the stream is then broadcast to the M members (a view, no copy) for the rest.
+    """
 
     def __init__(self, cfg: dict[str, Any], norm_first: bool) -> None:
         super().__init__()
+        self.shared_blocks = shared_blocks_of(cfg)
+        self.members: int = cfg["members"]
         layout = BlockLayout.of(cfg, norm_first)
-        self.blocks = nn.ModuleList(FusedBlock(layout, h) for h in cfg["num_heads"])
+        trunk = BlockLayout.of({**cfg, "members": 1}, norm_first)
+        self.blocks = nn.ModuleList(
+            FusedBlock(trunk if i < self.shared_blocks else layout, h) for i, h in enumerate(cfg["num_heads"])
+        )
 
     def forward(
         self,
@@ -342,15 +364,24 @@ class FusedEncoder(nn.Module):
     ) -> torch.Tensor:
         """``x (M, B*T, d) -> (M, B*T, d)``: sequences of ``seq_len`` tokens, masked as in :class:`Sequences`.
 
+        With a shared trunk ``x`` is the one stream ``(1, B*T, d)`` (and ``attn_mask`` one member's,
+        ``(B, 1, 1, T)``); the output is the M members' all the same.
         ``first_token_only``: the last layer computes only each sequence's first token (all that a
         class-token readout reads; exact, and it skips most of that layer's work): ``-> (M, B, d)``.
-        With ``pool`` (``(M, B*T, d) -> (M, B, d)``), ``pool`` of every block's output but the last's is appended
-        to ``pooled``: the intermediate layers' pooled features of the OOD scores.
+        With ``pool`` (``(m, B*T, d) -> (m, B, d)``), ``pool`` of every block's output but the last's is appended
+        to ``pooled`` (``(M, B, d)`` each): the intermediate layers' pooled features of the OOD scores.
         """
+        k, M = self.shared_blocks, self.members
         seqs = Sequences(seq_len, attn_mask, is_causal)
         last = len(self.blocks) - 1
         for i, blk in enumerate(self.blocks):
+            if k and i == k:  # the trunk's output -> M member streams: (1, B*T, d) -> (M, B*T, d), a view
+                x = x.expand(M, -1, -1)
+                if attn_mask is not None:  # (B, 1, 1, T) -> (M*B, 1, 1, T)
+                    mask = attn_mask.unsqueeze(0).expand(M, *attn_mask.shape)
+                    seqs = Sequences(seq_len, mask.reshape(M * attn_mask.shape[0], *attn_mask.shape[1:]), is_causal)
             x = blk(x, seqs, first_token_only=first_token_only and i == last)
             if pool is not None and pooled is not None and i < last:
-                pooled.append(pool(x))
+                p = pool(x)  # (m, B, d)
+                pooled.append(p.expand(M, -1, -1) if i < k else p)
         return x

@@ -427,6 +427,10 @@ class Manifest(_Record):
     task: Literal["classification", "zero-shot"]
     base_model: BaseModelInfo
     members: PositiveInt  # M
+    # the shared trunk: the first k blocks, whole and untrained in every member, run once before the member streams
+    # split (model.config.shared_blocks says the same). Absent: k = 0. A top-level field on purpose: a server that
+    # predates it refuses the artifact, naming the field, instead of building a model without the trunk
+    shared_blocks: PositiveInt | None = None
     heads: list[ClassifierHeads | ZeroShotHeads]  # per member
     head_index: str | None = None  # zero-shot: how the joint (layer, head) pairs of strategy.ranking are numbered
     strategy: Strategy
@@ -470,6 +474,11 @@ class Manifest(_Record):
     def _consistent(self) -> Manifest:
         if len(self.heads) != self.members:
             raise ValueError(f"heads lists {len(self.heads)} members, members is {self.members}")
+        trunk = self.model.config.get("shared_blocks", 0)
+        if trunk != (self.shared_blocks or 0):
+            raise ValueError(f"shared_blocks {self.shared_blocks} differs from model.config.shared_blocks {trunk}")
+        if trunk and self.family == "clip":
+            raise ValueError("shared_blocks: a shared trunk is for the vit and bert families")
         if self.task == "classification":
             self._check_classifier()
         else:
