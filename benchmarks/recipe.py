@@ -80,15 +80,29 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "hydra.distill": 0.5,
         "hydra.distill_temperatures": [1.0, 2.0, 4.0],
     },
+    # the config as it ships, and with a shared trunk of half and three quarters of its L blocks (rounded down)
+    "shipped": {},
+    "trunk-half": {"hydra.shared_blocks": "L/2"},
+    "trunk-3q": {"hydra.shared_blocks": "3L/4"},
 }
+TRUNK = {"L/2": (1, 2), "3L/4": (3, 4)}  # a share of the base model's blocks: numerator, denominator
 
 
 def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
-    """Relative overrides made absolute against the config: ``x3`` multiplies, ``+1`` adds."""
+    """Relative overrides made absolute against the config: ``x3`` multiplies, ``+1`` adds, ``L/2`` and ``3L/4``
+    are shares of the base model's blocks (read from its config files)."""
     out = {}
     for key, value in overrides.items():
         current = getattr(getattr(base, key.split(".")[0]), key.split(".")[1])
-        if isinstance(value, str) and value.startswith("x"):
+        if isinstance(value, str) and value in TRUNK:
+            from offline.pipeline import heads_of_base
+
+            heads = heads_of_base(base)
+            if heads is None:
+                raise SystemExit(f"{key}={value}: the base model's blocks cannot be read from its config files")
+            num, den = TRUNK[value]
+            value = len(heads) * num // den
+        elif isinstance(value, str) and value.startswith("x"):
             value = int(current * float(value[1:]))
         elif isinstance(value, str) and value.startswith("+"):
             value = int(current + int(value[1:]))
