@@ -82,6 +82,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     # the config as it ships, and with a shared trunk of half and three quarters of its L blocks (rounded down)
     "shipped": {},
+    # the same, with the efficient-ensemble baselines' rows beside Hydra's (offline/baselines.py)
+    "baselines": {"base.baselines": ["lora_ensemble", "batch_ensemble", "laplace"]},
     "trunk-half": {"hydra.shared_blocks": "L/2"},
     "trunk-3q": {"hydra.shared_blocks": "3L/4"},
 }

@@ -33,6 +33,7 @@ ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information", "mahalanobis
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
 CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.core.conformal.SCORES)
+BASELINES = ("lora_ensemble", "batch_ensemble", "laplace")  # base.baselines (offline.baselines)
 
 
 class ConfigError(ValueError):
@@ -58,6 +59,9 @@ class BaseModelConfig:
     # lit: a timm ViT checkpoint (.safetensors, e.g. offline.pretrain's backbone) the image tower starts from instead
     # of random weights; its architecture must be the preset's vision tower (base.arch)
     image_init: str | None = None
+    # efficient-ensemble baselines the report adds beside Hydra, from the same base, data and member fine-tuning
+    # budget (offline/baselines.py): lora_ensemble, batch_ensemble, laplace (vit and bert builds on the CPU)
+    baselines: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -458,6 +462,13 @@ def validate(cfg: BuildConfig) -> None:
         raise ConfigError(f"family {cfg.family} needs image data, but data.setting is {d.setting}")
     if cfg.base.path is not None and not Path(cfg.base.path).exists():
         raise ConfigError(f"base.path {cfg.base.path} does not exist")
+    bad = [b for b in cfg.base.baselines if b not in BASELINES]
+    if bad:
+        raise ConfigError(f"base.baselines: unknown baseline {bad[0]!r}; expected some of {BASELINES}")
+    if cfg.base.baselines and cfg.family == "clip":
+        raise ConfigError("base.baselines: the baselines are built for the vit and bert families, not clip")
+    if cfg.base.baselines and resolve_device(cfg.build.device).type != "cpu":
+        raise ConfigError("base.baselines: the baselines are trained and evaluated on the CPU; set build.device cpu")
     if cfg.hydra.shared_blocks and cfg.family == "clip":
         raise ConfigError("hydra.shared_blocks: a shared trunk is for the vit and bert families, not clip")
     _check_data_sizes(d)

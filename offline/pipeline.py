@@ -26,6 +26,7 @@ from torch import nn
 from service.core.artifact import Manifest, file_sha256
 
 from . import train as train_mod
+from .baselines import baseline_methods
 from .checkpoints import load_timm
 from .compute import on_device
 from .config import BuildConfig, ConfigError, check_budget
@@ -259,22 +260,30 @@ def build(cfg: BuildConfig, out: Path, stage: str | None = None, member: int | N
         check_members_done(ctx)
     members = finetune_members(ctx, members)
     fused = fuse_members(ctx, members)
+    baselines = baseline_methods(ctx, ctx.base.model) if cfg.base.baselines else {}
     if stage == "finish":  # the manifest's timings: every stage's, each under its own name
         timer.times = {**stage_times(out), **timer.times}
-    return finish(ctx, [ctx.base.model, *others], members, fused)
+    return finish(ctx, [ctx.base.model, *others], members, fused, baselines)
 
 
-def finish(ctx: BuildContext, bases: list[nn.Module], members: Members, fused: Fused) -> Path:
+def finish(
+    ctx: BuildContext,
+    bases: list[nn.Module],
+    members: Members,
+    fused: Fused,
+    baselines: dict[str, Any] | None = None,
+) -> Path:
     """Calibrate, evaluate, export and write the artifact. Every evaluation input goes through the server's
     preprocessing of the artifact (:func:`offline.stages.data.eval_sets`); the fused model returns its members'
     features too, for the OOD statistics (:func:`offline.stages.calibration.calibrate_ood`). ``bases``: the base
-    model, then the Deep Ensemble baseline's other base models (``base.deep_ensemble``), if any."""
+    model, then the Deep Ensemble baseline's other base models (``base.deep_ensemble``), if any; ``baselines``: the
+    efficient-ensemble baselines (``base.baselines``, :func:`offline.baselines.baseline_methods`)."""
     prepare_out(ctx)
     sets = eval_sets(ctx)
     fused.model.with_features = True  # (logits, features): the served model and its exports carry both ...
     fused.model.with_layer_features = True  # ... and, for now, the layer features: kept if the served score reads them
     with on_device(ctx.evaluation, fused.model, *bases, *members.models):
-        methods = standard_methods(classifier_models(ctx, bases, members, fused), sets)
+        methods = standard_methods(classifier_models(ctx, bases, members, fused, baselines), sets)
         ctx.timer.lap("evaluation outputs (every method on every set)")
         with progress_stage("calibration"):
             cal = calibrate_ood(ctx, methods["hydra"].fn, methods["hydra"].runs, sets)

@@ -351,13 +351,17 @@ def head_module(model: nn.Module) -> nn.Module:
 
 
 def with_features(
-    fn: Callable[[Batch], torch.Tensor], model: nn.Module, layers: Sequence[nn.Module] = ()
+    fn: Callable[[Batch], torch.Tensor],
+    model: nn.Module,
+    layers: Sequence[nn.Module] = (),
+    head: nn.Module | None = None,
 ) -> Callable[[Batch], tuple]:
     """``fn`` that also returns ``model``'s penultimate feature: the input of its classifier head ``(B, D)``; with
     ``layers`` (the model's blocks, :meth:`offline.families.FamilyAdapter.layer_modules`) also the outputs of every
     block but the last pooled over the tokens ``(B, L-1, d)``, as the fused model's layer features: the mean over
-    all tokens, or over the real ones (``attention_mask``) for text."""
-    head = head_module(model)
+    all tokens, or over the real ones (``attention_mask``) for text. ``head``: the module whose input is the
+    penultimate feature, when it is not ``model``'s linear ``head`` / ``classifier`` (a wrapped one)."""
+    head = head if head is not None else head_module(model)
 
     def run(batch: Batch) -> tuple[torch.Tensor, ...]:
         seen: list[torch.Tensor] = []

@@ -94,6 +94,7 @@ class Models:
     members: list[Method]
     hydra: Method
     others: list[Method] = field(default_factory=list)
+    baselines: dict[str, Method] = field(default_factory=dict)  # base.baselines (offline.baselines), by name
 
 
 @dataclass
@@ -111,11 +112,12 @@ class Evaluation:
 def standard_methods(models: Models, sets: EvalSets) -> dict[str, Method]:
     """The rows every build reports, with their runs on every set of ``sets``: the base model, each member, fused
     Hydra and the unfused ensemble of the same members (their outputs concatenated); with ``models.others`` (more
-    base models, trained like the first), the Deep Ensemble of the base and them."""
+    base models, trained like the first), the Deep Ensemble of the base and them; then the baselines, by name."""
     methods = {"single": models.single}
     for i, m in enumerate(models.members):
         methods[f"member_{i}"] = m
     methods["hydra"] = models.hydra
+    methods.update(models.baselines)
     extra = models.others
     named = sets.named()
     with progress_bar(desc="evaluation (methods x sets)", total=(len(methods) + len(extra)) * len(named)) as bar:
@@ -150,10 +152,17 @@ def joined(runs: list[dict[str, Run]]) -> dict[str, Run]:
     return {name: (torch.cat([r[name][0] for r in runs], dim=1), cat(name, 1), cat(name, 2)) for name in runs[0]}
 
 
-def classifier_models(ctx: BuildContext, bases: Sequence[nn.Module], members: Members, fused: Fused) -> Models:
+def classifier_models(
+    ctx: BuildContext,
+    bases: Sequence[nn.Module],
+    members: Members,
+    fused: Fused,
+    baselines: dict[str, tuple[Callable[[Batch], Any], int]] | None = None,
+) -> Models:
     """A classifier build's models on the evaluation device (``build.device``, under ``build.eval_precision``): each
     single model with its penultimate and layer features (:func:`offline.stages.data.with_features`), the fused
-    model as served. ``bases``: the base model, then the Deep Ensemble's others."""
+    model as served. ``bases``: the base model, then the Deep Ensemble's others; ``baselines``: name -> (batch ->
+    outputs, parameters) (:func:`offline.baselines.baseline_methods`)."""
     ev, adapter = ctx.evaluation, ctx.adapter
     run = ev.wrap if ev.cuda or ev.precision != "fp32" else (lambda f: f)
 
@@ -161,7 +170,9 @@ def classifier_models(ctx: BuildContext, bases: Sequence[nn.Module], members: Me
         return Method(run(with_features(lambda b: adapter.forward(m, b), m, adapter.layer_modules(m))), n_params(m))
 
     hydra = Method(run(lambda b: fused.model(**b)), n_params(fused.model))
-    return Models(hooked(bases[0]), [hooked(m) for m in members.models], hydra, [hooked(m) for m in bases[1:]])
+    others = [hooked(m) for m in bases[1:]]
+    extra = {name: Method(run(fn), params) for name, (fn, params) in (baselines or {}).items()}
+    return Models(hooked(bases[0]), [hooked(m) for m in members.models], hydra, others, extra)
 
 
 def zero_shot_models(ctx: BuildContext, members: Members, fused: Fused, prompts: Batch) -> Models:

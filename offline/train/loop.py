@@ -158,6 +158,7 @@ def fit(
     desc: str = "train",
     resume: Resume | None = None,
     teacher: nn.Module | None = None,
+    names: Sequence[str] | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``tcfg.steps`` steps on ``n`` examples; the per-step losses of this run.
 
@@ -166,14 +167,15 @@ def fit(
     ``tcfg.last_blocks`` blocks, when set) train. A ``teacher`` (not trained) adds distillation from
     ``forward(teacher, batch)`` when ``tcfg.distill_weight > 0``. With ``resume`` the run saves every
     ``tcfg.checkpoint_every`` steps into ``resume.folder`` and resumes from the last checkpoint there whose config,
-    data size and ``resume.key`` match.
+    data size and ``resume.key`` match. ``names``: the parameters that train, instead of those of ``tcfg.unfreeze``
+    and ``tcfg.last_blocks`` (an adapter's, a baseline's).
     """
     if n < 1:
         raise ValueError(f"{desc}: no training examples")
     torch.manual_seed(tcfg.seed)
     compute = Compute.of(tcfg.device, tcfg.precision)
     model.to(compute.device)
-    names = trainable_names(model, tcfg.unfreeze, tcfg.last_blocks)
+    names = list(names) if names is not None else trainable_names(model, tcfg.unfreeze, tcfg.last_blocks)
     if not names:
         raise ValueError(f"{desc}: unfreeze={tcfg.unfreeze!r} leaves no parameter to train")
     params, was_grad = _unfreeze(model, names)
