@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import json
 import re
@@ -34,6 +35,7 @@ SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
 CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.core.conformal.SCORES)
 BASELINES = ("lora_ensemble", "batch_ensemble", "laplace")  # base.baselines (offline.baselines)
+BASELINE_MODULES = {"lora_ensemble": ("peft",), "batch_ensemble": ("torch_uncertainty",), "laplace": ("laplace",)}
 
 
 class ConfigError(ValueError):
@@ -467,6 +469,12 @@ def validate(cfg: BuildConfig) -> None:
         raise ConfigError(f"base.baselines: unknown baseline {bad[0]!r}; expected some of {BASELINES}")
     if cfg.base.baselines and cfg.family == "clip":
         raise ConfigError("base.baselines: the baselines are built for the vit and bert families, not clip")
+    for name in cfg.base.baselines:  # before hours of training, not after them
+        missing = [m for m in BASELINE_MODULES[name] if importlib.util.find_spec(m) is None]
+        if missing:
+            raise ConfigError(
+                f"base.baselines {name} needs the {missing[0]} package: pip install 'hydra-serve[baselines]'"
+            )
     if cfg.base.baselines and resolve_device(cfg.build.device).type != "cpu":
         raise ConfigError("base.baselines: the baselines are trained and evaluated on the CPU; set build.device cpu")
     if cfg.hydra.shared_blocks and cfg.family == "clip":

@@ -83,3 +83,13 @@ def test_a_build_reports_every_baseline_like_hydra(user_files, tmp_path):
     assert rows["laplace"]["nll"] != rows["single"]["nll"]
     # the ensembles' members differ: their mutual information on OOD inputs is not zero
     assert rows["lora_ensemble"]["mi_ood"] > 0 and rows["batch_ensemble"]["mi_ood"] > 0
+
+
+def test_a_baseline_whose_library_is_missing_fails_before_training(user_files, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    ckpt, data = user_files
+    with pytest.raises(ConfigError, match=r"base\.baselines lora_ensemble needs the peft package: pip install"):
+        ticket_config(ckpt, data, **{"base.baselines": ["lora_ensemble"]})
