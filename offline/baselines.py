@@ -27,11 +27,20 @@ import torch
 from torch import nn
 
 from . import train as train_mod
-from .config import BASELINES, BuildConfig
+from .config import BuildConfig
 from .stages.data import Batch, batches_of, take, with_features
 from .stages.finetune import member_data, member_train_config
 
-__all__ = ["BASELINES", "LAPLACE_SAMPLES", "LORA_LR_SCALE", "LORA_RANK", "BatchEnsembleLinear", "baseline_methods"]
+__all__ = [
+    "LAPLACE_SAMPLES",
+    "LORA_LR_SCALE",
+    "LORA_RANK",
+    "BatchEnsembleLinear",
+    "baseline_methods",
+    "batch_ensembled",
+    "lora_model",
+    "lora_runner",
+]
 
 LORA_RANK = 8  # the adapters' rank (alpha = 2 x rank)
 LORA_LR_SCALE = 10.0  # LoRA trains at 10x the members' learning rate, as adapters usually do
@@ -99,11 +108,12 @@ def lora_targets(family: str) -> str:
     return r".*attention\.(self\.(query|key|value)|output\.dense)"
 
 
-def lora_ensemble(ctx: Any, base: nn.Module, members: int) -> tuple[Callable[[Batch], Outputs], int]:
-    """M LoRA adapters on a copy of the frozen ``base``, trained one by one; ``(batch -> outputs, parameters)``."""
+def lora_model(base: nn.Module, family: str, members: int, seed: int) -> tuple[nn.Module, list[str]]:
+    """A copy of ``base`` with ``members`` LoRA adapters (``peft``; each with its own copy of the head), the first
+    initialised from the random state as it is, each other with its own seed: ``(the peft model, the adapters'
+    names)``."""
     from peft import LoraConfig, get_peft_model
 
-    family, adapter = ctx.config.family, ctx.adapter
     head = _head_name(base)
     names = [f"m{i}" for i in range(members)]
 
@@ -114,23 +124,35 @@ def lora_ensemble(ctx: Any, base: nn.Module, members: int) -> tuple[Callable[[Ba
 
     model = get_peft_model(copy.deepcopy(base), config(), adapter_name=names[0])
     for i, name in enumerate(names[1:], start=1):
-        torch.manual_seed(ctx.config.data.seed * 1000 + i)  # each adapter's own initialisation
+        torch.manual_seed(seed * 1000 + i)  # each adapter's own initialisation
         model.add_adapter(name, config())
+    return model, names
+
+
+def lora_runner(model: nn.Module, names: Sequence[str], family: str) -> Callable[[Batch], torch.Tensor]:
+    """``batch repeated M times -> logits (M B, C)``: copy i of the batch through adapter i, in one forward pass."""
+    fwd, routes, M = _forward(family), {}, len(names)
+
+    def run(batch: Batch) -> torch.Tensor:
+        n = next(iter(batch.values())).shape[0] // M
+        route = routes.setdefault(n, [name for name in names for _ in range(n)])
+        return fwd(model, batch, adapter_names=route)
+
+    return run
+
+
+def lora_ensemble(ctx: Any, base: nn.Module, members: int) -> tuple[Callable[[Batch], Outputs], int]:
+    """M LoRA adapters on a copy of the frozen ``base``, trained one by one; ``(batch -> outputs, parameters)``."""
+    family = ctx.config.family
+    model, names = lora_model(base, family, members, ctx.config.data.seed)
     for i, name in enumerate(names):
         model.set_adapter(name)
         own = [n for n, _ in model.named_parameters() if f".{name}." in n]
         _train(ctx, model, own, i, LORA_LR_SCALE, 1, f"LoRA member {i}")
     model.eval()
     inner = model.get_base_model()
-    fwd = _forward(family)
-    routes = {}
-
-    def run(batch: Batch) -> torch.Tensor:
-        n = next(iter(batch.values())).shape[0] // members
-        route = routes.setdefault(n, [name for name in names for _ in range(n)])
-        return fwd(model, batch, adapter_names=route)
-
-    hooked = with_features(run, inner, adapter.layer_modules(inner), head=getattr(inner, head))
+    head = getattr(inner, _head_name(base))
+    hooked = with_features(lora_runner(model, names, family), inner, ctx.adapter.layer_modules(inner), head=head)
     params = sum(p.numel() for p in base.parameters()) + sum(
         p.numel() for n, p in model.named_parameters() if any(f".{name}." in n for name in names)
     )

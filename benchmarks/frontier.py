@@ -1,0 +1,355 @@
+"""Where Hydra stands among efficient ensembles: the baselines' rows and the shared trunk's frontier, over seeds.
+
+    .venv/bin/python -m benchmarks.frontier            # tables and plot from the builds, then the cost side by side
+    .venv/bin/python -m benchmarks.frontier --no-cost  # the tables from the builds only
+
+The builds are ``benchmarks/recipe.py``'s (``--variants baselines trunk-half trunk-3q --seeds 0 1 2``, one
+config per run; see ``benchmarks/README.md``), read from its work folder: the ``baselines`` variant is the shipped
+config with ``base.baselines`` (LoRA-Ensembles, BatchEnsemble, last-layer Laplace: :mod:`offline.baselines`)
+beside Single and Hydra; ``trunk-half`` / ``trunk-3q`` are the shipped config with ``hydra.shared_blocks`` = L/2
+and 3L/4 (rounded down). Every quality figure is the build's own, on its test data: accuracy, NLL, Brier and ECE at
+T = 1 and at the method's own temperature (fitted on ID validation), AURC, MSP AUROC and the AUROC of the build's
+served score (chosen on OOD validation sets, its statistics fitted for each method alike) on near and far OOD
+sets. Hydra against each baseline: the verdict of ``benchmarks/recipe.py`` over paired seeds (a difference within
+the spread of the per-seed differences is a tie).
+
+Cost, measured here side by side in one process on random weights of the same architectures (latency does not
+depend on the weights): multiply-adds per input against Single's (``torch.utils.flop_counter``), and milliseconds
+per batch of 1 and 32 in eager PyTorch (min and median of the repeats), with Hydra also as served (its artifact's
+TorchScript export). Writes ``benchmarks/results/frontier/<setting>.{md,json}`` and
+``benchmarks/results/plots/pareto_<setting>.png`` (served-score OOD AUROC against the multiply-add ratio).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.bench_fusion import cpu_name
+from benchmarks.recipe import verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / ".cache" / "recipe"
+OUT = ROOT / "benchmarks" / "results" / "frontier"
+PLOTS = ROOT / "benchmarks" / "results" / "plots"
+SETTINGS = {"image": "image-fast", "text": "text-fast"}
+SEEDS = (0, 1, 2)
+BASELINES = ("lora_ensemble", "batch_ensemble", "laplace")
+# (table row, build variant, report method)
+ROWS = (
+    ("Single", "baselines", "single"),
+    ("Single + Laplace (last layer)", "baselines", "laplace"),
+    ("LoRA-Ensemble", "baselines", "lora_ensemble"),
+    ("BatchEnsemble", "baselines", "batch_ensemble"),
+    ("Hydra (k = 0, shipped)", "baselines", "hydra"),
+    ("Hydra, trunk k = L/2", "trunk-half", "hydra"),
+    ("Hydra, trunk k = 3L/4", "trunk-3q", "hydra"),
+)
+
+
+def build_dir(setting: str, variant: str, seed: int) -> Path:
+    return WORK / SETTINGS[setting] / (variant if seed == 0 else f"{variant}@seed{seed}")
+
+
+def _auroc(row: dict[str, Any], score: str, kinds: dict[str, str], kind: str | None) -> float | None:
+    det = row.get("ood_scores", {}).get(score)
+    if not det:
+        return None
+    if kind is None:
+        return det["avg"].get("auroc")
+    vals = [v["auroc"] for name, v in det["ood"].items() if kinds.get(name) == kind]
+    return sum(vals) / len(vals) if vals else None
+
+
+def figures(out: Path, method: str) -> dict[str, Any] | None:
+    """One method's figures in one build (None when the build or the row is missing)."""
+    report, manifest = out / "report.json", out / "manifest.json"
+    if not report.is_file() or not manifest.is_file():
+        return None
+    doc = json.loads(report.read_text())
+    rows = {r["method"]: r for r in doc["rows"]}
+    if method not in rows:
+        return None
+    r, kinds = rows[method], doc["ood_kinds"]
+    served = json.loads(manifest.read_text())["uncertainty"]["ood_score"]
+    cal = r.get("calibrated", {})
+    return {
+        "acc": r["acc"],
+        "nll": r["nll"],
+        "brier": r["brier"],
+        "ece": r["ece"],
+        "nll_ts": cal.get("nll"),
+        "ece_ts": cal.get("ece"),
+        "aurc": r["aurc"],
+        "auroc_msp": _auroc(r, "msp", kinds, None),
+        "served_score": served,
+        "auroc_served": _auroc(r, served, kinds, None),
+        "auroc_served_near": _auroc(r, served, kinds, "near"),
+        "auroc_served_far": _auroc(r, served, kinds, "far"),
+        "params": r["params"],
+        "build_latency_ms": r.get("latency_ms"),
+    }
+
+
+def collect(setting: str) -> dict[str, list[dict[str, Any]]]:
+    """Per table row, its figures in each seed's build that has it."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for label, variant, method in ROWS:
+        for seed in SEEDS:
+            f = figures(build_dir(setting, variant, seed), method)
+            if f is not None:
+                out.setdefault(label, []).append({**f, "seed": seed})
+    return out
+
+
+# ----------------------------------------------------------------------------- cost, side by side
+def _time(fn: Callable[[], Any], reps: int) -> dict[str, float]:
+    import time
+
+    with torch.inference_mode():
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"min_ms": round(min(times), 3), "median_ms": round(statistics.median(times), 3)}
+
+
+def cost(setting: str, reps: int = 7) -> dict[str, dict[str, Any]]:
+    """Multiply-adds per input (ratio to Single) and ms per batch of 1 and 32 of every row's model, built on random
+    weights of the shipped architectures, in one process; the rows' methods interleaved, batch by batch."""
+    from benchmarks.cost import count_macs
+    from offline.baselines import _forward, _repeat, batch_ensembled, lora_model, lora_runner
+    from offline.config import load_config
+    from offline.pipeline import heads_of_base
+    from service.core.registry import load_model
+
+    cfg = load_config(ROOT / "offline" / "configs" / f"{SETTINGS[setting]}.yaml")
+    M = cfg.hydra.members
+    shipped = build_dir(setting, "baselines", 0)
+    manifest = json.loads((shipped / "manifest.json").read_text())
+    classes = len(manifest["labels"])
+    torch.manual_seed(0)
+    if cfg.family == "vit":
+        from offline.loaders import load_timm
+
+        arch = dict(cfg.base.arch)
+        arch.pop("pretrained_cfg_overlay", None)
+        base = load_timm(cfg.base.source.split(":", 1)[1], None, classes, **arch).eval()
+        size = arch.get("img_size", 224)
+
+        def batch(b: int) -> dict[str, torch.Tensor]:
+            return {"pixel_values": torch.randn(b, arch.get("in_chans", 3), size, size)}
+    else:
+        from offline.loaders import load_minilm_classifier
+
+        base, _ = load_minilm_classifier(classes)
+        T = cfg.base.max_length
+
+        def batch(b: int) -> dict[str, torch.Tensor]:
+            return {
+                "input_ids": torch.randint(1000, 2000, (b, T)),
+                "attention_mask": torch.ones(b, T, dtype=torch.long),
+            }
+
+    fwd = _forward(cfg.family)
+    lora, names = lora_model(base, cfg.family, M, 0)
+    lora.eval()
+    lora_run = lora_runner(lora, names, cfg.family)
+    be = batch_ensembled(base, M, 0).eval()
+    runs: dict[str, Callable[[dict[str, torch.Tensor]], Any]] = {
+        "Single": lambda b: fwd(base, b),
+        "Single + Laplace (last layer)": lambda b: fwd(base, b),  # + 10 draws of a C-way Gaussian: nothing next to it
+        "LoRA-Ensemble": lambda b: lora_run(_repeat(b, M)),
+        "BatchEnsemble": lambda b: fwd(be, _repeat(b, M)),
+    }
+    served: dict[str, Any] = {}
+    for label, variant, _ in ROWS[4:]:
+        folder = build_dir(setting, variant, 0)
+        if not (folder / "manifest.json").is_file():
+            continue
+        m = json.loads((folder / "manifest.json").read_text())
+        model = load_model(folder / m["model"]["weights"], m["model"]["config"])
+        runs[label] = lambda b, model=model: model(**b)
+        ts = folder / m["exports"]["torchscript"]["file"] if "torchscript" in m.get("exports", {}) else None
+        if ts is not None and ts.is_file():
+            traced = torch.jit.load(str(ts)).eval()
+            order = m["model"]["inputs"]
+            served[label] = lambda b, traced=traced, order=order: traced(*(b[k] for k in order))
+    one, many = batch(1), batch(32)
+    macs_single = count_macs(lambda: runs["Single"](one))
+    out: dict[str, dict[str, Any]] = {}
+    for label, run in runs.items():
+        out[label] = {"macs_ratio": round(count_macs(lambda run=run: run(one)) / macs_single, 3)}
+    for _ in range(reps):  # interleaved: every model once per round, so that a slow spell hits them all
+        for label, run in runs.items():
+            for name, b in (("batch1", one), ("batch32", many)):
+                out[label].setdefault(f"_{name}", []).append(_time(lambda run=run, b=b: run(b), 1)["min_ms"])
+            if label in served:
+                for name, b in (("served_batch1", one), ("served_batch32", many)):
+                    out[label].setdefault(f"_{name}", []).append(_time(lambda s=served[label], b=b: s(b), 1)["min_ms"])
+    for row in out.values():
+        for key in [k for k in row if k.startswith("_")]:
+            times = row.pop(key)
+            row[key[1:]] = {"min_ms": round(min(times), 2), "median_ms": round(statistics.median(times), 2)}
+    depth = len(heads_of_base(cfg) or [])
+    out["_setup"] = {"depth": depth, "members": M, "reps": reps, "threads": torch.get_num_threads()}
+    return out
+
+
+# ----------------------------------------------------------------------------- tables and plot
+def _ms(values: list[float | None], pct: bool = True, digits: int = 1) -> str:
+    v = [x for x in values if x is not None]
+    if not v:
+        return "–"
+    scale = 100 if pct else 1
+    m = statistics.mean(v) * scale
+    sd = statistics.stdev(v) * scale if len(v) > 1 else 0.0
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+QUALITY = (  # (column, key, percent, digits)
+    ("acc %", "acc", True, 1),
+    ("NLL T=1", "nll", False, 3),
+    ("NLL own T", "nll_ts", False, 3),
+    ("Brier", "brier", False, 3),
+    ("ECE % T=1", "ece", True, 1),
+    ("ECE % own T", "ece_ts", True, 1),
+    ("AURC", "aurc", False, 4),
+    ("MSP AUROC %", "auroc_msp", True, 1),
+    ("served AUROC % near", "auroc_served_near", True, 1),
+    ("served AUROC % far", "auroc_served_far", True, 1),
+)
+# Hydra against a baseline: (figure, key, lower is better)
+VERSUS = (
+    ("served OOD AUROC", "auroc_served", False),
+    ("MSP AUROC", "auroc_msp", False),
+    ("accuracy", "acc", False),
+    ("ECE, own T", "ece_ts", True),
+    ("NLL, own T", "nll_ts", True),
+)
+
+
+def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[str, Any] | None, machine: str) -> str:
+    served = next((r[0]["served_score"] for r in rows.values() if r), "?")
+    lines = [
+        f"# {SETTINGS[setting]}: Hydra among efficient ensembles",
+        "",
+        f"Builds of `offline/configs/{SETTINGS[setting]}.yaml` (`python -m benchmarks.recipe --variants baselines "
+        "trunk-half trunk-3q --seeds 0 1 2`), mean ± std over the seeds each row lists; figures on test data, "
+        f"scores and thresholds fixed on validation data. Served score: `{served}`. Machine: {machine}.",
+        "",
+        "| method | seeds | " + " | ".join(c for c, *_ in QUALITY) + " | parameters |",
+        "|---|---|" + "---|" * (len(QUALITY) + 1),
+    ]
+    for label, fs in rows.items():
+        cells = [label, ", ".join(str(f["seed"]) for f in fs)]
+        cells += [_ms([f[k] for f in fs], pct, d) for _, k, pct, d in QUALITY]
+        cells.append(f"{fs[0]['params'] / 1e6:.2f} M")
+        lines.append("| " + " | ".join(cells) + " |")
+    hydra = rows.get("Hydra (k = 0, shipped)", [])
+    others = [label for label in rows if label not in ("Hydra (k = 0, shipped)",)]
+    if hydra:
+        lines += ["", "Hydra (shipped) against each row over paired seeds (win / tie / loss):", ""]
+        lines += ["| against | " + " | ".join(v for v, *_ in VERSUS) + " |", "|---|" + "---|" * len(VERSUS)]
+        for label in others:
+            pairs = [(h, o) for h in hydra for o in rows[label] if h["seed"] == o["seed"]]
+            cells = [label]
+            for _, key, lower in VERSUS:
+                ok = [(h[key], o[key]) for h, o in pairs if h[key] is not None and o[key] is not None]
+                if not ok:
+                    cells.append("–")
+                    continue
+                hv, ov = zip(*ok, strict=True)
+                diff = statistics.mean(hv) - statistics.mean(ov)
+                scale = 100 if key != "nll_ts" else 1
+                cells.append(f"{verdict(list(hv), list(ov), lower)} ({diff * scale:+.2f})")
+            lines.append("| " + " | ".join(cells) + " |")
+    if costs:
+        setup = costs.get("_setup", {})
+        lines += [
+            "",
+            f"Cost, side by side in one process ({setup.get('reps')} interleaved rounds, {setup.get('threads')} "
+            f"threads; L = {setup.get('depth')} blocks, M = {setup.get('members')}): multiply-adds per input against "
+            "Single's, and ms per batch (min / median) in eager PyTorch; Hydra also as served (TorchScript).",
+            "",
+            "| method | multiply-adds / Single | batch 1 ms | batch 32 ms | served batch 1 ms | served batch 32 ms |",
+            "|---|---|---|---|---|---|",
+        ]
+        for label, c in costs.items():
+            if label.startswith("_"):
+                continue
+
+            def t(key: str, c: dict[str, Any] = c) -> str:
+                return f"{c[key]['min_ms']:.1f} / {c[key]['median_ms']:.1f}" if key in c else "–"
+
+            lines.append(
+                f"| {label} | {c['macs_ratio']:.2f} | {t('batch1')} | {t('batch32')} | {t('served_batch1')} "
+                f"| {t('served_batch32')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, fs in rows.items():
+        if label not in costs:
+            continue
+        v = [f["auroc_served"] * 100 for f in fs if f["auroc_served"] is not None]
+        if not v:
+            continue
+        sd = statistics.stdev(v) if len(v) > 1 else 0.0
+        x = costs[label]["macs_ratio"]
+        ax.errorbar([x], [statistics.mean(v)], yerr=[sd], fmt="o", capsize=3, label=label)
+    served = next((r[0]["served_score"] for r in rows.values() if r), "?")
+    ax.set_xlabel("multiply-adds per input / Single's")
+    ax.set_ylabel(f"OOD AUROC % ({served}, mean over OOD sets)")
+    ax.set_title(f"{SETTINGS[setting]}: OOD detection against cost (mean ± std, 3 seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--no-cost", action="store_true", help="the tables from the builds only (no timing)")
+    ap.add_argument("--reps", type=int, default=7, help="interleaved timing rounds")
+    args = ap.parse_args(argv)
+    machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
+    OUT.mkdir(parents=True, exist_ok=True)
+    for setting in args.settings:
+        rows = collect(setting)
+        if not rows:
+            print(f"[frontier] {setting}: no builds under {WORK / SETTINGS[setting]}")
+            continue
+        costs = None if args.no_cost or not build_dir(setting, "baselines", 0).is_dir() else cost(setting, args.reps)
+        doc = {"setting": SETTINGS[setting], "machine": machine, "rows": rows, "cost": costs}
+        (OUT / f"{setting}.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (OUT / f"{setting}.md").write_text(markdown(setting, rows, costs, machine))
+        if costs:
+            plot(setting, rows, costs, PLOTS / f"pareto_{setting}.png")
+        print((OUT / f"{setting}.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""The frontier benchmark reads what the builds report: every row's figures from its build's report.json, the served
+score's AUROC per kind of OOD set, and Hydra's verdict against each row over paired seeds."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import frontier
+from offline.build import build
+from offline.config import load_config
+from tests.offline.conftest import LABELS, WORDS, save_minilm_like, ticket_build
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two seeds of a tiny text build with the baselines, laid out as the recipe benchmark's work folder."""
+    root = tmp_path_factory.mktemp("frontier")
+    save_minilm_like(root / "ckpt", hidden=48, heads=4, max_positions=64)
+    with open(root / "tickets.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["text", "label"])
+        for i in range(150):
+            w.writerow([f"{WORDS[LABELS[i % 3]][i % 5]} ticket {i}", LABELS[i % 3]])
+    (root / "near-chat.txt").write_text("".join(f"hello there, how are you on day {i}\n" for i in range(40)))
+    (root / "far-weather.txt").write_text("".join(f"rain and wind over the hills on day {i}\n" for i in range(40)))
+    work = root / "work" / "text-fast"
+    for seed in (0, 1):
+        over = ticket_build(
+            root / "ckpt",
+            root / "tickets.csv",
+            **{
+                "base.baselines": ["lora_ensemble", "laplace"],
+                "data.seed": seed,
+                "data.ood_paths": {
+                    "near-chat": str(root / "near-chat.txt"),
+                    "far-weather": str(root / "far-weather.txt"),
+                },
+            },
+        )
+        build(load_config(None, over), work / ("baselines" if seed == 0 else f"baselines@seed{seed}"))
+    return root / "work"
+
+
+def test_rows_are_the_builds_own_figures(builds, monkeypatch):
+    monkeypatch.setattr(frontier, "WORK", builds)
+    rows = frontier.collect("text")
+    assert set(rows) == {"Single", "Single + Laplace (last layer)", "LoRA-Ensemble", "Hydra (k = 0, shipped)"}
+    assert [f["seed"] for f in rows["Single"]] == [0, 1]
+    report = json.loads((builds / "text-fast" / "baselines@seed1" / "report.json").read_text())
+    lora = next(r for r in report["rows"] if r["method"] == "lora_ensemble")
+    got = rows["LoRA-Ensemble"][1]
+    assert got["acc"] == lora["acc"] and got["ece_ts"] == lora["calibrated"]["ece"]
+    served = got["served_score"]
+    per_set = lora["ood_scores"][served]["ood"]
+    assert got["auroc_served_near"] == per_set["near-chat"]["auroc"]
+    assert got["auroc_served_far"] == per_set["far-weather"]["auroc"]
+    text = frontier.markdown("text", rows, None, "a machine")
+    assert "| LoRA-Ensemble | 0, 1 |" in text
+    assert text.count("Hydra (shipped) against each row") == 1
+    # the verdict column: Hydra against Single on the served AUROC, over the 2 paired seeds
+    line = next(line for line in text.splitlines() if line.startswith("| Single | ") and "(" in line)
+    assert any(v in line for v in ("win", "tie", "loss"))
