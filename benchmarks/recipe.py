@@ -210,8 +210,8 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
     """What the ensemble must earn, Hydra's and Single's side by side (``<figure>_hydra`` / ``<figure>_single``): NLL
     at their own temperatures, AURC, OOD AUROC with MSP (also the Deep Ensemble's, where one is built), the conformal
     sets' mean size at alpha 0.05 and 0.1, the accept rate and the error among accepted answers of the risk rule at
-    5 %, and, with a shift section, ECE and AURC on the shifted copies averaged over the corruptions and
-    severities."""
+    5 %, and, with a shift section, accuracy, Brier, ECE and AURC on the shifted copies averaged over the corruptions
+    and severities."""
     rows = {r["method"]: r for r in doc["rows"]}
     extra = doc["extra"]
     guarantees = (extra.get("guarantees_report") or {}).get("methods") or {}
@@ -230,6 +230,8 @@ def targets(doc: dict[str, Any]) -> dict[str, Any]:
             f"set_size_10_{method}": (g.get("coverage") or {}).get("0.1", {}).get("mean_size"),
             f"accept_05_{method}": rule.get("test_accept_rate"),
             f"accepted_error_05_{method}": rule.get("test_risk"),
+            f"shift_acc_{method}": mean_shift.get("acc"),
+            f"shift_brier_{method}": mean_shift.get("brier"),
             f"shift_ece_{method}": mean_shift.get("ece"),
             f"shift_aurc_{method}": mean_shift.get("aurc"),
         }
@@ -385,10 +387,12 @@ TARGETS = (
     ("error among accepted %", "accepted_error_05", True),
     ("OOD AUROC %, served score", "auroc", False),
     ("OOD AUROC %, MSP", "auroc_msp", False),
+    ("shifted: accuracy %", "shift_acc", False),
+    ("shifted: Brier", "shift_brier", True),
     ("shifted: ECE %, own T", "shift_ece", True),
     ("shifted: AURC", "shift_aurc", True),
 )
-_PERCENT = {"acc", "ece_ts", "ece", "accept_05", "accepted_error_05", "auroc", "auroc_msp", "shift_ece"}
+_PERCENT = {"acc", "ece_ts", "ece", "accept_05", "accepted_error_05", "auroc", "auroc_msp", "shift_acc", "shift_ece"}
 
 
 def _key(stem: str, method: str) -> str:

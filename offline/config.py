@@ -82,9 +82,10 @@ class DataConfig:
     # alarm); 0 = none. A user's data gives it at most the validation share (USER_EVAL_FRACTION)
     max_calibration: int = 2000
     seed: int = 0  # split seed
-    # ID test inputs copied under every corruption of the modality at three severities for the report's shift section
-    # (offline.shift: noise, blur, contrast, JPEG, rotation; typos, dropped words); 0 = no shift section
+    # ID test inputs copied under every corruption of the modality at each of data.shift_severities for the report's
+    # shift section (offline.shift: noise, blur, contrast, JPEG, rotation; typos, dropped words); 0 = no shift section
     shift_inputs: int = 0
+    shift_severities: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # of offline.shift's 1 to 5
     # images: training-time augmentation of the base and the members: none | flip | crop | crop+flip (random resized
     # crops of data.crop_scale..1 of the area, then flips); default: the training preset's flips (and hydra.augment)
     augment: str | None = None
@@ -314,6 +315,9 @@ def _check_ranges(cfg: BuildConfig) -> None:
             raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
     if not isinstance(d.shift_inputs, int) or d.shift_inputs < 0:
         raise ConfigError(f"data.shift_inputs must be an integer >= 0 (0: no shift section), got {d.shift_inputs!r}")
+    sev = d.shift_severities
+    if not sev or sorted(set(sev)) != list(sev) or not set(sev) <= {1, 2, 3, 4, 5}:
+        raise ConfigError(f"data.shift_severities must be distinct increasing severities of 1 to 5, got {sev!r}")
     if cfg.base.deep_ensemble == 1 or cfg.base.deep_ensemble < 0:
         raise ConfigError(f"base.deep_ensemble must be 0 (none) or >= 2 base models, got {cfg.base.deep_ensemble}")
     if h.calib_samples < 1 or h.finetune_steps < 0 or cfg.threads < 0:

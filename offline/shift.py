@@ -2,8 +2,8 @@
 
 An ensemble's uncertainty earns its keep when the inputs drift away from the training data without leaving its
 classes (Ovadia et al. 2019, "Can you trust your model's uncertainty?"). The shift section measures that on
-corrupted copies of the ID test split; each corruption has five severities, of which the report uses three
-(:data:`REPORT_SEVERITIES`: 1, 3 and 5) and the stream benchmark (``benchmarks/stream.py``) all five:
+corrupted copies of the ID test split; each corruption has five severities, all of which the report uses by default
+(``data.shift_severities``, as ImageNet-C is reported) and the stream benchmark (``benchmarks/stream.py``) too:
 
 =================  ==========================================  =============================================
 corruption         what it does                                severity 1 / 2 / 3 / 4 / 5
@@ -20,9 +20,10 @@ corruption         what it does                                severity 1 / 2 / 
 The image levels are ImageNet-C's (Hendrycks & Dietterich 2019) where a level is defined on [0, 1] pixels
 (noise: its five levels; contrast: its levels 1 to 4 and one between 3 and 4), within its range for JPEG (25 to 7),
 and scaled to the image's side where a level is defined in pixels (blur). Severities 1, 3 and 5 are the three
-levels the report had before there were five, so its figures keep their meaning. A typo is one of: two
-neighbouring letters swapped, a letter deleted, a letter doubled, a letter replaced by a neighbour on a QWERTY
-keyboard. Every corruption is a function of ``(inputs, severity, seed)`` only: the same call gives the same copies.
+levels the report had before it had five (``data.shift_severities: [1, 3, 5]`` gives that section again). A
+typo is one of: two neighbouring letters swapped, a letter deleted, a letter doubled, a letter replaced by a
+neighbour on a QWERTY keyboard. Every corruption is a function of ``(inputs, severity, seed)`` only: the same
+call gives the same copies.
 
     shifted = corrupt(data.test.inputs, "blur", 2, seed=0)   # same type and shape as the inputs
 
@@ -41,7 +42,9 @@ from PIL import Image, ImageFilter
 IMAGE_CORRUPTIONS = ("noise", "blur", "contrast", "jpeg", "rotation")
 TEXT_CORRUPTIONS = ("typos", "drop")
 SEVERITIES = (1, 2, 3, 4, 5)
-REPORT_SEVERITIES = (1, 3, 5)  # the report's shift section (a build's evaluation time grows with each)
+REPORT_SEVERITIES = (
+    SEVERITIES  # the report's shift section by default (data.shift_severities; evaluation time grows with each)
+)
 SHIFT_PREFIX = "shift:"  # a build's shifted copies among its evaluation sets: shift:<corruption>@<severity>
 
 NOISE_SIGMA = (0.08, 0.12, 0.18, 0.26, 0.38)  # ImageNet-C gaussian_noise levels 1 to 5

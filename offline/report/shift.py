@@ -9,16 +9,17 @@ from typing import Any
 from .tables import cell, method_table
 from .values import num, pct
 
-# the section's columns: key in a summary row -> header; rates and errors in %, NLL and AURC as numbers
+# the section's columns: key in a summary row -> header; rates and errors in %, NLL, Brier and AURC as numbers
 SHIFT_COLUMNS = {
     "acc": "Acc %",
     "ece": "ECE %",
     "nll": "NLL",
+    "brier": "Brier",
     "aurc": "AURC",
     "accept_rate": "Accepted %",
     "accepted_error": "Error among accepted %",
 }
-NUMBERS = ("nll", "aurc")
+NUMBERS = ("nll", "brier", "aurc")
 
 
 def shift_section(doc: Mapping[str, Any]) -> list[str]:

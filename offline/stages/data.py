@@ -32,7 +32,7 @@ from ..config import BuildConfig, ConfigError
 from ..data import Data
 from ..foreign import foreign_images
 from ..ood_fit import Run
-from ..shift import REPORT_SEVERITIES, SHIFT_PREFIX, corrupt, corruptions
+from ..shift import SHIFT_PREFIX, corrupt, corruptions
 from .context import BuildContext
 
 __all__ = [
@@ -251,7 +251,7 @@ def eval_sets(ctx: BuildContext) -> EvalSets:
 
 def shift_sets(ctx: BuildContext, pre: ImagePreprocessor | TextPreprocessor) -> dict[str, Batches]:
     """The report's shift section's sets (:mod:`offline.stages.shift`): the first ``data.shift_inputs`` ID test
-    inputs corrupted by every corruption of the modality at each severity (:mod:`offline.shift`), by
+    inputs corrupted by every corruption of the modality at each of ``data.shift_severities`` (:mod:`offline.shift`), by
     ``<corruption>@<severity>``, through the server's preprocessing ``pre``; empty when the config asks for none."""
     n = min(ctx.config.data.shift_inputs, len(ctx.data.test.labels))
     if n <= 0:
@@ -261,7 +261,7 @@ def shift_sets(ctx: BuildContext, pre: ImagePreprocessor | TextPreprocessor) -> 
     return {
         f"{kind}@{s}": eval_batches(pre, corrupt(inputs, kind, s, SHIFT_SEED, ctx.data.modality), labels)[0]
         for kind in corruptions(ctx.data.modality)
-        for s in REPORT_SEVERITIES
+        for s in ctx.config.data.shift_severities
     }
 
 

@@ -5,12 +5,12 @@ to help most (Ovadia et al. 2019). ``data.shift_inputs`` ID test inputs (the fir
 drawn at random and stratified) are copied under every corruption of the modality at each severity; every
 method runs on each copy like on any evaluation set (:func:`offline.stages.data.shift_sets`, ``EvalSets.shift``).
 Per method and copy the section gives, at the method's own temperature fitted on ID validation (the same
-treatment for every method): accuracy, ECE, NLL and AURC; and with a calibration split, the accept rate and the
+treatment for every method): accuracy, ECE, NLL, Brier and AURC; and with a calibration split, the accept rate and the
 error among accepted answers of the method's own risk rule at the served risk target (``guarantees.risk``, its
 guarantees fitted on the calibration split as the served model's are: :func:`offline.guarantees.evaluate_guarantees`).
 
     data.shift_sets(ctx, pre)  ->  {"noise@1": Batches, ...}    (data.shift_inputs > 0, a classifier)
-    shift_metrics(methods, sets)  ->  {method: {"noise@1": {"acc", "ece", "nll", "aurc"}, ...}}
+    shift_metrics(methods, sets)  ->  {method: {"noise@1": {"acc", "ece", "nll", "brier", "aurc"}, ...}}
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ __all__ = ["shift_metrics", "shift_report", "shift_summary"]
 
 def shift_metrics(methods: dict[str, Any], sets: EvalSets) -> dict[str, dict[str, dict[str, float]]]:
     """Per method (:class:`offline.stages.evaluation.Method`, its runs on every set of ``sets``) and shifted copy:
-    accuracy, ECE, NLL, AURC at the method's own temperature on ID validation; empty without shifted copies or
+    accuracy, ECE, NLL, Brier, AURC at the method's own temperature on ID validation; empty without shifted copies or
     without validation."""
     if not sets.shift or sets.val is None:
         return {}
@@ -43,7 +43,7 @@ def shift_metrics(methods: dict[str, Any], sets: EvalSets) -> dict[str, dict[str
             logits = m.runs[SHIFT_PREFIX + set_name][0]
             probs = torch.softmax(logits.double() / T, -1).numpy()
             metrics = evaluate_predictions(probs, sets.labels(SHIFT_PREFIX + set_name).numpy(), {})
-            rows[set_name] = {k: metrics[k] for k in ("acc", "ece", "nll", "aurc")}
+            rows[set_name] = {k: metrics[k] for k in ("acc", "ece", "nll", "brier", "aurc")}
         out[name] = rows
     return out
 

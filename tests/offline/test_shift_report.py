@@ -78,7 +78,8 @@ def test_build_reports_every_method_on_shifted_copies(user_files, tmp_path):
     methods = shift["methods"]
     assert {"single", "member_0", "member_1", "member_2", "hydra", "ensemble_unfused"} <= set(methods)
     copies = {f"{k}@{s}" for k in ("typos", "drop") for s in REPORT_SEVERITIES}
-    assert set(methods["hydra"]["sets"]) == copies and set(methods["hydra"]["summary"]) == {"1", "3", "5", "mean"}
+    assert set(methods["hydra"]["sets"]) == copies
+    assert set(methods["hydra"]["summary"]) == {"1", "2", "3", "4", "5", "mean"}  # the five severities
     assert "## Shifted inputs" in (out / "report.md").read_text()
     # Hydra on drop@3, recomputed from the artifact: the first 12 test texts, corrupted, through the served model
     m = load_manifest(out)
@@ -95,7 +96,15 @@ def test_build_reports_every_method_on_shifted_copies(user_files, tmp_path):
     assert got["acc"] == pytest.approx(float((probs.argmax(1) == y).mean()), abs=1e-9)
     assert got["ece"] == pytest.approx(ece(member_probs, y), abs=1e-4)
     assert got["aurc"] == pytest.approx(aurc(probs.max(1), probs.argmax(1) == y), abs=1e-4)
+    brier = float(((probs - np.eye(probs.shape[1])[y]) ** 2).sum(1).mean())  # the multi-class Brier score
+    assert got["brier"] == pytest.approx(brier, abs=1e-6)
     if doc["extra"].get("guarantees_report"):  # a calibration split: each method's risk rule on each copy
         assert shift["risk"] == cfg.guarantees.risk
         assert all(0 <= v["accept_rate"] <= 1 for v in methods["hydra"]["sets"].values())
     assert np.isfinite(methods["single"]["summary"]["mean"]["nll"])
+
+
+@pytest.mark.parametrize("bad", [[], [0, 1], [3, 1], [1, 1], [6]])
+def test_shift_severities_are_distinct_increasing_levels_of_1_to_5(bad):
+    with pytest.raises(ConfigError, match=r"data\.shift_severities must be distinct increasing severities of 1 to 5"):
+        load_config(None, {"data.shift_severities": bad})
