@@ -85,9 +85,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the same, with the efficient-ensemble baselines' rows beside Hydra's (offline/baselines.py)
     "baselines": {"base.baselines": ["lora_ensemble", "batch_ensemble", "laplace"]},
     "trunk-half": {"hydra.shared_blocks": "L/2"},
+    # zero-shot (offline/configs/zeroshot-*.yaml): the shipped vision-tower Taylor members, and joint circuits over
+    # both towers (the paper's zero-shot recipe), neither trained; each also scored with a user's own words
+    "zs-vision": {"data.label_words": "fashion-words"},
+    "zs-circuits": {"hydra.strategy": "circuit-avg", "data.label_words": "fashion-words"},
     "trunk-3q": {"hydra.shared_blocks": "3L/4"},
 }
 TRUNK = {"L/2": (1, 2), "3L/4": (3, 4)}  # a share of the base model's blocks: numerator, denominator
+# a user's own words for the six in-distribution Fashion-MNIST classes of the zero-shot settings, written without
+# looking at any image
+FASHION_WORDS = {
+    "T-shirt/top": "tee",
+    "Trouser": "pair of pants",
+    "Pullover": "sweater",
+    "Dress": "frock",
+    "Coat": "jacket",
+    "Shirt": "blouse",
+}
+NAMED = {"fashion-words": FASHION_WORDS}
 
 
 def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
@@ -96,7 +111,9 @@ def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
     out = {}
     for key, value in overrides.items():
         current = getattr(getattr(base, key.split(".")[0]), key.split(".")[1])
-        if isinstance(value, str) and value in TRUNK:
+        if isinstance(value, str) and value in NAMED:
+            value = NAMED[value]
+        elif isinstance(value, str) and value in TRUNK:
             from offline.pipeline import heads_of_base
 
             heads = heads_of_base(base)

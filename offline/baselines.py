@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import train as train_mod
@@ -179,7 +180,15 @@ class BatchEnsembleLinear(nn.Module):
                 self.layer.bias.copy_(linear.bias.expand_as(self.layer.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        """``BatchLinear``'s arithmetic, ``((x * r_i) W^T) * s_i + b_i`` for member i's rows, with the factors
+        broadcast over each member's block of rows instead of repeated row by row (the library's forward makes three
+        ``(N, width)`` copies of them per layer, which made a fine-tuning step 20x slower)."""
+        layer, M = self.layer, self.layer.num_estimators
+        h = x.reshape(M, -1, x.shape[-1])  # (M, N/M, in): member i's rows are the i-th block
+        y = F.linear(h * layer.r_group.unsqueeze(1), layer.linear.weight) * layer.s_group.unsqueeze(1)
+        if layer.bias is not None:
+            y = y + layer.bias.unsqueeze(1)
+        return y.view(*x.shape[:-1], -1)
 
 
 def batch_ensembled(base: nn.Module, members: int, seed: int) -> nn.Module:

@@ -90,6 +90,9 @@ class DataConfig:
     # crops of data.crop_scale..1 of the area, then flips); default: the training preset's flips (and hydra.augment)
     augment: str | None = None
     crop_scale: float = 0.35  # the smallest crop area of data.augment crop, as a fraction of the image
+    # zero-shot builds: a user's own words for the same classes (class name -> word); the report adds every row
+    # again with the prompts of these words, Hydra at its served temperature (rows "<method>@words")
+    label_words: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -315,6 +318,10 @@ def _check_ranges(cfg: BuildConfig) -> None:
             raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
     if not isinstance(d.shift_inputs, int) or d.shift_inputs < 0:
         raise ConfigError(f"data.shift_inputs must be an integer >= 0 (0: no shift section), got {d.shift_inputs!r}")
+    if d.label_words and cfg.family != "clip":
+        raise ConfigError("data.label_words is for zero-shot builds (family clip): a classifier's labels are its own")
+    if not all(isinstance(w, str) and w.strip() for w in d.label_words.values()):
+        raise ConfigError("data.label_words: every class needs a word that is not empty")
     sev = d.shift_severities
     if not sev or sorted(set(sev)) != list(sev) or not set(sev) <= {1, 2, 3, 4, 5}:
         raise ConfigError(f"data.shift_severities must be distinct increasing severities of 1 to 5, got {sev!r}")

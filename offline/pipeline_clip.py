@@ -335,6 +335,13 @@ def build_zero_shot(cfg: BuildConfig, out: Path) -> Path:
     data = load_data(cfg)
     if data.modality != "image":
         raise ConfigError(f"family clip needs image data, got {data.modality} data")
+    words = cfg.data.label_words
+    if words and set(words) != set(data.class_names):
+        extra, missing = sorted(set(words) - set(data.class_names)), sorted(set(data.class_names) - set(words))
+        raise ConfigError(
+            f"data.label_words must give a word for each class {list(data.class_names)}: "
+            + "; ".join(p for p in (f"unknown {extra}" if extra else "", f"missing {missing}" if missing else "") if p)
+        )
     timer.lap("data")
     ctx = BuildContext.create(cfg, Path(out), data, load_base_clip(cfg, data), timer)
     adapter, base = ctx.adapter, ctx.base.model
@@ -361,6 +368,14 @@ def finish_zero_shot(ctx: BuildContext, members: Members, fused: Fused, prompts:
     ctx.timer.lap("calibration")
     methods = zero_shot_methods(ctx, models, sets, cal.calibration.temperature)
     evaluation = evaluate_zero_shot(ctx, methods, sets, cal)
+    if ctx.config.data.label_words:  # every row again, with the prompts of the user's words for the same classes
+        words = [ctx.config.data.label_words[c] for c in ctx.data.class_names]
+        alt = zero_shot_models(ctx, members, fused, prompt_batch(ctx, words, lit.TEMPLATE))
+        alt_methods = zero_shot_methods(ctx, alt, sets, cal.calibration.temperature)
+        evaluation.rows += [
+            {**r, "method": f"{r['method']}@words"} for r in evaluate_zero_shot(ctx, alt_methods, sets, cal).rows
+        ]
+        evaluation.extra["label_words"] = dict(zip(ctx.data.class_names, words, strict=True))
     guarantees = zero_shot_guarantees_report(ctx, methods["hydra"], cal, sets, guarantees)
     save_weights(ctx.out, fused.model, cal.calibration, guarantees.fitted)
     exports = export_zero_shot(ctx, fused, cal.calibration, sets, prompts)

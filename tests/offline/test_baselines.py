@@ -29,6 +29,8 @@ def test_batch_ensemble_linear_gives_member_i_its_own_rank_1_factors():
     for i in range(3):  # member i: rows [2 i, 2 i + 2): ((x * r_i) W^T) * s_i + b_i, the BatchEnsemble layer
         want = (x[2 * i : 2 * i + 2] * r[i]) @ linear.weight.t() * s[i] + bias[i]
         torch.testing.assert_close(y[2 * i : 2 * i + 2], want)
+    # torch-uncertainty's own forward over the rows (its estimator i: the i-th block of rows) gives the same
+    torch.testing.assert_close(y.reshape(-1, 5), be.layer(x.reshape(-1, 6)))
     with torch.no_grad():  # factors of 1: the pretrained linear itself
         r.fill_(1)
         s.fill_(1)

@@ -97,9 +97,15 @@ def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, mon
             "hydra.prune_total": 3,
             "hydra.calib_samples": 32,
             "export.bf16_check": False,
+            "data.label_words": {c: f"kind {i}" for i, c in enumerate(CLASSES)},  # a user's own words
         },
     )
     out = build(cfg, tmp_path / "artifact")
+    rows = {r["method"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
+    for method in ("single", "single_ts", "hydra"):  # every row again with the user's words: its own answers
+        assert rows[f"{method}@words"]["acc"] is not None
+        assert rows[f"{method}@words"]["nll"] != rows[method]["nll"]
+    assert rows["hydra@words"]["temperature"] == rows["hydra"]["temperature"]  # the served temperature
 
     typed = load_manifest(out)
     verify_files(out, typed)
@@ -170,3 +176,17 @@ def _guarantees_on_the_calibration_split(out, manifest, risks) -> None:
     assert {r["risk"] for r in hydra["selective"]} == set(risks)
     assert set(hydra["drift"]["runs"]) == {"noise", "blank"}
     assert "## Guarantees (calibration split)" in (out / "report.md").read_text()
+
+
+def test_label_words_must_name_every_class_and_only_zero_shot(tmp_path, monkeypatch):
+    from offline import pipeline_clip
+    from offline.build import build
+    from offline.config import ConfigError, load_config
+
+    monkeypatch.setattr(pipeline_clip, "load_data", lambda cfg: synthetic_data())
+    monkeypatch.setattr(pipeline_clip, "load_base_clip", lambda *a: pytest.fail("the base loaded before the check"))
+    over = {"name": "zs", "family": "clip", "hydra.prune_total": 1, "data.label_words": {"square": "box", "blob": "x"}}
+    with pytest.raises(ConfigError, match=r"data\.label_words must give a word for each class .*unknown \['blob'\]; "):
+        build(load_config(None, over), tmp_path / "out")
+    with pytest.raises(ConfigError, match="data.label_words is for zero-shot builds"):
+        load_config(None, {"family": "bert", "data.setting": "tweets", "data.label_words": {"a": "b"}})
