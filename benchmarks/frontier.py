@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".cache" / "recipe"
 OUT = ROOT / "benchmarks" / "results" / "frontier"
 PLOTS = ROOT / "benchmarks" / "results" / "plots"
-SETTINGS = {"image": "image-fast", "text": "text-fast"}
+SETTINGS = {"image": "image-fast", "text": "text-fast", "zeroshot": "zeroshot-fast"}
 SEEDS = (0, 1, 2)
 BASELINES = ("lora_ensemble", "batch_ensemble", "laplace")
 # (table row, build variant, report method)
@@ -52,6 +52,15 @@ ROWS = (
     ("Hydra (k = 0, shipped)", "baselines", "hydra"),
     ("Hydra, trunk k = L/2", "trunk-half", "hydra"),
     ("Hydra, trunk k = 3L/4", "trunk-3q", "hydra"),
+)
+
+
+# the zero-shot table (the paper's Table 3): (table row, build variant, report method); each also in the user's words
+ZERO_SHOT_ROWS = (
+    ("Single", "zs-vision", "single"),
+    ("Single + TS", "zs-vision", "single_ts"),
+    ("Hydra, vision tower (Taylor, shipped)", "zs-vision", "hydra"),
+    ("Hydra, both towers (circuits)", "zs-circuits", "hydra"),
 )
 
 
@@ -99,9 +108,45 @@ def figures(out: Path, method: str) -> dict[str, Any] | None:
     }
 
 
+def zero_shot_figures(out: Path, method: str) -> dict[str, Any] | None:
+    """One zero-shot row's figures in one build: accuracy, ECE, NLL, Brier and the MSP AUROC on near and far sets."""
+    report = out / "report.json"
+    if not report.is_file():
+        return None
+    doc = json.loads(report.read_text())
+    rows = {r["method"]: r for r in doc["rows"]}
+    if method not in rows:
+        return None
+    r, kinds = rows[method], doc["ood_kinds"]
+
+    def auroc(kind: str) -> float | None:
+        vals = [v["auroc"] for name, v in r["ood"].items() if kinds.get(name) == kind]
+        return sum(vals) / len(vals) if vals else None
+
+    return {
+        "acc": r["acc"],
+        "ece": r["ece"],
+        "nll": r["nll"],
+        "brier": r["brier"],
+        "auroc_msp": r["ood_avg"]["auroc"],
+        "auroc_msp_near": auroc("near"),
+        "auroc_msp_far": auroc("far"),
+        "temperature": r["temperature"],
+    }
+
+
 def collect(setting: str) -> dict[str, list[dict[str, Any]]]:
     """Per table row, its figures in each seed's build that has it."""
     out: dict[str, list[dict[str, Any]]] = {}
+    if setting == "zeroshot":
+        for words in ("", "@words"):
+            for label, variant, method in ZERO_SHOT_ROWS:
+                for seed in SEEDS:
+                    f = zero_shot_figures(build_dir(setting, variant, seed), method + words)
+                    if f is not None:
+                        name = label + (" (user's words)" if words else "")
+                        out.setdefault(name, []).append({**f, "seed": seed})
+        return out
     for label, variant, method in ROWS:
         for seed in SEEDS:
             f = figures(build_dir(setting, variant, seed), method)
@@ -240,6 +285,54 @@ VERSUS = (
 )
 
 
+ZERO_SHOT_COLUMNS = (
+    ("acc %", "acc", True, 1),
+    ("ECE %", "ece", True, 1),
+    ("NLL", "nll", False, 3),
+    ("Brier", "brier", False, 3),
+    ("AUROC % near", "auroc_msp_near", True, 1),
+    ("AUROC % far", "auroc_msp_far", True, 1),
+)
+
+
+def zero_shot_markdown(rows: dict[str, list[dict[str, Any]]], machine: str) -> str:
+    """The zero-shot table, on the build's labels and on the user's words, and Hydra against Single per row."""
+    lines = [
+        "# zeroshot-fast: Hydra against the single zero-shot model",
+        "",
+        "Builds of `offline/configs/zeroshot-fast.yaml` (`python -m benchmarks.recipe --variants zs-vision "
+        "zs-circuits --seeds 0 1 2`): the LiT-tuned base model (Single; Single + TS at its own temperature fitted on "
+        "ID validation) and Hydra's members pruned from it without any training: the shipped Taylor members of the "
+        "vision tower, and joint greedy circuits (CircAvg) over both towers. Hydra at its served temperature; AUROC "
+        'with MSP, near and far OOD sets. Rows "(user\'s words)": the same models and images, the prompts of a '
+        "user's own words for the same six classes (`benchmarks/recipe.py`, `FASHION_WORDS`). Mean ± std over the "
+        f"seeds. Machine: {machine}.",
+        "",
+        "| method | seeds | " + " | ".join(c for c, *_ in ZERO_SHOT_COLUMNS) + " |",
+        "|---|---|" + "---|" * len(ZERO_SHOT_COLUMNS),
+    ]
+    for label, fs in rows.items():
+        cells = [label, ", ".join(str(f["seed"]) for f in fs)]
+        cells += [_ms([f[k] for f in fs], pct, d) for _, k, pct, d in ZERO_SHOT_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Hydra against Single over paired seeds (win / tie / loss, mean difference):", ""]
+    lines += ["| Hydra | against | ECE | NLL | AUROC near | AUROC far |", "|---|---|---|---|---|---|"]
+    for words in ("", " (user's words)"):
+        for hydra in (r for r in rows if r.startswith("Hydra") and r.endswith(words) and (words or "words" not in r)):
+            for single in (f"Single{words}", f"Single + TS{words}"):
+                if single not in rows:
+                    continue
+                pairs = [(h, s) for h in rows[hydra] for s in rows[single] if h["seed"] == s["seed"]]
+                cells = [hydra, single]
+                for key, lower in (("ece", True), ("nll", True), ("auroc_msp_near", False), ("auroc_msp_far", False)):
+                    hv, sv = [h[key] for h, _ in pairs], [s[key] for _, s in pairs]
+                    scale = 1 if key == "nll" else 100
+                    diff = (statistics.mean(hv) - statistics.mean(sv)) * scale if pairs else 0.0
+                    cells.append(f"{verdict(hv, sv, lower)} ({diff:+.2f})" if pairs else "–")
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[str, Any] | None, machine: str) -> str:
     served = next((r[0]["served_score"] for r in rows.values() if r), "?")
     lines = [
@@ -340,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
         rows = collect(setting)
         if not rows:
             print(f"[frontier] {setting}: no builds under {WORK / SETTINGS[setting]}")
+            continue
+        if setting == "zeroshot":
+            (OUT / "zeroshot.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+            (OUT / "zeroshot.md").write_text(zero_shot_markdown(rows, machine))
+            print((OUT / "zeroshot.md").read_text())
             continue
         costs = None if args.no_cost or not build_dir(setting, "baselines", 0).is_dir() else cost(setting, args.reps)
         doc = {"setting": SETTINGS[setting], "machine": machine, "rows": rows, "cost": costs}
