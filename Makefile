@@ -12,7 +12,7 @@ export HYDRA_DATA_DIR ?= $(CURDIR)/.cache/datasets
 HYDRA_ARTIFACTS ?= artifacts/default/text,artifacts/default/image,artifacts/default/zeroshot
 export HYDRA_ARTIFACTS
 
-.PHONY: install data test test-all serve artifacts lint bench-gpu wrk wrk-debs bench-server
+.PHONY: install data test test-all serve artifacts lint bench-gpu wrk wrk-debs bench-server docs-screenshot
 
 $(VENV)/.installed: pyproject.toml requirements-assets.txt
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ test: data
 
 test-all: data
 	$(PY) -m pytest -q
+
+# the screenshot of /docs in docs/images/ (headless Chromium, by the browser test of tests/service/api)
+docs-screenshot: install
+	HYDRA_DOCS_SCREENSHOT=docs/images/swagger-ui.png $(PY) -m pytest -q -p no:randomly tests/service/api/test_docs_browser.py
 
 lint: install
 	$(VENV)/bin/ruff check service offline tests benchmarks deploy

@@ -170,55 +170,47 @@ def _time(fn: Callable[[], Any], reps: int) -> dict[str, float]:
     return {"min_ms": round(min(times), 3), "median_ms": round(statistics.median(times), 3)}
 
 
-def cost(setting: str, reps: int = 7) -> dict[str, dict[str, Any]]:
-    """Multiply-adds per input (ratio to Single) and ms per batch of 1 and 32 of every row's model, built on random
-    weights of the shipped architectures, in one process; the rows' methods interleaved, batch by batch."""
-    from benchmarks.cost import count_macs
-    from offline.baselines import _forward, _repeat, batch_ensembled, lora_model, lora_runner
-    from offline.config import load_config
-    from offline.pipeline import heads_of_base
-    from service.core.registry import load_model
+Runner = Callable[[dict[str, torch.Tensor]], Any]
 
-    cfg = load_config(ROOT / "offline" / "configs" / f"{SETTINGS[setting]}.yaml")
-    M = cfg.hydra.members
-    shipped = build_dir(setting, "baselines", 0)
-    manifest = json.loads((shipped / "manifest.json").read_text())
-    classes = len(manifest["labels"])
-    torch.manual_seed(0)
+
+def _base_and_batches(cfg: Any, classes: int) -> tuple[torch.nn.Module, Callable[[int], dict[str, torch.Tensor]]]:
+    """The shipped config's base architecture (random weights for a ViT, the packaged MiniLM for text) and a maker of
+    input batches of a given size."""
     if cfg.family == "vit":
         from offline.loaders import load_timm
 
         arch = dict(cfg.base.arch)
         arch.pop("pretrained_cfg_overlay", None)
         base = load_timm(cfg.base.source.split(":", 1)[1], None, classes, **arch).eval()
-        size = arch.get("img_size", 224)
+        size, chans = arch.get("img_size", 224), arch.get("in_chans", 3)
+        return base, lambda b: {"pixel_values": torch.randn(b, chans, size, size)}
+    from offline.loaders import load_minilm_classifier
 
-        def batch(b: int) -> dict[str, torch.Tensor]:
-            return {"pixel_values": torch.randn(b, arch.get("in_chans", 3), size, size)}
-    else:
-        from offline.loaders import load_minilm_classifier
+    base, _ = load_minilm_classifier(classes)
+    T = cfg.base.max_length
+    return base, lambda b: {"input_ids": torch.randint(1000, 2000, (b, T)), "attention_mask": torch.ones(b, T).long()}
 
-        base, _ = load_minilm_classifier(classes)
-        T = cfg.base.max_length
 
-        def batch(b: int) -> dict[str, torch.Tensor]:
-            return {
-                "input_ids": torch.randint(1000, 2000, (b, T)),
-                "attention_mask": torch.ones(b, T, dtype=torch.long),
-            }
+def _runners(setting: str, cfg: Any) -> tuple[dict[str, Runner], dict[str, Runner], Callable[[int], Any]]:
+    """Every row's model as ``batch -> output`` (eager), Hydra's also as served (TorchScript), and the batch maker."""
+    from offline.baselines import _forward, _repeat, batch_ensembled, lora_model, lora_runner
+    from service.core.registry import load_model
 
+    M = cfg.hydra.members
+    manifest = json.loads((build_dir(setting, "baselines", 0) / "manifest.json").read_text())
+    torch.manual_seed(0)
+    base, batch = _base_and_batches(cfg, len(manifest["labels"]))
     fwd = _forward(cfg.family)
     lora, names = lora_model(base, cfg.family, M, 0)
-    lora.eval()
-    lora_run = lora_runner(lora, names, cfg.family)
+    lora_run = lora_runner(lora.eval(), names, cfg.family)
     be = batch_ensembled(base, M, 0).eval()
-    runs: dict[str, Callable[[dict[str, torch.Tensor]], Any]] = {
+    runs: dict[str, Runner] = {
         "Single": lambda b: fwd(base, b),
         "Single + Laplace (last layer)": lambda b: fwd(base, b),  # + 10 draws of a C-way Gaussian: nothing next to it
         "LoRA-Ensemble": lambda b: lora_run(_repeat(b, M)),
         "BatchEnsemble": lambda b: fwd(be, _repeat(b, M)),
     }
-    served: dict[str, Any] = {}
+    served: dict[str, Runner] = {}
     for label, variant, _ in ROWS[4:]:
         folder = build_dir(setting, variant, 0)
         if not (folder / "manifest.json").is_file():
@@ -226,29 +218,39 @@ def cost(setting: str, reps: int = 7) -> dict[str, dict[str, Any]]:
         m = json.loads((folder / "manifest.json").read_text())
         model = load_model(folder / m["model"]["weights"], m["model"]["config"])
         runs[label] = lambda b, model=model: model(**b)
-        ts = folder / m["exports"]["torchscript"]["file"] if "torchscript" in m.get("exports", {}) else None
-        if ts is not None and ts.is_file():
-            traced = torch.jit.load(str(ts)).eval()
+        if "torchscript" in m.get("exports", {}):
+            traced = torch.jit.load(str(folder / m["exports"]["torchscript"]["file"])).eval()
             order = m["model"]["inputs"]
             served[label] = lambda b, traced=traced, order=order: traced(*(b[k] for k in order))
+    return runs, served, batch
+
+
+def cost(setting: str, reps: int = 7) -> dict[str, dict[str, Any]]:
+    """Multiply-adds per input (ratio to Single) and ms per batch of 1 and 32 of every row's model, built on random
+    weights of the shipped architectures, in one process; the rows' methods interleaved, batch by batch."""
+    from benchmarks.cost import count_macs
+    from offline.config import load_config
+    from offline.pipeline import heads_of_base
+
+    cfg = load_config(ROOT / "offline" / "configs" / f"{SETTINGS[setting]}.yaml")
+    runs, served, batch = _runners(setting, cfg)
     one, many = batch(1), batch(32)
     macs_single = count_macs(lambda: runs["Single"](one))
-    out: dict[str, dict[str, Any]] = {}
-    for label, run in runs.items():
-        out[label] = {"macs_ratio": round(count_macs(lambda run=run: run(one)) / macs_single, 3)}
+    out: dict[str, dict[str, Any]] = {
+        label: {"macs_ratio": round(count_macs(lambda run=run: run(one)) / macs_single, 3)}
+        for label, run in runs.items()
+    }
+    times: dict[tuple[str, str], list[float]] = {}
     for _ in range(reps):  # interleaved: every model once per round, so that a slow spell hits them all
         for label, run in runs.items():
-            for name, b in (("batch1", one), ("batch32", many)):
-                out[label].setdefault(f"_{name}", []).append(_time(lambda run=run, b=b: run(b), 1)["min_ms"])
-            if label in served:
-                for name, b in (("served_batch1", one), ("served_batch32", many)):
-                    out[label].setdefault(f"_{name}", []).append(_time(lambda s=served[label], b=b: s(b), 1)["min_ms"])
-    for row in out.values():
-        for key in [k for k in row if k.startswith("_")]:
-            times = row.pop(key)
-            row[key[1:]] = {"min_ms": round(min(times), 2), "median_ms": round(statistics.median(times), 2)}
+            timed = [("", run)] + ([("served_", served[label])] if label in served else [])
+            for prefix, fn in timed:
+                for name, b in (("batch1", one), ("batch32", many)):
+                    times.setdefault((label, prefix + name), []).append(_time(lambda fn=fn, b=b: fn(b), 1)["min_ms"])
+    for (label, key), ts in times.items():
+        out[label][key] = {"min_ms": round(min(ts), 2), "median_ms": round(statistics.median(ts), 2)}
     depth = len(heads_of_base(cfg) or [])
-    out["_setup"] = {"depth": depth, "members": M, "reps": reps, "threads": torch.get_num_threads()}
+    out["_setup"] = {"depth": depth, "members": cfg.hydra.members, "reps": reps, "threads": torch.get_num_threads()}
     return out
 
 

@@ -86,9 +86,8 @@ def _train(
     lever), the learning rate times ``lr_scale``, on each batch repeated ``copies`` times."""
     cfg: BuildConfig = ctx.config
     tcfg = member_train_config(cfg, i, ctx.adapter.num_layers(ctx.base.model))
-    tcfg = train_mod.TrainConfig(
-        **{**vars(tcfg), "lr": tcfg.lr * lr_scale, "last_blocks": 0, "distill_weight": 0.0, "unfreeze": "all"}
-    )
+    over = {"lr": tcfg.lr * lr_scale, "last_blocks": 0, "distill_weight": 0.0, "train_params": tuple(names)}
+    tcfg = train_mod.TrainConfig(**{**vars(tcfg), **over})
     data = member_data(ctx.data, cfg, tcfg.seed)
     y = np.asarray(data.train.labels, dtype=np.int64)
     get = train_mod.data_batcher(data.train.inputs, y, ctx.base.preprocessing, ctx.base.tokenizer, tcfg)
@@ -98,7 +97,7 @@ def _train(
         return _repeat(batch, copies), labels.repeat(copies)
 
     fwd = _forward(cfg.family)
-    return train_mod.fit(model, lambda m, b: fwd(m, b), get_copies, len(y), tcfg, desc, names=names)
+    return train_mod.fit(model, lambda m, b: fwd(m, b), get_copies, len(y), tcfg, desc)
 
 
 # ----------------------------------------------------------------------------- LoRA-Ensembles

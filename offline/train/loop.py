@@ -31,7 +31,7 @@ from .schedule import make_optimizer, make_scheduler
 Forward = Callable[[nn.Module, Batch], torch.Tensor]  # (model, batch) -> logits (B, C)
 
 # fields added after runs were recorded (distillation, partial fine-tuning), and their defaults
-_RECIPE_FIELDS = {"distill_weight": 0.0, "distill_temperature": 1.0, "last_blocks": 0}
+_RECIPE_FIELDS = {"distill_weight": 0.0, "distill_temperature": 1.0, "last_blocks": 0, "train_params": ()}
 # fields added after checkpoints existed, and their defaults
 _LATER_FIELDS = {"precision": "fp32", "crop_scale": 1.0, **_RECIPE_FIELDS}
 
@@ -158,24 +158,22 @@ def fit(
     desc: str = "train",
     resume: Resume | None = None,
     teacher: nn.Module | None = None,
-    names: Sequence[str] | None = None,
 ) -> list[float]:
     """Train ``model`` in place for ``tcfg.steps`` steps on ``n`` examples; the per-step losses of this run.
 
     ``get_batch(indices, step)`` gives the model batch and int64 labels ``(B,)`` of those examples;
     ``forward(model, batch)`` the logits ``(B, C)``. Only the parts in ``tcfg.unfreeze`` (of the last
-    ``tcfg.last_blocks`` blocks, when set) train. A ``teacher`` (not trained) adds distillation from
-    ``forward(teacher, batch)`` when ``tcfg.distill_weight > 0``. With ``resume`` the run saves every
-    ``tcfg.checkpoint_every`` steps into ``resume.folder`` and resumes from the last checkpoint there whose config,
-    data size and ``resume.key`` match. ``names``: the parameters that train, instead of those of ``tcfg.unfreeze``
-    and ``tcfg.last_blocks`` (an adapter's, a baseline's).
+    ``tcfg.last_blocks`` blocks, when set) train, or the parameters ``tcfg.train_params`` names. A ``teacher``
+    (not trained) adds distillation from ``forward(teacher, batch)`` when ``tcfg.distill_weight > 0``. With
+    ``resume`` the run saves every ``tcfg.checkpoint_every`` steps into ``resume.folder`` and resumes from the
+    last checkpoint there whose config, data size and ``resume.key`` match.
     """
     if n < 1:
         raise ValueError(f"{desc}: no training examples")
     torch.manual_seed(tcfg.seed)
     compute = Compute.of(tcfg.device, tcfg.precision)
     model.to(compute.device)
-    names = list(names) if names is not None else trainable_names(model, tcfg.unfreeze, tcfg.last_blocks)
+    names = list(tcfg.train_params) or trainable_names(model, tcfg.unfreeze, tcfg.last_blocks)
     if not names:
         raise ValueError(f"{desc}: unfreeze={tcfg.unfreeze!r} leaves no parameter to train")
     params, was_grad = _unfreeze(model, names)

@@ -105,6 +105,7 @@ class TrainConfig:
     seed: int = 0  # seeds the initialisation, dropout and the batch order
     unfreeze: str = "all"  # parts that train: "all" or "+"-joined attention, mlp, norm, head, embed
     last_blocks: int = 0  # only the last N transformer blocks train (with the final norm and head); 0 = every block
+    train_params: tuple[str, ...] = ()  # the parameters that train, by name (an adapter's); empty: unfreeze's parts
     hflip: bool = False  # images: random horizontal flips
     crop_scale: float = 1.0  # images: random resized crops of [crop_scale, 1] of the area (1 = none; timm: 0.08)
     checkpoint_every: int = 50  # member fine-tuning: steps between checkpoints (0 = none)

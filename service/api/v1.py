@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,7 +31,6 @@ from fastapi.responses import HTMLResponse, Response
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope
-from swagger_ui_bundle import swagger_ui_path
 
 from ..core.errors import Forbidden, NotFound, NotReady
 from ..lifecycle import not_ready_reason
@@ -54,12 +54,13 @@ from .schemas import (
 
 __all__ = ["DOCS_ASSETS", "FAST_ROUTES", "answer_body", "contract_openapi", "infer", "install_docs", "install_routes"]
 
-# Swagger UI's files, served by the app itself from the pinned swagger-ui-bundle package (no CDN: /docs works
-# offline): URL path under DOCS_ASSETS -> media type. A fixed list, each its own route: no request names a file.
+# Swagger UI 5's files (it reads the OpenAPI 3.1 document the app writes), served by the app itself from the
+# pinned fastapi-offline package (no CDN: /docs works offline): URL path under DOCS_ASSETS -> (the package's file,
+# media type). A fixed list, each its own route: no request names a file.
 SWAGGER_ASSETS = {
-    "swagger-ui-bundle.js": "text/javascript",
-    "swagger-ui.css": "text/css",
-    "favicon-32x32.png": "image/png",
+    "swagger-ui-bundle.js": ("swagger-ui-bundle.js", "text/javascript"),
+    "swagger-ui.css": ("swagger-ui.css", "text/css"),
+    "favicon-32x32.png": ("favicon.png", "image/png"),
 }
 DOCS_ASSETS = "/docs/assets"
 ERROR_REF = "#/components/schemas/ErrorResponse"
@@ -215,8 +216,10 @@ async def zero_shot(request: Request) -> Response:
 
 @functools.cache
 def _swagger_asset(name: str) -> bytes:
-    """One of :data:`SWAGGER_ASSETS`' files, read once (the bundle is about 1 MB)."""
-    return (swagger_ui_path / name).read_bytes()
+    """One of :data:`SWAGGER_ASSETS`' files, read once (the bundle is about 1.5 MB)."""
+    import fastapi_offline
+
+    return (Path(fastapi_offline.__file__).parent / "static" / name).read_bytes()
 
 
 def _asset_handler(name: str, media_type: str) -> Any:
@@ -246,8 +249,8 @@ def install_docs(app: FastAPI) -> None:
     and ``redoc_url=None`` (ReDoc has no pinned package to serve it from). Auth is the middleware's: with
     ``HYDRA_API_KEY`` set, ``/docs`` and its assets need the key alike."""
     app.get("/docs", include_in_schema=False)(swagger_ui)
-    for name, media_type in SWAGGER_ASSETS.items():
-        app.get(f"{DOCS_ASSETS}/{name}", include_in_schema=False)(_asset_handler(name, media_type))
+    for url, (name, media_type) in SWAGGER_ASSETS.items():
+        app.get(f"{DOCS_ASSETS}/{url}", include_in_schema=False)(_asset_handler(name, media_type))
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:

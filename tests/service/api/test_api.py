@@ -90,7 +90,7 @@ def test_health_ready_models_metrics_docs(client):
 
 def test_docs_page_loads_its_assets_from_the_server_itself(client):
     """/docs works offline: Swagger UI's script, style sheet and icon are URLs of this server (from the pinned
-    swagger-ui-bundle package), each answered 200 with its type; nothing points to another host. ReDoc is off."""
+    fastapi-offline package), each answered 200 with its type; nothing points to another host. ReDoc is off."""
     r = client.get("/docs")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     urls = re.findall(r'(?:src|href)="([^"]+)"', r.text)
