@@ -16,8 +16,9 @@ the spread of the per-seed differences is a tie).
 Cost, measured here side by side in one process on random weights of the same architectures (latency does not
 depend on the weights): multiply-adds per input against Single's (``torch.utils.flop_counter``), and milliseconds
 per batch of 1 and 32 in eager PyTorch (min and median of the repeats), with Hydra also as served (its artifact's
-TorchScript export). Writes ``benchmarks/results/frontier/<setting>.{md,json}`` and
-``benchmarks/results/plots/pareto_<setting>.png`` (served-score OOD AUROC against the multiply-add ratio).
+TorchScript export). Writes ``benchmarks/results/frontier/<setting>.{md,json}``,
+``benchmarks/results/plots/pareto_<setting>.png`` (served-score OOD AUROC against the multiply-add ratio), and the
+shipped recipe's figures into ``benchmarks/results/summary.json`` (``shipped``) and ``tables.md`` (first section).
 """
 
 from __future__ import annotations
@@ -423,14 +424,53 @@ def plot(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[str, A
     plt.close(fig)
 
 
+SUMMARY = ROOT / "benchmarks" / "results" / "summary.json"
+TABLES = ROOT / "benchmarks" / "results" / "tables.md"
+BEGIN, END = "<!-- shipped:begin (written by benchmarks/frontier.py) -->", "<!-- shipped:end -->"
+
+
+def publish(done: dict[str, str], docs: dict[str, Any]) -> None:
+    """The shipped recipe's figures into ``summary.json`` (its ``shipped`` block: per setting, each row's mean and
+    standard deviation over the seeds) and ``tables.md`` (between the shipped markers, first): the quality benchmark's
+    own tables below them compare its own member recipe, not the one the configs ship."""
+    summary = json.loads(SUMMARY.read_text()) if SUMMARY.is_file() else {}
+    block: dict[str, Any] = {"command": "python -m benchmarks.frontier", "settings": {}}
+    for setting, doc in docs.items():
+        rows = {}
+        for label, fs in doc["rows"].items():
+            keys = [k for k in fs[0] if isinstance(fs[0][k], (int, float)) and k != "seed"]
+            rows[label] = {
+                "seeds": [f["seed"] for f in fs],
+                **{
+                    k: {"mean": statistics.mean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0}
+                    for k in keys
+                    if (v := [f[k] for f in fs if f.get(k) is not None])
+                },
+            }
+        block["settings"][SETTINGS[setting]] = {"rows": rows, "cost": doc.get("cost")}
+    summary["shipped"] = block
+    SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
+    text = TABLES.read_text() if TABLES.is_file() else ""
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + text[text.index(END) + len(END) :].lstrip("\n")
+    section = [BEGIN, "", "### The shipped member recipe (`offline/configs/*-fast.yaml`, 3 seeds)", ""]
+    section += ["The tables after this section are the quality benchmark's own recipe (`benchmarks/quality.py`)."]
+    for md in done.values():
+        section += ["", md.replace("# ", "#### ", 1)]
+    TABLES.write_text("\n".join(section) + "\n" + END + "\n\n" + text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--no-cost", action="store_true", help="the tables from the builds only (no timing)")
     ap.add_argument("--reps", type=int, default=7, help="interleaved timing rounds")
+    ap.add_argument("--no-publish", action="store_true", help="leave summary.json and tables.md as they are")
     args = ap.parse_args(argv)
     machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
     OUT.mkdir(parents=True, exist_ok=True)
+    done: dict[str, str] = {}
+    docs: dict[str, Any] = {}
     for setting in args.settings:
         rows = collect(setting)
         if not rows:
@@ -440,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             (OUT / "zeroshot.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
             (OUT / "zeroshot.md").write_text(zero_shot_markdown(rows, machine))
             print((OUT / "zeroshot.md").read_text())
+            done[setting], docs[setting] = zero_shot_markdown(rows, machine), {"rows": rows}
             continue
         costs = None if args.no_cost or not build_dir(setting, "baselines", 0).is_dir() else cost(setting, args.reps)
         doc = {"setting": SETTINGS[setting], "machine": machine, "rows": rows, "cost": costs}
@@ -448,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
         if costs:
             plot(setting, rows, costs, PLOTS / f"pareto_{setting}.png")
         print((OUT / f"{setting}.md").read_text())
+        done[setting], docs[setting] = markdown(setting, rows, costs, machine), doc
+    if done and not args.no_publish:
+        publish(done, docs)
     return 0
 
 
