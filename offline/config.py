@@ -22,6 +22,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from service.core.artifact import OOD_SCORES as SERVED_SCORES
+from service.core.scores import ZERO_SHOT_SCORES as ZERO_SHOT_SERVED
 
 from .compute import DEVICES, PRECISIONS, resolve_device
 
@@ -30,7 +31,7 @@ STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 MEMBER_DATA = ("same", "order", "bootstrap")  # what each member fine-tunes on (hydra.member_data)
 OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD validation sets
 # labels come per request: no class statistics; the feature scores are label-free (distances to the ID images)
-ZERO_SHOT_SCORES = ("auto", "msp", "entropy", "mutual_information", "mahalanobis", "mahalanobis_layers")
+ZERO_SHOT_SCORES = ("auto", *ZERO_SHOT_SERVED)
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
 CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.core.conformal.SCORES)

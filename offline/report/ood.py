@@ -6,23 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from service.core.scores import REPORT_ORDER
+
 from .summary import OOD_KEYS
 from .tables import Cell, cell, method_table, table
 from .values import finite, num, pct, sig4
 
 # the order of OOD score columns; scores not listed follow in the order they appear
-SCORE_ORDER = (
-    "msp",
-    "max_logit",
-    "energy",
-    "entropy",
-    "mutual_information",
-    "mahalanobis",
-    "relative_mahalanobis",
-    "mahalanobis_mi",
-    "mahalanobis_energy",
-    "mahalanobis_layers",
-)
+SCORE_ORDER = REPORT_ORDER  # the registry's report order (service.core.scores)
 _OOD_HEADERS = ("AUROC %", "FPR95 %", "AUPR-In %", "AUPR-Out %")  # the headers of OOD_KEYS, in the same order
 # one OOD set: the detection metrics are always there (a missing one is a bug), MI / disagreement may not be
 _OOD_SET_COLUMNS: tuple[tuple[str, Cell], ...] = (

@@ -19,7 +19,8 @@ has labels and as many as its model's classes; a zero-shot artifact has a ``zero
 preprocessing with a ``text`` part; a served logit or feature score has the OOD statistics it needs; every file
 the manifest points to (weights, exports, OOD statistics, tokenizer) is listed in ``files`` once files are listed.
 
-Imports only the standard library and pydantic: the server reads artifacts without the builder's dependencies.
+Imports only the standard library, pydantic and the score registry (:mod:`service.core.scores`): the server reads
+artifacts without the builder's dependencies.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
+
+from .scores import FEATURE_SCORES, LOGIT_SCORES, SCORES
 
 __all__ = [
     "DEFAULT_TEMPLATE",
@@ -73,23 +76,10 @@ __all__ = [
 FORMAT_VERSION: Final = 1
 OOD_FILE = "ood.safetensors"  # the OOD statistics (.ood.ood_tensors), when the artifact has them
 DEFAULT_TEMPLATE = "A photo of a {label}."  # the zero-shot prompt when neither the artifact nor a request names one
-# the OOD scores a threshold can be calibrated on (.uncertainty.OOD_METRICS, .ood compute them; a test holds the two
-# lists equal): the ensemble's probability scores, then logit and feature scores (docs/artifact.md)
-OOD_SCORES = (
-    "msp",
-    "entropy",
-    "mutual_information",
-    "energy",
-    "max_logit",
-    "mahalanobis",
-    "relative_mahalanobis",
-    "mahalanobis_mi",
-    "mahalanobis_energy",
-    "mahalanobis_layers",
-)
-LOGIT_SCORES = ("energy", "max_logit")  # need the artifact's OOD statistics (ood block)
-# need them and the features output
-FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")
+# the OOD scores a threshold can be calibrated on, in the registry's order (.scores: every list of score names is
+# derived there); the logit scores need the artifact's OOD statistics (ood block), the feature scores those and the
+# features output
+OOD_SCORES = tuple(SCORES)
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 # a model version as the API shows it (URL path segment of the Open Inference Protocol): no slash, no space
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

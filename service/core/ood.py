@@ -41,11 +41,13 @@ condition number, and float32 loses digits on the squared distances.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
+from .scores import FEATURE_SCORES, OOD_METRICS, PER_MEMBER_SCORES, SCORES, SUMMARY_SCORES
+from .uncertainty import summarize
 
 __all__ = [
     "FEATURE_SCORES",
@@ -201,12 +203,10 @@ def stats_from_tensors(tensors: dict[str, torch.Tensor], prefix: str = "gaussian
 
 
 # ----------------------------------------------------------------------------- the served scores
-# Every score the server can serve and its direction: service.core.uncertainty.OOD_METRICS (True: higher = in
-# distribution, MSP only). The probability scores come from service.core.uncertainty.summarize, the next two from the
-# members' logits; the last three need the members' penultimate features and the artifact's Gaussian statistics.
+# Every score the server can serve and its direction: the registry, service.core.scores (True: higher = in
+# distribution, MSP only). The probability scores come from service.core.uncertainty.summarize, the logit scores from
+# the members' logits; the feature scores need the members' penultimate features and the artifact's statistics.
 HIGHER_IS_ID = OOD_METRICS
-FEATURE_SCORES = ("mahalanobis", "relative_mahalanobis", "mahalanobis_mi", "mahalanobis_energy", "mahalanobis_layers")
-PER_MEMBER_SCORES = ("energy", "max_logit", "mahalanobis", "relative_mahalanobis")
 # how mahalanobis_layers combines its columns (:func:`reduce_layers`); the index is what the artifact stores
 LAYER_REDUCTIONS = ("max", "mean", "members")
 
@@ -314,16 +314,8 @@ def reduce_layers(columns: torch.Tensor, column_norms: tuple[torch.Tensor, torch
     raise ValueError(f"unknown layer reduction {reduce!r}; known: {list(LAYER_REDUCTIONS)}")
 
 
-# what each served score combines of the per-member scores (ensemble_scores(..., only=...) computes just these)
-MEMBER_NEEDS = {
-    "energy": ("energy",),
-    "max_logit": ("max_logit",),
-    "mahalanobis": ("mahalanobis",),
-    "relative_mahalanobis": ("relative_mahalanobis",),
-    "mahalanobis_mi": ("mahalanobis",),
-    "mahalanobis_energy": ("mahalanobis", "energy"),
-    "mahalanobis_layers": ("mahalanobis",),
-}
+# what each served score combines of the per-member scores (ensemble_scores(..., only=...) computes just these):
+# service.core.scores.MEMBER_NEEDS
 
 
 def member_scores(
@@ -378,24 +370,67 @@ def ensemble_scores(
     """
     s = summary if summary is not None else summarize(logits, temperature)
     out = {k: s[k].to(torch.float64) for k in SUMMARY_SCORES}
-    if stats is None or (only is not None and only not in MEMBER_NEEDS):
+    entry = SCORES.get(only) if only is not None else None
+    if stats is None or (only is not None and (entry is None or not entry.members)):
         return out
-    want = (lambda k: True) if only is None else (lambda k: k == only)
-    names = None if only is None else MEMBER_NEEDS[only]
+    names = None if entry is None else entry.members
     per_member = member_scores(logits, features, stats.gaussians, temperature, names)
     for name, values in per_member.items():
         if name in stats.norms:
             out[name] = combine(values, *stats.norms[name])
-    if want("mahalanobis_mi") and "mahalanobis" in out and "mutual_information" in stats.norms:
-        mi = standardize(out["mutual_information"].unsqueeze(1), *stats.norms["mutual_information"]).squeeze(1)
-        out["mahalanobis_mi"] = out["mahalanobis"] + mi
-    if want("mahalanobis_energy") and "mahalanobis" in out and "energy" in out:  # feature and logit space
-        out["mahalanobis_energy"] = out["mahalanobis"] + out["energy"]
-    if want("mahalanobis_layers") and "mahalanobis" in out and stats.layers is not None and layer_features is not None:
-        last = standardize(per_member["mahalanobis"], *stats.norms["mahalanobis"]).unsqueeze(2)  # (B, M, 1)
-        columns = torch.cat([last, layer_pair_scores(layer_features, stats.layers)], dim=2)  # (B, M, K+1)
-        out["mahalanobis_layers"] = reduce_layers(columns, stats.layers.column_norms, stats.layers.reduce)
+    for name, fn in _combined().items():  # the scores made of others, in the registry's order (service.core.scores)
+        if only is None or only == name:
+            value = fn(out, per_member, stats, layer_features)
+            if value is not None:
+                out[name] = value
     return out
+
+
+# ----------------------------------------------------------------------------- the scores made of others
+# Each takes the ensemble scores computed so far, the per-member scores, the statistics and the layer features, and
+# gives its value (B,), or None where its inputs are missing. service.core.scores names them (Score.combine).
+def mahalanobis_mi(
+    out: dict[str, torch.Tensor], per_member: dict[str, torch.Tensor], stats: OODStats, layers: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The combined Mahalanobis score plus the standardised mutual information: an input the members disagree on
+    counts as more foreign than its distance alone says."""
+    if "mahalanobis" not in out or "mutual_information" not in stats.norms:
+        return None
+    mi = standardize(out["mutual_information"].unsqueeze(1), *stats.norms["mutual_information"]).squeeze(1)
+    return out["mahalanobis"] + mi
+
+
+def mahalanobis_energy(
+    out: dict[str, torch.Tensor], per_member: dict[str, torch.Tensor], stats: OODStats, layers: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The combined Mahalanobis score plus the combined energy: feature space and logit space."""
+    return out["mahalanobis"] + out["energy"] if "mahalanobis" in out and "energy" in out else None
+
+
+def mahalanobis_layers(
+    out: dict[str, torch.Tensor], per_member: dict[str, torch.Tensor], stats: OODStats, layers: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The last feature's and the selected layers' standardised scores, combined as ``stats.layers.reduce`` says."""
+    if "mahalanobis" not in out or stats.layers is None or layers is None:
+        return None
+    last = standardize(per_member["mahalanobis"], *stats.norms["mahalanobis"]).unsqueeze(2)  # (B, M, 1)
+    columns = torch.cat([last, layer_pair_scores(layers, stats.layers)], dim=2)  # (B, M, K+1)
+    return reduce_layers(columns, stats.layers.column_norms, stats.layers.reduce)
+
+
+def _combined() -> dict[str, Callable[..., torch.Tensor | None]]:
+    """The registry's ``combine`` functions by score name, each found in this module (an unknown one: an error)."""
+    found = {}
+    for s in SCORES.values():
+        if s.combine is not None:
+            fn = globals().get(s.combine)
+            if not callable(fn):
+                raise ImportError(f"service.core.scores: score {s.name!r} names combine {s.combine!r}, not in ood.py")
+            found[s.name] = fn
+    return found
+
+
+COMBINED = _combined()  # checked at import: a registry entry naming a function that is not here stops the server
 
 
 def fit_norms(scores: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -17,24 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from .scores import OOD_METRICS, SUMMARY_SCORES
+
 __all__ = ["OOD_METRICS", "SUMMARY_SCORES", "entropy", "summarize", "ood_score", "ood_flag", "member_probs"]
 
-# Every OOD score an artifact can serve, and whether a higher value means "more in-distribution" (MSP only; the
-# others are outlier scores). The first three are fields of :func:`summarize`; the others are computed from the
-# members' logits and penultimate features by :mod:`service.core.ood`.
-OOD_METRICS: dict[str, bool] = {
-    "msp": True,
-    "entropy": False,
-    "mutual_information": False,
-    "energy": False,
-    "max_logit": False,
-    "mahalanobis": False,
-    "relative_mahalanobis": False,
-    "mahalanobis_mi": False,
-    "mahalanobis_energy": False,
-    "mahalanobis_layers": False,
-}
-SUMMARY_SCORES = ("msp", "entropy", "mutual_information")  # the scores :func:`ood_score` reads from a summary
+# Every OOD score an artifact can serve and its direction (True: higher = more in-distribution, MSP only), and the
+# three :func:`summarize` gives: the registry's (service.core.scores)
 
 
 def member_probs(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
