@@ -165,7 +165,7 @@ def test_drift_alarm_false_alarms_over_split_draws(outputs):
 
 def test_drift_alarm_is_quiet_on_the_served_split_and_id_traffic(outputs):
     """The server's own alarm (the model's calibration split) on 100 streams of 10,000 ID test and validation inputs:
-    none alarmed. (These splits are not exactly exchangeable with the calibration split, see the README.)"""
+    none alarmed. (These splits are not exactly exchangeable with the calibration split, see docs/guarantees.md.)"""
     bets, pool, _, a, cap = _drift(outputs)
     _, on = alarm_paths(bets.log_e(np.random.default_rng(5).choice(pool, (100, 10_000))), a, cap)
     assert not on.any(), int(on.any(axis=1).sum())
