@@ -79,17 +79,24 @@ def _auroc(row: dict[str, Any], score: str, kinds: dict[str, str], kind: str | N
     return sum(vals) / len(vals) if vals else None
 
 
-def figures(out: Path, method: str) -> dict[str, Any] | None:
-    """One method's figures in one build (None when the build or the row is missing)."""
+def _report_row(out: Path, method: str) -> tuple[dict[str, Any], dict[str, str], str] | None:
+    """``(the method's row of the build's report, the OOD sets' kinds, the served score)``; None when the build or the
+    row is missing."""
     report, manifest = out / "report.json", out / "manifest.json"
     if not report.is_file() or not manifest.is_file():
         return None
     doc = json.loads(report.read_text())
-    rows = {r["method"]: r for r in doc["rows"]}
-    if method not in rows:
-        return None
-    r, kinds = rows[method], doc["ood_kinds"]
+    row = next((r for r in doc["rows"] if r["method"] == method), None)
     served = json.loads(manifest.read_text())["uncertainty"]["ood_score"]
+    return None if row is None else (row, doc["ood_kinds"], served)
+
+
+def figures(out: Path, method: str) -> dict[str, Any] | None:
+    """One method's figures in one build (None when the build or the row is missing)."""
+    found = _report_row(out, method)
+    if found is None:
+        return None
+    r, kinds, served = found
     cal = r.get("calibrated", {})
     return {
         "acc": r["acc"],
@@ -111,14 +118,10 @@ def figures(out: Path, method: str) -> dict[str, Any] | None:
 
 def zero_shot_figures(out: Path, method: str) -> dict[str, Any] | None:
     """One zero-shot row's figures in one build: accuracy, ECE, NLL, Brier and the MSP AUROC on near and far sets."""
-    report = out / "report.json"
-    if not report.is_file():
+    found = _report_row(out, method)
+    if found is None:
         return None
-    doc = json.loads(report.read_text())
-    rows = {r["method"]: r for r in doc["rows"]}
-    if method not in rows:
-        return None
-    r, kinds = rows[method], doc["ood_kinds"]
+    r, kinds, _ = found
 
     def auroc(kind: str) -> float | None:
         vals = [v["auroc"] for name, v in r["ood"].items() if kinds.get(name) == kind]
@@ -266,36 +269,26 @@ def _ms(values: list[float | None], pct: bool = True, digits: int = 1) -> str:
     return f"{m:.{digits}f} ± {sd:.{digits}f}"
 
 
-QUALITY = (  # (column, key, percent, digits)
-    ("acc %", "acc", True, 1),
-    ("NLL T=1", "nll", False, 3),
-    ("NLL own T", "nll_ts", False, 3),
-    ("Brier", "brier", False, 3),
-    ("ECE % T=1", "ece", True, 1),
-    ("ECE % own T", "ece_ts", True, 1),
-    ("AURC", "aurc", False, 4),
-    ("MSP AUROC %", "auroc_msp", True, 1),
-    ("served AUROC % near", "auroc_served_near", True, 1),
-    ("served AUROC % far", "auroc_served_far", True, 1),
-)
+# how each figure is shown: (in percent, decimals)
+FORMAT = {"acc": (True, 1), "ece": (True, 1), "ece_ts": (True, 1), "aurc": (False, 4)}
+FORMAT |= {k: (False, 3) for k in ("nll", "nll_ts", "brier")}
+FORMAT |= {
+    k: (True, 1) for k in ("auroc_msp", "auroc_served_near", "auroc_served_far", "auroc_msp_near", "auroc_msp_far")
+}
+QUALITY = [("acc %", "acc"), ("NLL T=1", "nll"), ("NLL own T", "nll_ts"), ("Brier", "brier"), ("ECE % T=1", "ece")]
+QUALITY += [("ECE % own T", "ece_ts"), ("AURC", "aurc"), ("MSP AUROC %", "auroc_msp")]
+QUALITY += [("served AUROC % near", "auroc_served_near"), ("served AUROC % far", "auroc_served_far")]
 # Hydra against a baseline: (figure, key, lower is better)
-VERSUS = (
-    ("served OOD AUROC", "auroc_served", False),
-    ("MSP AUROC", "auroc_msp", False),
-    ("accuracy", "acc", False),
-    ("ECE, own T", "ece_ts", True),
-    ("NLL, own T", "nll_ts", True),
-)
+VERSUS = (("served OOD AUROC", "auroc_served", False), ("MSP AUROC", "auroc_msp", False))
+VERSUS += (("accuracy", "acc", False), ("ECE, own T", "ece_ts", True), ("NLL, own T", "nll_ts", True))
+# the zero-shot table's columns: each method at its own row's temperature (Hydra at the served one)
+ZERO_SHOT_COLUMNS = [("acc %", "acc"), ("ECE %", "ece"), ("NLL", "nll"), ("Brier", "brier")]
+ZERO_SHOT_COLUMNS += [("AUROC % near", "auroc_msp_near"), ("AUROC % far", "auroc_msp_far")]
 
 
-ZERO_SHOT_COLUMNS = (
-    ("acc %", "acc", True, 1),
-    ("ECE %", "ece", True, 1),
-    ("NLL", "nll", False, 3),
-    ("Brier", "brier", False, 3),
-    ("AUROC % near", "auroc_msp_near", True, 1),
-    ("AUROC % far", "auroc_msp_far", True, 1),
-)
+def _cells(fs: list[dict[str, Any]], columns: list[tuple[str, str]]) -> list[str]:
+    """One table row's cells: the seeds, then each column's mean ± std over them."""
+    return [", ".join(str(f["seed"]) for f in fs)] + [_ms([f[k] for f in fs], *FORMAT[k]) for _, k in columns]
 
 
 def zero_shot_markdown(rows: dict[str, list[dict[str, Any]]], machine: str) -> str:
@@ -311,12 +304,11 @@ def zero_shot_markdown(rows: dict[str, list[dict[str, Any]]], machine: str) -> s
         "user's own words for the same six classes (`benchmarks/recipe.py`, `FASHION_WORDS`). Mean ± std over the "
         f"seeds. Machine: {machine}.",
         "",
-        "| method | seeds | " + " | ".join(c for c, *_ in ZERO_SHOT_COLUMNS) + " |",
+        "| method | seeds | " + " | ".join(c for c, _ in ZERO_SHOT_COLUMNS) + " |",
         "|---|---|" + "---|" * len(ZERO_SHOT_COLUMNS),
     ]
     for label, fs in rows.items():
-        cells = [label, ", ".join(str(f["seed"]) for f in fs)]
-        cells += [_ms([f[k] for f in fs], pct, d) for _, k, pct, d in ZERO_SHOT_COLUMNS]
+        cells = [label, *_cells(fs, ZERO_SHOT_COLUMNS)]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Hydra against Single over paired seeds (win / tie / loss, mean difference):", ""]
     lines += ["| Hydra | against | ECE | NLL | AUROC near | AUROC far |", "|---|---|---|---|---|---|"]
@@ -345,12 +337,11 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
         "trunk-half trunk-3q --seeds 0 1 2`), mean ± std over the seeds each row lists; figures on test data, "
         f"scores and thresholds fixed on validation data. Served score: `{served}`. Machine: {machine}.",
         "",
-        "| method | seeds | " + " | ".join(c for c, *_ in QUALITY) + " | parameters |",
+        "| method | seeds | " + " | ".join(c for c, _ in QUALITY) + " | parameters |",
         "|---|---|" + "---|" * (len(QUALITY) + 1),
     ]
     for label, fs in rows.items():
-        cells = [label, ", ".join(str(f["seed"]) for f in fs)]
-        cells += [_ms([f[k] for f in fs], pct, d) for _, k, pct, d in QUALITY]
+        cells = [label, *_cells(fs, QUALITY)]
         cells.append(f"{fs[0]['params'] / 1e6:.2f} M")
         lines.append("| " + " | ".join(cells) + " |")
     hydra = rows.get("Hydra (k = 0, shipped)", [])

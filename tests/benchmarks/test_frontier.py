@@ -3,7 +3,6 @@ score's AUROC per kind of OOD set, and Hydra's verdict against each row over pai
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -12,26 +11,21 @@ import pytest
 from benchmarks import frontier
 from offline.build import build
 from offline.config import load_config
-from tests.offline.conftest import LABELS, WORDS, save_minilm_like, ticket_build
+from tests.offline.conftest import ticket_build, write_user_files
 
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two seeds of a tiny text build with the baselines, laid out as the recipe benchmark's work folder."""
     root = tmp_path_factory.mktemp("frontier")
-    save_minilm_like(root / "ckpt", hidden=48, heads=4, max_positions=64)
-    with open(root / "tickets.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["text", "label"])
-        for i in range(150):
-            w.writerow([f"{WORDS[LABELS[i % 3]][i % 5]} ticket {i}", LABELS[i % 3]])
+    ckpt, tickets = write_user_files(root)
     (root / "near-chat.txt").write_text("".join(f"hello there, how are you on day {i}\n" for i in range(40)))
     (root / "far-weather.txt").write_text("".join(f"rain and wind over the hills on day {i}\n" for i in range(40)))
     work = root / "work" / "text-fast"
     for seed in (0, 1):
         over = ticket_build(
-            root / "ckpt",
-            root / "tickets.csv",
+            ckpt,
+            tickets,
             **{
                 "base.baselines": ["lora_ensemble", "laplace"],
                 "data.seed": seed,

@@ -100,7 +100,11 @@ def save_minilm_like(folder: Path, hidden: int, heads: int, max_positions: int =
 def user_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A tiny random BertForSequenceClassification with a 1000-label head (save_pretrained, with a tokenizer) and
     a CSV of 150 labelled texts."""
-    root = tmp_path_factory.mktemp("user")
+    return write_user_files(tmp_path_factory.mktemp("user"))
+
+
+def write_user_files(root: Path) -> tuple[Path, Path]:
+    """:func:`user_files`' checkpoint and CSV written under ``root``: ``(checkpoint folder, CSV)``."""
     save_minilm_like(root / "ckpt", hidden=48, heads=4, max_positions=64)
     with open(root / "tickets.csv", "w", newline="") as f:
         w = csv.writer(f)
