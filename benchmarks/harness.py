@@ -105,17 +105,21 @@ def start_server(
     log_file: Path | None = None,
     module: str = "service",
     inherit_output: bool = False,
+    new_session: bool = False,
 ) -> subprocess.Popen:
     """``python -m <module>`` on 127.0.0.1:``port`` (:func:`server_env` plus ``extra_env``).
 
     Its stdout and stderr go to ``log_file``; without one, to this process's own (``inherit_output``) or nowhere.
+    ``new_session``: the server leads a process group of its own (its workers can be signalled as one).
     """
     cmd, env = [sys.executable, "-m", module], server_env(artifact, port, extra_env)
     if log_file is not None:
         with open(log_file, "wb") as log:  # the child holds its own descriptor
-            return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=new_session
+            )
     out = None if inherit_output else subprocess.DEVNULL
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=new_session)
 
 
 def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 180.0) -> float:

@@ -9,8 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -79,18 +77,8 @@ def metric_sum(text: str, name: str) -> float:
 def test_two_workers_answer_as_one_server_survive_a_kill_and_stop_cleanly(tmp_path):
     art = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-w", guarantees={"risks": [0.5], "risk": 0.5})
     port = harness.free_port()
-    env = harness.server_env(
-        art, port, {"HYDRA_WORKERS": "2", "HYDRA_STATE_DIR": str(tmp_path / "state"), "HYDRA_LOG_LEVEL": "info"}
-    )
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    extra = {"HYDRA_WORKERS": "2", "HYDRA_STATE_DIR": str(tmp_path / "state"), "HYDRA_LOG_LEVEL": "info"}
+    proc = harness.start_server(art, port, extra, log_file=tmp_path / "server.log", new_session=True)
     try:
         harness.wait_ready(port, proc, timeout=120)
         pids = workers_of(proc.pid)
@@ -135,7 +123,6 @@ def test_two_workers_answer_as_one_server_survive_a_kill_and_stop_cleanly(tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        log.close()
     text = (tmp_path / "server.log").read_text()
     assert f"worker {victim} died" in text and "starting a replacement" in text
 

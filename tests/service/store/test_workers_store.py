@@ -8,8 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 from benchmarks import harness
@@ -29,17 +27,9 @@ def test_two_workers_agree_through_the_store(store_url: str, tmp_path: Path):
     art = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-ws", guarantees={"risks": [0.5], "risk": 0.5})
     port = harness.free_port()
     extra = {"HYDRA_WORKERS": "2", "HYDRA_STORE_URL": store_url, "HYDRA_STORE_FLUSH_MS": "20"}
-    env = harness.server_env(art, port, {**extra, "HYDRA_LOG_LEVEL": "warning"})
     (tmp_path / "state").mkdir(exist_ok=True)
-    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service"],
-        cwd=ROOT,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    extra |= {"HYDRA_LOG_LEVEL": "warning"}
+    proc = harness.start_server(art, port, extra, log_file=tmp_path / "server.log", new_session=True)
     try:
         harness.wait_ready(port, proc, timeout=120)
         assert len(workers_of(proc.pid)) == 2
@@ -82,4 +72,3 @@ def test_two_workers_agree_through_the_store(store_url: str, tmp_path: Path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        log.close()
