@@ -25,8 +25,9 @@ from service.core.artifact import OOD_SCORES as SERVED_SCORES
 from service.core.scores import ZERO_SHOT_SCORES as ZERO_SHOT_SERVED
 
 from .compute import DEVICES, PRECISIONS, resolve_device
+from .families import ADAPTERS
 
-FAMILIES = ("vit", "bert", "clip")
+FAMILIES = tuple(ADAPTERS)  # the model families, one adapter each (offline/families)
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 MEMBER_DATA = ("same", "order", "bootstrap")  # what each member fine-tunes on (hydra.member_data)
 OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD validation sets

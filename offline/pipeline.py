@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,11 +137,12 @@ def load_base(cfg: BuildConfig, data: Data, out: Path | None = None) -> BaseMode
     """The base classifier (eval) with the artifact's preprocessing, its tokenizer (text; else None) and its
     description for the manifest."""
     ckpt = base_checkpoint_dir(cfg, out, data)
-    if cfg.family == "vit":
-        return _vit_base(cfg, data, ckpt)
-    if cfg.family == "bert":
-        return _bert_base(cfg, data, ckpt)
-    raise ConfigError(f"family {cfg.family!r} is not a classifier family (vit, bert); clip builds are zero-shot")
+    loader = BASE_LOADERS.get(cfg.family)
+    if loader is None:
+        raise ConfigError(
+            f"family {cfg.family!r} is not a classifier family ({', '.join(BASE_LOADERS)}); clip builds are zero-shot"
+        )
+    return loader(cfg, data, ckpt)
 
 
 def _vit_base(cfg: BuildConfig, data: Data, ckpt: Path | None) -> BaseModel:
@@ -415,3 +417,7 @@ def check_members_done(ctx: BuildContext) -> None:
                 f"--stage finish: member {i} is at step {done} of {h.finetune_steps} "
                 f"(run --stage member --member {i} first)"
             )
+
+
+# the classifier families' base loaders, by family (the zero-shot family's is offline.pipeline_clip.load_base_clip)
+BASE_LOADERS: dict[str, Callable[[BuildConfig, Data, Path | None], BaseModel]] = {"vit": _vit_base, "bert": _bert_base}
