@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -168,13 +170,24 @@ def _layer_data(n: int = 240, members: int = 2, layers: int = 3, dim: int = 6, s
     return logits, feats, z, y
 
 
+def _fitted_layer_data() -> tuple[Any, ...]:
+    """:func:`_layer_data` split into fit, validation and new inputs, with the last feature's statistics fitted and
+    its Mahalanobis score on validation: ``(logits, feats, layers, y, (fit, val, new), stats, val_md)``."""
+    from offline.ood_fit import fit_ood_stats, scores_np
+
+    logits, feats, layers, y = _layer_data()
+    fit, val, new = slice(0, 120), slice(120, 180), slice(180, 240)
+    stats = fit_ood_stats(feats[fit], y[fit], 3, logits[val], feats[val], 1.0)
+    val_md = torch.from_numpy(scores_np((logits[val], feats[val], None), stats, 1.0)["mahalanobis"])
+    return logits, feats, layers, y, (fit, val, new), stats, val_md
+
+
 def test_layer_candidates_equal_the_served_score_on_their_restricted_statistics():
     """What selection computes for a layer set (layer_columns + candidate_scores, once for all sets) is exactly what
     the server computes with the statistics restricted to that set (ensemble_scores), on other inputs too."""
     from offline.ood_fit import (
         candidate_scores,
         fit_layer_stats,
-        fit_ood_stats,
         layer_candidates,
         layer_columns,
         restrict_layers,
@@ -182,10 +195,7 @@ def test_layer_candidates_equal_the_served_score_on_their_restricted_statistics(
         with_layers,
     )
 
-    logits, feats, layers, y = _layer_data()
-    fit, val, new = slice(0, 120), slice(120, 180), slice(180, 240)
-    stats = fit_ood_stats(feats[fit], y[fit], 3, logits[val], feats[val], 1.0)
-    val_md = torch.from_numpy(scores_np((logits[val], feats[val], None), stats, 1.0)["mahalanobis"])
+    logits, feats, layers, y, (fit, val, new), stats, val_md = _fitted_layer_data()
     full = fit_layer_stats(layers[fit], y[fit], 3, layers[val], val_md)
     assert layer_candidates(3) == [(0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2)]
     run = (logits[new], feats[new], layers[new])
@@ -252,17 +262,13 @@ def test_label_free_layer_statistics_are_one_gaussian_of_every_fit_input():
     from offline.ood_fit import (
         candidate_scores,
         fit_layer_stats,
-        fit_ood_stats,
         layer_columns,
         restrict_layers,
         scores_np,
         with_layers,
     )
 
-    logits, feats, layers, y = _layer_data()
-    fit, val, new = slice(0, 120), slice(120, 180), slice(180, 240)
-    stats = fit_ood_stats(feats[fit], y[fit], 3, logits[val], feats[val], 1.0)
-    val_md = torch.from_numpy(scores_np((logits[val], feats[val], None), stats, 1.0)["mahalanobis"])
+    logits, feats, layers, y, (fit, val, new), stats, val_md = _fitted_layer_data()
     free = fit_layer_stats(layers[fit], y[fit], 3, layers[val], val_md, label_free=True)
     n, m, k, d = layers[fit].shape
     assert free.gaussians.means.shape == (m * k, 1, d)
