@@ -1,5 +1,7 @@
 """The database behind the store: which one (a URL), its engine, its transactions, and what counts as "down".
 
+The databases' own settings and SQL live in :mod:`.backends`, one class each; this module drives them.
+
 **Which database.** ``HYDRA_STORE_URL`` names it: ``postgresql://user:password@host:5432/db`` (several replicas
 share one) or ``sqlite:///path``; unset, the store is a SQLite file ``store.db`` in ``HYDRA_STATE_DIR`` (default
 ``$XDG_STATE_HOME/hydra-serve``, else ``~/.local/state/hydra-serve``, the XDG base directory for state). PostgreSQL
@@ -32,16 +34,14 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, exc, insert, select, text
-from sqlalchemy.dialects import postgresql as pg_dialect
-from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy import Connection, exc, insert, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.sql.dml import Insert
 
+from .backends import BACKENDS, DatabaseConfig, backend_for_scheme
 from .errors import StoreError, StoreUnavailable
 from .schema import SCHEMA_KEY, SCHEMA_VERSION, metadata, state
 
@@ -50,8 +50,6 @@ __all__ = ["Database", "DatabaseConfig", "default_state_dir", "is_transient", "r
 log = logging.getLogger("hydra.store")
 
 STORE_FILE = "store.db"
-# PostgreSQL: an arbitrary constant naming the advisory lock held while the schema is created
-SCHEMA_LOCK = 0x48594452
 
 
 def default_state_dir() -> Path:
@@ -65,11 +63,10 @@ def resolve_url(url: str | None, state_dir: str | os.PathLike[str] | None) -> st
     ``store.db`` in ``state_dir`` (default :func:`default_state_dir`)."""
     if url:
         scheme, sep, rest = url.strip().partition("://")
-        if scheme.lower() in ("postgres", "postgresql", "postgresql+psycopg"):
-            return f"postgresql+psycopg://{rest}"
-        if scheme.lower() == "sqlite":
-            return url.strip()
-        raise StoreError(f"store URL: scheme {scheme!r} is not supported; use postgresql:// or sqlite://")
+        backend = backend_for_scheme(scheme)
+        if backend is None:
+            raise StoreError(f"store URL: scheme {scheme!r} is not supported; use postgresql:// or sqlite://")
+        return backend.url(scheme, rest)
     folder = Path(state_dir) if state_dir else default_state_dir()
     return f"sqlite:///{(folder / STORE_FILE).absolute()}"
 
@@ -90,16 +87,6 @@ def short_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-@dataclass(frozen=True)
-class DatabaseConfig:
-    """How to reach the database and how long to wait on it."""
-
-    url: str  # a SQLAlchemy URL (resolve_url)
-    busy_timeout_s: float = 5.0  # wait for a lock (SQLite: the write lock; PostgreSQL: a row or table lock)
-    connect_timeout_s: float = 5.0  # PostgreSQL: a server that does not answer is down after this long
-    statement_timeout_s: float = 30.0  # PostgreSQL: longest statement (a large read)
-
-
 class Database:
     """One engine and its transactions; every method is blocking (call it off the event loop)."""
 
@@ -107,59 +94,17 @@ class Database:
         self.config = config
         self.url = make_url(config.url)
         self.dialect = self.url.get_backend_name()  # "sqlite" or "postgresql"
-        if self.dialect not in ("sqlite", "postgresql"):
+        if self.dialect not in BACKENDS:
             raise StoreError(f"store URL: backend {self.dialect!r} is not supported; use postgresql or sqlite")
+        self.backend = BACKENDS[self.dialect]
         self._schema_ok = False
         self._schema_lock = threading.Lock()
-        self.engine = self._sqlite_engine() if self.dialect == "sqlite" else self._postgres_engine()
+        self.engine = self.backend.engine(self.url, config)
 
     @property
     def where(self) -> str:
         """The database for logs: the URL without its password."""
         return self.url.render_as_string(hide_password=True)
-
-    def _sqlite_engine(self) -> Engine:
-        engine = create_engine(
-            self.url,
-            connect_args={"timeout": self.config.busy_timeout_s, "check_same_thread": False},
-            pool_size=4,
-            max_overflow=4,
-        )
-        busy_ms = int(self.config.busy_timeout_s * 1000)
-
-        @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            dbapi_conn.isolation_level = None  # no implicit BEGIN: the "begin" listener below emits ours
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=FULL")
-            cur.execute(f"PRAGMA busy_timeout={busy_ms}")
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _begin(conn: Connection) -> None:
-            immediate = conn.get_execution_options().get("hydra_write", False)
-            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
-
-        return engine
-
-    def _postgres_engine(self) -> Engine:
-        lock_ms, statement_ms = int(self.config.busy_timeout_s * 1000), int(self.config.statement_timeout_s * 1000)
-        return create_engine(
-            self.url,
-            pool_size=4,
-            max_overflow=4,
-            pool_pre_ping=True,
-            pool_timeout=self.config.connect_timeout_s,
-            # many rows go through psycopg's executemany (one statement, pipelined), not SQLAlchemy's multi-VALUES
-            # statements, which psycopg parses in Python once per 1,000 rows (most of a 10,000-row batch's time)
-            use_insertmanyvalues=False,
-            connect_args={
-                "connect_timeout": max(1, round(self.config.connect_timeout_s)),
-                "options": f"-c statement_timeout={statement_ms} -c lock_timeout={lock_ms}",
-                "application_name": "hydra-serve",
-            },
-        )
 
     # ------------------------------------------------------------------------------------------ transactions
 
@@ -182,14 +127,11 @@ class Database:
     def serialize(self, conn: Connection, name: str) -> None:
         """Hold a lock named ``name`` until ``conn``'s transaction ends, so that transactions naming it run one at a
         time: on PostgreSQL an advisory lock; on SQLite every write transaction holds the one write lock already."""
-        if self.dialect == "postgresql":
-            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
+        self.backend.serialize(conn, name)
 
     def insert(self, table: Any) -> Insert:
         """``INSERT ... ON CONFLICT DO NOTHING`` in this database's dialect: a row whose key exists is skipped."""
-        if self.dialect == "postgresql":
-            return pg_dialect.insert(table).on_conflict_do_nothing()
-        return sqlite_dialect.insert(table).on_conflict_do_nothing()
+        return self.backend.insert(table)
 
     @contextlib.contextmanager
     def guarded(self, what: str) -> Iterator[None]:
@@ -211,16 +153,18 @@ class Database:
         """PostgreSQL: refresh the planner's statistics of ``tables`` (best effort). Without them a table just
         filled looks empty, and a join over it runs as a nested loop over every pair of rows (seconds for 10,000
         rows); autovacuum catches up only after its own delay. SQLite's planner prefers the indexes without them."""
-        if self.dialect == "postgresql":
-            self._maintain(f"ANALYZE {', '.join(tables)}")
+        sql = self.backend.after_fill(tables)
+        if sql is not None:
+            self._maintain(sql)
 
     def checkpoint(self) -> None:
         """SQLite: copy the write-ahead log into the database and truncate it (best effort). SQLite's own
         checkpoints after each 1,000 pages restart the log only when no reader is inside it, which a busy server
         rarely allows, so the log file grows; this one waits for the readers (new ones go on unimpeded) and
         empties it. The writer calls it after each retention pass. PostgreSQL: nothing to do."""
-        if self.dialect == "sqlite":
-            self._maintain("PRAGMA wal_checkpoint(TRUNCATE)")
+        sql = self.backend.checkpoint()
+        if sql is not None:
+            self._maintain(sql)
 
     def _maintain(self, sql: str) -> None:
         """Run one maintenance statement outside a transaction, best effort: a failure is logged, not raised."""
@@ -246,14 +190,11 @@ class Database:
         with self._schema_lock:
             if self._schema_ok:
                 return
-            path = self.url.database
-            if self.dialect == "sqlite" and path and path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self.backend.prepare(self.url)
             with self.engine.connect() as conn:
                 conn.execution_options(hydra_write=True)
                 with conn.begin():
-                    if self.dialect == "postgresql":
-                        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})")
+                    self.backend.schema_lock(conn)
                     metadata.create_all(conn, checkfirst=True)
                     self._check_version(conn)
             self._schema_ok = True
