@@ -344,24 +344,25 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
         cells = [label, *_cells(fs, QUALITY)]
         cells.append(f"{fs[0]['params'] / 1e6:.2f} M")
         lines.append("| " + " | ".join(cells) + " |")
-    hydra = rows.get("Hydra (k = 0, shipped)", [])
-    others = [label for label in rows if label not in ("Hydra (k = 0, shipped)",)]
-    if hydra:
-        lines += ["", "Hydra (shipped) against each row over paired seeds (win / tie / loss):", ""]
-        lines += ["| against | " + " | ".join(v for v, *_ in VERSUS) + " |", "|---|" + "---|" * len(VERSUS)]
-        for label in others:
-            pairs = [(h, o) for h in hydra for o in rows[label] if h["seed"] == o["seed"]]
-            cells = [label]
-            for _, key, lower in VERSUS:
-                ok = [(h[key], o[key]) for h, o in pairs if h[key] is not None and o[key] is not None]
-                if not ok:
-                    cells.append("–")
-                    continue
-                hv, ov = zip(*ok, strict=True)
-                diff = statistics.mean(hv) - statistics.mean(ov)
-                scale = 100 if key != "nll_ts" else 1
-                cells.append(f"{verdict(list(hv), list(ov), lower)} ({diff * scale:+.2f})")
-            lines.append("| " + " | ".join(cells) + " |")
+    versus = [(h, o) for h in rows if h.startswith("Hydra") for o in rows if o != h]  # each Hydra row, each other
+    lines += [
+        "",
+        "Each Hydra row against each other row over paired seeds (win / tie / loss, Hydra's mean difference):",
+    ]
+    lines += ["", "| Hydra | against | " + " | ".join(v for v, *_ in VERSUS) + " |", "|---|---|" + "---|" * len(VERSUS)]
+    for mine, theirs in versus:
+        pairs = [(h, o) for h in rows[mine] for o in rows[theirs] if h["seed"] == o["seed"]]
+        cells = [mine, theirs]
+        for _, key, lower in VERSUS:
+            ok = [(h[key], o[key]) for h, o in pairs if h[key] is not None and o[key] is not None]
+            if not ok:
+                cells.append("–")
+                continue
+            hv, ov = zip(*ok, strict=True)
+            diff = statistics.mean(hv) - statistics.mean(ov)
+            scale = 100 if key != "nll_ts" else 1
+            cells.append(f"{verdict(list(hv), list(ov), lower)} ({diff * scale:+.2f})")
+        lines.append("| " + " | ".join(cells) + " |")
     if costs:
         setup = costs.get("_setup", {})
         lines += [
