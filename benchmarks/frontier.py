@@ -44,15 +44,17 @@ PLOTS = ROOT / "benchmarks" / "results" / "plots"
 SETTINGS = {"image": "image-fast", "text": "text-fast", "zeroshot": "zeroshot-fast"}
 SEEDS = (0, 1, 2)
 BASELINES = ("lora_ensemble", "batch_ensemble", "laplace")
-# (table row, build variant, report method)
+# (table row, build variants it may come from (the first built of each seed), report method). Single is the same
+# model in every variant of a seed (one cached base); Hydra with k = 0 is the shipped config with or without the
+# baselines' rows beside it (they run after it, on a forked random state)
 ROWS = (
-    ("Single", "baselines", "single"),
-    ("Single + Laplace (last layer)", "baselines", "laplace"),
-    ("LoRA-Ensemble", "baselines", "lora_ensemble"),
-    ("BatchEnsemble", "baselines", "batch_ensemble"),
-    ("Hydra (k = 0, shipped)", "baselines", "hydra"),
-    ("Hydra, trunk k = L/2", "trunk-half", "hydra"),
-    ("Hydra, trunk k = 3L/4", "trunk-3q", "hydra"),
+    ("Single", ("baselines", "shipped", "trunk-3q", "trunk-half"), "single"),
+    ("Single + Laplace (last layer)", ("baselines",), "laplace"),
+    ("LoRA-Ensemble", ("baselines",), "lora_ensemble"),
+    ("BatchEnsemble", ("baselines",), "batch_ensemble"),
+    ("Hydra (k = 0, shipped)", ("baselines", "shipped"), "hydra"),
+    ("Hydra, trunk k = L/2", ("trunk-half",), "hydra"),
+    ("Hydra, trunk k = 3L/4", ("trunk-3q",), "hydra"),
 )
 
 
@@ -151,9 +153,10 @@ def collect(setting: str) -> dict[str, list[dict[str, Any]]]:
                         name = label + (" (user's words)" if words else "")
                         out.setdefault(name, []).append({**f, "seed": seed})
         return out
-    for label, variant, method in ROWS:
+    for label, variants, method in ROWS:
         for seed in SEEDS:
-            f = figures(build_dir(setting, variant, seed), method)
+            found = (figures(build_dir(setting, v, seed), method) for v in variants)
+            f = next((f for f in found if f is not None), None)
             if f is not None:
                 out.setdefault(label, []).append({**f, "seed": seed})
     return out
@@ -175,6 +178,18 @@ def _time(fn: Callable[[], Any], reps: int) -> dict[str, float]:
 
 
 Runner = Callable[[dict[str, torch.Tensor]], Any]
+
+
+def _first_build(setting: str) -> Path:
+    """The seed-0 build of the shipped config (with or without the baselines)."""
+    return next(
+        (
+            build_dir(setting, v, 0)
+            for v in ("baselines", "shipped")
+            if (build_dir(setting, v, 0) / "manifest.json").is_file()
+        ),
+        build_dir(setting, "baselines", 0),
+    )
 
 
 def _base_and_batches(cfg: Any, classes: int) -> tuple[torch.nn.Module, Callable[[int], dict[str, torch.Tensor]]]:
@@ -201,7 +216,7 @@ def _runners(setting: str, cfg: Any) -> tuple[dict[str, Runner], dict[str, Runne
     from service.core.registry import load_model
 
     M = cfg.hydra.members
-    manifest = json.loads((build_dir(setting, "baselines", 0) / "manifest.json").read_text())
+    manifest = json.loads((_first_build(setting) / "manifest.json").read_text())
     torch.manual_seed(0)
     base, batch = _base_and_batches(cfg, len(manifest["labels"]))
     fwd = _forward(cfg.family)
@@ -215,8 +230,11 @@ def _runners(setting: str, cfg: Any) -> tuple[dict[str, Runner], dict[str, Runne
         "BatchEnsemble": lambda b: fwd(be, _repeat(b, M)),
     }
     served: dict[str, Runner] = {}
-    for label, variant, _ in ROWS[4:]:
-        folder = build_dir(setting, variant, 0)
+    for label, variants, _ in ROWS[4:]:
+        folder = next(
+            (build_dir(setting, v, 0) for v in variants if (build_dir(setting, v, 0) / "manifest.json").is_file()),
+            build_dir(setting, variants[0], 0),
+        )
         if not (folder / "manifest.json").is_file():
             continue
         m = json.loads((folder / "manifest.json").read_text())
@@ -474,7 +492,11 @@ def main(argv: list[str] | None = None) -> int:
             print((OUT / "zeroshot.md").read_text())
             done[setting], docs[setting] = zero_shot_markdown(rows, machine), {"rows": rows}
             continue
-        costs = None if args.no_cost or not build_dir(setting, "baselines", 0).is_dir() else cost(setting, args.reps)
+        costs = (
+            None
+            if args.no_cost or not (_first_build(setting) / "manifest.json").is_file()
+            else cost(setting, args.reps)
+        )
         doc = {"setting": SETTINGS[setting], "machine": machine, "rows": rows, "cost": costs}
         (OUT / f"{setting}.json").write_text(json.dumps(doc, indent=1) + "\n")
         (OUT / f"{setting}.md").write_text(markdown(setting, rows, costs, machine))
