@@ -36,6 +36,7 @@ import torch
 
 from benchmarks.bench_fusion import cpu_name
 from benchmarks.recipe import verdict
+from offline.report.latency import measure_latency
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / ".cache" / "recipe"
@@ -164,20 +165,6 @@ def collect(setting: str) -> dict[str, list[dict[str, Any]]]:
 
 
 # ----------------------------------------------------------------------------- cost, side by side
-def _time(fn: Callable[[], Any], reps: int) -> dict[str, float]:
-    import time
-
-    with torch.inference_mode():
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"min_ms": round(min(times), 3), "median_ms": round(statistics.median(times), 3)}
-
-
 Runner = Callable[[dict[str, torch.Tensor]], Any]
 
 
@@ -269,7 +256,9 @@ def cost(setting: str, reps: int = 7) -> dict[str, dict[str, Any]]:
             timed = [("", run)] + ([("served_", served[label])] if label in served else [])
             for prefix, fn in timed:
                 for name, b in (("batch1", one), ("batch32", many)):
-                    times.setdefault((label, prefix + name), []).append(_time(lambda fn=fn, b=b: fn(b), 1)["min_ms"])
+                    times.setdefault((label, prefix + name), []).append(
+                        measure_latency(lambda fn=fn, b=b: fn(b), reps=1)["min_ms"]
+                    )
     for (label, key), ts in times.items():
         out[label][key] = {"min_ms": round(min(ts), 2), "median_ms": round(statistics.median(ts), 2)}
     depth = len(heads_of_base(cfg) or [])

@@ -315,7 +315,7 @@ def reduce_layers(columns: torch.Tensor, column_norms: tuple[torch.Tensor, torch
 
 
 # what each served score combines of the per-member scores (ensemble_scores(..., only=...) computes just these):
-# service.core.scores.MEMBER_NEEDS
+# its registry entry's ``members`` (service.core.scores)
 
 
 def member_scores(
@@ -378,7 +378,7 @@ def ensemble_scores(
     for name, values in per_member.items():
         if name in stats.norms:
             out[name] = combine(values, *stats.norms[name])
-    for name, fn in _combined().items():  # the scores made of others, in the registry's order (service.core.scores)
+    for name, fn in COMBINED.items():  # the scores made of others, in the registry's order (service.core.scores)
         if only is None or only == name:
             value = fn(out, per_member, stats, layer_features)
             if value is not None:

@@ -91,6 +91,7 @@ def test_a_made_up_score_is_one_entry_and_its_function(layers_artifact, monkeypa
     entry = scores.Score("energy_minus_mi", False, ("logits",), 10, members=("energy",), combine="energy_minus_mi")
     monkeypatch.setitem(scores.SCORES, entry.name, entry)  # the one registry edit ...
     monkeypatch.setattr(ood, "energy_minus_mi", energy_minus_mi, raising=False)  # ... and its function
+    monkeypatch.setattr(ood, "COMBINED", ood._combined())  # what importing ood derives from the registry
     (logits, features, layers), stats, T = _outputs(layers_artifact)
     every = ood.ensemble_scores(logits, features, stats, T, layer_features=layers)
     assert list(every)[-1] == "energy_minus_mi"
