@@ -142,25 +142,39 @@ def zero_shot_figures(out: Path, method: str) -> dict[str, Any] | None:
     }
 
 
-def collect(setting: str) -> dict[str, list[dict[str, Any]]]:
-    """Per table row, its figures in each seed's build that has it."""
+def committed(setting: str) -> dict[str, list[dict[str, Any]]]:
+    """The rows of the committed results (``benchmarks/results/frontier/<setting>.json``), per table row and seed."""
+    path = OUT / f"{setting}.json"
+    return json.loads(path.read_text()).get("rows", {}) if path.is_file() else {}
+
+
+def collect(setting: str, keep: bool = True) -> dict[str, list[dict[str, Any]]]:
+    """Per table row, its figures in each seed's build that has it. ``keep``: a (row, seed) whose build is not in
+    the work folder keeps its figures from the committed results, marked ``"kept": true`` (they are that build's
+    own figures, from an earlier run of this benchmark), so that a benchmark run can add builds to the tables
+    without rebuilding all of them."""
+    before = committed(setting) if keep else {}
     out: dict[str, list[dict[str, Any]]] = {}
+
+    def add(name: str, seed: int, f: dict[str, Any] | None) -> None:
+        if f is not None:
+            out.setdefault(name, []).append({**f, "seed": seed})
+            return
+        old = next((o for o in before.get(name, []) if o["seed"] == seed), None)
+        if old is not None:
+            out.setdefault(name, []).append({**old, "kept": True})
+
     if setting == "zeroshot":
         for words in ("", "@words"):
             for label, variants, method in ZERO_SHOT_ROWS:
                 for seed in SEEDS:
                     found = (zero_shot_figures(build_dir(setting, v, seed), method + words) for v in variants)
-                    f = next((f for f in found if f is not None), None)
-                    if f is not None:
-                        name = label + (" (user's words)" if words else "")
-                        out.setdefault(name, []).append({**f, "seed": seed})
+                    add(label + (" (user's words)" if words else ""), seed, next((f for f in found if f is not None), None))
         return out
     for label, variants, method in ROWS:
         for seed in SEEDS:
             found = (figures(build_dir(setting, v, seed), method) for v in variants)
-            f = next((f for f in found if f is not None), None)
-            if f is not None:
-                out.setdefault(label, []).append({**f, "seed": seed})
+            add(label, seed, next((f for f in found if f is not None), None))
     return out
 
 
@@ -168,16 +182,16 @@ def collect(setting: str) -> dict[str, list[dict[str, Any]]]:
 Runner = Callable[[dict[str, torch.Tensor]], Any]
 
 
-def _first_build(setting: str) -> Path:
-    """The seed-0 build of the shipped config (with or without the baselines)."""
-    return next(
-        (
-            build_dir(setting, v, 0)
-            for v in ("baselines", "shipped")
-            if (build_dir(setting, v, 0) / "manifest.json").is_file()
-        ),
-        build_dir(setting, "baselines", 0),
-    )
+def _built(setting: str, variants: tuple[str, ...]) -> Path | None:
+    """The first build of these variants, seed by seed (the cost depends on the architecture, not on the weights);
+    None when none is in the work folder."""
+    folders = (build_dir(setting, v, seed) for seed in SEEDS for v in variants)
+    return next((f for f in folders if (f / "manifest.json").is_file()), None)
+
+
+def _first_build(setting: str) -> Path | None:
+    """A build of the shipped config (with or without the baselines), for its labels."""
+    return _built(setting, ("baselines", "shipped"))
 
 
 def _base_and_batches(cfg: Any, classes: int) -> tuple[torch.nn.Module, Callable[[int], dict[str, torch.Tensor]]]:
@@ -204,7 +218,9 @@ def _runners(setting: str, cfg: Any) -> tuple[dict[str, Runner], dict[str, Runne
     from service.core.registry import load_model
 
     M = cfg.hydra.members
-    manifest = json.loads((_first_build(setting) / "manifest.json").read_text())
+    first = _first_build(setting)
+    assert first is not None, "cost() needs a build of the shipped config"
+    manifest = json.loads((first / "manifest.json").read_text())
     torch.manual_seed(0)
     base, batch = _base_and_batches(cfg, len(manifest["labels"]))
     fwd = _forward(cfg.family)
@@ -219,11 +235,8 @@ def _runners(setting: str, cfg: Any) -> tuple[dict[str, Runner], dict[str, Runne
     }
     served: dict[str, Runner] = {}
     for label, variants, _ in ROWS[4:]:
-        folder = next(
-            (build_dir(setting, v, 0) for v in variants if (build_dir(setting, v, 0) / "manifest.json").is_file()),
-            build_dir(setting, variants[0], 0),
-        )
-        if not (folder / "manifest.json").is_file():
+        folder = _built(setting, variants)
+        if folder is None:
             continue
         m = json.loads((folder / "manifest.json").read_text())
         model = load_model(folder / m["model"]["weights"], m["model"]["config"])
@@ -294,9 +307,21 @@ ZERO_SHOT_COLUMNS = [("acc %", "acc"), ("ECE %", "ece"), ("NLL", "nll"), ("Brier
 ZERO_SHOT_COLUMNS += [("AUROC % near", "auroc_msp_near"), ("AUROC % far", "auroc_msp_far")]
 
 
+KEPT_NOTE = (
+    "Seeds marked * are kept from the committed results: their builds' own figures, from an earlier run of this "
+    "benchmark whose builds are not in the work folder."
+)
+
+
+def rows_kept(rows: dict[str, list[dict[str, Any]]]) -> bool:
+    return any(f.get("kept") for fs in rows.values() for f in fs)
+
+
 def _cells(fs: list[dict[str, Any]], columns: list[tuple[str, str]]) -> list[str]:
-    """One table row's cells: the seeds, then each column's mean ± std over them."""
-    return [", ".join(str(f["seed"]) for f in fs)] + [_ms([f[k] for f in fs], *FORMAT[k]) for _, k in columns]
+    """One table row's cells: the seeds (* for one kept from the committed results), then each column's mean ± std
+    over them."""
+    seeds = ", ".join(f"{f['seed']}{'*' if f.get('kept') else ''}" for f in fs)
+    return [seeds] + [_ms([f[k] for f in fs], *FORMAT[k]) for _, k in columns]
 
 
 def zero_shot_markdown(rows: dict[str, list[dict[str, Any]]], machine: str) -> str:
@@ -318,6 +343,8 @@ def zero_shot_markdown(rows: dict[str, list[dict[str, Any]]], machine: str) -> s
     for label, fs in rows.items():
         cells = [label, *_cells(fs, ZERO_SHOT_COLUMNS)]
         lines.append("| " + " | ".join(cells) + " |")
+    if rows_kept(rows):
+        lines += ["", KEPT_NOTE]
     lines += ["", "Hydra against Single over paired seeds (win / tie / loss, mean difference):", ""]
     lines += ["| Hydra | against | ECE | NLL | AUROC near | AUROC far |", "|---|---|---|---|---|---|"]
     for words in ("", " (user's words)"):
@@ -352,6 +379,8 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
         cells = [label, *_cells(fs, QUALITY)]
         cells.append(f"{fs[0]['params'] / 1e6:.2f} M")
         lines.append("| " + " | ".join(cells) + " |")
+    if rows_kept(rows):
+        lines += ["", KEPT_NOTE]
     versus = [(h, o) for h in rows if h.startswith("Hydra") for o in rows if o != h]  # each Hydra row, each other
     lines += [
         "",
@@ -375,7 +404,9 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
         setup = costs.get("_setup", {})
         lines += [
             "",
-            f"Cost, side by side in one process ({setup.get('reps')} interleaved rounds, {setup.get('threads')} "
+            ("Cost (kept from the committed results: measured in an earlier run of this benchmark), "
+             if setup.get("kept") else "Cost, ")
+            + f"side by side in one process ({setup.get('reps')} interleaved rounds, {setup.get('threads')} "
             f"threads; L = {setup.get('depth')} blocks, M = {setup.get('members')}): multiply-adds per input against "
             "Single's, and ms per batch (min / median) in eager PyTorch; Hydra also as served (TorchScript).",
             "",
@@ -466,13 +497,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-cost", action="store_true", help="the tables from the builds only (no timing)")
     ap.add_argument("--reps", type=int, default=7, help="interleaved timing rounds")
     ap.add_argument("--no-publish", action="store_true", help="leave summary.json and tables.md as they are")
+    ap.add_argument(
+        "--builds-only",
+        dest="keep",
+        action="store_false",
+        help="only the builds in the work folder (by default a seed without one keeps its committed figures)",
+    )
     args = ap.parse_args(argv)
     machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
     OUT.mkdir(parents=True, exist_ok=True)
     done: dict[str, str] = {}
     docs: dict[str, Any] = {}
     for setting in args.settings:
-        rows = collect(setting)
+        rows = collect(setting, args.keep)
         if not rows:
             print(f"[frontier] {setting}: no builds under {WORK / SETTINGS[setting]}")
             continue
@@ -482,11 +519,10 @@ def main(argv: list[str] | None = None) -> int:
             print((OUT / "zeroshot.md").read_text())
             done[setting], docs[setting] = zero_shot_markdown(rows, machine), {"rows": rows}
             continue
-        costs = (
-            None
-            if args.no_cost or not (_first_build(setting) / "manifest.json").is_file()
-            else cost(setting, args.reps)
-        )
+        costs = None if args.no_cost or _first_build(setting) is None else cost(setting, args.reps)
+        if costs is None and args.keep:  # the committed cost, as it was measured then
+            old = json.loads((OUT / f"{setting}.json").read_text()).get("cost") if rows_kept(rows) else None
+            costs = {**old, "_setup": {**old.get("_setup", {}), "kept": True}} if old else None
         doc = {"setting": SETTINGS[setting], "machine": machine, "rows": rows, "cost": costs}
         (OUT / f"{setting}.json").write_text(json.dumps(doc, indent=1) + "\n")
         (OUT / f"{setting}.md").write_text(markdown(setting, rows, costs, machine))
