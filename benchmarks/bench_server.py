@@ -246,18 +246,17 @@ def ratios(servers: dict[str, list[dict]], raw: dict[str, Any], connections: lis
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    lines = [
-        f"# Server against the raw model and the floor: {doc['name']}",
-        "",
-        f"`{doc['command']}`",
-        "",
-        f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs. Backend {doc['backend']}, "
+    machine = (
+        f"{doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs. Backend {doc['backend']}, "
         f"{doc['device']}, {doc['precision']}. Client: wrk ({doc['settings']['wrk_threads']} threads"
         + (f", pinned to CPUs {doc['settings']['wrk_cpus']}" if doc["settings"]["wrk_cpus"] else "")
         + ")"
         + (f"; servers pinned to CPUs {doc['settings']['server_cpus']}" if doc["settings"]["server_cpus"] else "")
         + f"; {doc['settings']['seconds']:g} s per level after a 2 s warm-up. Raw model best: "
-        f"{doc['ratios']['raw_best_ips']:.0f} inputs/s.",
+        f"{doc['ratios']['raw_best_ips']:.0f} inputs/s."
+    )
+    lines = [
+        *harness.page_head(f"Server against the raw model and the floor: {doc['name']}", doc, machine),
         "",
         "| server | connections | requests/s | p50 ms | p99 ms | CPU ms / request | mean batch | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -304,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
     raw = best_raw(raw_runs)
     result = {
-        **harness.result_head("bench_server", argv, manifest.name, args, artifact),
+        **harness.page_head("bench_server", argv, manifest.name, args, artifact),
         "family": manifest.family,
         "members": manifest.members,
         **plan,

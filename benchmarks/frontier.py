@@ -169,7 +169,11 @@ def collect(setting: str, keep: bool = True) -> dict[str, list[dict[str, Any]]]:
             for label, variants, method in ZERO_SHOT_ROWS:
                 for seed in SEEDS:
                     found = (zero_shot_figures(build_dir(setting, v, seed), method + words) for v in variants)
-                    add(label + (" (user's words)" if words else ""), seed, next((f for f in found if f is not None), None))
+                    add(
+                        label + (" (user's words)" if words else ""),
+                        seed,
+                        next((f for f in found if f is not None), None),
+                    )
         return out
     for label, variants, method in ROWS:
         for seed in SEEDS:
@@ -404,8 +408,11 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
         setup = costs.get("_setup", {})
         lines += [
             "",
-            ("Cost (kept from the committed results: measured in an earlier run of this benchmark), "
-             if setup.get("kept") else "Cost, ")
+            (
+                "Cost (kept from the committed results: measured in an earlier run of this benchmark), "
+                if setup.get("kept")
+                else "Cost, "
+            )
             + f"side by side in one process ({setup.get('reps')} interleaved rounds, {setup.get('threads')} "
             f"threads; L = {setup.get('depth')} blocks, M = {setup.get('members')}): multiply-adds per input against "
             "Single's, and ms per batch (min / median) in eager PyTorch; Hydra also as served (TorchScript).",

@@ -383,6 +383,31 @@ def add_artifact_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def page_head(title: str, doc: dict[str, Any], machine: str) -> list[str]:
+    """A result page's first lines: its title, the command that wrote it (``doc["command"]``) and its machine."""
+    return [f"# {title}", "", f"`{doc['command']}`", "", f"Machine: {machine}"]
+
+
+def load_parser(
+    doc: str | None, result: str, clients: int = 32, most: int = 64, clients_flag: str = "--clients"
+) -> argparse.ArgumentParser:
+    """The flags every load script has: what it serves (:func:`add_artifact_arguments`), its concurrent clients
+    (``clients_flag``, 1 to ``most``: the script checks the range), the timeout after which a request is hung,
+    and its JSON output (default ``benchmarks/results/<result>``)."""
+    p = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    add_artifact_arguments(p)
+    p.add_argument(clients_flag, type=int, default=clients, help=f"concurrent keep-alive clients (1..{most})")
+    p.add_argument("--timeout", type=float, default=30.0, help="a request without an answer after this is hung")
+    p.add_argument("--out", type=Path, default=None, help=f"JSON output (default benchmarks/results/{result})")
+    return p
+
+
+def add_bands(p: argparse.ArgumentParser, bands: dict[str, tuple[float, str]]) -> None:
+    """Pass/fail bands, each a float flag ``--<name>``: ``{name: (default, what it bounds)}``."""
+    for name, (default, what) in bands.items():
+        p.add_argument(f"--{name}", type=float, default=default, help=f"most {what} (fraction)")
+
+
 def open_artifact(args: argparse.Namespace, tmp: Path, full: bool = False) -> tuple[Path, dict[str, Any]]:
     """The artifact to serve and its manifest: ``args.artifact``, or a tiny one built under ``tmp`` for
     ``args.tiny`` (``full``: :func:`tiny_artifact`'s). Hugging Face stays offline (the default) in this process and
@@ -437,6 +462,21 @@ def write_result(result: dict[str, Any], out: Path | None, default_name: str) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
+
+
+def save_run(result: dict[str, Any], out: Path | None, default_name: str) -> Path:
+    """A load script's result, stamped with the machine and the time it was written, into ``out`` (default
+    ``benchmarks/results/<default_name>``, :func:`write_result`)."""
+    stamped = {**result, "machine": machine(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return write_result(stamped, out, default_name)
+
+
+def close_run(tmp: tempfile.TemporaryDirectory[str], checks: dict[str, bool], wrote: object, passed: bool) -> int:
+    """A load script's end: its checks and what it wrote printed, its work folder removed; the exit status."""
+    print_checks(checks)
+    print(f"wrote {wrote}")
+    tmp.cleanup()
+    return 0 if passed else 1
 
 
 def print_checks(checks: dict[str, bool]) -> None:

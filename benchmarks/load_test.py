@@ -245,11 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         "server_exit_status": exit_status,
         "checks": checks,
         "passed": all(checks.values()),
-        "machine": harness.machine(),
         "server_log_tail": log_tail,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = harness.write_result(result, args.out, f"load_{name}.json")
+    out = harness.save_run(result, args.out, f"load_{name}.json")
     t = result["totals"]
     print(
         f"sent {t['sent']}, answered {t['answered']} ({t['ok']} ok), errors {t['errors_by_code']}, "
@@ -257,10 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{rss.get('before', {}).get('rss')} -> {rss.get('after', {}).get('rss')} MiB (growth {rss.get('growth')}, "
         f"bound {args.rss_bound_mb}); server exit status {exit_status}"
     )
-    harness.print_checks(checks)
-    print(f"wrote {out}")
-    tmp.cleanup()
-    return 0 if result["passed"] else 1
+    return harness.close_run(tmp, checks, out, result["passed"])
 
 
 def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:

@@ -229,16 +229,12 @@ def _checks(
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The flags, checked: the load bounded."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_artifact_arguments(p)
-    p.add_argument("--concurrency", type=int, default=16, help="clients (<= 512)")
+    p = harness.load_parser(__doc__, "sigterm_<name>.json", clients=16, most=512, clients_flag="--concurrency")
     p.add_argument("--workers", type=int, default=1, help="HYDRA_WORKERS: server processes on the one port")
     p.add_argument("--repeat", type=int, default=1, help="repetitions, a fresh server each (the target: 20)")
     p.add_argument("--load-seconds", type=float, default=8.0, help="load before SIGTERM")
     p.add_argument("--after-seconds", type=float, default=4.0, help="clients keep trying this long after SIGTERM")
-    p.add_argument("--timeout", type=float, default=30.0, help="a request without an answer after this is hung")
     p.add_argument("--max-queue", type=int, default=1024, help="HYDRA_MAX_QUEUE (large: no overload here)")
-    p.add_argument("--out", type=Path, default=None, help="JSON (default benchmarks/results/sigterm_<name>.json)")
     args = p.parse_args(argv)
     if not 1 <= args.concurrency <= 512 or not 0 < args.load_seconds <= 60 or not 0 < args.after_seconds <= 30:
         p.error("--concurrency in 1..512, --load-seconds in (0, 60], --after-seconds in (0, 30]")
@@ -303,19 +299,14 @@ def main(argv: list[str] | None = None) -> int:
         "passed": passed,
         "meets_target": passed and len(runs) >= 20 and args.concurrency >= 16,
         "repetitions": runs,
-        "machine": harness.machine(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = harness.write_result(result, args.out, f"sigterm_{name}.json")
+    out = harness.save_run(result, args.out, f"sigterm_{name}.json")
     print(
         f"total over {len(runs)} repetition(s): sent {totals['sent']}, answered {totals['answered']}, refused "
         f"{totals['refused']}, resets {totals['resets']}, lost {totals['lost']}"
         f"{' (meets the target)' if result['meets_target'] else ''}"
     )
-    harness.print_checks(checks)
-    print(f"wrote {out}")
-    tmp.cleanup()
-    return 0 if passed else 1
+    return harness.close_run(tmp, checks, out, passed)
 
 
 def _requests_so_far(metrics_text: str) -> int:

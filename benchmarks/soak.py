@@ -260,25 +260,26 @@ def plot(rec: Record, summary: dict[str, Any], title: str, path: Path) -> None:
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The flags, checked: the load bounded, the warm-up and a p99 window inside the soak."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_artifact_arguments(p)
-    p.add_argument("--clients", type=int, default=32, help="concurrent keep-alive clients (1..64)")
+    p = harness.load_parser(__doc__, "soak_<name>.json")
     p.add_argument("--minutes", type=float, default=30.0, help="length of the soak, warm-up included")
     p.add_argument("--warmup-minutes", type=float, default=5.0, help="the first minutes, before RSS is the baseline")
     p.add_argument("--window-minutes", type=float, default=5.0, help="the p99 windows compared")
     p.add_argument("--sample-s", type=float, default=10.0, help="seconds between RSS samples")
-    p.add_argument("--timeout", type=float, default=30.0, help="a request without an answer after this is hung")
-    p.add_argument("--rss-growth", type=float, default=0.05, help="most RSS growth after the warm-up (fraction)")
-    p.add_argument("--p99-band", type=float, default=0.20, help="most p99 change, last window vs first (fraction)")
-    p.add_argument("--feedback", action="store_true", help="label every answer (its own top label) by feedback")
     p.add_argument(
         "--store-max-rows",
         type=int,
         default=5_000,
         help="HYDRA_STORE_MAX_ROWS: the rows kept (full within the warm-up)",
     )
-    p.add_argument("--store-growth", type=float, default=0.10, help="most store growth after the warm-up (fraction)")
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/soak_<name>.json)")
+    p.add_argument("--feedback", action="store_true", help="label every answer (its own top label) by feedback")
+    harness.add_bands(
+        p,
+        {
+            "rss-growth": (0.05, "RSS growth after the warm-up"),
+            "p99-band": (0.20, "p99 change, last window vs first"),
+            "store-growth": (0.10, "store growth after the warm-up"),
+        },
+    )
     args = p.parse_args(argv)
     if not 1 <= args.clients <= 64 or not 0 < args.minutes <= 240 or args.sample_s <= 0:
         p.error("--clients must be in 1..64, --minutes in (0, 240] and --sample-s positive")
@@ -343,12 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         "rss_samples": rec.samples,
         "checks": checks,
         "passed": all(checks.values()),
-        "machine": harness.machine(),
         "server_exit_status": exit_status,
         "server_log_tail": log_file.read_text(errors="replace").splitlines()[-20:],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = harness.write_result(result, args.out, f"soak_{name}.json")
+    out = harness.save_run(result, args.out, f"soak_{name}.json")
     png = out.with_suffix(".png")
     plot(
         rec,
@@ -358,10 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         png,
     )
     _print_summary(summary, args.window_minutes)
-    harness.print_checks(checks)
-    print(f"wrote {out} and {png}")
-    tmp.cleanup()
-    return 0 if result["passed"] else 1
+    return harness.close_run(tmp, checks, f"{out} and {png}", result["passed"])
 
 
 if __name__ == "__main__":

@@ -92,16 +92,17 @@ def ratios(rounds: list[dict[str, dict[str, Any]]], key: str) -> dict[str, float
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_artifact_arguments(p)
-    p.add_argument("--clients", type=int, default=32, help="concurrent keep-alive clients (1..64)")
+    p = harness.load_parser(__doc__, "store_cost/<name>.json")
     p.add_argument("--rounds", type=int, default=6, help="rounds; each drives both servers once")
     p.add_argument("--seconds", type=float, default=30.0, help="seconds of load per server and round")
     p.add_argument("--warmup", type=int, default=300, help="requests sent to each server before the rounds")
-    p.add_argument("--timeout", type=float, default=30.0, help="a request without an answer after this is hung")
-    p.add_argument("--throughput-band", type=float, default=0.05, help="most throughput loss with the store on")
-    p.add_argument("--p99-band", type=float, default=0.10, help="most p99 rise with the store on")
-    p.add_argument("--out", type=Path, default=None, help="JSON output")
+    harness.add_bands(
+        p,
+        {
+            "throughput-band": (0.05, "throughput loss with the store on"),
+            "p99-band": (0.10, "p99 rise with the store on"),
+        },
+    )
     args = p.parse_args(argv)
     if not 1 <= args.clients <= 64 or args.rounds < 1 or args.seconds <= 0:
         p.error("--clients must be in 1..64, --rounds at least 1 and --seconds positive")
@@ -165,19 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         "store_records": records,
         "checks": checks,
         "passed": all(checks.values()),
-        "machine": harness.machine(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    out = harness.write_result(result, args.out, f"store_cost/{manifest['name']}.json")
+    out = harness.save_run(result, args.out, f"store_cost/{manifest['name']}.json")
     print(
         f"on / off, median over {args.rounds} rounds: throughput {throughput['median']:.3f} "
         f"(range {throughput['min']:.3f}-{throughput['max']:.3f}), p99 {p99['median']:.3f} "
         f"(range {p99['min']:.3f}-{p99['max']:.3f}); store records {records}"
     )
-    harness.print_checks(checks)
-    print(f"wrote {out}")
-    tmp.cleanup()
-    return 0 if result["passed"] else 1
+    return harness.close_run(tmp, checks, out, result["passed"])
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from benchmarks import harness
+
 __all__ = ["markdown", "plot"]
 
 
@@ -15,20 +17,18 @@ def _pct(v: float | None) -> str:
 def markdown(doc: dict[str, Any]) -> str:
     """The text of ``stream.md``: per model its streams, then the labelled streams, the false suspensions, the
     replicas, and the checks."""
-    lines = [
-        "# Streams through a running server",
-        "",
-        f"`{doc['command']}`",
-        "",
-        f"Machine: {doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs. One input per request, in order, a fresh "
+    machine = (
+        f"{doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs. One input per request, in order, a fresh "
         'server per stream, `HYDRA_DRIFT_POLICY=abstain`; counted from each stream\'s first input. "certified rule": '
         "what the rule accepts on the same answers without the alarm (the server before the policy). p: exact "
-        'one-sided binomial p-value of "the error among accepted answers is above the risk target".',
-        "",
-    ]
+        'one-sided binomial p-value of "the error among accepted answers is above the risk target".'
+    )
+    lines = [*harness.page_head("Streams through a running server", doc, machine), ""]
     for m, info in doc["models"].items():
         lines += _model_lines(doc, m, info)
-    lines += _labelled_lines(doc) + _cached_lines(doc) + _replica_lines(doc)
+    for key, section in (("labelled", _labelled_lines), ("cached_false_suspensions", _cached_lines)):
+        lines += [*section(doc), ""] if doc.get(key) else []
+    lines += [*_replica_lines(doc), ""] if doc.get("replicas") else []
     lines += ["## Checks", ""] + [f"- {'PASS' if v else 'FAIL'} {k}" for k, v in doc["checks"].items()]
     return "\n".join(lines) + "\n"
 
@@ -55,8 +55,6 @@ def _model_lines(doc: dict[str, Any], m: str, info: dict[str, Any]) -> list[str]
 
 
 def _labelled_lines(doc: dict[str, Any]) -> list[str]:
-    if not doc["labelled"]:
-        return []
     lines = [
         "## Labelled streams (adaptive requests, each label sent back before the next request)",
         "",
@@ -72,25 +70,22 @@ def _labelled_lines(doc: dict[str, Any]) -> list[str]:
             f"{_pct(r['accuracy'])} | {_pct(s['accept_rate'])} / {_pct(s['accepted_error'])}{ci} | "
             f"{_pct(f['accept_rate'])} / {_pct(f['accepted_error'])} |"
         )
-    return [*lines, ""]
+    return lines
 
 
 def _cached_lines(doc: dict[str, Any]) -> list[str]:
-    if not doc.get("cached_false_suspensions"):
-        return []
-    lines = ["## False suspensions on cached in-distribution outputs", ""]
-    for name, c in doc["cached_false_suspensions"].items():
-        lines.append(
+    def line(name: str, c: dict[str, Any]) -> str:
+        return (
             f"- {name}: {c['streams']} streams of {c['inputs']:,} inputs: {c['streams_with_a_suspension']} with a "
             f"suspension (bound {c['bound_streams']:.0f}: `m / A`, A = {c['arl']:,.0f}), "
             f"{100 * c['answers_suspended']:.3f} % of answers suspended"
         )
-    return [*lines, ""]
+
+    rows = doc["cached_false_suspensions"].items()
+    return ["## False suspensions on cached in-distribution outputs", "", *(line(n, c) for n, c in rows)]
 
 
 def _replica_lines(doc: dict[str, Any]) -> list[str]:
-    if not doc.get("replicas"):
-        return []
     lines = [
         "## Each replica's own alarm, or one shared by the fleet (simulated on cached outputs)",
         "",
@@ -122,7 +117,7 @@ def _replica_lines(doc: dict[str, Any]) -> list[str]:
                 f"{100 * r['false_suspension_runs_shared']:.1f} % | {100 * r['bound_own_per_replica']:.0f} % / "
                 f"{100 * r['bound_shared']:.0f} % |"
             )
-    return [*lines, ""]
+    return lines
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

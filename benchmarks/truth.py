@@ -298,14 +298,9 @@ def _pct(v: float | None) -> str:
 
 def _markdown(doc: dict[str, Any]) -> str:
     """The text of ``truth.md``: the classifier's answers, the zero-shot answers, then the checks."""
-    lines = [
-        f"# Real test images by their true names ({doc['models']['image']}, {doc['models']['zeroshot']})",
-        "",
-        f"`{doc['command']}`",
-        "",
-        f"Machine: {doc['machine']['cpu']}. Truth: the IDX labels through torchvision's class list.",
-        "",
-    ]
+    title = f"Real test images by their true names ({doc['models']['image']}, {doc['models']['zeroshot']})"
+    truth = f"{doc['machine']['cpu']}. Truth: the IDX labels through torchvision's class list."
+    lines = [*harness.page_head(title, doc, truth), ""]
     lines += _classifier_lines(doc) + _zero_shot_lines(doc["zero_shot"])
     lines += ["", "## Checks", ""] + [f"- {'PASS' if v else 'FAIL'} {k}" for k, v in doc["checks"].items()]
     return "\n".join(lines) + "\n"

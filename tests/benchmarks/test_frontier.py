@@ -41,7 +41,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_rows_are_the_builds_own_figures(builds, monkeypatch):
     monkeypatch.setattr(frontier, "WORK", builds)
-    rows = frontier.collect("text")
+    rows = frontier.collect("text", keep=False)
     assert set(rows) == {"Single", "Single + Laplace (last layer)", "LoRA-Ensemble", "Hydra (k = 0, shipped)"}
     assert [f["seed"] for f in rows["Single"]] == [0, 1]
     report = json.loads((builds / "text-fast" / "baselines@seed1" / "report.json").read_text())
@@ -58,3 +58,25 @@ def test_rows_are_the_builds_own_figures(builds, monkeypatch):
     # the verdict columns: Hydra against Single on the served AUROC, over the 2 paired seeds
     line = next(line for line in text.splitlines() if line.startswith("| Hydra (k = 0, shipped) | Single |"))
     assert any(v in line for v in ("win", "tie", "loss"))
+
+
+def test_a_seed_without_its_build_keeps_its_committed_figures(builds, monkeypatch, tmp_path):
+    """A fresh machine has none of the earlier builds: a (row, seed) they gave keeps its committed figures, marked in
+    the table, and a build in the work folder wins over them."""
+    monkeypatch.setattr(frontier, "WORK", builds)
+    monkeypatch.setattr(frontier, "OUT", tmp_path)
+    fresh = frontier.collect("text", keep=False)
+    kept_single = {**fresh["Single"][0], "seed": 2, "acc": 0.123}
+    stale_single = {**fresh["Single"][0], "acc": 0.999}  # seed 0 again: its build is there, so it is not kept
+    trunk = {**fresh["Hydra (k = 0, shipped)"][0], "seed": 1}
+    committed = {"rows": {"Single": [stale_single, kept_single], "Hydra, trunk k = 3L/4": [trunk]}}
+    (tmp_path / "text.json").write_text(json.dumps(committed))
+    rows = frontier.collect("text")
+    assert [(f["seed"], f.get("kept", False)) for f in rows["Single"]] == [(0, False), (1, False), (2, True)]
+    assert rows["Single"][0]["acc"] == fresh["Single"][0]["acc"] and rows["Single"][2]["acc"] == 0.123
+    assert rows["Hydra, trunk k = 3L/4"] == [{**trunk, "kept": True}]
+    assert list(rows)[-1] == "Hydra, trunk k = 3L/4"  # the table's order, whatever the source
+    text = frontier.markdown("text", rows, None, "a machine")
+    assert "| Single | 0, 1, 2* |" in text and "| Hydra, trunk k = 3L/4 | 1* |" in text
+    assert frontier.KEPT_NOTE in text
+    assert frontier.KEPT_NOTE not in frontier.markdown("text", fresh, None, "a machine")
