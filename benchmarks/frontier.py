@@ -84,13 +84,16 @@ def _auroc(row: dict[str, Any], score: str, kinds: dict[str, str], kind: str | N
 
 def _report_row(out: Path, method: str) -> tuple[dict[str, Any], dict[str, str], str] | None:
     """``(the method's row of the build's report, the OOD sets' kinds, the served score)``; None when the build or the
-    row is missing."""
+    row is missing. The row carries the method's figures under shift as ``_shift`` when the build has them."""
     report, manifest = out / "report.json", out / "manifest.json"
     if not report.is_file() or not manifest.is_file():
         return None
     doc = json.loads(report.read_text())
     row = next((r for r in doc["rows"] if r["method"] == method), None)
     served = json.loads(manifest.read_text())["uncertainty"]["ood_score"]
+    shifted = ((doc.get("extra") or {}).get("shift") or {}).get("methods", {}).get(method)
+    if row is not None and shifted:
+        row = {**row, "_shift": shifted["summary"]}
     return None if row is None else (row, doc["ood_kinds"], served)
 
 
@@ -116,6 +119,9 @@ def figures(out: Path, method: str) -> dict[str, Any] | None:
         "auroc_served_far": _auroc(r, served, kinds, "far"),
         "params": r["params"],
         "build_latency_ms": r.get("latency_ms"),
+        # under shift (the build's corrupted copies of ID test inputs): the mean over corruptions and severities,
+        # and per severity; each metric at the method's own temperature
+        **({"shift": r["_shift"]} if "_shift" in r else {}),
     }
 
 
@@ -404,6 +410,7 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
             scale = 100 if key != "nll_ts" else 1
             cells.append(f"{verdict(list(hv), list(ov), lower)} ({diff * scale:+.2f})")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += shift_lines(rows)
     if costs:
         setup = costs.get("_setup", {})
         lines += [
@@ -432,6 +439,65 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
                 f"| {t('served_batch32')} |"
             )
     return "\n".join(lines) + "\n"
+
+
+# under shift: (column, metric, lower is better)
+SHIFT = (("acc %", "acc", False), ("Brier", "brier", True), ("ECE %", "ece", True), ("NLL", "nll", True))
+
+
+def _shift_value(f: dict[str, Any], key: str, severity: str = "mean") -> float | None:
+    return ((f.get("shift") or {}).get(severity) or {}).get(key)
+
+
+def shift_lines(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Every row under shift, over the seeds whose builds have a shift section: the mean over corruptions and
+    severities, the accuracy and Brier per severity, and each Hydra row against each other row."""
+    shifted = {label: [f for f in fs if f.get("shift")] for label, fs in rows.items()}
+    shifted = {label: fs for label, fs in shifted.items() if fs}
+    if not shifted:
+        return []
+    severities = [k for k in next(iter(shifted.values()))[0]["shift"] if k != "mean"]
+    lines = [
+        "",
+        f"Under shift: the builds' corrupted copies of ID test inputs (`data.shift_inputs`) at severities "
+        f"{', '.join(severities)}, each method at its own temperature; mean over the corruptions and severities, "
+        "then accuracy and Brier per severity (mean over the corruptions). Seeds: the builds with a shift section.",
+        "",
+        "| method | seeds | "
+        + " | ".join(c for c, *_ in SHIFT)
+        + " | "
+        + " | ".join(f"acc % / Brier @{s}" for s in severities)
+        + " |",
+        "|---|---|" + "---|" * (len(SHIFT) + len(severities)),
+    ]
+    for label, fs in shifted.items():
+        cells = [label, ", ".join(str(f["seed"]) for f in fs)]
+        cells += [_ms([_shift_value(f, k) for f in fs], *FORMAT[k]) for _, k, _ in SHIFT]
+        for sev in severities:
+            acc = _ms([_shift_value(f, "acc", sev) for f in fs], True, 1)
+            cells.append(f"{acc} / {_ms([_shift_value(f, 'brier', sev) for f in fs], False, 3)}")
+        lines.append("| " + " | ".join(cells) + " |")
+    pairs = [(h, o) for h in shifted if h.startswith("Hydra") for o in shifted if o != h]
+    if pairs:
+        lines += ["", "Under shift, each Hydra row against each other row over paired seeds:", ""]
+        lines += ["| Hydra | against | " + " | ".join(c for c, *_ in SHIFT) + " |", "|---|---|" + "---|" * len(SHIFT)]
+    for mine, theirs in pairs:
+        cells = [mine, theirs]
+        for _, key, lower in SHIFT:
+            ok = [
+                (_shift_value(h, key), _shift_value(o, key))
+                for h in shifted[mine]
+                for o in shifted[theirs]
+                if h["seed"] == o["seed"] and _shift_value(h, key) is not None and _shift_value(o, key) is not None
+            ]
+            if not ok:
+                cells.append("–")
+                continue
+            hv, ov = zip(*ok, strict=True)
+            diff = (statistics.mean(hv) - statistics.mean(ov)) * (1 if key in ("nll", "brier") else 100)
+            cells.append(f"{verdict(list(hv), list(ov), lower)} ({diff:+.2f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[str, Any], path: Path) -> None:

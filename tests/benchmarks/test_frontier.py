@@ -4,6 +4,7 @@ score's AUROC per kind of OOD set, and Hydra's verdict against each row over pai
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
             **{
                 "base.baselines": ["lora_ensemble", "laplace"],
                 "data.seed": seed,
+                "data.shift_inputs": 8,
+                "data.shift_severities": [1, 5],
                 "data.ood_paths": {
                     "near-chat": str(root / "near-chat.txt"),
                     "far-weather": str(root / "far-weather.txt"),
@@ -58,6 +61,14 @@ def test_rows_are_the_builds_own_figures(builds, monkeypatch):
     # the verdict columns: Hydra against Single on the served AUROC, over the 2 paired seeds
     line = next(line for line in text.splitlines() if line.startswith("| Hydra (k = 0, shipped) | Single |"))
     assert any(v in line for v in ("win", "tie", "loss"))
+    # under shift: each row's figures are its build's shift summary, at both severities
+    shift = report["extra"]["shift"]["methods"]["lora_ensemble"]["summary"]
+    assert got["shift"]["mean"]["brier"] == shift["mean"]["brier"] and set(got["shift"]) == {"mean", "1", "5"}
+    under = text[text.index("Under shift: ") :]
+    assert "acc % / Brier @1 | acc % / Brier @5" in under
+    acc = 100 * statistics.mean(f["shift"]["mean"]["acc"] for f in rows["LoRA-Ensemble"])
+    assert f"| LoRA-Ensemble | 0, 1 | {acc:.1f} ±" in under
+    assert "| Hydra (k = 0, shipped) | LoRA-Ensemble |" in under
 
 
 def test_a_seed_without_its_build_keeps_its_committed_figures(builds, monkeypatch, tmp_path):
