@@ -61,10 +61,11 @@ ROWS = (
 
 # the zero-shot table (the paper's Table 3): (table row, build variant, report method); each also in the user's words
 ZERO_SHOT_ROWS = (
-    ("Single", ("zs-vision", "zs-circuits"), "single"),
-    ("Single + TS", ("zs-vision", "zs-circuits"), "single_ts"),
+    ("Single", ("zs-vision", "zs-circuits", "zs-circuits-light"), "single"),
+    ("Single + TS", ("zs-vision", "zs-circuits", "zs-circuits-light"), "single_ts"),
     ("Hydra, vision tower (Taylor, shipped)", ("zs-vision",), "hydra"),
     ("Hydra, both towers (circuits)", ("zs-circuits",), "hydra"),
+    ("Hydra, both towers (circuits, 3 heads)", ("zs-circuits-light",), "hydra"),
 )
 
 

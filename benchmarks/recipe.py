@@ -89,6 +89,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # both towers (the paper's zero-shot recipe), neither trained; each also scored with a user's own words
     "zs-vision": {"data.label_words": "fashion-words"},
     "zs-circuits": {"hydra.strategy": "circuit-avg", "data.label_words": "fashion-words"},
+    # the same circuits at half the budget (3 heads removed per member instead of 6): members nearer the base model
+    "zs-circuits-light": {"hydra.strategy": "circuit-avg", "hydra.prune_total": 3, "data.label_words": "fashion-words"},
     "trunk-3q": {"hydra.shared_blocks": "3L/4"},
 }
 TRUNK = {"L/2": (1, 2), "3L/4": (3, 4)}  # a share of the base model's blocks: numerator, denominator
