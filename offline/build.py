@@ -28,8 +28,9 @@ if __name__ == "__main__" and not __package__:
 
 import torch  # noqa: E402
 
-from offline import lit, pipeline, pipeline_clip, train  # noqa: E402
+from offline import lit, pipeline, train  # noqa: E402
 from offline.config import BuildConfig, ConfigError, add_arguments, load_config, overrides_from_args  # noqa: E402
+from offline.families import ADAPTERS  # noqa: E402
 from offline.progress import DEFAULT_EVERY  # noqa: E402
 from offline.progress import set_enabled as set_progress  # noqa: E402
 from offline.progress import set_every as set_progress_every  # noqa: E402
@@ -38,11 +39,9 @@ from service.core.jsonlog import json_formatter  # noqa: E402
 # the command's own flags: every other flag is a config override (``--hydra.members 5``)
 NOT_OVERRIDES = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")
 
-# family -> the pipeline that builds it
+# family -> the pipeline that builds it, as its adapter names it (offline/families)
 PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {
-    "vit": pipeline.build,
-    "bert": pipeline.build,
-    "clip": pipeline_clip.build_zero_shot,
+    name: adapter().build_step("pipeline") for name, adapter in ADAPTERS.items()
 }
 
 

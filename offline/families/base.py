@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,9 +29,25 @@ class ZeroHeadOutput(nn.Module):
 
 
 class FamilyAdapter:
-    """Base class; subclasses implement the family-specific accessors."""
+    """Base class; subclasses implement the family-specific accessors, and name the family's build."""
 
     name: str = "base"
+    # the family's build, each a "module:function" resolved when a build runs (:meth:`build_step`), so that the
+    # registry imports no builder code: the pipeline that builds its artifact (``(cfg, out) -> out``) and the loader
+    # of its base model (``offline.bases`` for the classifier families)
+    pipeline: str = ""
+    base_loader: str = ""
+
+    def build_step(self, which: str) -> Callable[..., Any]:
+        """The function ``which`` (``"pipeline"`` or ``"base_loader"``) names; a clear error when it names none."""
+        ref = getattr(self, which)
+        module, _, func = ref.partition(":")
+        if not module or not func:
+            raise LookupError(f"family {self.name!r} names no {which.replace('_', ' ')} (got {ref!r})")
+        found = getattr(importlib.import_module(module), func, None)
+        if not callable(found):
+            raise LookupError(f"family {self.name!r}: {which.replace('_', ' ')} {ref!r} is not a function")
+        return found
 
     # -- structure -----------------------------------------------------------------
     def num_layers(self, model: nn.Module) -> int:

@@ -71,6 +71,8 @@ def fuse_bert_encoder(
 
 class BertAdapter(FamilyAdapter):
     name = "bert"
+    pipeline = "offline.pipeline:build"
+    base_loader = "offline.bases:bert_base"
     check = staticmethod(check_supported)
 
     @staticmethod

@@ -223,6 +223,8 @@ class CLIPAdapter(FamilyAdapter):
     """Joint vision + text head access for OpenCLIP models; see the module docstring for the layer index."""
 
     name = "clip"
+    pipeline = "offline.pipeline_clip:build_zero_shot"
+    base_loader = "offline.pipeline_clip:load_base_clip"
     check = staticmethod(check_supported)
 
     def num_vision_layers(self, model: nn.Module) -> int:

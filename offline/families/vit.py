@@ -41,6 +41,8 @@ def check_supported(model: nn.Module) -> None:
 
 class ViTAdapter(FamilyAdapter):
     name = "vit"
+    pipeline = "offline.pipeline:build"
+    base_loader = "offline.bases:vit_base"
     check = staticmethod(check_supported)
 
     def num_layers(self, model: nn.Module) -> int:
