@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import frontier
+from benchmarks import frontier, frontier_tables
 from offline.build import build
 from offline.config import load_config
 from tests.offline.conftest import ticket_build, write_user_files
@@ -55,7 +55,7 @@ def test_rows_are_the_builds_own_figures(builds, monkeypatch):
     per_set = lora["ood_scores"][served]["ood"]
     assert got["auroc_served_near"] == per_set["near-chat"]["auroc"]
     assert got["auroc_served_far"] == per_set["far-weather"]["auroc"]
-    text = frontier.markdown("text", rows, None, "a machine")
+    text = frontier_tables.markdown("text", rows, None, "a machine")
     assert "| LoRA-Ensemble | 0, 1 |" in text
     assert text.count("Each Hydra row against each other row") == 1
     # the verdict columns: Hydra against Single on the served AUROC, over the 2 paired seeds
@@ -87,7 +87,7 @@ def test_a_seed_without_its_build_keeps_its_committed_figures(builds, monkeypatc
     assert rows["Single"][0]["acc"] == fresh["Single"][0]["acc"] and rows["Single"][2]["acc"] == 0.123
     assert rows["Hydra, trunk k = 3L/4"] == [{**trunk, "kept": True}]
     assert list(rows)[-1] == "Hydra, trunk k = 3L/4"  # the table's order, whatever the source
-    text = frontier.markdown("text", rows, None, "a machine")
+    text = frontier_tables.markdown("text", rows, None, "a machine")
     assert "| Single | 0, 1, 2* |" in text and "| Hydra, trunk k = 3L/4 | 1* |" in text
-    assert frontier.KEPT_NOTE in text
-    assert frontier.KEPT_NOTE not in frontier.markdown("text", fresh, None, "a machine")
+    assert frontier_tables.KEPT_NOTE in text
+    assert frontier_tables.KEPT_NOTE not in frontier_tables.markdown("text", fresh, None, "a machine")
