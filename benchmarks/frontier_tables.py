@@ -64,9 +64,10 @@ def zero_shot_markdown(rows: dict[str, list[dict[str, Any]]], machine: str) -> s
         "# zeroshot-fast: Hydra against the single zero-shot model",
         "",
         "Builds of `offline/configs/zeroshot-fast.yaml` (`python -m benchmarks.recipe --variants zs-vision "
-        "zs-circuits --seeds 0 1 2`): the LiT-tuned base model (Single; Single + TS at its own temperature fitted on "
-        "ID validation) and Hydra's members pruned from it without any training: the shipped Taylor members of the "
-        "vision tower, and joint greedy circuits (CircAvg) over both towers. Hydra at its served temperature; AUROC "
+        "zs-circuits zs-circuits-light --seeds 0 1 2`): the LiT-tuned base model (Single; Single + TS at its own "
+        "temperature fitted on ID validation) and Hydra's members pruned from it without any training: the shipped "
+        "Taylor members of the vision tower, and joint greedy circuits (CircAvg) over both towers, at the shipped "
+        "budget of 6 heads and at 3. Hydra at its served temperature; AUROC "
         'with MSP, near and far OOD sets. Rows "(user\'s words)": the same models and images, the prompts of a '
         "user's own words for the same six classes (`benchmarks/recipe.py`, `FASHION_WORDS`). Mean ± std over the "
         f"seeds. Machine: {machine}.",
@@ -103,8 +104,8 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
         f"# {SETTINGS[setting]}: Hydra among efficient ensembles",
         "",
         f"Builds of `offline/configs/{SETTINGS[setting]}.yaml` (`python -m benchmarks.recipe --variants baselines "
-        "trunk-half trunk-3q --seeds 0 1 2`), mean ± std over the seeds each row lists; figures on test data, "
-        f"scores and thresholds fixed on validation data. Served score: `{served}`. Machine: {machine}.",
+        "trunk-half trunk-3q --seeds 0 1 2 --shift-inputs 200`), mean ± std over the seeds each row lists; figures "
+        f"on test data, scores and thresholds fixed on validation data. Served score: `{served}`. Machine: {machine}.",
         "",
         "| method | seeds | " + " | ".join(c for c, _ in QUALITY) + " | parameters |",
         "|---|---|" + "---|" * (len(QUALITY) + 1),
