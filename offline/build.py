@@ -39,10 +39,12 @@ from service.core.jsonlog import json_formatter  # noqa: E402
 # the command's own flags: every other flag is a config override (``--hydra.members 5``)
 NOT_OVERRIDES = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")
 
-# family -> the pipeline that builds it, as its adapter names it (offline/families)
-PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {
-    name: adapter().build_step("pipeline") for name, adapter in ADAPTERS.items()
-}
+
+def pipeline_of(family: str) -> Callable[[BuildConfig, Path], Path]:
+    """The pipeline that builds ``family``, as its adapter names it (offline/families), read when a build runs."""
+    if family not in ADAPTERS:
+        raise ConfigError(f"family {family!r} has no pipeline; known: {sorted(ADAPTERS)}")
+    return ADAPTERS[family]().build_step("pipeline")
 
 
 def configure_logging(log_format: str | None = None) -> None:
@@ -83,15 +85,14 @@ def build(cfg: BuildConfig, out: str | Path, stage: str | None = None, member: i
     """Build the artifact of ``cfg`` into ``out`` with its family's pipeline and return it; or run one ``stage``
     of a classifier build (:data:`offline.pipeline.STAGES`; ``member``: the member of ``--stage member``)."""
     configure_logging()
-    if cfg.family not in PIPELINES:
-        raise ConfigError(f"family {cfg.family!r} has no pipeline; known: {sorted(PIPELINES)}")
+    run = pipeline_of(cfg.family)
     check_presets(cfg)
-    if stage is not None and PIPELINES[cfg.family] is not pipeline.build:
+    if stage is not None and run is not pipeline.build:
         raise ConfigError(f"--stage is for classifier builds (vit, bert); a {cfg.family} build runs in one process")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if stage is None:
-        return PIPELINES[cfg.family](cfg, Path(out))
+        return run(cfg, Path(out))
     return pipeline.build(cfg, Path(out), stage=stage, member=member)
 
 

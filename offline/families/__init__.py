@@ -12,9 +12,9 @@ ADAPTERS: dict[str, type[FamilyAdapter]] = {"vit": ViTAdapter, "bert": BertAdapt
 
 
 def get_adapter(family: str) -> FamilyAdapter:
-    """The adapter of ``family`` (``vit``, ``bert``, ``clip``)."""
+    """The adapter of ``family`` (a name registered in :data:`ADAPTERS`)."""
     if family not in ADAPTERS:
-        raise ValueError(f"unknown model family {family!r}; expected 'vit', 'bert' or 'clip'")
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(map(repr, ADAPTERS))}")
     return ADAPTERS[family]()
 
 

@@ -31,7 +31,7 @@ def test_every_family_is_registered_everywhere(family):
     assert family in ARCHS  # the server builds its fused model by name
     adapter = get_adapter(family)
     assert adapter.name == family
-    assert build_mod.PIPELINES[family] is adapter.build_step("pipeline")  # the build runs the pipeline it names
+    assert build_mod.pipeline_of(family) is adapter.build_step("pipeline")  # the build runs the pipeline it names
     assert callable(adapter.build_step("base_loader")), f"{family}: no base loader"
     assert family in TINY, f"{family}: no tiny config for the test fixtures"
 
@@ -80,6 +80,7 @@ def test_a_made_up_family_is_one_entry_in_one_registry(tmp_path, monkeypatch):
     got = pipeline.load_base(cfg, "data", tmp_path)  # type: ignore[arg-type]
     assert got == ("made-up base", "made-up", "data", tmp_path / ".checkpoints" / "base")
     assert get_adapter("made-up").build_step("pipeline") is pipeline.build
+    assert build_mod.pipeline_of("made-up") is pipeline.build  # read from the registry when the build runs
 
 
 def test_a_family_whose_build_is_not_a_classifiers_is_refused_in_one_line(tmp_path):
