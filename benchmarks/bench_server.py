@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
     raw = best_raw(raw_runs)
     result = {
-        **harness.page_head("bench_server", argv, manifest.name, args, artifact),
+        **harness.result_head("bench_server", argv, manifest.name, args, artifact),
         "family": manifest.family,
         "members": manifest.members,
         **plan,
