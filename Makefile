@@ -38,8 +38,10 @@ data: install
 artifacts: data
 	$(PY) -m offline.default --out artifacts/default
 
-serve: artifacts
-	$(PY) -m service
+# Serves as soon as the first default artifact is built (the quickest, zero-shot) and builds the others meanwhile;
+# the server loads each as its build finishes (offline/default.py --serve).
+serve: data
+	$(PY) -m offline.default --out artifacts/default --serve
 
 # The architecture contracts (pyproject.toml [tool.importlinter]) first: a broken module boundary fails fast.
 # The suite runs on every core (pytest-xdist), each test file in one process: much of it waits on servers it starts.

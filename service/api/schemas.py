@@ -479,7 +479,32 @@ class ModelInfo(BaseModel):
     zero_shot: dict[str, Any] | None = None  # zero-shot models: the prompt template, embedding size, text cache
 
 
-class ModelsResponse(BaseModel):
+class BuildingModel(BaseModel):
+    """A model ``make serve`` is still building: served once its build finishes."""
+
+    name: str
+    task: str
+    modality: str
+    status: Literal["building"] = "building"
+    config: str = Field(description="the build config it comes from")
+    elapsed_s: float = Field(description="seconds since its build (or its wait for the build before it) began")
+    eta_s: float = Field(description="seconds left, as its builder estimates them")
+
+
+class FailedModel(BaseModel):
+    """A model whose build gave nothing to serve."""
+
+    name: str
+    status: Literal["failed"] = "failed"
+    reason: str
+
+
+class _NotYetServed(BaseModel):
+    building: list[BuildingModel] = Field(default_factory=list, description="models still being built")
+    failed: list[FailedModel] = Field(default_factory=list, description="models whose build failed")
+
+
+class ModelsResponse(_NotYetServed):
     models: list[ModelInfo]
 
 
@@ -487,7 +512,7 @@ class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
 
 
-class ReadyResponse(BaseModel):
+class ReadyResponse(_NotYetServed):
     status: Literal["ready"] = "ready"
     models: list[str]
 

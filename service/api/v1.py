@@ -155,7 +155,7 @@ async def readyz(request: Request) -> dict[str, Any]:
     reason = not_ready_reason(state)
     if reason is not None:
         raise NotReady(reason)
-    return {"status": "ready", "models": list(state.runtimes)}
+    return {"status": "ready", "models": list(state.runtimes), **building(state)}
 
 
 async def metrics(request: Request) -> Response:
@@ -169,7 +169,17 @@ async def metrics(request: Request) -> Response:
 
 
 async def models(request: Request) -> dict[str, Any]:
-    return {"models": [rt.describe() for rt in server_state(request).runtimes.values()]}
+    state = server_state(request)
+    return {"models": [rt.describe() for rt in state.runtimes.values()], **building(state)}
+
+
+def building(state: Any) -> dict[str, Any]:
+    """The models not served yet (``make serve`` builds them while it serves the first): ``building``, each with its
+    time so far and the time left as its builder estimates it, and ``failed``, each with why."""
+    return {
+        "building": [note.describe() for note in state.building.values()],
+        "failed": [{"name": k, "status": "failed", "reason": v} for k, v in state.build_failed.items()],
+    }
 
 
 def _runtime(request: Request, name: str) -> Any:

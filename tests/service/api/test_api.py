@@ -71,7 +71,12 @@ def check_against(preds: list[dict], s: dict[str, torch.Tensor], labels: list[st
 # ----------------------------------------------------------------------------- endpoints
 def test_health_ready_models_metrics_docs(client):
     assert client.get("/healthz").json() == {"status": "ok"}
-    assert client.get("/readyz").json() == {"status": "ready", "models": ["tiny-vit", "tiny-bert"]}
+    assert client.get("/readyz").json() == {
+        "status": "ready",
+        "models": ["tiny-vit", "tiny-bert"],
+        "building": [],
+        "failed": [],
+    }
     models = {m["name"]: m for m in client.get("/v1/models").json()["models"]}
     for name, family, modality in (("tiny-vit", "vit", "image"), ("tiny-bert", "bert", "text")):
         m = models[name]
