@@ -80,8 +80,9 @@ def free_port() -> int:
 
 
 def server_env(artifact: Path, port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a loopback server: offline Hugging Face, the artifact, host and port. ``HYDRA_*``
-    variables of the caller's environment are left out: the server runs with exactly the settings given."""
+    """The environment of a loopback server: offline Hugging Face, the artifact, host and port, one worker (``extra``
+    may ask for more: ``HYDRA_WORKERS``). ``HYDRA_*`` variables of the caller's environment are left out: the server
+    runs with exactly the settings given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HYDRA_")}
     env.update(
         {
@@ -91,6 +92,7 @@ def server_env(artifact: Path, port: int, extra: dict[str, str] | None = None) -
             "HYDRA_HOST": HOST,
             "HYDRA_PORT": str(port),
             "HYDRA_LOG_LEVEL": "info",
+            "HYDRA_WORKERS": "1",
         }
     )
     env.update(extra or {})

@@ -7,10 +7,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["READY_DIR_ENV", "WORKERS_ENV", "all_ready", "mark_ready"]
+__all__ = ["READY_DIR_ENV", "WORKERS_ENV", "all_ready", "mark_ready", "shared_file"]
 
 READY_DIR_ENV = "HYDRA_SERVE_READY_DIR"  # set by the supervisor: where each worker marks itself ready
 WORKERS_ENV = "HYDRA_SERVE_WORKER_COUNT"  # set by the supervisor: how many workers should be ready
+
+
+def shared_file(name: str) -> Path | None:
+    """In a worker of a supervisor: the path of a file named ``name`` that every worker of this server shares (in the
+    supervisor's folder, removed when it stops); None for a lone server."""
+    folder = os.environ.get(READY_DIR_ENV)
+    return Path(folder) / name if folder else None
 
 
 def mark_ready(ready: bool) -> None:

@@ -357,6 +357,9 @@ def not_ready_reason(state: ServerState) -> str | None:
             f"not ready: model(s) {', '.join(bad)} failed {s.unready_after_failures} or more batches in a row; "
             f"a probe batch runs every {s.probe_interval_s:g} s until one succeeds"
         )
+    unread = [f"{n}: {rt.drift_error}" for n, rt in state.runtimes.items() if rt.drift_error]
+    if unread:
+        return "not ready: the drift alarm's shared state cannot be read (" + "; ".join(unread) + "); answers abstain"
     fleet = all_ready()  # a worker of several (HYDRA_WORKERS): ready when every worker is
     if fleet is not None and fleet[0] < fleet[1]:
         return f"not ready: {fleet[0]} of {fleet[1]} workers ready (HYDRA_WORKERS)"

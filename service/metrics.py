@@ -92,12 +92,14 @@ SPECS: dict[str, Spec] = {
         "1 while the drift alarm is on: the statistic reached the alarm level and has not fallen below 1 since "
         "(it clears by itself once traffic is back to normal), else 0.",
         MODEL,
+        mode="livemostrecent",  # one alarm shared by the workers: the value last read of it
     ),
     "drift_statistic": Spec(
         Gauge,
         "hydra_drift_statistic",
         "log10 of the drift alarm's CUSUM statistic (on at hydra_drift_threshold, off below 0).",
         MODEL,
+        mode="livemostrecent",
     ),
     "drift_threshold": Spec(
         Gauge,
@@ -106,7 +108,7 @@ SPECS: dict[str, Spec] = {
         MODEL,
     ),
     "drift_inputs": Spec(
-        Gauge, "hydra_drift_inputs", "Inputs the drift alarm has seen since start-up.", MODEL, mode="livesum"
+        Gauge, "hydra_drift_inputs", "Inputs the drift alarm has seen since start-up.", MODEL, mode="livemostrecent"
     ),
     "drift_episodes": Spec(
         Counter, "hydra_drift_episodes", "Drift alarm episodes started (the alarm going on) since start-up.", MODEL

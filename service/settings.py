@@ -55,8 +55,8 @@ class Settings(BaseSettings):
     loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     # HTTP/1.1 parser of `python -m service`: auto = httptools when it imports, else h11 (pure Python)
     http: Literal["auto", "h11", "httptools"] = "auto"
-    # server processes of `python -m service` on one port (service/workers.py): N, or auto = 1 on CPU (one drift
-    # alarm over all the traffic), on CUDA one per two cores, at most 8
+    # server processes of `python -m service` on one port (service/workers.py): N, or auto = one per core on CPU
+    # (they share one drift alarm per model), on CUDA one per two cores, at most 8
     workers: int | Literal["auto"] = "auto"
     # auto = CUDA when available, else CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -9,15 +9,17 @@ device (vLLM's, LitServe's), keeps one copy of the model and fuller batches, at 
 for every request (its inputs and results serialised both ways) and of one more process to supervise; a replica
 per worker adds what its cores give without the hop. ``benchmarks/gpu.sh`` measures 1 to 8 workers on a GPU.
 
-**``auto`` on CPU is 1.** Measured on 2 CPU cores (``benchmarks/results/server/*-workers.md``), two workers of one
-thread each answer 1.3 to 1.6 times what one worker of two threads does on the default models, at 32 to 256
-connections: one worker's Python overlaps the other's model. The price is the drift alarm: each worker's watches its
-own half of the traffic, so under a shift the server answers about twice as many inputs before the first suspension
-(docs/api.md, "The drift alarm and the answers"), and the alarm is what the answers' guarantees rest on. So ``auto``
-keeps one worker on CPU, and ``HYDRA_WORKERS=2`` is the setting for throughput first.
+**``auto`` on CPU is one worker per core** (the cores this process may run on), each with one thread. Measured on
+2 CPU cores (``benchmarks/results/server/*-workers.md``), two workers of one thread each answer 1.3 to 1.6 times what
+one worker of two threads does on the default models, at 32 to 256 connections: one worker's Python overlaps the
+other's model. The workers share one drift alarm per model (:mod:`service.core.drift_shared`: a state file in the
+supervisor's folder, advanced under a lock), so a shift is caught after as many inputs as with one worker, with the
+same false-alarm bound; that is what lets ``auto`` take every core. Each worker holds its own copy of the models
+(docs/api.md, "Workers", gives the memory per worker).
 
-**What holds across workers.** Each worker's drift alarm watches its own share of the traffic and its answers read
-it (docs/api.md, "The drift alarm and the answers"); ``/metrics`` is one view of all workers (prometheus_client's
+**What holds across workers.** One drift alarm per model watches all the workers' traffic and every answer reads it
+(docs/api.md, "The drift alarm and the answers"); a worker that dies takes with it only its requests in flight, the
+alarm's evidence stays in the shared file; ``/metrics`` is one view of all workers (prometheus_client's
 multiprocess mode: counters and histograms summed, each gauge combined as its metric says, :mod:`service.metrics`);
 ``/readyz`` answers 200 only when every worker is ready (:func:`service.fleet.all_ready`, each worker's mark in a
 folder the supervisor makes); SIGTERM or SIGINT reaches every worker, each drains as one server does
@@ -47,7 +49,7 @@ from typing import Any
 from .fleet import READY_DIR_ENV, WORKERS_ENV
 from .serving import EXIT_REFUSED, serve
 
-__all__ = ["resolve_workers", "supervise"]
+__all__ = ["resolve_workers", "supervise", "usable_cores"]
 
 log = logging.getLogger("hydra.service")
 
@@ -56,21 +58,27 @@ RESTART_LIMIT = 10  # worker replacements per minute before the supervisor gives
 POLL_S = 0.2
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's or ``taskset``'s limit), else all."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def resolve_workers(value: int | str, device: str) -> int:
-    """``HYDRA_WORKERS``: a count, or ``auto``: 1 on CPU (one drift alarm over all the traffic: module docstring), and
-    on CUDA a worker per two cores, at most 8 (the Python frontend bounds it there: one process answers about a
-    thousand requests a second)."""
+    """``HYDRA_WORKERS``: a count, or ``auto``: on CPU one per core this process may run on (the workers share one
+    drift alarm: module docstring), and on CUDA a worker per two cores, at most 8 (the Python frontend bounds it
+    there: one process answers about a thousand requests a second)."""
     if value != "auto":
         return int(value)
+    cores = usable_cores()
     if device == "cpu":
-        return 1
+        return max(1, cores)
     try:
         import torch
 
         cuda = torch.cuda.is_available() and device in ("auto", "cuda")
     except ImportError:
         cuda = False
-    return max(1, min(8, (os.cpu_count() or 2) // 2)) if cuda else 1
+    return max(1, min(8, cores // 2)) if cuda else max(1, cores)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -168,7 +176,7 @@ def supervise(n: int, host: str, port: int, graceful: float) -> int:
     os.environ[READY_DIR_ENV] = str(tmp / "ready")
     os.environ[WORKERS_ENV] = str(n)
     if not os.environ.get("HYDRA_THREADS"):  # the cores shared out, not each worker's torch on all of them
-        os.environ["HYDRA_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+        os.environ["HYDRA_THREADS"] = str(max(1, usable_cores() // n))
     # a worker loads its models before it takes connections from the shared socket: a replacement warming up would
     # otherwise take its share of the traffic and answer 503 while the others could answer
     os.environ["HYDRA_LOAD_IN_BACKGROUND"] = "false"

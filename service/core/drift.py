@@ -90,8 +90,10 @@ the total number of episodes: O(L + history) whatever the traffic.
 guarantee from then on) and closes an open episode (``cleared_by: "reset"``); the input count and the history go
 on. A restart of the server starts all over, history included: it lives in memory.
 
-**Replicas.** Each replica watches its own traffic (a substream of i.i.d. traffic is i.i.d.) with the same
-thresholds. With ``R`` replicas the fleet starts at most ``R`` false episodes per ``A`` inputs of each replica.
+**Replicas and workers.** The workers of one server share one state (:mod:`service.core.drift_shared`): one alarm
+over all their traffic, with the bound above. Each replica (pod) watches its own traffic (a substream of i.i.d.
+traffic is i.i.d.) with the same thresholds; with ``R`` replicas the fleet starts at most ``R`` false episodes per
+``A`` inputs of each replica.
 
 **Concurrency.** :meth:`DriftMonitor.update`, :meth:`DriftMonitor.reset` and :meth:`DriftMonitor.state` hold a
 lock: concurrent callers are serialised.
@@ -397,6 +399,15 @@ class DriftMonitor:
         return self._total
 
     @property
+    def episodes_started_here(self) -> int:
+        """Alarm episodes that this process's updates started: all of them, unless the state is shared by several
+        processes (:class:`~service.core.drift_shared.SharedDriftMonitor`), whose episode counters are summed."""
+        return self._total
+
+    def sync(self) -> None:
+        """Read the latest state (a state shared with other processes; nothing to do for one in memory)."""
+
+    @property
     def episodes(self) -> list[DriftEpisode]:
         """The last ``history`` episodes, oldest first (copies)."""
         with self._lock:
@@ -451,6 +462,8 @@ class DriftFeed:
             batch, self._pending = self._pending, []
             self.monitor.update(batch)
             self._unreported = True
+        else:
+            self.monitor.sync()  # another worker's inputs may have advanced a shared state
         if notify and self._unreported and self.on_update is not None:
             self._unreported = False
             self.on_update(self.monitor)

@@ -173,8 +173,14 @@ class Guarantees:
         """``(B,)`` bool: served OOD scores ``(B,)`` not past the risk rules' OOD cut (the build's threshold)."""
         return outlier_oriented(scores, self.metric) <= self._cut
 
-    def monitor(self) -> DriftMonitor:
-        """A fresh drift alarm whose reference is the calibration split's scores (:mod:`service.core.drift`)."""
+    def monitor(self, shared: Path | None = None) -> DriftMonitor:
+        """A fresh drift alarm whose reference is the calibration split's scores (:mod:`service.core.drift`); with
+        ``shared``, its state in that file, shared by every process that opens it (:mod:`service.core.drift_shared`:
+        the workers of one server)."""
+        if shared is not None:
+            from .drift_shared import SharedDriftMonitor
+
+            return SharedDriftMonitor(shared, self.ood_scores, delta=self.drift_delta)
         return DriftMonitor(self.ood_scores, delta=self.drift_delta)
 
 

@@ -11,12 +11,14 @@ online state) and ``settings``, and writes each :class:`~service.runtime.results
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import numpy as np
 
 from ..core.drift import DriftFeed, DriftMonitor
-from ..core.errors import InvalidInput
+from ..core.drift_shared import DriftStateError
+from ..core.errors import InvalidInput, NotReady
 from ..core.guarantees import Answer, Guarantees, outlier_oriented
 from ..core.online_risk import OnlineRisk
 from ..core.uncertainty import OOD_METRICS
@@ -27,6 +29,8 @@ from .results import ItemResult, Query
 
 __all__ = ["GuaranteedAnswers"]
 
+log = logging.getLogger("hydra.runtime")
+
 
 class GuaranteedAnswers:
     """The guarantees' path of a runtime (module docstring); the runtime sets the attributes below."""
@@ -36,6 +40,7 @@ class GuaranteedAnswers:
     metrics: Metrics | None
     guarantees: Guarantees | None
     drift: DriftFeed | None
+    drift_error: str | None
     monitor: LiveMonitor | None
     _children: dict[tuple[str, ...], Any]
     _drift_episodes: int
@@ -64,6 +69,7 @@ class GuaranteedAnswers:
         ans = g.answer(scores, probs, alpha, risk)
         p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
         alarm_at = self._alarm_now(scores, query)
+        unread = self.drift_error  # the shared alarm could not be read: nothing is certified
         alpha_t, rule, lam, abstain = None, "certified", g.rules[risk], None
         withheld = 0
         if query.adaptive and self.monitor is not None and probs is not None:  # check_query: sets hold
@@ -73,7 +79,11 @@ class GuaranteedAnswers:
             if online is not None:  # None: an artifact built before the online rules (no calibration confidences)
                 rule = "online"
                 accepted, lam, abstain = self._online(online, probs, ans.eligible, alarm_at)
-        if rule == "certified" and alarm_at is not None and accepted is not None and self._abstains:
+        if unread is not None and accepted is not None:
+            withheld = sum(accepted)
+            accepted = [False] * len(results)
+            abstain = f"the drift alarm's state cannot be read ({unread}): nothing is accepted until it can"
+        elif rule == "certified" and alarm_at is not None and accepted is not None and self._abstains:
             withheld = sum(accepted)
             accepted = [False] * len(results)
             abstain = (
@@ -82,7 +92,7 @@ class GuaranteedAnswers:
                 "the online rule, once labels come back through the feedback route)"
             )
         cut = g.flag_threshold(ood_alpha)
-        suspended = alarm_at is not None
+        suspended = alarm_at is not None or unread is not None
         for i, r in enumerate(results):
             r.p_value, r.ood_alpha, r.ood_flag, r.flag_threshold = p_list[i], ood_alpha, p_list[i] <= ood_alpha, cut
             r.suspended, r.alarm_at = suspended, alarm_at
@@ -110,10 +120,15 @@ class GuaranteedAnswers:
             return None
         g = self.guarantees
         assert g is not None
-        if query.monitor:
-            sign = -1.0 if OOD_METRICS[g.metric] else 1.0  # outlier-oriented: MSP negated
-            self.drift.add([sign * s for s in scores])
-        at = self.drift.flush(notify=False).alarm_at  # the metrics follow at the next scrape (refresh_drift)
+        try:
+            if query.monitor:
+                sign = -1.0 if OOD_METRICS[g.metric] else 1.0  # outlier-oriented: MSP negated
+                self.drift.add([sign * s for s in scores])
+            at = self.drift.flush(notify=False).alarm_at  # the metrics follow at the next scrape (refresh_drift)
+        except DriftStateError as e:
+            self._drift_failed(e)
+            return None
+        self.drift_error = None
         if at is not None and self.monitor is not None and self._alarm_mark[0] != at:
             # a new episode: the online rule takes labels from here (its copy read again now, in the background)
             rules = self.monitor.state.risk
@@ -169,7 +184,10 @@ class GuaranteedAnswers:
         if g is None:
             return
         if scores is not None and self.drift is not None:
-            self.drift.add(outlier_oriented(np.asarray(scores, dtype=np.float64), g.metric))
+            try:
+                self.drift.add(outlier_oriented(np.asarray(scores, dtype=np.float64), g.metric))
+            except DriftStateError as e:
+                self._drift_failed(e)
         if self.metrics is None:
             return
         p_hist = self._child("ood_p_value")
@@ -206,7 +224,7 @@ class GuaranteedAnswers:
             self._child("drift_alarm").set(1 if monitor.alarm else 0)
             self._child("drift_statistic").set(monitor.log10_statistic)
             self._child("drift_inputs").set(monitor.count)
-            started = monitor.episodes_total - self._drift_episodes
+            started = monitor.episodes_started_here - self._drift_episodes  # summed over workers
             self._child("drift_episodes").inc(started)  # 0 too: the series exists from start-up
             self._drift_episodes += started
 
@@ -214,7 +232,16 @@ class GuaranteedAnswers:
         """Take the buffered inputs into the drift alarm, so that its metrics are those of every input served (a
         ``/metrics`` scrape; fewer than ``DriftFeed.every`` inputs wait there, so this is short)."""
         if self.drift is not None:
-            self.drift.flush()
+            try:
+                self.drift.flush()
+            except DriftStateError as e:
+                self._drift_failed(e)
+
+    def _drift_failed(self, e: DriftStateError) -> None:
+        """The shared drift state could not be read: answers abstain and the server is not ready until it can."""
+        if self.drift_error is None:
+            log.error("%s: %s; answers abstain and /readyz answers 503 until it can be read", self.name, e)
+        self.drift_error = str(e)
 
     def reset_drift(self) -> dict[str, Any]:
         """Restart the drift alarm's statistic (after an investigation): an open alarm episode closes, the history and
@@ -224,11 +251,19 @@ class GuaranteedAnswers:
                 f"model {self.name!r} has no drift test (it was built without a calibration split)", status=409
             )
         before = self.drift_state()
-        self.drift.reset()
+        try:
+            self.drift.reset()
+        except DriftStateError as e:
+            self._drift_failed(e)
+            raise NotReady(f"model {self.name!r}: {e}") from e
         return {"model": self.name, "before": before, "after": self.drift_state()}
 
     def drift_state(self) -> dict[str, Any] | None:
         """The drift alarm now (:meth:`service.core.drift.DriftMonitor.state`), every input served included."""
         if self.drift is None:
             return None
-        return self.drift.flush().state()
+        try:
+            return self.drift.flush().state()
+        except DriftStateError as e:
+            self._drift_failed(e)
+            raise NotReady(f"model {self.name!r}: {e}") from e

@@ -36,6 +36,7 @@ from ..core.guarantees import load_guarantees
 from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
+from ..fleet import shared_file
 from ..metrics import Metrics
 from ..settings import Settings
 from ..store import PredictionStore
@@ -206,9 +207,14 @@ class Runtime(GuaranteedAnswers, abc.ABC):
         self.guarantees = load_guarantees(root, manifest)  # sets, p-values, risk rules (None: not built with them)
         # the drift alarm, fed from the request path in chunks (service.core.drift.DriftFeed: the statistic is that of
         # every score fed at once; every read of its state, a /metrics scrape included, takes the buffer in first)
+        # with several workers, one alarm for all of them (service.core.drift_shared), in the supervisor's folder
+        shared = shared_file(f"drift-{self.name}-{self.version}.state")
         self.drift = (
-            DriftFeed(self.guarantees.monitor(), on_update=self._drift_metrics) if self.guarantees is not None else None
+            DriftFeed(self.guarantees.monitor(shared), on_update=self._drift_metrics)
+            if self.guarantees is not None
+            else None
         )
+        self.drift_error: str | None = None  # why the shared drift state cannot be read (answers abstain meanwhile)
         self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
         # (alarm_at, labels the online rules had then) of the last drift alarm episode an answer saw
         self._alarm_mark: tuple[int | None, int] = (None, 0)

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from benchmarks import harness
 from service.settings import Settings, settings_errors
 from service.workers import resolve_workers
+from tests.fixtures import golden
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import b64, noise_images, png
 
@@ -127,14 +128,16 @@ def test_two_workers_answer_as_one_server_survive_a_kill_and_stop_cleanly(tmp_pa
     assert f"worker {victim} died" in text and "starting a replacement" in text
 
 
-def test_workers_setting_is_checked_and_auto_is_one_on_cpu():
+def test_workers_setting_is_checked_and_auto_is_one_per_core_on_cpu(monkeypatch):
     assert Settings(workers="auto").workers == "auto" and Settings(workers="3").workers == 3
     for bad in ("0", "many", "2.5", "-1", "65"):
         with pytest.raises(ValidationError) as e:
             Settings(workers=bad)
         (line,) = settings_errors(e.value)
         assert line == f"HYDRA_WORKERS must be auto or an integer from 1 to 64; got {bad!r}"
-    assert resolve_workers("auto", "cpu") == 1 and resolve_workers(4, "cpu") == 4
+    assert resolve_workers("auto", "cpu") == len(os.sched_getaffinity(0)) and resolve_workers(4, "cpu") == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2})  # taskset or a container's CPU limit
+    assert resolve_workers("auto", "cpu") == 3
 
 
 async def _slow_client(port: int, seconds: float) -> None:
@@ -202,3 +205,76 @@ def test_slow_clients_and_an_oversized_body_stall_no_worker(tmp_path):
         assert code == 413 and json.loads(answer)["error"]["code"] == "payload_too_large"
     finally:
         assert harness.stop_server(proc) == 0
+
+
+def _ready_dir(worker: int) -> Path:
+    env = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+    (folder,) = [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"HYDRA_SERVE_READY_DIR=")]
+    return Path(folder)
+
+
+def _drift(port: int) -> dict:
+    st, _, body = asyncio.run(harness.request(port, "GET", "/v1/models/tiny-d/drift"))
+    assert st == 200, body
+    return json.loads(body)
+
+
+def test_two_workers_share_one_drift_alarm_keep_its_evidence_and_abstain_without_it(tmp_path):
+    """Every worker's inputs advance one alarm: the drift route answers the same whichever worker serves it, the
+    input count is every input served, the first suspension comes as with one worker; a worker killed with SIGKILL
+    takes no evidence with it; a state file that cannot be read makes every answer abstain, saying why, and the
+    server not ready."""
+    art = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-d", guarantees={"risks": [0.5], "risk": 0.5})
+    port = harness.free_port()
+    extra = {"HYDRA_WORKERS": "2", "HYDRA_STORE": "off"}
+    proc = harness.start_server(art, port, extra, log_file=tmp_path / "server.log", new_session=True)
+    try:
+        harness.wait_ready(port, proc, timeout=120)
+        pids = workers_of(proc.pid)
+        assert len(pids) == 2
+        # the tiny models' calibration inputs are grey noise (tests/fixtures/golden.py's images); uniform noise is not
+        normal = json.dumps({"images": golden.images()[:4]}).encode()
+        foreign = json.dumps({"images": [b64(png(a)) for a in noise_images(4, seed=5)]}).encode()
+        # a shift, sent one request at a time (on fresh connections: either worker), so that the input the alarm goes
+        # on at is known: the request whose inputs turn it on is the first suspended, as with one worker
+        answers = []
+        for _ in range(40):
+            st, _, body = asyncio.run(harness.request(port, "POST", "/predict", foreign))
+            assert st == 200, body
+            answers.append(json.loads(body)["predictions"])
+            if answers[-1][-1]["selective"]["suspended"]:
+                break
+        first = next(i for i, preds in enumerate(answers) if any(p["selective"]["suspended"] for p in preds))
+        shifted = _drift(port)
+        assert shifted["alarm"] is True and shifted["inputs"] == 4 * len(answers), shifted
+        assert 4 * first < shifted["alarm_at"] <= 4 * (first + 1)
+        # both workers answer under load; every input of both is in the one alarm
+        before = {p: cpu_ticks(p) for p in pids}
+        tally = asyncio.run(load(port, normal, 2.0, clients=4))
+        assert tally["ok"] > 10 and tally["error"] == tally["reset"] == 0, tally
+        assert all(cpu_ticks(p) > before[p] for p in pids)  # both workers answered
+        views = [_drift(port) for _ in range(6)]  # fresh connections: both workers serve some of them
+        assert all(v == views[0] for v in views) and views[0]["inputs"] == 4 * (len(answers) + tally["ok"])
+        alarm = views[0]
+        # SIGKILL a worker: the replacement reads the same alarm
+        os.kill(pids[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 90 and not (len(workers_of(proc.pid)) == 2 and status(port, "/readyz") == 200):
+            time.sleep(0.2)
+        assert pids[0] not in workers_of(proc.pid)
+        after = [_drift(port) for _ in range(6)]
+        assert all(a["inputs"] == alarm["inputs"] and a["alarm_at"] == alarm["alarm_at"] for a in after), after
+        # the state file damaged: answers abstain, saying why, and /readyz says why
+        (state,) = _ready_dir(workers_of(proc.pid)[0]).glob("drift-tiny-d-*.state")
+        state.write_bytes(b"\0" * state.stat().st_size)
+        for _ in range(4):
+            st, _, body = asyncio.run(harness.request(port, "POST", "/predict", normal))
+            preds = json.loads(body)["predictions"]
+            assert st == 200 and all(p["selective"]["accept"] is False for p in preds)
+            assert all("drift alarm's state cannot be read" in p["selective"]["reason"] for p in preds)
+        st, _, body = asyncio.run(harness.request(port, "GET", "/readyz"))
+        assert st == 503 and b"shared state cannot be read" in body, body
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
