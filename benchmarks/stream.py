@@ -17,6 +17,9 @@ order, as a client would send them, and counts from each stream's first input:
 * **labelled streams**: one shifted stream per model (``--labelled``, 2,400 inputs), ``adaptive: true`` and each
   answer's true label sent back through ``POST /v1/models/{name}/feedback`` before the next request: the online
   rule's realised error among accepted answers against the certified rule's on the same stream.
+* **workers** (``--workers 1 2 4``): each shifted and clean stream once per ``HYDRA_WORKERS`` value, its inputs
+  still sent one at a time and in order, but round-robin over two connections per worker (the kernel hands each
+  connection to one worker, so every worker answers some): the first suspension with N workers against one.
 * **false suspensions on cached outputs**: ``--cached-streams`` (100) streams of 10,000 in-distribution inputs
   drawn from each default model's cached outputs (``tests/fixtures/outputs``), through the alarm's own procedure:
   the share of answers that would be suspended, and the streams with any, against the alarm's bound (``m / A``).
@@ -118,18 +121,26 @@ def stream_inputs(
 
 # ----------------------------------------------------------------------------------------------- driving
 async def _drive(
-    port: int, model: str, bodies: list[dict[str, str]], truth: np.ndarray, labels: list[str], labelled: bool
+    port: int,
+    model: str,
+    bodies: list[dict[str, str]],
+    truth: np.ndarray,
+    labels: list[str],
+    labelled: bool,
+    connections: int = 1,
 ) -> list[dict[str, Any]]:
-    """One request per input, in order; with ``labelled`` the answer's true label goes back before the next request.
+    """One request per input, in order (round-robin over ``connections`` keep-alive connections: with several workers,
+    each connection is one worker's); with ``labelled`` the answer's true label goes back before the next request.
     One record per input: what the answer said, and whether the certified rule would have accepted it (its
     threshold from ``GET /v1/models``, its OOD cut from the answer)."""
     info = next(m for m in (await _get(port, "/v1/models"))["models"] if m["name"] == model)
     g = info["guarantees"]
     lam = g["risks"][str(g["risk"])]
-    conn = harness.Connection(port)
+    conns = [harness.Connection(port) for _ in range(connections)]
     out = []
     try:
-        for body, y in zip(bodies, truth.tolist(), strict=True):
+        for i, (body, y) in enumerate(zip(bodies, truth.tolist(), strict=True)):
+            conn = conns[i % connections]
             req = {**body, "model": model, **({"adaptive": True} if labelled else {})}
             status, hdrs, data = await conn.request("POST", "/predict", json.dumps(req).encode())
             if status != 200:
@@ -154,7 +165,8 @@ async def _drive(
                 if status != 200 or json.loads(data)["results"][0]["status"] != "accepted":
                     raise RuntimeError(f"feedback: {status} {data[:300]!r}")
     finally:
-        await conn.close()
+        for conn in conns:
+            await conn.close()
     return out
 
 
@@ -174,18 +186,27 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 def run_stream(
-    artifact: Path, manifest: dict[str, Any], bodies: list[dict[str, str]], truth: np.ndarray, labelled: bool = False
+    artifact: Path,
+    manifest: dict[str, Any],
+    bodies: list[dict[str, str]],
+    truth: np.ndarray,
+    labelled: bool = False,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """A fresh server (and store) for one stream: the per-input records and what the server said at its end."""
+    """A fresh server (and store) of ``workers`` workers for one stream: the per-input records and what the server
+    said at its end."""
     name = manifest["name"]
     with tempfile.TemporaryDirectory(prefix="hydra-stream-") as tmp:
         port = harness.free_port()
         env = {"HYDRA_STORE": "true", "HYDRA_STATE_DIR": tmp, "HYDRA_LOG_LEVEL": "warning"}
+        env["HYDRA_WORKERS"] = str(workers)
         proc = harness.start_server(artifact, port, env, log_file=Path(tmp) / "server.log")
         try:
             harness.wait_ready(port, proc)
             t0 = time.perf_counter()
-            records = asyncio.run(_drive(port, name, bodies, truth, list(manifest["labels"]), labelled))
+            conns = 1 if workers == 1 else 2 * workers
+            labels = list(manifest["labels"])
+            records = asyncio.run(_drive(port, name, bodies, truth, labels, labelled, conns))
             seconds = time.perf_counter() - t0
             metrics = asyncio.run(_get(port, "/metrics"))
             drift = asyncio.run(_get(port, f"/v1/models/{name}/drift"))
@@ -362,25 +383,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kinds = [c for c in corruptions(modality) if not args.only or c in args.only]
         for k, (kind, sev) in enumerate([(c, s) for c in kinds for s in args.severities]):
             bodies, y = stream_inputs(modality, pool, args.inputs, 100 + k, kind, sev)
-            row = {
-                "modality": modality,
-                "corruption": kind,
-                "severity": sev,
-                **stream_figures(run_stream(artifact, man, bodies, y), risk),
-            }
-            doc["shifted"].append(row)
-            _progress(row)
+            for n in args.workers:
+                row = {
+                    "modality": modality,
+                    "corruption": kind,
+                    "severity": sev,
+                    "workers": n,
+                    **stream_figures(run_stream(artifact, man, bodies, y, workers=n), risk),
+                }
+                doc["shifted"].append(row)
+                _progress(row)
         for s in range(args.clean_streams):
             bodies, y = stream_inputs(modality, pool, args.clean_inputs, 1000 + s, None, None)
-            row = {
-                "modality": modality,
-                "corruption": None,
-                "severity": 0,
-                "stream": s,
-                **stream_figures(run_stream(artifact, man, bodies, y), risk),
-            }
-            doc["clean"].append(row)
-            _progress(row)
+            for n in args.workers:
+                row = {
+                    "modality": modality,
+                    "corruption": None,
+                    "severity": 0,
+                    "stream": s,
+                    "workers": n,
+                    **stream_figures(run_stream(artifact, man, bodies, y, workers=n), risk),
+                }
+                doc["clean"].append(row)
+                _progress(row)
         if args.labelled:
             kind, sev = LABELLED[modality]
             bodies, y = stream_inputs(modality, pool, args.labelled, 2000, kind, sev)
@@ -395,6 +420,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+def _paired_first_suspensions(rows: list[dict[str, Any]], modality: str, workers: int) -> list[tuple[int, int]]:
+    """``(one worker's first suspended input, the same stream's with workers)`` for the streams suspended in both."""
+    key = lambda r: (r["corruption"], r.get("severity"))  # noqa: E731
+    ones = {key(r): r["first_suspended_input"] for r in rows if r["modality"] == modality and r.get("workers", 1) == 1}
+    return [
+        (ones[key(r)], r["first_suspended_input"])
+        for r in rows
+        if r["modality"] == modality
+        and r.get("workers", 1) == workers
+        and ones.get(key(r)) is not None
+        and r["first_suspended_input"] is not None
+    ]
+
+
 def _progress(row: dict[str, Any]) -> None:
     s, f = row["served"], row["certified_rule_without_alarm"]
     err = "-" if s["accepted_error"] is None else f"{100 * s['accepted_error']:.1f}"
@@ -402,7 +441,7 @@ def _progress(row: dict[str, Any]) -> None:
     print(
         f"{row['modality']} {row['corruption']}@{row['severity']}: acc {100 * row['accuracy']:.1f}, "
         f"accepted {s['accepted']} err {err} (p {s['p_above_risk']:.3g}) | certified rule {f['accepted']} err {ferr}"
-        f" | alarm {row['first_suspended_input']} | {row['seconds']} s",
+        f" | alarm {row['first_suspended_input']} | {row.get('workers', 1)} worker(s) | {row['seconds']} s",
         flush=True,
     )
 
@@ -433,6 +472,13 @@ def checks(doc: dict[str, Any]) -> dict[str, bool]:
                 f"{r['modality']} labelled stream (the certified rule errs {100 * fixed:.1f} %): online error among "
                 "accepted <= target + 1 point"
             ] = err is not None and err <= risk + 0.01
+    for m in doc["models"]:
+        for n in sorted({r.get("workers", 1) for r in doc["shifted"]} - {1}):
+            pairs = _paired_first_suspensions(doc["shifted"], m, n)
+            if pairs:
+                out[f"{m}: first suspension with {n} workers within 1.1 x one worker's, every stream"] = all(
+                    b <= 1.1 * a for a, b in pairs
+                )
     for name, c in (doc.get("cached_false_suspensions") or {}).items():
         out[f"{name}: cached ID streams with a suspension within the bound"] = (
             c["streams_with_a_suspension"] <= c["bound_streams"]
@@ -451,6 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clean-inputs", type=int, default=2000)
     p.add_argument("--labelled", type=int, default=2400, help="inputs of each labelled stream (0: none)")
     p.add_argument("--cached-streams", type=int, default=100)
+    p.add_argument(
+        "--workers", type=int, nargs="+", default=[1], help="HYDRA_WORKERS of each stream's server (each a run)"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stream")
     args = p.parse_args(argv)
     if args.image is None and args.text is None:

@@ -45,6 +45,7 @@ def _model_lines(doc: dict[str, Any], m: str, info: dict[str, Any]) -> list[str]
         s, f = r["served"], r["certified_rule_without_alarm"]
         ci = "" if s["interval"] is None else f" [{_pct(s['interval'][0])}, {_pct(s['interval'][1])}]"
         name = "clean" if r["corruption"] is None else f"{r['corruption']} @{r['severity']}"
+        name += f", {r['workers']} workers" if r.get("workers", 1) > 1 else ""
         lines.append(
             f"| {name} | {_pct(r['accuracy'])} | {_pct(s['accept_rate'])} | {_pct(s['accepted_error'])}{ci} | "
             f"{s['p_above_risk']:.3g} | {_pct(f['accept_rate'])} / {_pct(f['accepted_error'])} | "

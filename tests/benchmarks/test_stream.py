@@ -126,3 +126,35 @@ def test_a_short_stream_through_a_real_server(tmp_path: Path):
     assert res["online_risk"]["0.5"]["labels_applied"] == 6
     f = st.stream_figures(res, float(man["guarantees"]["selective"]["default_risk"]))
     assert f["inputs"] == 6 and 0.0 <= f["accuracy"] <= 1.0
+
+
+def test_the_workers_check_pairs_each_stream_with_its_one_worker_run():
+    one, two = _row("image", 0.7, 0.5, 20), _row("image", 0.7, 0.5, 22)
+    two["workers"] = 2
+    doc = {"models": {"image": {"risk": 0.05}}, "clean": [], "shifted": [one, two], "labelled": []}
+    assert st.checks(doc)["image: first suspension with 2 workers within 1.1 x one worker's, every stream"]
+    two["first_suspended_input"] = 23  # 1.15 x
+    assert not st.checks(doc)["image: first suspension with 2 workers within 1.1 x one worker's, every stream"]
+
+
+def test_a_shifted_stream_suspends_at_the_same_input_with_two_workers(tmp_path: Path):
+    """The inputs sent in order over four connections to two workers: one shared alarm suspends at the input one
+    worker's does. The shift: the noise images whose OOD p-value is at most 0.05 under the tiny model, in turn."""
+    from fastapi.testclient import TestClient
+
+    from service.main import create_app
+    from tests.service.helpers import noise_images, settings_for
+
+    art = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-stream", guarantees={"risks": [0.5], "risk": 0.5})
+    man = json.loads((art / "manifest.json").read_text())
+    images = [_png(a) for a in noise_images(16, seed=5)]
+    with TestClient(create_app(settings_for(art, drift_policy="off"))) as c:
+        ps = [c.post("/predict", json={"image": im}).json()["predictions"][0]["ood"]["p_value"] for im in images]
+    foreign = [im for im, p in zip(images, ps, strict=True) if p <= 0.05]
+    assert foreign, ps
+    bodies = [{"image": foreign[i % len(foreign)]} for i in range(120)]
+    y = np.zeros(120, dtype=int)
+    first = [st.stream_figures(st.run_stream(art, man, bodies, y, workers=n), 0.5) for n in (1, 2)]
+    assert first[0]["first_suspended_input"] is not None
+    assert first[0]["first_suspended_input"] == first[1]["first_suspended_input"]
+    assert first[1]["drift_at_end"]["inputs"] == 120
