@@ -7,8 +7,11 @@ package: a C client that is not the bottleneck) at every ``--connections`` level
 per level so that load drift hits them alike. Per server and level: requests/s, p50 / p90 / p99 latency, the CPU
 milliseconds per request of the server's whole process group (its workers included) and the mean batch the server
 formed (``hydra_batch_size``). The raw model (the backend the server chose, same threads) is timed at each batch
-size before and after, the better run kept. Ratios: server / raw model's best batch, server / floor, workers N /
-workers 1, p50 at 1 connection minus the raw batch-1 latency, p99 / p50.
+size before and after, the better run kept, and so is the artifact's Single model (``benchmarks/single.py``: the
+unpruned base architecture, exported by the same exporters, on the same backend, precision and threads).
+Ratios: server / raw Single's best batch (the headline: answers per second with every uncertainty field, over what
+the single model alone computes), server / raw model's best batch, server / floor, workers N / workers 1, p50 at 1
+connection minus the raw batch-1 latency, p99 / p50.
 
     python -m benchmarks.bench_server --artifact artifacts/default/image
     python -m benchmarks.bench_server --tiny vit --server-cpus 0 --wrk-cpus 1   # one core each, as the floor row
@@ -57,6 +60,25 @@ def batch_stats(port: int) -> tuple[float, float]:
     return total, count
 
 
+def _inputs(artifact: Path, body: dict[str, Any]) -> tuple[Any, Any]:
+    """The artifact's preprocessor and the request body's one input, preprocessed."""
+    from service.core.artifact import load_manifest
+    from service.core.preprocess import ImagePreprocessor, decode_base64, make_preprocessor
+
+    pre = make_preprocessor(load_manifest(artifact).preprocessing, artifact, 10**9)
+    if isinstance(pre, ImagePreprocessor):
+        return pre, pre(decode_base64(body["image"], "image"))
+    return pre, pre.encode([body["text"]])[0]
+
+
+def single_of(artifact: Path, body: dict[str, Any], out: Path) -> Path:
+    """The artifact's Single model (:mod:`benchmarks.single`) in ``out``, traced on the body's input."""
+    from benchmarks.single import single_artifact
+
+    pre, item = _inputs(artifact, body)
+    return single_artifact(artifact, out, pre.collate([item] * 2))
+
+
 def raw_throughput(
     artifact: Path,
     plan: dict[str, str],
@@ -69,7 +91,6 @@ def raw_throughput(
     import torch
 
     from service.core.artifact import load_manifest
-    from service.core.preprocess import ImagePreprocessor, decode_base64, make_preprocessor
     from service.runtime.plan import Plan, load_backend
 
     if threads:
@@ -78,11 +99,7 @@ def raw_throughput(
     backend = load_backend(
         artifact, manifest, Plan(plan["backend"], plan["device"], plan["precision"], "bench"), threads=threads
     )
-    pre = make_preprocessor(manifest.preprocessing, artifact, 10**9)
-    if isinstance(pre, ImagePreprocessor):
-        item = pre(decode_base64(body["image"], "image"))
-    else:
-        item = pre.encode([body["text"]])[0]
+    pre, item = _inputs(artifact, body)
     out = {}
     for b in batches:
         inputs = pre.collate([item] * b)
@@ -224,16 +241,24 @@ def drive(args: argparse.Namespace, artifact: Path, body: dict[str, Any], image:
     return out
 
 
-def ratios(servers: dict[str, list[dict]], raw: dict[str, Any], connections: list[int]) -> dict[str, Any]:
-    """The issue's ratios from the measured levels."""
+def ratios(
+    servers: dict[str, list[dict]], raw: dict[str, Any], connections: list[int], single: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The issue's ratios from the measured levels (``single``: the raw Single model's runs, best per batch)."""
     best = max(r["throughput_ips"] for r in raw.values())
     at = {n: {r["connections"]: r for r in rows} for n, rows in servers.items()}
     first = next(n for n in at if n != FLOOR)
     out: dict[str, Any] = {"raw_best_ips": best}
+    if single:
+        out["single_best_ips"] = max(r["throughput_ips"] for r in single.values())
+        out["raw_over_single"] = round(best / out["single_best_ips"], 3)
     for n, rows in at.items():
         if n == FLOOR:
             continue
-        out[n] = {f"server_over_raw_at_{c}": round(rows[c]["rps"] / best, 3) for c in connections if c in rows}
+        out[n] = {}
+        if single:
+            out[n] = {f"server_over_single_at_{c}": round(rows[c]["rps"] / out["single_best_ips"], 3) for c in rows}
+        out[n].update({f"server_over_raw_at_{c}": round(rows[c]["rps"] / best, 3) for c in connections if c in rows})
         if FLOOR in at:
             out[n].update({f"server_over_floor_at_{c}": round(rows[c]["rps"] / at[FLOOR][c]["rps"], 3) for c in rows})
         if 1 in rows and "1" in raw:
@@ -253,7 +278,12 @@ def markdown(doc: dict[str, Any]) -> str:
         + ")"
         + (f"; servers pinned to CPUs {doc['settings']['server_cpus']}" if doc["settings"]["server_cpus"] else "")
         + f"; {doc['settings']['seconds']:g} s per level after a 2 s warm-up. Raw model best: "
-        f"{doc['ratios']['raw_best_ips']:.0f} inputs/s."
+        f"{doc['ratios']['raw_best_ips']:.0f} inputs/s"
+        + (
+            f"; raw Single best: {doc['ratios']['single_best_ips']:.0f} inputs/s (same backend, precision, threads)."
+            if "single_best_ips" in doc["ratios"]
+            else "."
+        )
     )
     lines = [
         *harness.page_head(f"Server against the raw model and the floor: {doc['name']}", doc, machine),
@@ -276,6 +306,12 @@ def markdown(doc: dict[str, Any]) -> str:
             for r in doc["raw"].values()
         ),
         "",
+        "Raw Single: "
+        + ", ".join(
+            f"batch {r['batch']} {r['throughput_ips']:.0f} inputs/s ({r['latency_ms']:.3f} ms)"
+            for r in doc.get("single", {}).values()
+        ),
+        "",
         "```json",
         json.dumps({k: v for k, v in doc["ratios"].items()}, indent=1),
         "```",
@@ -296,12 +332,17 @@ def main(argv: list[str] | None = None) -> int:
     resolved = resolve_plan(manifest, device=args.device, backend=args.backend, precision=args.precision)
     plan = {"backend": resolved.backend, "device": resolved.device, "precision": resolved.precision}
     batches = sorted({1, *[c for c in args.connections if c <= args.max_batch], args.max_batch})
-    print(f"raw model, before the servers ({plan['backend']}, {plan['device']}, {plan['precision']}):", flush=True)
-    raw_runs = [raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads)]
-    servers = drive(args, artifact, body, "image" in body)
-    print("raw model, after the servers:", flush=True)
-    raw_runs.append(raw_throughput(artifact, plan, body, batches, args.raw_seconds, args.threads))
-    raw = best_raw(raw_runs)
+    single_dir = single_of(artifact, body, Path(tmp.name) / "single")
+    legs = {"Hydra": artifact, "Single": single_dir}
+    runs: dict[str, list[dict[str, Any]]] = {leg: [] for leg in legs}
+    for when in ("before", "after"):
+        if when == "after":
+            servers = drive(args, artifact, body, "image" in body)
+        for leg, path in legs.items():
+            print(f"raw {leg}, {when} the servers ({plan['backend']}, {plan['device']}, {plan['precision']}):")
+            runs[leg].append(raw_throughput(path, plan, body, batches, args.raw_seconds, args.threads))
+    raw_runs, raw = runs["Hydra"], best_raw(runs["Hydra"])
+    single = best_raw(runs["Single"])
     result = {
         **harness.result_head("bench_server", argv, manifest.name, args, artifact),
         "family": manifest.family,
@@ -320,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         "servers": servers,
         "raw": raw,
         "raw_runs": raw_runs,
-        "ratios": ratios(servers, raw, args.connections),
+        "single": single,
+        "single_runs": runs["Single"],
+        "ratios": ratios(servers, raw, args.connections, single),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     stem = manifest.name + (f"-{args.tag}" if args.tag else "")
