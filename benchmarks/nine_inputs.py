@@ -114,6 +114,11 @@ def answers(port: int, names: dict[str, str], build_labels: list[str]) -> list[d
     return rows
 
 
+def _p(value: float | None) -> str:
+    """A p-value as the table shows it: ``–`` where the model answered none (built without a calibration split)."""
+    return "–" if value is None else f"{value:.4f}"
+
+
 def markdown(doc: dict[str, Any]) -> list[str]:
     """The lines of ``nine_inputs.md``: one table line per input, then how many of the nine each route flagged."""
     names, flagged = doc["models"], doc["flagged_of_9"]
@@ -129,8 +134,8 @@ def markdown(doc: dict[str, Any]) -> list[str]:
         a, z, o = r["predict"], r["zero_shot"], r["zero_shot_other_labels"]
         lines.append(
             f"| {r['input']} | {a['label']} {100 * a['confidence']:.0f} % | {'yes' if a['flag'] else 'no'} | "
-            f"{a['p_value']:.4f} | {z['label']} {100 * z['confidence']:.0f} % | "
-            f"{'yes' if z['flag'] else 'no'} | {z['p_value']:.4f} | {'yes' if o['flag'] else 'no'} |"
+            f"{_p(a['p_value'])} | {z['label']} {100 * z['confidence']:.0f} % | "
+            f"{'yes' if z['flag'] else 'no'} | {_p(z['p_value'])} | {'yes' if o['flag'] else 'no'} |"
         )
     return lines + [
         "",

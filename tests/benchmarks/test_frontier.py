@@ -91,3 +91,31 @@ def test_a_seed_without_its_build_keeps_its_committed_figures(builds, monkeypatc
     assert "| Single | 0, 1, 2* |" in text and "| Hydra, trunk k = 3L/4 | 1* |" in text
     assert frontier_tables.KEPT_NOTE in text
     assert frontier_tables.KEPT_NOTE not in frontier_tables.markdown("text", fresh, None, "a machine")
+
+
+def test_the_script_runs_to_its_end(builds, monkeypatch, tmp_path):
+    """``python -m benchmarks.frontier`` on the two tiny builds, with one timing round: the tables, the cost measured
+    side by side, the plot, and the shipped recipe's figures published into summary.json and tables.md."""
+    results = tmp_path / "results"
+    monkeypatch.setattr(frontier, "WORK", builds)
+    monkeypatch.setattr(frontier, "OUT", results / "frontier")
+    monkeypatch.setattr(frontier, "PLOTS", results / "plots")
+    monkeypatch.setattr(frontier, "SUMMARY", results / "summary.json")
+    monkeypatch.setattr(frontier, "TABLES", results / "tables.md")
+    assert frontier.main(["--settings", "text", "--reps", "1"]) == 0
+    doc = json.loads((results / "frontier" / "text.json").read_text())
+    assert doc["setting"] == "text-fast" and doc["rows"] == frontier.collect("text", keep=False)
+    cost = doc["cost"]
+    assert cost["_setup"]["reps"] == 1 and cost["Single"]["macs_ratio"] == 1.0
+    assert {"LoRA-Ensemble", "BatchEnsemble", "Hydra (k = 0, shipped)"} <= set(cost)
+    assert cost["LoRA-Ensemble"]["macs_ratio"] > 1  # its members, one after another, each the whole base
+    for label, c in cost.items():
+        if label != "_setup":
+            assert c["macs_ratio"] > 0 and c["batch1"]["min_ms"] > 0 and c["batch32"]["min_ms"] > 0
+    md = (results / "frontier" / "text.md").read_text()
+    assert md == frontier_tables.markdown("text", doc["rows"], cost, doc["machine"])
+    assert (results / "plots" / "pareto_text.png").stat().st_size > 0
+    shipped = json.loads((results / "summary.json").read_text())["shipped"]
+    assert shipped["settings"]["text-fast"]["rows"]["Single"]["seeds"] == [0, 1]
+    tables = (results / "tables.md").read_text()
+    assert tables.startswith(frontier.BEGIN) and frontier.END in tables
