@@ -221,6 +221,9 @@ class Metrics:
             if spec.kind is Gauge:
                 extra["multiprocess_mode"] = spec.mode
             setattr(self, attr, spec.kind(spec.name, spec.help, spec.labels, registry=self.registry, **extra))
+        # the HTTP requests in flight in this process now (the gauge's value, readable without its lock): the batcher
+        # runs a lone request at once (service.runtime.batching)
+        self.requests_in_flight = 0
         # registered by the first zero-shot model (service.runtime.zeroshot.text_cache_counter): a server without
         # one does not list it
         self.zero_shot_text_cache: Counter | None = None

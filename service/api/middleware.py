@@ -101,6 +101,7 @@ class Front:
         state = self.state
         state.requests_received += 1
         state.metrics.in_flight.inc()
+        state.metrics.requests_in_flight += 1
         status = 500
         rid_header = (REQUEST_ID_HEADER, rid.encode())
 
@@ -130,6 +131,7 @@ class Front:
                     label = endpoint_label(scope)
             finally:
                 state.metrics.in_flight.dec()
+                state.metrics.requests_in_flight -= 1
                 self._duration(label, status).observe(time.perf_counter() - t0)
                 self._log(scope, status, t0, label)
 

@@ -20,8 +20,15 @@ half the last forward pass (:data:`STRAGGLER_WAIT`): a wait pays only when the
 model, not the HTTP handling, is what the clients wait for.
 
 One worker thread per model runs the batches, so the event loop keeps
-answering. The queue is bounded (``max_queue`` inputs): beyond it
-:meth:`Batcher.submit` raises :class:`~service.core.errors.Overloaded` at once.
+answering. A lone request (the only HTTP request in the server, as
+``in_flight`` counts them; nothing queued, no batch running, at most
+``max_batch`` inputs) goes to the worker thread at once, without the hop
+through the batching task (an event set, a loop iteration, the fill rule): a
+request that arrives meanwhile queues and forms the next batch, which starts
+once the lone one is done. The model never runs on the event loop's thread, so
+a slow or stuck forward pass leaves the server answering (503s included). The
+queue is bounded (``max_queue`` inputs): beyond it :meth:`Batcher.submit`
+raises :class:`~service.core.errors.Overloaded` at once.
 
 If a batch raises, the requests in it are retried one by one, so that one bad
 input fails only its own request; requests that still fail get
@@ -103,6 +110,8 @@ class Batcher:
         metrics: where batch sizes, inference times, queue waits and depth go.
         unhealthy_after: failed batches in a row that make the batcher unhealthy; 0 = never.
         on_health: called on the event loop with the new value when ``healthy`` changes.
+        in_flight: the server's HTTP requests in flight now; with it, a lone request runs on the event loop's thread
+            (module docstring). None: every request goes through the queue.
     """
 
     def __init__(
@@ -114,8 +123,10 @@ class Batcher:
         metrics: Metrics | None = None,
         unhealthy_after: int = 0,
         on_health: Callable[[bool], None] | None = None,
+        in_flight: Callable[[], int] | None = None,
     ) -> None:
         self.name = name
+        self._in_flight = in_flight
         self.fill = limits.fill
         self._running_inputs = 0  # inputs of the batch the worker runs now
         self._cycle_peak = 0  # most inputs in the system (queued + running) since the last batch started
@@ -127,6 +138,7 @@ class Batcher:
         self._queue: deque[_Request] = deque()
         self._depth = 0  # inputs waiting (not yet taken into a batch)
         self._event: asyncio.Event | None = None
+        self._lone: asyncio.Future | None = None  # the lone request running in the worker thread (_run_lone)
         self._task: asyncio.Task | None = None
         self._closing = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hydra-{name}")
@@ -149,6 +161,7 @@ class Batcher:
     def start(self) -> None:
         """Start the batching loop on the running event loop."""
         if self._task is None:
+            self._set_depth(0)  # the queue depth's series exists from the start (a lone request never queues)
             self._event = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher-{self.name}")
 
@@ -168,6 +181,9 @@ class Batcher:
                 f"HYDRA_MAX_QUEUE); retry after {retry} s",
                 retry_after=retry,
             )
+        if self._in_flight is not None and self._in_flight() <= 1 and n <= self.max_batch:
+            if not self._queue and not self._running_inputs and not self._closing:
+                return await self._run_lone(items)
         req = _Request(items, asyncio.get_running_loop().create_future())
         self._queue.append(req)
         self._set_depth(self._depth + n)
@@ -218,6 +234,8 @@ class Batcher:
                 timer = asyncio.get_running_loop().call_later(timeout, self._event.set)
                 await self._event.wait()
                 timer.cancel()
+            if self._lone is not None:  # the lone request in the worker thread finishes first
+                await asyncio.wait([self._lone])
             batch = self._take()
             if batch:
                 try:
@@ -305,6 +323,38 @@ class Batcher:
             n = len(r.items)
             self._resolve(r, results[i : i + n], start, elapsed, len(items))
             i += n
+
+    async def _run_lone(self, items: Sequence[Any]) -> BatchResult:
+        """A lone request, straight to the worker thread (module docstring): the batch it would have been."""
+        n = len(items)
+        loop = asyncio.get_running_loop()
+        self._recent.append(max(n, self._cycle_peak) if self.fill == "in_system" else n)
+        self._cycle_peak = n
+        self._running_inputs = n
+        start = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.queue_wait.labels(self.name).observe(0.0)
+        lone = self._lone = loop.run_in_executor(self._executor, self._call, list(items))
+        lone.add_done_callback(self._lone_done)
+        try:
+            results = await asyncio.shield(lone)  # a request cancelled meanwhile leaves the pass to finish
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._outcome(ran=False, server_fault=self._count_error(e, n))
+            if isinstance(e, ServiceError):
+                raise
+            raise InternalError("inference failed; the server log has the details") from e
+        self._outcome(ran=True, server_fault=False)
+        return BatchResult(results, 0.0, time.perf_counter() - start, n)
+
+    def _lone_done(self, fut: asyncio.Future) -> None:
+        """The lone request's pass ended (whether its request still waits or not): the worker is free."""
+        self._lone = None
+        self._running_inputs = 0
+        self._free_since = time.perf_counter()
+        if not fut.cancelled():
+            fut.exception()  # retrieved here: a request that was cancelled meanwhile does not leave it unread
 
     def _count_error(self, e: BaseException, n: int) -> bool:
         """Log and count a failed forward pass; False for a client error (not the model's fault)."""

@@ -230,6 +230,7 @@ class Runtime(GuaranteedAnswers, abc.ABC):
             metrics=metrics,
             unhealthy_after=settings.unready_after_failures,
             on_health=self._health_changed,
+            in_flight=(lambda: metrics.requests_in_flight) if metrics is not None else None,
         )
         self.ready = False
         self._prober: asyncio.Task | None = None

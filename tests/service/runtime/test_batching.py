@@ -216,3 +216,64 @@ def test_medium_load_fills_batches_with_the_clients_in_flight(fill, lo, hi):
 def test_fill_rule_is_checked():
     with pytest.raises(ValueError, match="fill must be one of"):
         Batcher("m", lambda xs: xs, BatchLimits(max_batch=4, max_wait_s=0.01, max_queue=10, fill="greedy"))
+
+
+def test_a_lone_request_goes_to_the_worker_at_once_and_a_crowd_is_batched():
+    """With the server's in-flight count: alone, a request goes to the worker thread at once (no queue wait, never
+    on the event loop's thread); with other requests in flight, it queues and batches as before; an error alone is
+    the request's."""
+    in_flight = [1]
+    threads: list[str] = []
+
+    def run(items):
+        threads.append(threading.current_thread().name)
+        if "bad" in items:
+            raise ValueError("bad input")
+        return [x * 2 for x in items]
+
+    async def main():
+        b = Batcher("m", run, BatchLimits(4, 0.05, 64), in_flight=lambda: in_flight[0])
+        b.start()
+        alone = await b.submit([1, 2])
+        assert alone.results == [2, 4] and alone.queue_s == 0.0 and alone.batch_size == 2
+        assert threads == ["hydra-m_0"] and b._lone is None and b._running_inputs == 0
+        with pytest.raises(InternalError):
+            await b.submit(["bad"])
+        in_flight[0] = 5  # a crowd: through the queue and the worker thread, in batches
+        res = await asyncio.gather(*(b.submit([i]) for i in range(4)))
+        assert [r.results for r in res] == [[2 * i] for i in range(4)] and res[0].batch_size == 4
+        assert threads[-1].startswith("hydra-m")
+        await b.close()
+
+    asyncio.run(main())
+
+
+def test_requests_behind_a_lone_one_wait_for_it_then_batch():
+    """A lone request in the worker thread, then a crowd: the crowd's batch starts once the lone pass is done (one
+    pass at a time), and a lone request whose client went away leaves the worker free after its pass."""
+    gate = threading.Event()
+    calls: list[list[int]] = []
+    in_flight = [1]
+
+    def run(items):
+        calls.append(list(items))
+        if items == [0]:
+            gate.wait(5)
+        return items
+
+    async def main():
+        b = Batcher("m", run, BatchLimits(8, 0.01, 64), in_flight=lambda: in_flight[0])
+        b.start()
+        lone = asyncio.ensure_future(b.submit([0]))
+        await asyncio.sleep(0.05)
+        in_flight[0] = 4
+        crowd = asyncio.gather(*(b.submit([i]) for i in (1, 2, 3)))
+        await asyncio.sleep(0.05)
+        assert calls == [[0]]  # the crowd waits for the lone pass
+        lone.cancel()  # its client went away: the pass still ends, and frees the worker
+        gate.set()
+        assert [r.results for r in await crowd] == [[1], [2], [3]]
+        assert calls == [[0], [1, 2, 3]] and b._lone is None
+        await b.close()
+
+    asyncio.run(main())
