@@ -4,10 +4,11 @@
     .venv/bin/python -m benchmarks.frontier --no-cost  # the tables from the builds only
 
 The builds are ``benchmarks/recipe.py``'s (``--variants baselines trunk-half trunk-3q --seeds 0 1 2``, one
-config per run; see ``benchmarks/README.md``), read from its work folder: the ``baselines`` variant is the shipped
-config with ``base.baselines`` (LoRA-Ensembles, BatchEnsemble, last-layer Laplace: :mod:`offline.baselines`)
-beside Single and Hydra; ``trunk-half`` / ``trunk-3q`` are the shipped config with ``hydra.shared_blocks`` = L/2
-and 3L/4 (rounded down). Every quality figure is the build's own, on its test data: accuracy, NLL, Brier and ECE at
+config per run; see ``benchmarks/README.md``), read from its work folder: the ``baselines`` variant is the config
+without a shared trunk (``hydra.shared_blocks`` 0) with ``base.baselines`` (LoRA-Ensembles, BatchEnsemble,
+last-layer Laplace: :mod:`offline.baselines`) beside Single and Hydra; ``trunk-half`` / ``trunk-3q`` have
+``hydra.shared_blocks`` = L/2 and 3L/4 (rounded down); ``shipped`` is the config as it ships (3L/4 since the
+default rule below chose it). Every quality figure is the build's own, on its test data: accuracy, NLL, Brier and ECE at
 T = 1 and at the method's own temperature (fitted on ID validation), AURC, MSP AUROC and the AUROC of the build's
 served score (chosen on OOD validation sets, its statistics fitted for each method alike) on near and far OOD
 sets. Hydra against each baseline: the verdict of ``benchmarks/recipe.py`` over paired seeds (a difference within
@@ -19,6 +20,10 @@ per batch of 1 and 32 in eager PyTorch (min and median of the repeats), with Hyd
 TorchScript export). Writes ``benchmarks/results/frontier/<setting>.{md,json}``,
 ``benchmarks/results/plots/pareto_<setting>.png`` (served-score OOD AUROC against the multiply-add ratio), and the
 shipped recipe's figures into ``benchmarks/results/summary.json`` (``shipped``) and ``tables.md`` (first section).
+
+**The default rule** (``docs/build.md``): each setting ships the cheapest Hydra row (fewest multiply-adds) that ties
+or wins against the k = 0 Hydra on accuracy, served OOD AUROC, AURC and NLL at its own temperature over the paired
+seeds; each table ends with the rule's verdicts and what the chosen row gives up (its losses on the other figures).
 """
 
 from __future__ import annotations
@@ -45,17 +50,21 @@ PLOTS = ROOT / "benchmarks" / "results" / "plots"
 SEEDS = (0, 1, 2)
 BASELINES = ("lora_ensemble", "batch_ensemble", "laplace")
 # (table row, build variants it may come from (the first built of each seed), report method). Single is the same
-# model in every variant of a seed (one cached base); Hydra with k = 0 is the shipped config with or without the
-# baselines' rows beside it (they run after it, on a forked random state)
+# model in every variant of a seed (one cached base); Hydra with k = 0 comes with or without the baselines' rows
+# beside it (they run after it, on a forked random state)
 ROWS = (
-    ("Single", ("baselines", "shipped", "trunk-3q", "trunk-half"), "single"),
+    ("Single", ("baselines", "shipped", "k0", "trunk-3q", "trunk-half"), "single"),
     ("Single + Laplace (last layer)", ("baselines",), "laplace"),
     ("LoRA-Ensemble", ("baselines",), "lora_ensemble"),
     ("BatchEnsemble", ("baselines",), "batch_ensemble"),
-    ("Hydra (k = 0, shipped)", ("baselines", "shipped"), "hydra"),
+    ("Hydra, k = 0", ("baselines", "k0"), "hydra"),
     ("Hydra, trunk k = L/2", ("trunk-half",), "hydra"),
-    ("Hydra, trunk k = 3L/4", ("trunk-3q",), "hydra"),
+    ("Hydra, trunk k = 3L/4", ("trunk-3q", "shipped"), "hydra"),
 )
+# the rows' names in results written before the default became the trunk at 3L/4
+RENAMED = {"Hydra (k = 0, shipped)": "Hydra, k = 0"}
+REFERENCE = "Hydra, k = 0"  # what the default rule holds each candidate against (the paper's fused model)
+SHIPPED = "Hydra, trunk k = 3L/4"  # the row offline/configs/{image,text}-fast.yaml ship (hydra.shared_blocks: 4)
 
 
 # the zero-shot table (the paper's Table 3): (table row, build variant, report method); each also in the user's words
@@ -151,7 +160,8 @@ def zero_shot_figures(out: Path, method: str) -> dict[str, Any] | None:
 def committed(setting: str) -> dict[str, list[dict[str, Any]]]:
     """The rows of the committed results (``benchmarks/results/frontier/<setting>.json``), per table row and seed."""
     path = OUT / f"{setting}.json"
-    return json.loads(path.read_text()).get("rows", {}) if path.is_file() else {}
+    rows = json.loads(path.read_text()).get("rows", {}) if path.is_file() else {}
+    return {RENAMED.get(k, k): v for k, v in rows.items()}
 
 
 def collect(setting: str, keep: bool = True) -> dict[str, list[dict[str, Any]]]:
@@ -313,6 +323,8 @@ def publish(done: dict[str, str], docs: dict[str, Any]) -> None:
                 },
             }
         block["settings"][SETTINGS[setting]] = {"rows": rows, "cost": doc.get("cost")}
+    kept = summary.get("shipped", {}).get("settings", {})
+    block["settings"] = {**kept, **block["settings"]}  # a setting not rerun keeps its published figures
     summary["shipped"] = block
     SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
     text = TABLES.read_text() if TABLES.is_file() else ""
@@ -338,12 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         help="only the builds in the work folder (by default a seed without one keeps its committed figures)",
     )
     args = ap.parse_args(argv)
-    machine = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
+    here = f"{cpu_name()}, {len(os.sched_getaffinity(0))} cores, {platform.machine()}"
     OUT.mkdir(parents=True, exist_ok=True)
     done: dict[str, str] = {}
     docs: dict[str, Any] = {}
     for setting in args.settings:
         rows = collect(setting, args.keep)
+        machine = here
+        if rows and all(f.get("kept") for fs in rows.values() for f in fs):  # no build here: the figures' machine
+            machine = json.loads((OUT / f"{setting}.json").read_text()).get("machine", here)
         if not rows:
             print(f"[frontier] {setting}: no builds under {WORK / SETTINGS[setting]}")
             continue
@@ -356,14 +371,16 @@ def main(argv: list[str] | None = None) -> int:
         costs = None if args.no_cost or _first_build(setting) is None else cost(setting, args.reps)
         if costs is None and args.keep:  # the committed cost, as it was measured then
             old = json.loads((OUT / f"{setting}.json").read_text()).get("cost") if rows_kept(rows) else None
+            old = {RENAMED.get(k, k): v for k, v in old.items()} if old else None
             costs = {**old, "_setup": {**old.get("_setup", {}), "kept": True}} if old else None
         doc = {"setting": SETTINGS[setting], "machine": machine, "rows": rows, "cost": costs}
         (OUT / f"{setting}.json").write_text(json.dumps(doc, indent=1) + "\n")
-        (OUT / f"{setting}.md").write_text(markdown(setting, rows, costs, machine))
+        page = markdown(setting, rows, costs, machine, (REFERENCE, SHIPPED))
+        (OUT / f"{setting}.md").write_text(page)
         if costs:
             plot(setting, rows, costs, PLOTS / f"pareto_{setting}.png")
         print((OUT / f"{setting}.md").read_text())
-        done[setting], docs[setting] = markdown(setting, rows, costs, machine), doc
+        done[setting], docs[setting] = page, doc
     if done and not args.no_publish:
         publish(done, docs)
     return 0

@@ -36,6 +36,9 @@ QUALITY += [("served AUROC % near", "auroc_served_near"), ("served AUROC % far",
 # Hydra against a baseline: (figure, key, lower is better)
 VERSUS = (("served OOD AUROC", "auroc_served", False), ("MSP AUROC", "auroc_msp", False))
 VERSUS += (("accuracy", "acc", False), ("ECE, own T", "ece_ts", True), ("NLL, own T", "nll_ts", True))
+VERSUS += (("AURC", "aurc", True),)
+# the default rule's figures: a candidate ships only if it ties or wins against the reference on each
+RULE = ("served OOD AUROC", "accuracy", "AURC", "NLL, own T")
 # the zero-shot table's columns: each method at its own row's temperature (Hydra at the served one)
 ZERO_SHOT_COLUMNS = [("acc %", "acc"), ("ECE %", "ece"), ("NLL", "nll"), ("Brier", "brier")]
 ZERO_SHOT_COLUMNS += [("AUROC % near", "auroc_msp_near"), ("AUROC % far", "auroc_msp_far")]
@@ -98,7 +101,14 @@ def zero_shot_markdown(rows: dict[str, list[dict[str, Any]]], machine: str) -> s
     return "\n".join(lines) + "\n"
 
 
-def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[str, Any] | None, machine: str) -> str:
+def markdown(
+    setting: str,
+    rows: dict[str, list[dict[str, Any]]],
+    costs: dict[str, Any] | None,
+    machine: str,
+    rule: tuple[str, str] | None = None,
+) -> str:
+    """A setting's page; ``rule``: ``(reference row, shipped row)`` of the default rule (:func:`rule_lines`)."""
     served = next((r[0]["served_score"] for r in rows.values() if r), "?")
     lines = [
         f"# {SETTINGS[setting]}: Hydra among efficient ensembles",
@@ -119,7 +129,24 @@ def markdown(setting: str, rows: dict[str, list[dict[str, Any]]], costs: dict[st
     lines += versus_lines(rows)
     lines += shift_lines(rows)
     lines += cost_lines(costs)
+    lines += rule_lines(rows, costs, *rule) if rule else []
     return "\n".join(lines) + "\n"
+
+
+def compare(rows: dict[str, list[dict[str, Any]]], mine: str, theirs: str) -> dict[str, tuple[str, float] | None]:
+    """Row ``mine`` against row ``theirs`` over their paired seeds, per figure of :data:`VERSUS`: ``(verdict, mean
+    difference in the table's unit)``, None where no seed has both."""
+    pairs = [(h, o) for h in rows[mine] for o in rows[theirs] if h["seed"] == o["seed"]]
+    out: dict[str, tuple[str, float] | None] = {}
+    for name, key, lower in VERSUS:
+        ok = [(h[key], o[key]) for h, o in pairs if h.get(key) is not None and o.get(key) is not None]
+        if not ok:
+            out[name] = None
+            continue
+        hv, ov = zip(*ok, strict=True)
+        scale = 100 if key != "nll_ts" else 1
+        out[name] = (verdict(list(hv), list(ov), lower), (statistics.mean(hv) - statistics.mean(ov)) * scale)
+    return out
 
 
 def versus_lines(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -132,19 +159,50 @@ def versus_lines(rows: dict[str, list[dict[str, Any]]]) -> list[str]:
     ]
     lines += ["", "| Hydra | against | " + " | ".join(v for v, *_ in VERSUS) + " |", "|---|---|" + "---|" * len(VERSUS)]
     for mine, theirs in versus:
-        pairs = [(h, o) for h in rows[mine] for o in rows[theirs] if h["seed"] == o["seed"]]
         cells = [mine, theirs]
-        for _, key, lower in VERSUS:
-            ok = [(h[key], o[key]) for h, o in pairs if h[key] is not None and o[key] is not None]
-            if not ok:
-                cells.append("–")
-                continue
-            hv, ov = zip(*ok, strict=True)
-            diff = statistics.mean(hv) - statistics.mean(ov)
-            scale = 100 if key != "nll_ts" else 1
-            cells.append(f"{verdict(list(hv), list(ov), lower)} ({diff * scale:+.2f})")
+        for v in compare(rows, mine, theirs).values():
+            cells.append("–" if v is None else f"{v[0]} ({v[1]:+.2f})")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def rule_lines(
+    rows: dict[str, list[dict[str, Any]]], costs: dict[str, Any] | None, reference: str, shipped: str
+) -> list[str]:
+    """The default rule (module :mod:`benchmarks.frontier`): each Hydra row, cheapest first, against ``reference`` on
+    :data:`RULE`; the first that ties or wins on each is the one to ship; what each gives up (its losses on the other
+    figures)."""
+    if reference not in rows or not costs:
+        return []
+    hydra = [r for r in rows if r.startswith("Hydra") and r in costs]
+    hydra.sort(key=lambda r: costs[r]["macs_ratio"])
+    lines = [
+        "",
+        f"The default rule: the cheapest Hydra row that ties or wins against {reference} on "
+        + ", ".join(RULE)
+        + " over the paired seeds:",
+        "",
+        "| Hydra row | multiply-adds / Single | " + " | ".join(RULE) + " | passes | gives up |",
+        "|---|---|" + "---|" * (len(RULE) + 2),
+    ]
+    chosen = None
+    for label in hydra:
+        if label == reference:
+            v: dict[str, tuple[str, float] | None] = {}
+            passes = True
+        else:
+            v = compare(rows, label, reference)
+            passes = all(v[n] is not None and not v[n][0].startswith("loss") for n in RULE)  # type: ignore[index]
+        chosen = chosen or (label if passes else None)
+        cells = [f"{v[n][0]} ({v[n][1]:+.2f})" if v.get(n) else "–" for n in RULE]
+        given = [f"{n} {x[0]} ({x[1]:+.2f})" for n, x in v.items() if n not in RULE and x and x[0].startswith("loss")]
+        lines.append(
+            f"| {label} | {costs[label]['macs_ratio']:.2f} | "
+            + " | ".join(cells)
+            + f" | {'yes' if passes else 'no'} | {', '.join(given) or '–'} |"
+        )
+    ships = "the row the configs ship" if chosen == shipped else f"the configs ship {shipped}"
+    return [*lines, "", f"Chosen by the rule: **{chosen}** ({ships})."]
 
 
 def cost_lines(costs: dict[str, Any] | None) -> list[str]:

@@ -80,10 +80,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "hydra.distill": 0.5,
         "hydra.distill_temperatures": [1.0, 2.0, 4.0],
     },
-    # the config as it ships, and with a shared trunk of half and three quarters of its L blocks (rounded down)
+    # the config as it ships, without a shared trunk (the paper's fused model), and with a shared trunk of half and
+    # three quarters of its L blocks (rounded down; the fast configs ship 3L/4: docs/build.md, "The default rule")
     "shipped": {},
-    # the same, with the efficient-ensemble baselines' rows beside Hydra's (offline/baselines.py)
-    "baselines": {"base.baselines": ["lora_ensemble", "batch_ensemble", "laplace"]},
+    "k0": {"hydra.shared_blocks": 0},
+    # without a trunk, with the efficient-ensemble baselines' rows beside Hydra's (offline/baselines.py)
+    "baselines": {"base.baselines": ["lora_ensemble", "batch_ensemble", "laplace"], "hydra.shared_blocks": 0},
     "trunk-half": {"hydra.shared_blocks": "L/2"},
     # zero-shot (offline/configs/zeroshot-*.yaml): the shipped vision-tower Taylor members, and joint circuits over
     # both towers (the paper's zero-shot recipe), neither trained; each also scored with a user's own words

@@ -45,7 +45,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_rows_are_the_builds_own_figures(builds, monkeypatch):
     monkeypatch.setattr(frontier, "WORK", builds)
     rows = frontier.collect("text", keep=False)
-    assert set(rows) == {"Single", "Single + Laplace (last layer)", "LoRA-Ensemble", "Hydra (k = 0, shipped)"}
+    assert set(rows) == {"Single", "Single + Laplace (last layer)", "LoRA-Ensemble", "Hydra, k = 0"}
     assert [f["seed"] for f in rows["Single"]] == [0, 1]
     report = json.loads((builds / "text-fast" / "baselines@seed1" / "report.json").read_text())
     lora = next(r for r in report["rows"] if r["method"] == "lora_ensemble")
@@ -59,7 +59,7 @@ def test_rows_are_the_builds_own_figures(builds, monkeypatch):
     assert "| LoRA-Ensemble | 0, 1 |" in text
     assert text.count("Each Hydra row against each other row") == 1
     # the verdict columns: Hydra against Single on the served AUROC, over the 2 paired seeds
-    line = next(line for line in text.splitlines() if line.startswith("| Hydra (k = 0, shipped) | Single |"))
+    line = next(line for line in text.splitlines() if line.startswith("| Hydra, k = 0 | Single |"))
     assert any(v in line for v in ("win", "tie", "loss"))
     # under shift: each row's figures are its build's shift summary, at both severities
     shift = report["extra"]["shift"]["methods"]["lora_ensemble"]["summary"]
@@ -68,7 +68,7 @@ def test_rows_are_the_builds_own_figures(builds, monkeypatch):
     assert "acc % / Brier @1 | acc % / Brier @5" in under
     acc = 100 * statistics.mean(f["shift"]["mean"]["acc"] for f in rows["LoRA-Ensemble"])
     assert f"| LoRA-Ensemble | 0, 1 | {acc:.1f} ±" in under
-    assert "| Hydra (k = 0, shipped) | LoRA-Ensemble |" in under
+    assert "| Hydra, k = 0 | LoRA-Ensemble |" in under
 
 
 def test_a_seed_without_its_build_keeps_its_committed_figures(builds, monkeypatch, tmp_path):
@@ -79,7 +79,7 @@ def test_a_seed_without_its_build_keeps_its_committed_figures(builds, monkeypatc
     fresh = frontier.collect("text", keep=False)
     kept_single = {**fresh["Single"][0], "seed": 2, "acc": 0.123}
     stale_single = {**fresh["Single"][0], "acc": 0.999}  # seed 0 again: its build is there, so it is not kept
-    trunk = {**fresh["Hydra (k = 0, shipped)"][0], "seed": 1}
+    trunk = {**fresh["Hydra, k = 0"][0], "seed": 1}
     committed = {"rows": {"Single": [stale_single, kept_single], "Hydra, trunk k = 3L/4": [trunk]}}
     (tmp_path / "text.json").write_text(json.dumps(committed))
     rows = frontier.collect("text")
@@ -107,15 +107,60 @@ def test_the_script_runs_to_its_end(builds, monkeypatch, tmp_path):
     assert doc["setting"] == "text-fast" and doc["rows"] == frontier.collect("text", keep=False)
     cost = doc["cost"]
     assert cost["_setup"]["reps"] == 1 and cost["Single"]["macs_ratio"] == 1.0
-    assert {"LoRA-Ensemble", "BatchEnsemble", "Hydra (k = 0, shipped)"} <= set(cost)
+    assert {"LoRA-Ensemble", "BatchEnsemble", "Hydra, k = 0"} <= set(cost)
     assert cost["LoRA-Ensemble"]["macs_ratio"] > 1  # its members, one after another, each the whole base
     for label, c in cost.items():
         if label != "_setup":
             assert c["macs_ratio"] > 0 and c["batch1"]["min_ms"] > 0 and c["batch32"]["min_ms"] > 0
     md = (results / "frontier" / "text.md").read_text()
-    assert md == frontier_tables.markdown("text", doc["rows"], cost, doc["machine"])
+    assert md == frontier_tables.markdown(
+        "text", doc["rows"], cost, doc["machine"], (frontier.REFERENCE, frontier.SHIPPED)
+    )
+    assert "Chosen by the rule: **" in md
     assert (results / "plots" / "pareto_text.png").stat().st_size > 0
     shipped = json.loads((results / "summary.json").read_text())["shipped"]
     assert shipped["settings"]["text-fast"]["rows"]["Single"]["seeds"] == [0, 1]
     tables = (results / "tables.md").read_text()
     assert tables.startswith(frontier.BEGIN) and frontier.END in tables
+
+
+def _seeds(**fig: list[float]) -> list[dict]:
+    n = len(next(iter(fig.values())))
+    return [{"seed": i, **{k: v[i] for k, v in fig.items()}} for i in range(n)]
+
+
+def test_the_default_rule_ships_the_cheapest_row_that_ties_or_wins_and_says_what_it_gives_up():
+    ref = _seeds(acc=[0.80, 0.81, 0.82], auroc_served=[0.90, 0.91, 0.92], aurc=[0.05, 0.05, 0.05], nll_ts=[0.5] * 3)
+    cheap_bad = _seeds(acc=[0.70, 0.71, 0.72], auroc_served=[0.90, 0.91, 0.92], aurc=[0.05] * 3, nll_ts=[0.5] * 3)
+    mid_ok = _seeds(
+        acc=[0.80, 0.81, 0.82],
+        auroc_served=[0.91, 0.92, 0.93],
+        aurc=[0.05] * 3,
+        nll_ts=[0.5] * 3,
+        ece_ts=[0.05, 0.06, 0.07],
+    )
+    for r in ref:
+        r["ece_ts"] = 0.03
+    rows = {"Hydra, k = 0": ref, "Hydra, trunk a": cheap_bad, "Hydra, trunk b": mid_ok}
+    costs = {
+        "Hydra, k = 0": {"macs_ratio": 2.2},
+        "Hydra, trunk a": {"macs_ratio": 1.1},
+        "Hydra, trunk b": {"macs_ratio": 1.4},
+    }
+    text = "\n".join(frontier_tables.rule_lines(rows, costs, "Hydra, k = 0", "Hydra, trunk b"))
+    assert "| Hydra, trunk a | 1.10 |" in text and "loss (-10.00)" in text  # accuracy lost: it does not pass
+    line = next(ln for ln in text.splitlines() if ln.startswith("| Hydra, trunk b |"))
+    assert "| yes |" in line and "ECE, own T loss (+3.00)" in line  # what the chosen row gives up
+    assert text.endswith("Chosen by the rule: **Hydra, trunk b** (the row the configs ship).")
+
+
+@pytest.mark.parametrize("name", ["image-fast.yaml", "text-fast.yaml"])
+def test_the_fast_configs_ship_the_rows_shipped_row(name):
+    """The row the frontier marks as shipped is what the fast configs build: the trunk at 3L/4 of the base's
+    blocks (read from the base model's own config files)."""
+    from benchmarks.recipe import resolve
+    from offline.config import load_config
+
+    cfg = load_config(Path(frontier.ROOT) / "offline" / "configs" / name)
+    assert frontier.SHIPPED == "Hydra, trunk k = 3L/4"
+    assert cfg.hydra.shared_blocks == resolve({"hydra.shared_blocks": "3L/4"}, cfg)["hydra.shared_blocks"] == 4
