@@ -10,7 +10,7 @@ backbone); their sha256 are recorded next to it. Relative paths in the configs a
 (:data:`ORDER`), starts ``python -m service`` on every default folder (``HYDRA_ARTIFACTS``), and builds the others
 while the server answers; the server loads each when its build is done. Each folder still to build has a note
 beside it until then (:mod:`service.core.building`), which the server shows in ``/readyz`` and ``/v1/models``.
-Builds run one after another: on 2 cores, two at once take as long as both in turn and delay the first answer.
+Builds run one after another, each on every core (the first one alone, so that nothing delays the first answer).
 """
 
 from __future__ import annotations
