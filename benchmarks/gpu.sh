@@ -5,7 +5,9 @@
 #      base is the repository's own backbone, so the run needs the Fashion-MNIST files and no downloaded model;
 #   3. the cost benchmark on CUDA, fp32 and bf16, both big layouts (ViT-B/16, BERT-base), batches 1, 4 and 32;
 #   4. the server benchmarks with wrk (benchmarks/bench_server.py) on CUDA: that artifact and a ViT-B/16-sized one
-#      (random weights, 224 x 224 JPEG inputs), each with HYDRA_WORKERS 1 and 8, at 1 and 256 connections.
+#      (random weights, 224 x 224 JPEG inputs), each with HYDRA_WORKERS auto, 1, 2, 4 and 8, at 1 and 256
+#      connections, beside the raw Hydra model and the raw Single model (benchmarks/single.py) on the same backend
+#      and precision: the served / raw Single ratio that decides what `auto` should be on a GPU.
 # The device reaches no package registry: wrk comes as Debian packages in .deb/ (`make wrk-debs` downloads them
 # here); they are unpacked into .deb/root when wrk is not installed.
 # Results go to benchmarks/results/gpu/<GPU name>/ (or $OUT), each file naming the GPU. A failing CUDA test is
@@ -48,11 +50,11 @@ run "$PY" offline/build.py --config offline/configs/image-fast.yaml --out "$ART"
 run mkdir -p "$OUT/build-image-fast-cuda"
 run cp -r "$ART/manifest.json" "$ART/report.md" "$ART/report.json" "$ART/plots" "$OUT/build-image-fast-cuda/"
 run "$PY" -m benchmarks.run --only cost --layouts vit_b16 bert_base --devices cuda --precisions fp32 bf16 \
-    --batches 1 4 32 --repeats 20 --out "$OUT" --no-readme
-run "$PY" -m benchmarks.bench_server --artifact "$ART" --device cuda --workers 1 8 --no-floor \
-    --connections 1 256 --seconds 8 --raw-seconds 2 --tag cuda --out "$OUT/server"
-run "$PY" -m benchmarks.bench_server --tiny vit_b16 --device cuda --workers 1 8 --no-floor \
-    --connections 1 256 --seconds 8 --raw-seconds 2 --tag cuda --out "$OUT/server"
+    --batches 1 4 32 --repeats 10 --out "$OUT" --no-readme
+run "$PY" -m benchmarks.bench_server --artifact "$ART" --device cuda --workers auto 1 2 4 8 --no-floor \
+    --connections 1 256 --seconds 6 --raw-seconds 1.5 --tag cuda --out "$OUT/server"
+run "$PY" -m benchmarks.bench_server --tiny vit_b16 --device cuda --workers auto 1 2 4 8 --no-floor \
+    --connections 1 256 --seconds 6 --raw-seconds 1.5 --tag cuda --out "$OUT/server"
 run "$PY" -c "import json, torch; json.dump({'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__, 'cuda': torch.version.cuda}, open('$OUT/device.json', 'w'))"
 echo "results in $OUT"
 exit "$TESTS"

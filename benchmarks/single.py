@@ -55,6 +55,7 @@ def single_artifact(artifact: Path, out: Path, example: dict[str, torch.Tensor])
         export_torchscript(model, example, out / exports["torchscript"]["file"])
     if "onnx" in exports:
         export_onnx(model, example, out / exports["onnx"]["file"], list(spec["outputs"]))
+    doc.pop("shared_blocks", None)  # one stream from the start: no trunk
     doc.update(
         name=f"{doc['name']}-single",
         members=1,
