@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,9 @@ def single_artifact(artifact: Path, out: Path, example: dict[str, torch.Tensor])
     model.with_features = "features" in spec["outputs"]
     model.with_layer_features = "layer_features" in spec["outputs"]
     out.mkdir(parents=True, exist_ok=True)
+    tokenizer = (doc.get("preprocessing") or {}).get("tokenizer")
+    if tokenizer:  # the text models' preprocessing reads it from the artifact
+        shutil.copytree(Path(artifact) / tokenizer, out / tokenizer, dirs_exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / spec["weights"]))
     exports = doc.get("exports") or {}
     if "torchscript" in exports:

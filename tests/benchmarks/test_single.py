@@ -42,3 +42,16 @@ def test_the_single_artifact_loads_in_every_backend_and_answers_one_member(tmp_p
     for backend in ("torch", "torchscript", "onnx"):
         outs = load_backend(single, manifest, Plan(backend, "cpu", "fp32", "test")).outputs(example)
         assert outs[0].shape == (2, 1, 4) and outs[1].shape[:2] == (2, 1), backend  # logits and features
+
+
+def test_a_text_artifacts_single_keeps_its_tokenizer(tmp_path: Path):
+    from service.core.preprocess import make_preprocessor
+
+    art = make_tiny_artifact(tmp_path / "bert", "bert", ood=True, exports=("onnx",))
+    pre = make_preprocessor(load_manifest(art).preprocessing, art, 10**6)
+    example = pre.collate(pre.encode(["a fine day", "meh"]))
+    single = single_artifact(art, tmp_path / "single", example)
+    manifest = load_manifest(single)
+    pre = make_preprocessor(manifest.preprocessing, single, 10**6)  # reads the tokenizer from the Single's folder
+    outs = load_backend(single, manifest, Plan("onnx", "cpu", "fp32", "test")).outputs(pre.collate(pre.encode(["x"])))
+    assert outs[0].shape[:2] == (1, 1)
