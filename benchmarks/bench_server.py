@@ -228,6 +228,7 @@ def drive(args: argparse.Namespace, artifact: Path, body: dict[str, Any], image:
                 for n in names if i % 2 == 0 else names[::-1]:
                     settle(servers)
                     r = level(args, servers[n], floor_script if n == FLOOR else script, c, n == FLOOR)
+                    r["rss_mb"] = harness.group_rss_mb(servers[n][0].pid)  # each process: supervisor, workers
                     out[n].append(r)
                     print(
                         f"  {n:>10} {c:4d} connections: {r['rps']:9.1f} req/s  p50 {r['p50_ms']:8.2f} ms  p99 "
@@ -288,15 +289,18 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         *harness.page_head(f"Server against the raw model and the floor: {doc['name']}", doc, machine),
         "",
-        "| server | connections | requests/s | p50 ms | p99 ms | CPU ms / request | mean batch | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| server | connections | requests/s | p50 ms | p99 ms | CPU ms / request | mean batch | errors | largest "
+        "process RSS MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n, rows in doc["servers"].items():
         for r in rows:
             errs = sum(r["socket_errors"].values()) + r["non_2xx"]
+            rss = max((m.get("rss", 0.0) for m in r.get("rss_mb", {}).values()), default=None)
             lines.append(
                 f"| {n} | {r['connections']} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
-                f"{r['cpu_ms_per_request']:.3f} | {r['mean_batch'] if r['mean_batch'] is not None else '–'} | {errs} |"
+                f"{r['cpu_ms_per_request']:.3f} | {r['mean_batch'] if r['mean_batch'] is not None else '–'} | {errs} | "
+                f"{'–' if rss is None else f'{rss:.0f}'} |"
             )
     lines += [
         "",

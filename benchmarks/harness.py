@@ -61,6 +61,7 @@ __all__ = [
     "open_run",
     "result_head",
     "rss_mb",
+    "group_rss_mb",
     "server_env",
     "serving",
     "start_server",
@@ -176,6 +177,20 @@ def rss_mb(pid: int) -> dict[str, float]:
         key, _, value = line.partition(":")
         if key in ("VmRSS", "VmHWM"):
             out["rss" if key == "VmRSS" else "peak"] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
+def group_rss_mb(pgid: int) -> dict[str, dict[str, float]]:
+    """:func:`rss_mb` of every live process of process group ``pgid`` (a server and its workers), by pid."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                out[entry.name] = rss_mb(int(entry.name))
+        except (OSError, ValueError):  # exited meanwhile
+            continue
     return out
 
 
