@@ -85,7 +85,14 @@ def build_one(modality: str, config: Path, out: Path) -> None:
     print(f"[default] built {out} in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def serve_while_building(todo: list[tuple[str, Path, Path]]) -> int:
+def _start_server(folders: list[Path]) -> subprocess.Popen[bytes]:
+    """``python -m service`` on ``HYDRA_ARTIFACTS``, or on ``folders`` when it is not set."""
+    env = dict(os.environ)
+    env.setdefault("HYDRA_ARTIFACTS", ",".join(str(f) for f in folders))
+    return subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env)
+
+
+def serve_while_building(todo: list[tuple[str, Path, Path]], folders: list[Path]) -> int:
     """Build the first of ``todo`` unless an artifact is already current, start the server, build the rest while
     it serves (each announced by a note beside its folder until it is done), then wait for the server to stop; the
     server's exit status."""
@@ -98,7 +105,7 @@ def serve_while_building(todo: list[tuple[str, Path, Path]]) -> int:
     try:
         for i, (modality, config, out) in enumerate(todo):
             if server is None and (current or i > 0):
-                server = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT)
+                server = _start_server(folders)
             try:
                 build_one(modality, config, out)
             finally:
@@ -106,7 +113,7 @@ def serve_while_building(todo: list[tuple[str, Path, Path]]) -> int:
             if server is not None and server.poll() is not None:
                 return server.returncode
         if server is None:
-            server = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT)
+            server = _start_server(folders)
         print("[default] every default artifact is built", flush=True)
         return server.wait()
     except KeyboardInterrupt:  # Ctrl-C reaches the server too: it drains and stops
@@ -145,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         todo.append((modality, config, out))
     if args.serve:
-        return serve_while_building(todo)
+        folders = [out_root / m for m in ORDER if m in SERVED and (not args.only or m in args.only)]
+        return serve_while_building(todo, folders)
     for modality, config, out in todo:
         build_one(modality, config, out)
     return 0

@@ -137,7 +137,8 @@ def test_serve_while_building_starts_the_server_after_the_first_build(tmp_path: 
     class Server:
         returncode = None
 
-        def __init__(self, cmd, cwd):
+        def __init__(self, cmd, cwd, env):
+            assert env["HYDRA_ARTIFACTS"] == ",".join(str(tmp_path / "d" / m) for m in ("zeroshot", "text", "image"))
             assert cmd[1:] == ["-m", "service"]
             notes = sorted(p.name.split(".")[1] for p in (tmp_path / "d").glob(".*.building.json"))
             events.append("serve while building " + ",".join(notes))
@@ -149,6 +150,7 @@ def test_serve_while_building_starts_the_server_after_the_first_build(tmp_path: 
         assert read_note(out) is not None and read_note(out).eta_s > 0
         events.append(f"build {modality}")
 
+    monkeypatch.delenv("HYDRA_ARTIFACTS", raising=False)  # without it: the folders it builds, the quickest first
     monkeypatch.setattr(default.subprocess, "Popen", Server)
 
     def poll(self):  # serving while it builds
