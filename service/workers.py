@@ -172,6 +172,21 @@ def supervise(n: int, host: str, port: int, graceful: float) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hydra-workers-"))
     (tmp / "metrics").mkdir()
     (tmp / "ready").mkdir()
+    # what the workers inherit; put back when the supervisor returns (it may run inside a longer-lived process)
+    keys = (METRICS_ENV, READY_DIR_ENV, WORKERS_ENV, "HYDRA_THREADS", "HYDRA_LOAD_IN_BACKGROUND")
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        return _supervise(n, host, port, graceful, tmp)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _supervise(n: int, host: str, port: int, graceful: float, tmp: Path) -> int:
     os.environ[METRICS_ENV] = str(tmp / "metrics")
     os.environ[READY_DIR_ENV] = str(tmp / "ready")
     os.environ[WORKERS_ENV] = str(n)
@@ -184,7 +199,6 @@ def supervise(n: int, host: str, port: int, graceful: float) -> int:
         sock = _bind(host, port)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", host, port, e)
-        shutil.rmtree(tmp, ignore_errors=True)
         return EXIT_REFUSED
     sup = Supervisor(n, sock, graceful)
     original = {sig: signal.signal(sig, sup.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -195,4 +209,3 @@ def supervise(n: int, host: str, port: int, graceful: float) -> int:
         for sig, handler in original.items():
             signal.signal(sig, handler)
         sock.close()
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -68,11 +68,16 @@ def test_invalid_configs_fail_with_one_clear_line(tmp_path, text, overrides, mat
 
 
 def test_budget_larger_than_model_is_refused():
-    cfg = load_config(ROOT / "offline/configs/text-fast.yaml", {"hydra.prune_per_layer": 13})
+    no_trunk = {"hydra.shared_blocks": 0}
+    cfg = load_config(ROOT / "offline/configs/text-fast.yaml", {**no_trunk, "hydra.prune_per_layer": 13})
     with pytest.raises(ConfigError, match="exceeds the 12 heads of layer 0"):
         check_budget(cfg, [12] * 6)
-    cfg = load_config(ROOT / "offline/configs/text-fast.yaml", {"hydra.prune_per_layer": None, "hydra.prune_total": 80})
+    total = {"hydra.prune_per_layer": None, "hydra.prune_total": 80}
+    cfg = load_config(ROOT / "offline/configs/text-fast.yaml", {**no_trunk, **total})
     with pytest.raises(ConfigError, match="exceeds the model's 72 heads"):
+        check_budget(cfg, [12] * 6)
+    cfg = load_config(ROOT / "offline/configs/text-fast.yaml", {**total, "hydra.prune_total": 30})  # as shipped: k = 4
+    with pytest.raises(ConfigError, match="the 24 heads after the shared trunk"):
         check_budget(cfg, [12] * 6)
 
 

@@ -104,6 +104,7 @@ def test_python_m_service_exit_statuses(artifacts, artifact_copy, monkeypatch, c
     monkeypatch.setenv("HYDRA_ARTIFACTS", str(art))
     monkeypatch.setenv("HYDRA_PORT", str(free_port()))
     monkeypatch.setenv("HYDRA_LOG_LEVEL", "warning")
+    monkeypatch.setenv("HYDRA_WORKERS", "1")  # one process: its own log (several workers: test_workers.py)
     assert entry.main([]) == entry.EXIT_REFUSED
     assert "refusing to start" in caplog.text and f"{art}/model.safetensors: size" in caplog.text
     monkeypatch.setenv("HYDRA_ARTIFACTS", str(artifacts["vit"]))

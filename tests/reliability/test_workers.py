@@ -278,3 +278,23 @@ def test_two_workers_share_one_drift_alarm_keep_its_evidence_and_abstain_without
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_the_supervisor_leaves_its_process_environment_as_it_found_it(monkeypatch):
+    """What the workers inherit (the shared folder, the thread share) is put back when the supervisor returns: run
+    inside a longer-lived process, it must not make that process a 'worker' of a folder that is gone."""
+    import socket
+
+    from service.fleet import READY_DIR_ENV, shared_file
+    from service.workers import supervise
+
+    monkeypatch.delenv(READY_DIR_ENV, raising=False)
+    monkeypatch.delenv("HYDRA_THREADS", raising=False)
+    taken = socket.socket()
+    taken.bind((harness.HOST, 0))
+    taken.listen()
+    try:  # the port is taken: the supervisor refuses before starting any worker
+        assert supervise(2, harness.HOST, taken.getsockname()[1], 1.0) == 3
+    finally:
+        taken.close()
+    assert READY_DIR_ENV not in os.environ and "HYDRA_THREADS" not in os.environ and shared_file("x") is None
