@@ -54,7 +54,10 @@ def _args(tmp: Path, user_files: tuple[Path, Path], out: Path) -> list[str]:
     config.write_text("{}\n")
     over = ticket_build(ckpt, data, **{"hydra.finetune_steps": 4})
     flags = [f for k, v in over.items() for f in (f"--{k}", v if isinstance(v, str) else json.dumps(v))]
-    return ["--config", str(config), "--out", str(out), "--no-progress", *flags]
+    # torch's threads named: the reference builds in this process, where another test may have set them (a
+    # benchmark run in-process with --threads 1), the stopped build in a fresh one; sums over other thread counts
+    # round otherwise, and the weights are compared bit for bit
+    return ["--config", str(config), "--out", str(out), "--no-progress", "--threads", "2", *flags]
 
 
 @pytest.fixture(scope="module")
