@@ -52,19 +52,27 @@ def _try(command: str, cwd: Path) -> int:
     return int(out.stdout.strip() or 0)
 
 
-def measure(clone: Path, port: int, limit_s: float, t0: float) -> dict[str, Any]:
-    """``make serve`` in ``clone``; every time in seconds from ``t0`` (the clone's start)."""
+def measure(
+    clone: Path, port: int, limit_s: float, t0: float, command: list[str] | None = None, models: int = MODELS
+) -> dict[str, Any]:
+    """``command`` (``make serve``) in ``clone`` until ``models`` models are served; every time in seconds from
+    ``t0`` (the clone's start)."""
     env = {**os.environ, "HYDRA_PORT": str(port)}
     env.pop("VIRTUAL_ENV", None)
     log_path = clone / "make-serve.log"
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            ["make", "serve"], cwd=clone, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command or ["make", "serve"],
+            cwd=clone,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     first: dict[str, Any] | None = None
     seen: dict[str, float] = {}
     try:
-        while time.monotonic() - t0 < limit_s and proc.poll() is None and len(seen) < MODELS:
+        while time.monotonic() - t0 < limit_s and proc.poll() is None and len(seen) < models:
             time.sleep(1.0)
             now = time.monotonic() - t0
             status, doc = _get(f"http://127.0.0.1:{port}/v1/models")
@@ -88,7 +96,7 @@ def measure(clone: Path, port: int, limit_s: float, t0: float) -> dict[str, Any]
     return {
         "first_answer": first,
         "models_ready_s": seen,
-        "all_ready_s": max(seen.values()) if len(seen) == MODELS else None,
+        "all_ready_s": max(seen.values()) if len(seen) == models else None,
         "builds_s": builds,
         "exit_status": proc.returncode,
     }
@@ -99,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clone", type=Path, default=None, help="clone into this folder (kept); default: a temporary one")
     ap.add_argument("--limit", type=float, default=1800.0, help="give up after this many seconds")
     ap.add_argument("--out", type=Path, default=None, help="JSON result (default benchmarks/results/first_answer.json)")
+    ap.add_argument("--command", default="make serve", help="what serves in the clone (a test's: a tiny server)")
+    ap.add_argument("--models", type=int, default=MODELS, help="the models served when everything is ready")
     args = ap.parse_args(argv)
     tmp = tempfile.TemporaryDirectory(prefix="hydra-first-answer-") if args.clone is None else None
     clone = args.clone or Path(tmp.name) / "hydra-serve"  # type: ignore[union-attr]
@@ -107,10 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     cloned = time.monotonic() - t0
     result = {
-        "command": "python -m benchmarks.first_answer " + shlex.join(argv if argv is not None else sys.argv[1:]),
+        # the clone's folder is left out: it lies outside the repository
+        "command": "python -m benchmarks.first_answer"
+        + (" --clone DIR" if args.clone else "")
+        + ("" if args.command == "make serve" else f" --command {shlex.quote(args.command)} --models {args.models}"),
         "commit": head,
         "clone_s": round(cloned, 1),
-        **measure(clone, harness.free_port(), args.limit, t0),
+        **measure(clone, harness.free_port(), args.limit, t0, shlex.split(args.command), args.models),
     }
     path = harness.save_run(result, args.out, "first_answer.json")
     print(json.dumps({k: v for k, v in result.items() if k != "command"}, indent=1))
