@@ -150,9 +150,7 @@ async def startup(state: ServerState) -> None:
                 state.building[path] = note
                 log.info("%s is being built (%s); served once built", note.name, path)
                 continue
-            rt = await anyio.to_thread.run_sync(open_runtime, path, s, state.metrics)
-            if rt.name in state.runtimes:
-                raise StartupError(f"{path}: model name {rt.name!r} is already used by another artifact")
+            rt = await _open(state, path)
             state.runtimes[rt.name] = rt
         if state.runtimes:
             log.info("verified: %s", ", ".join(f"{n} ({rt.root})" for n, rt in state.runtimes.items()))
@@ -231,7 +229,6 @@ async def watch_builds(state: ServerState) -> None:
     """Load each model being built once its builder removes its note (the artifact is complete), until none is
     left. A build whose builder process is gone, or that ended without a manifest, or whose artifact does not
     verify, is named in ``build_failed`` (``/readyz``, ``/v1/models``); the models already served go on."""
-    s = state.settings
     while state.building:
         await asyncio.sleep(BUILD_POLL_S)
         for path, note in list(state.building.items()):
@@ -245,10 +242,9 @@ async def watch_builds(state: ServerState) -> None:
             elif not built:
                 why = f"its build ended without an artifact in {path}; the builder's log says why"
             else:
+                rt = None
                 try:
-                    rt = await anyio.to_thread.run_sync(open_runtime, path, s, state.metrics)
-                    if rt.name in state.runtimes:
-                        raise StartupError(f"{path}: model name {rt.name!r} is already used by another artifact")
+                    rt = await _open(state, path)
                     await _attach_monitor(state, rt)
                     await anyio.to_thread.run_sync(rt.load)
                     rt.start()
@@ -257,12 +253,22 @@ async def watch_builds(state: ServerState) -> None:
                     raise
                 except Exception as e:
                     why = f"its artifact could not be served: {e}"
+                    if rt is not None:
+                        await rt.close()  # its batcher's worker, if it started
                 else:
                     state.runtimes[rt.name] = rt
                     _set_ready(state, [rt])
                     continue
             state.build_failed[note.name] = why
             log.error("%s is not served: %s", note.name, why)
+
+
+async def _open(state: ServerState, path: str) -> Runtime:
+    """The verified runtime of the artifact at ``path`` (:func:`open_runtime`), whose name no other model has."""
+    rt = await anyio.to_thread.run_sync(open_runtime, path, state.settings, state.metrics)
+    if rt.name in state.runtimes:
+        raise StartupError(f"{path}: model name {rt.name!r} is already used by another artifact")
+    return rt
 
 
 async def load_in_background(state: ServerState) -> None:

@@ -25,8 +25,8 @@ answered).
 (``service.runtime.guarded``). Nothing certifies on a state it could not read.
 
 **Cost.** One ``flock``, a read of the slot (a few hundred bytes while no episode is kept), the parent's update and a
-write: tens of microseconds per chunk (``tests/service/core/test_drift_shared.py`` measures it against the
-in-process monitor; ``docs/api.md`` gives the figure).
+write, per chunk of inputs (with the default policy, per request). Not measured on its own yet; the server
+benchmark's workers rows (``benchmarks/results/server/*-workers.md``) include it.
 """
 
 from __future__ import annotations
@@ -179,7 +179,3 @@ class SharedDriftMonitor(DriftMonitor):
     def state(self) -> dict[str, Any]:
         self.sync()
         return super().state()
-
-    def close(self) -> None:
-        self._map.close()
-        os.close(self._fd)

@@ -110,8 +110,8 @@ class Batcher:
         metrics: where batch sizes, inference times, queue waits and depth go.
         unhealthy_after: failed batches in a row that make the batcher unhealthy; 0 = never.
         on_health: called on the event loop with the new value when ``healthy`` changes.
-        in_flight: the server's HTTP requests in flight now; with it, a lone request runs on the event loop's thread
-            (module docstring). None: every request goes through the queue.
+        in_flight: the server's HTTP requests in flight now; with it, a lone request goes to the worker thread
+            without queueing (module docstring). None: every request goes through the queue.
     """
 
     def __init__(
@@ -342,9 +342,7 @@ class Batcher:
             raise
         except Exception as e:
             self._outcome(ran=False, server_fault=self._count_error(e, n))
-            if isinstance(e, ServiceError):
-                raise
-            raise InternalError("inference failed; the server log has the details") from e
+            raise _for_client(e) from e
         self._outcome(ran=True, server_fault=False)
         return BatchResult(results, 0.0, time.perf_counter() - start, n)
 
@@ -390,14 +388,16 @@ class Batcher:
 
     @staticmethod
     def _fail(r: _Request, e: BaseException) -> None:
-        if r.future.done():
-            return
-        if isinstance(e, ServiceError):
-            r.future.set_exception(e)
-        else:  # the cause stays in the server log; the client gets the contract's body only
-            r.future.set_exception(InternalError("inference failed; the server log has the details"))
+        if not r.future.done():
+            r.future.set_exception(_for_client(e))
 
     @staticmethod
     def _resolve(r: _Request, results: list[Any], start: float, inference_s: float, batch_size: int) -> None:
         if not r.future.done():
             r.future.set_result(BatchResult(list(results), start - r.enqueued, inference_s, batch_size))
+
+
+def _for_client(e: BaseException) -> BaseException:
+    """What a failed pass tells its request: a domain error as it is, anything else as 500 with the contract's body
+    only (the cause stays in the server log)."""
+    return e if isinstance(e, ServiceError) else InternalError("inference failed; the server log has the details")

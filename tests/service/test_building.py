@@ -163,3 +163,18 @@ def test_serve_while_building_starts_the_server_after_the_first_build(tmp_path: 
     assert default.main(["--out", str(tmp_path / "d"), "--serve"]) == 0
     assert events == ["build zeroshot", "serve while building image,text", "build text", "build image"]
     assert not list((tmp_path / "d").glob(".*.building.json"))
+
+
+def test_a_built_artifact_that_does_not_verify_is_listed_as_failed(tmp_path: Path):
+    ready = make_tiny_artifact(tmp_path / "image", "vit", name="tiny-vit")
+    later = tmp_path / "text"
+    write_note(later, _note("tiny-bert"))
+    with TestClient(create_app(settings_for(ready, later))) as c:
+        make_tiny_artifact(later, "bert", name="tiny-bert", seed=1)
+        (later / "model.safetensors").write_bytes(b"not the weights")  # a build that wrote a broken file
+        clear_note(later)
+        doc = _wait(c, lambda d: len(d["failed"]) == 1)
+        (failed,) = doc["failed"]
+        assert failed["name"] == "tiny-bert" and "could not be served" in failed["reason"]
+        assert "model.safetensors" in failed["reason"] and [m["name"] for m in doc["models"]] == ["tiny-vit"]
+        assert c.post("/predict", json={"image": b64(png())}).status_code == 200  # the built model goes on
