@@ -28,6 +28,7 @@ import yaml
 from benchmarks import (
     bench_server,
     calibration_draw,
+    drift_cost,
     guarantee_cost,
     harness,
     nine_inputs,
@@ -149,6 +150,16 @@ def test_guarantee_cost(tmp_path: Path):
     assert doc["with_ms"]["min"] == min(reps["with_ms"]) and doc["without_ms"]["min"] == min(reps["without_ms"])
     assert doc["ratio_min_over_min"] == pytest.approx(min(reps["with_ms"]) / min(reps["without_ms"]), rel=1e-3)
     assert doc["guarantees_step_ms"] > 0 and 0 < doc["guarantees_step_in_path_share"] < 1
+
+
+def test_drift_cost(tmp_path: Path):
+    out = tmp_path / "drift_cost.json"
+    assert drift_cost.main(["--repeats", "2", "--block", "20", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["chunk"] for r in doc["rows"]] == list(drift_cost.CHUNKS) and doc["machine"]["cpu"]
+    for r in doc["rows"]:
+        extra = r["shared_us_per_update"]["median"] - r["local_us_per_update"]["median"]
+        assert r["shared_extra_us_per_answer"] == pytest.approx(extra / r["chunk"], abs=0.01)
 
 
 @needs_fashion
