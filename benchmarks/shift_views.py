@@ -11,9 +11,9 @@ input sees of each corruption and severity:
   on that view alone would catch), with the ID validation split as the false-alarm check;
 * the first input at which the drift alarm would fire on the served score (the server's procedure,
   :class:`service.core.drift.DriftMonitor`) against two alternatives that keep its false-alarm bound ``m / A`` (the
-  mean of Shiryaev-Roberts processes is one): an alarm on every view at once (one CUSUM e-detector per view, bets
-  fitted at ``delta / J``, on when the mean of the ``J`` statistics reaches ``A``), and a mixture of stakes on the
-  served score (:data:`STAKES`);
+  mean of Shiryaev-Roberts processes is one): an alarm on every view at once (the served mixture of bets per view,
+  fitted at ``delta / J``, on when the mean of the ``J`` statistics reaches ``A``), and the previous alarm's one bet
+  on the served score (levels 0.05, 0.1, 0.2 at stake 0.25: what the mixture gains over it);
 * Lorden's lower bound on the mean delay of *any* detector with that false-alarm rate, ``log A / KL`` with the
   divergence of the stream's served p-values from uniform (estimated): where it exceeds the delay a target asks
   for, no alarm on the served score can meet it.
@@ -46,7 +46,7 @@ from offline.shift import corrupt, corruptions
 from offline.stages import EVAL_MAX_PIXELS, eval_batches, load_data
 from service.core.artifact import load_manifest
 from service.core.conformal import ood_p_values
-from service.core.drift import CAP_DECADES, HORIZON, STAKE, DriftMonitor, TailBets
+from service.core.drift import CAP_DECADES, COMPONENTS, HORIZON, LEVELS, STAKE, DriftMonitor, TailBets, alarm_paths
 from service.core.guarantees import outlier_oriented
 from service.core.ood import ensemble_scores, layer_pair_scores, mahalanobis, ood_from_tensors, standardize
 from service.core.preprocess import make_preprocessor
@@ -54,7 +54,6 @@ from service.core.registry import load_model
 from service.core.uncertainty import summarize
 
 DRIFT_DELTA = 0.01  # the builder's default drift delta
-STAKES = (0.1, 0.25, 0.5, 0.75)  # the stake mixture: one detector per stake on the served score (same split event)
 P_BINS = np.array([0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0])  # p-value bins of the KL estimate
 
 
@@ -103,24 +102,20 @@ class Views:
         return (scores, torch.cat(preds).numpy()) if predictions else scores
 
 
-def first_alarm_mixture(
-    cal: np.ndarray, stream: np.ndarray, bets: list[tuple[int, float, float]] | None = None
-) -> int | None:
-    """The first input (1-based) at which the mean of several CUSUM e-detectors reaches ``A = HORIZON / delta``,
-    from a fresh start; None if it never does. ``cal (n, J)``, ``stream (T, J)``; ``bets``: per detector its view,
-    stake and split delta; default one per view at the served stake and ``delta / J`` (every view)."""
+def first_alarm_mixture(cal: np.ndarray, stream: np.ndarray, previous: bool = False) -> int | None:
+    """The first input (1-based) at which the mean over the views of each view's alarm statistic reaches
+    ``A = HORIZON / delta``, from a fresh start; None if it never does. ``cal (n, J)``, ``stream (T, J)``. Each view
+    gets the served alarm's bets (:data:`service.core.drift.COMPONENTS`) fitted at ``delta / J``, or with
+    ``previous`` the previous alarm's one bet (levels 0.05, 0.1, 0.2 at stake 0.25)."""
     j = cal.shape[1]
-    bets = bets or [(k, STAKE, DRIFT_DELTA / j) for k in range(j)]
-    fitted = [(k, TailBets.fit(cal[:, k], d, stake=stake)) for k, stake, d in bets]
-    log_e = np.stack([b.log_e(stream[:, k]) for k, b in fitted], axis=1)  # (T, K)
-    log_a, log_k = math.log(HORIZON / DRIFT_DELTA), math.log(len(bets))
-    cap = log_a + log_k + CAP_DECADES * math.log(10)
-    w = np.zeros(len(bets))
-    for t, x in enumerate(log_e):
-        w = np.minimum(np.maximum(w, 0.0) + x, cap)
-        if np.logaddexp.reduce(w) - log_k >= log_a:
-            return t + 1
-    return None
+    comps = [(LEVELS, STAKE)] if previous else COMPONENTS
+    fitted = [TailBets.fit(cal[:, k], DRIFT_DELTA / j, comps) for k in range(j)]
+    log_e = np.concatenate([b.log_e(stream[:, k]) for k, b in enumerate(fitted)], axis=1)  # (T, sum of J_k)
+    log_w = np.concatenate([b.log_weights - math.log(j) for b in fitted])
+    log_a = math.log(HORIZON / DRIFT_DELTA)
+    _, on = alarm_paths(log_e[None], log_a, log_a + CAP_DECADES * math.log(10), log_w)
+    hit = np.flatnonzero(on[0])
+    return int(hit[0]) + 1 if hit.size else None
 
 
 def lorden_estimate(cal: np.ndarray, scores: np.ndarray) -> float | None:
@@ -151,7 +146,7 @@ def row(name: str, cal: np.ndarray, x: np.ndarray, accuracy: float | None) -> di
         "flagged": (x > cut).mean(axis=0).round(4).tolist(),
         "alarm_served": first_alarm_served(cal, x),
         "alarm_every_view": first_alarm_mixture(cal, x),
-        "alarm_stake_mixture": first_alarm_mixture(cal, x, [(0, st, DRIFT_DELTA) for st in STAKES]),
+        "alarm_previous_bet": first_alarm_mixture(cal[:, :1], x[:, :1], previous=True),
         "lorden_delay": lorden_estimate(cal[:, 0], x[:, 0]),
     }
 
@@ -195,7 +190,7 @@ def run(root: Path, inputs: int) -> dict[str, Any]:
 def markdown(doc: dict[str, Any]) -> str:
     names = doc["views"]
     head = "| stream | accuracy % | " + " | ".join(f"{n}: flagged %" for n in names)
-    head += " | alarm, served | alarm, every view | alarm, stake mixture | Lorden delay (est.) |"
+    head += " | alarm, served | alarm, every view | alarm, previous bet | Lorden delay (est.) |"
     lines = [
         f"# What each view of an input sees of shift: {doc['artifact']}",
         "",
@@ -205,8 +200,8 @@ def markdown(doc: dict[str, Any]) -> str:
         "stream benchmark's pool, draw and corruption seed). Flagged: above the calibration split's 95th percentile "
         "of that view. Alarm: the first input at which the drift alarm fires from a fresh start (`-`: not within "
         "the stream); every view: one detector per view, bets at delta / J, on at the mean of the statistics "
-        f"reaching A (the same false-alarm bound); stake mixture: one detector per stake {list(STAKES)} on the "
-        "served score, on at their mean reaching A (the same bound). Lorden delay: log A / KL of the served "
+        "reaching A (the same false-alarm bound); previous bet: the alarm before its mixture of bets (one bet at "
+        "levels 0.05, 0.1, 0.2, stake 0.25) on the served score. Lorden delay: log A / KL of the served "
         "score's p-values against uniform, the least mean delay any detector with this false-alarm rate can have "
         "(estimated from the stream's binned p-values).",
         "",
@@ -216,7 +211,7 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         acc = "–" if r["accuracy"] is None else f"{100 * r['accuracy']:.1f}"
         flags = " | ".join(f"{100 * f:.1f}" for f in r["flagged"])
-        cells = [r[k] for k in ("alarm_served", "alarm_every_view", "alarm_stake_mixture", "lorden_delay")]
+        cells = [r[k] for k in ("alarm_served", "alarm_every_view", "alarm_previous_bet", "lorden_delay")]
         alarms = " | ".join("–" if v is None else str(v) for v in cells)
         lines.append(f"| {r['stream']} | {acc} | {flags} | {alarms} |")
     return "\n".join(lines) + "\n"

@@ -124,7 +124,10 @@ class SharedDriftMonitor(DriftMonitor):
         if got is None:
             raise DriftStateError(f"the shared drift state {self.path} is corrupt (no slot passes its checksum)")
         self._seq, doc = got
-        self._w, self._count, self._total = float(doc["w"]), int(doc["count"]), int(doc["total"])
+        w, start = [float(v) for v in doc["w"]], [int(v) for v in doc["from"]]
+        if len(w) != self._j or len(start) != self._j:
+            raise DriftStateError(f"the shared drift state {self.path} has {len(w)} components, this alarm {self._j}")
+        self._w, self._from, self._count, self._total = w, start, int(doc["count"]), int(doc["total"])
         self._episodes.clear()
         self._episodes.extend(DriftEpisode(**e) for e in doc["episodes"])
         self._open = self._episodes[-1] if doc["open"] and self._episodes else None
@@ -132,6 +135,7 @@ class SharedDriftMonitor(DriftMonitor):
     def _write(self) -> None:
         doc = {
             "w": self._w,
+            "from": self._from,
             "count": self._count,
             "total": self._total,
             "open": self._open is not None,
@@ -141,6 +145,7 @@ class SharedDriftMonitor(DriftMonitor):
                     "peak_log10": e.peak_log10,
                     "cleared_at": e.cleared_at,
                     "cleared_by": e.cleared_by,
+                    "changed_at": e.changed_at,
                 }
                 for e in self._episodes
             ],

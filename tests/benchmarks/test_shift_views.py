@@ -8,7 +8,6 @@ import numpy as np
 
 from benchmarks.shift_views import (
     DRIFT_DELTA,
-    STAKES,
     first_alarm_mixture,
     first_alarm_served,
     lorden_estimate,
@@ -48,13 +47,14 @@ def test_every_view_alarm_keeps_the_false_alarm_bound():
     assert fired / 100 <= bound and math.isclose(bound, 0.02)
 
 
-def test_a_stake_mixture_fires_sooner_on_a_strong_shift_and_is_no_alarm_on_id_traffic():
+def test_the_served_mixture_fires_sooner_than_the_previous_bet_on_a_strong_shift_and_not_on_id_traffic():
+    """Far-out inputs: the previous bet needed 11 inputs (e_max 2.9 per input to A = 10^5), the mixture 7 (its bets
+    pay up to 10^0.8 each)."""
     rng = np.random.default_rng(3)
     cal = rng.normal(size=(1000, 1))
-    mixture = [(0, s, DRIFT_DELTA) for s in STAKES]
     strong = rng.normal(size=(200, 1)) + 5.0
-    assert first_alarm_mixture(cal, strong, mixture) < first_alarm_served(cal, strong) == 11
-    assert all(first_alarm_mixture(cal, rng.normal(size=(2000, 1)), mixture) is None for _ in range(20))
+    assert first_alarm_served(cal, strong) < first_alarm_mixture(cal, strong, previous=True) == 11
+    assert all(first_alarm_served(cal, rng.normal(size=(2000, 1))) is None for _ in range(20))
 
 
 def test_lorden_estimate_known_answers():
@@ -80,7 +80,7 @@ def test_markdown_names_every_view_and_stream():
                 "flagged": [0.1, 0.2],
                 "alarm_served": 12,
                 "alarm_every_view": None,
-                "alarm_stake_mixture": 9,
+                "alarm_previous_bet": 9,
                 "lorden_delay": 4.5,
             }
         ],
