@@ -7,10 +7,20 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["READY_DIR_ENV", "WORKERS_ENV", "all_ready", "mark_ready", "shared_file"]
+__all__ = ["READY_DIR_ENV", "WORKERS_ENV", "all_ready", "mark_ready", "server_run", "shared_file"]
 
 READY_DIR_ENV = "HYDRA_SERVE_READY_DIR"  # set by the supervisor: where each worker marks itself ready
 WORKERS_ENV = "HYDRA_SERVE_WORKER_COUNT"  # set by the supervisor: how many workers should be ready
+
+
+_RUN = os.urandom(6).hex()  # a lone server's run: this process
+
+
+def server_run() -> str:
+    """What names this run of the server (its workers share it: the supervisor's folder); counts that restart with
+    the server (the drift alarm's input numbers) are read against it."""
+    folder = os.environ.get(READY_DIR_ENV)
+    return Path(folder).name if folder else _RUN
 
 
 def shared_file(name: str) -> Path | None:

@@ -113,6 +113,13 @@ SPECS: dict[str, Spec] = {
     "drift_episodes": Spec(
         Counter, "hydra_drift_episodes", "Drift alarm episodes started (the alarm going on) since start-up.", MODEL
     ),
+    "drift_recalled": Spec(
+        Counter,
+        "hydra_drift_recalled",
+        "Answers recalled when the drift alarm went on (given between the estimated start of the shift and the "
+        "alarm), by whether they were accepted.",
+        ("model", "accepted"),
+    ),
     "ood_p_value": Spec(
         Histogram, "hydra_ood_p_value", "Conformal OOD p-values of served inputs.", MODEL, P_VALUE_BUCKETS
     ),
@@ -200,6 +207,7 @@ class Metrics:
     drift_threshold: Gauge
     drift_inputs: Gauge
     drift_episodes: Counter
+    drift_recalled: Counter
     ood_p_value: Histogram
     set_size: Histogram
     selective: Counter

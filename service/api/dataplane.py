@@ -68,6 +68,8 @@ async def run_inference(request: Request, parsed: ParsedRequest) -> tuple[Runtim
     finally:
         await parsed.close()
     out = await rt.outcome(prepared, parsed.query)
+    if parsed.query.monitor:  # kept for a recall, should the drift alarm go on (service.core.recall)
+        rt.note_answers(request_id(request), out.results)
     if rt.monitor is not None and parsed.query.monitor:  # into the prediction store's queue: never blocks
         own = parsed.query.labels is None
         rt.monitor.record(request_id(request), out.results, None if own else out.labels, parsed.query.adaptive)

@@ -19,6 +19,7 @@ answers of each route (the contract's body, also where FastAPI would declare its
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import time
@@ -33,6 +34,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope
 
 from ..core.errors import Forbidden, NotFound, NotReady
+from ..core.recall import combine
 from ..lifecycle import not_ready_reason
 from ..metrics import CONTENT_TYPE_LATEST
 from .answers import dumps, predict_answer
@@ -198,6 +200,12 @@ async def drift(request: Request, model_name: str) -> dict[str, Any]:
     state = rt.drift_state()
     if state is None:
         raise NotFound(f"model {name!r} has no drift test (it was built without a calibration split)")
+    if rt.monitor is not None:  # the store's recalls: every replica's, across restarts (service.core.recall)
+        try:
+            stored = await asyncio.to_thread(rt.monitor.stored_recalls)
+            state["recalled"] = combine(stored, state["recalled"])
+        except Exception as e:  # the store is down: this server's own recalls, said so
+            state["recalled_note"] = f"the prediction store could not be read ({e}): this server's recalls only"
     return {"model": rt.name, **state}
 
 

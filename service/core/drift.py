@@ -29,11 +29,8 @@ from a quiet state lift the mixture to at most 10^4, a tenth of ``A``. The mixtu
 (median over the shifts whose bound is at most 50 inputs) against 2.84 for the previous bet alone, clearing after a
 long shift in 128 inputs against 116.
 
-Why not the exchangeability test's conformal p-values against a bag that grows with the stream (Vovk et al.
-2003; this module's earlier version)? The reference then absorbs a sustained drift: once the drifted inputs are a fair
-share of the bag they look normal, and a procedure that forgets old evidence (as this one must, to clear) clears
-while the drift goes on. Against the fixed calibration scores the reference never moves; the price is the split's
-condition above and bets that pay ``1 / u_l`` instead of ``1 / c_l``.
+Why not p-values against a bag that grows with the stream (Vovk et al. 2003)? The bag absorbs a sustained drift, so
+the alarm clears while it goes on; the fixed split never moves, at the price of the split's condition above.
 
 **The statistic** is a mixture of CUSUM e-detectors (Shin, Ramdas & Rinaldo 2022, "E-detectors: a nonparametric
 framework for sequential change detection"), the e-value analogue of Page's CUSUM, one per component::
@@ -501,6 +498,12 @@ class DriftMonitor:
     def alarm(self) -> bool:
         """True while an episode is open: ``C_t`` reached ``A`` and has not fallen below 1 since."""
         return self._open is not None
+
+    @property
+    def last_marks(self) -> tuple[int, int | None] | None:
+        """``(started_at, changed_at)`` of the latest episode (None: none yet), read without the lock."""
+        eps = self._episodes
+        return (eps[-1].started_at, eps[-1].changed_at) if eps else None
 
     @property
     def alarm_at(self) -> int | None:

@@ -21,6 +21,7 @@ from ..core.drift_shared import DriftStateError
 from ..core.errors import InvalidInput, NotReady
 from ..core.guarantees import Answer, Guarantees, outlier_oriented
 from ..core.online_risk import OnlineRisk
+from ..core.recall import Answered, AnswerLog, RecallBook
 from ..core.uncertainty import OOD_METRICS
 from ..metrics import Metrics
 from ..settings import Settings
@@ -30,6 +31,7 @@ from .results import ItemResult, Query
 __all__ = ["GuaranteedAnswers"]
 
 log = logging.getLogger("hydra.runtime")
+recall_log = logging.getLogger("hydra.predictions")  # the prediction log: each recalled answer marked there
 
 
 class GuaranteedAnswers:
@@ -44,6 +46,10 @@ class GuaranteedAnswers:
     monitor: LiveMonitor | None
     _children: dict[tuple[str, ...], Any]
     _drift_episodes: int
+    _fed_to: int | None  # the alarm's input count right after this request's inputs went in
+    _answers: AnswerLog  # this process's answers given while the alarm was off
+    recall_book: RecallBook
+    _recall_marks: tuple[int, int | None] | None  # the episode whose recall this process has listed
     # (alarm_at, labels the online rules had then) of the last drift alarm episode an answer saw
     _alarm_mark: tuple[int | None, int]
 
@@ -69,6 +75,7 @@ class GuaranteedAnswers:
         ans = g.answer(scores, probs, alpha, risk)
         p_list, sets, accepted = ans.p_values, ans.sets, ans.accepts
         alarm_at = self._alarm_now(scores, query)
+        last = self._fed_to if query.monitor else None  # this request's inputs are the last fed: their numbers
         unread = self.drift_error  # the shared alarm could not be read: nothing is certified
         alpha_t, rule, lam, abstain = None, "certified", g.rules[risk], None
         withheld = 0
@@ -96,6 +103,7 @@ class GuaranteedAnswers:
         for i, r in enumerate(results):
             r.p_value, r.ood_alpha, r.ood_flag, r.flag_threshold = p_list[i], ood_alpha, p_list[i] <= ood_alpha, cut
             r.suspended, r.alarm_at = suspended, alarm_at
+            r.drift_input = None if last is None else last - len(results) + 1 + i
             if sets is not None and accepted is not None and ans.filled is not None:
                 r.prediction_set, r.set_alpha, r.below_min_alpha = sets[i], alpha, ans.below_min_alpha
                 r.set_filled = bool(ans.filled[i])
@@ -116,6 +124,7 @@ class GuaranteedAnswers:
         """The input at which the drift alarm went on, if it is on now and the policy lets it speak (None: off, or
         ``HYDRA_DRIFT_POLICY=off``). This request's scores go into the alarm first (not the server's own warm-up and
         probe inputs), so the answer that turns it on is the first it suspends."""
+        self._fed_to = None
         if self.drift is None or self._lazy_drift:
             return None
         g = self.guarantees
@@ -124,9 +133,11 @@ class GuaranteedAnswers:
             if query.monitor:
                 sign = -1.0 if OOD_METRICS[g.metric] else 1.0  # outlier-oriented: MSP negated
                 self.drift.add([sign * s for s in scores])
-            at = self.drift.flush(notify=False).alarm_at  # the metrics follow at the next scrape (refresh_drift)
+            monitor = self.drift.flush(notify=False)  # the metrics follow at the next scrape (refresh_drift)
+            at, self._fed_to = monitor.alarm_at, monitor.count
         except DriftStateError as e:
             self._drift_failed(e)
+            self._fed_to = None
             return None
         self.drift_error = None
         if at is not None and self.monitor is not None and self._alarm_mark[0] != at:
@@ -228,6 +239,70 @@ class GuaranteedAnswers:
             self._child("drift_episodes").inc(started)  # 0 too: the series exists from start-up
             self._drift_episodes += started
 
+    # ----------------------------------------------------------------------------------------- the recall
+    def note_answers(self, request_id: str, results: list[ItemResult]) -> None:
+        """Keep this request's answers given while the alarm was off, for a recall (:mod:`service.core.recall`); list
+        them at once if the latest episode's window holds them (an answer recorded after its episode was seen)."""
+        if self.drift is None:
+            return
+        answers = [
+            Answered(r.drift_input, request_id, i, r.accept)
+            for i, r in enumerate(results)
+            if r.drift_input is not None and not r.suspended
+        ]
+        self._answers.add(answers)
+        self._check_recall(answers)
+
+    def _check_recall(self, new: list[Answered]) -> None:
+        """On a new alarm episode, list this process's answers of its window; later, the late ones among ``new``."""
+        assert self.drift is not None
+        marks = self.drift.monitor.last_marks
+        if marks is None or marks[1] is None:
+            return
+        started, changed = marks[0], marks[1]
+        if marks != self._recall_marks:
+            self._recall_marks = marks
+            got, incomplete = self._answers.window(changed, started)
+            self._publish_recall(started, changed, got, incomplete)
+        else:
+            late = [a for a in new if changed <= a.input < started]
+            if late:
+                self._publish_recall(started, changed, late, False)
+
+    def _publish_recall(self, started: int, changed: int, answers: list[Answered], incomplete: bool) -> None:
+        """Add to the recall book; count, log and store the answers it did not list yet."""
+        try:
+            new = self.recall_book.add(started, changed, answers, incomplete)
+        except OSError as e:  # the shared file: the recall is advice, the answers go on
+            log.error("%s: the recall of the episode at input %d could not be written: %s", self.name, started, e)
+            return
+        if self.metrics is not None:
+            for flag in (True, False):
+                n = sum(1 for a in new if bool(a.accepted) is flag)
+                if n:
+                    self._child("drift_recalled", "true" if flag else "false").inc(n)
+        log.warning(
+            "%s: the drift alarm went on at input %d; the shift is estimated to have begun at input %d: %d answers "
+            "given in between are recalled here (%d accepted)",
+            self.name,
+            started,
+            changed,
+            len(new),
+            sum(1 for a in new if a.accepted),
+        )
+        for a in new:
+            fields = {"model": self.name, "recalled": True, "alarm_at": started, "changed_at": changed}
+            recall_log.warning("recalled %s[%d]", a.id, a.index, extra={**fields, **a.as_dict()})
+        if self.monitor is not None and new:
+            self.monitor.keep_recall(self.recall_book.run, started, changed, new, incomplete)
+
+    def recalls(self) -> list[dict[str, Any]]:
+        """The recalls of the last episodes (oldest first), every worker's that has seen its episode."""
+        if self.drift is None:
+            return []
+        self._check_recall([])
+        return [r.as_dict() for r in self.recall_book.recalls()]
+
     def refresh_drift(self) -> None:
         """Take the buffered inputs into the drift alarm, so that its metrics are those of every input served (a
         ``/metrics`` scrape; fewer than ``DriftFeed.every`` inputs wait there, so this is short)."""
@@ -259,11 +334,13 @@ class GuaranteedAnswers:
         return {"model": self.name, "before": before, "after": self.drift_state()}
 
     def drift_state(self) -> dict[str, Any] | None:
-        """The drift alarm now (:meth:`service.core.drift.DriftMonitor.state`), every input served included."""
+        """The drift alarm now (:meth:`service.core.drift.DriftMonitor.state`), every input served included, with the
+        recalls of its last episodes (``recalled``)."""
         if self.drift is None:
             return None
         try:
-            return self.drift.flush().state()
+            state = self.drift.flush().state()
         except DriftStateError as e:
             self._drift_failed(e)
             raise NotReady(f"model {self.name!r}: {e}") from e
+        return {**state, "recalled": self.recalls()}

@@ -35,8 +35,9 @@ from ..core.errors import InvalidInput
 from ..core.guarantees import load_guarantees
 from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
+from ..core.recall import AnswerLog, RecallBook
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
-from ..fleet import shared_file
+from ..fleet import server_run, shared_file
 from ..metrics import Metrics
 from ..settings import Settings
 from ..store import PredictionStore
@@ -215,6 +216,12 @@ class Runtime(GuaranteedAnswers, abc.ABC):
             else None
         )
         self.drift_error: str | None = None  # why the shared drift state cannot be read (answers abstain meanwhile)
+        # the answers given while the alarm was off, and the recalls of its episodes (service.core.recall): shared by
+        # the workers in a file beside the alarm's state
+        self._fed_to: int | None = None
+        self._answers = AnswerLog()
+        self.recall_book = RecallBook(None if shared is None else shared.with_suffix(".recall"), run=server_run())
+        self._recall_marks: tuple[int, int | None] | None = None
         self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
         # (alarm_at, labels the online rules had then) of the last drift alarm episode an answer saw
         self._alarm_mark: tuple[int | None, int] = (None, 0)
@@ -222,6 +229,8 @@ class Runtime(GuaranteedAnswers, abc.ABC):
         if self.drift is not None and metrics is not None:
             self._drift_metrics(self.drift.monitor)
             metrics.drift_threshold.labels(self.name).set(self.drift.monitor.log10_threshold)
+            for accepted in ("true", "false"):  # the recall counters exist from start-up, at 0
+                self._child("drift_recalled", accepted)
         limits = BatchLimits(settings.max_batch, settings.max_wait_ms / 1000, settings.max_queue, settings.batch_fill)
         self.batcher = Batcher(
             self.name,

@@ -54,6 +54,7 @@ from ..core.online import (
     raw_misses,
 )
 from ..core.online_risk import OnlineRisk
+from ..core.recall import merge_stored
 from ..metrics import Metrics
 from ..store import FOREIGN, PredictionStore, Rows, records_from_items
 from ..store.records import ServedItem
@@ -135,6 +136,27 @@ class LiveMonitor:
         self._cached = self.fresh()
         self._read_at = -math.inf  # monotonic time of the last read of the shared state
         self._refreshing = threading.Lock()
+
+    # ------------------------------------------------------------------------------------------------ recalls
+    def keep_recall(self, run: str, started_at: int, changed_at: int, answers: list[Any], incomplete: bool) -> None:
+        """Add recalled answers to the store's list (every replica's, across restarts), in the background: a store
+        that is down never slows an answer (the recall stays in the server's own book)."""
+        key = f"recall/{self.name}/{self.version}"
+
+        def run_() -> None:
+            try:
+                self.store.update_state(
+                    key, lambda v: merge_stored(v, run, started_at, changed_at, answers, incomplete)
+                )
+            except Exception as e:
+                log.warning("%s: the recall of the episode at input %d was not stored (%s)", self.name, started_at, e)
+
+        threading.Thread(target=run_, name=f"recall-{self.name}", daemon=True).start()
+
+    def stored_recalls(self) -> list[dict[str, Any]]:
+        """The store's recall list, oldest first (blocking; :class:`StoreUnavailable` when the database is down)."""
+        entry = self.store.get_state(f"recall/{self.name}/{self.version}")
+        return list(entry.value) if entry is not None and isinstance(entry.value, list) else []
 
     # ------------------------------------------------------------------------------------------------ state
     def fresh(self) -> MonitorState:

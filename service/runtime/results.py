@@ -46,6 +46,7 @@ class ItemResult:
     # the drift alarm's word on the guarantees (HYDRA_DRIFT_POLICY): suspended while it is on (None: no guarantees)
     suspended: bool | None = None
     alarm_at: int | None = None  # the input at which the alarm went on, while it is on
+    drift_input: int | None = None  # this input's number in the alarm's stream (None: not fed, or policy off)
     rule: str | None = None  # which accept rule decided: "certified" (the build's) or "online" (adaptive requests)
     rule_threshold: float | None = None  # that rule's confidence threshold now (None: it accepts nothing)
     abstain: str | None = None  # why the answer is not accepted whatever its confidence (the alarm), None else
