@@ -157,6 +157,8 @@ async def _drive(
                     "suspended": s["suspended"],
                     "rule": s["rule"],
                     "would_accept": bool(lam is not None and cut_ok and p["confidence"] >= lam),
+                    "id": hdrs["x-request-id"],
+                    "p_value": p["ood"].get("p_value"),
                 }
             )
             if labelled:
@@ -218,6 +220,7 @@ def run_stream(
         "seconds": round(seconds, 1),
         "withheld": _metric(metrics, "hydra_guarantees_suspended_total", model=name, withheld="true"),
         "drift": {k: drift[k] for k in ("alarm", "alarm_at", "episodes", "inputs")},
+        "recalled": drift.get("recalled", []),
         "estimate_reliable_at_end": monitor["estimate"]["reliable"],
         "online_risk": monitor.get("online_risk"),
     }
@@ -242,9 +245,41 @@ def accepted_figures(correct: np.ndarray, accept: np.ndarray, risk: float) -> di
     }
 
 
-def stream_figures(run: dict[str, Any], risk: float) -> dict[str, Any]:
-    """Everything of one stream, counted from its first input."""
+def lorden_bound(p_values: list[float], arl: float) -> float | None:
+    """``log A / KL``: Lorden's least mean delay of any detector whose mean run length to a false alarm is ``A``, for
+    a change from uniform p-values to these (KL from :data:`benchmarks.alarm_grid.P_BINS`, as ``shift_views`` and
+    ``alarm_grid`` estimate it). None: no divergence seen."""
+    from benchmarks.alarm_grid import P_BINS
+
+    q = np.histogram(np.asarray(p_values, dtype=np.float64), P_BINS)[0] / max(len(p_values), 1)
+    u = np.diff(P_BINS)
+    kl = float(np.sum(q[q > 0] * np.log(q[q > 0] / u[q > 0])))
+    return round(math.log(arl) / kl, 1) if kl > 1e-9 else None
+
+
+def recall_figures(run: dict[str, Any], prefix: int) -> dict[str, Any]:
+    """How the recall of the stream's first alarm episode covers the wrong accepts given before the alarm, after the
+    shift began (input ``prefix + 1``), and how many of its answers were given after the shift began."""
     r = run["records"]
+    at = {x["id"]: i + 1 for i, x in enumerate(r)}  # request id -> input number in the stream
+    listed = {a["id"] for rec in run["recalled"][:1] for a in rec["answers"]}
+    wrong = [x["id"] for x in r[prefix:] if x["accept"] and not x["correct"] and not x["suspended"]]
+    after = [i for i in listed if at.get(i, 0) > prefix]
+    return {
+        "recalled": len(listed),
+        "recall_changed_at": run["recalled"][0]["changed_at"] if run["recalled"] else None,
+        "wrong_accepts_before_alarm": len(wrong),
+        "wrong_accepts_recalled": sum(1 for i in wrong if i in listed),
+        "recall_coverage": sum(1 for i in wrong if i in listed) / len(wrong) if wrong else None,
+        "recall_precision": len(after) / len(listed) if listed else None,
+    }
+
+
+def stream_figures(run: dict[str, Any], risk: float, prefix: int = 0, arl: float = 1e5) -> dict[str, Any]:
+    """Everything of one stream, counted from the shift's first input (after ``prefix`` clean inputs, which only
+    the false suspensions before the shift and the recall's precision read)."""
+    early = run["records"][:prefix]
+    r = run["records"][prefix:]
     correct = np.array([x["correct"] for x in r])
     accept = np.array([x["accept"] for x in r])
     fixed = np.array([x["would_accept"] for x in r])
@@ -264,6 +299,10 @@ def stream_figures(run: dict[str, Any], risk: float) -> dict[str, Any]:
         "estimate_reliable_at_end": run["estimate_reliable_at_end"],
         "drift_at_end": run["drift"],
         "seconds": run["seconds"],
+        "prefix": prefix,
+        "suspended_before_shift": sum(1 for x in early if x["suspended"]),
+        "lorden_bound": lorden_bound([x["p_value"] for x in r if x.get("p_value") is not None], arl),
+        **(recall_figures(run, prefix) if "recalled" in run else {}),
     }
 
 
@@ -370,6 +409,7 @@ def _median(values: list[int | None]) -> float | None:
 # ----------------------------------------------------------------------------------------------- the run
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from offline.shift import corruptions
+    from service.core.drift import HORIZON
 
     doc: dict[str, Any] = {"models": {}, "shifted": [], "clean": [], "labelled": []}
     for modality, artifact in (("image", args.image), ("text", args.text)):
@@ -378,18 +418,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         artifact = artifact.resolve()
         man = json.loads((artifact / "manifest.json").read_text())
         risk = float(man["guarantees"]["selective"]["default_risk"])
+        arl = HORIZON / float(man["guarantees"]["drift"]["delta"])
         pool = image_pool(man) if modality == "image" else text_pool(man)
         doc["models"][modality] = {"name": man["name"], "risk": risk, "pool": len(pool[1])}
         kinds = [c for c in corruptions(modality) if not args.only or c in args.only]
         for k, (kind, sev) in enumerate([(c, s) for c in kinds for s in args.severities]):
             bodies, y = stream_inputs(modality, pool, args.inputs, 100 + k, kind, sev)
+            if args.prefix:  # clean inputs first: the shift begins at input prefix + 1
+                calm, y0 = stream_inputs(modality, pool, args.prefix, 500 + k, None, None)
+                bodies, y = calm + bodies, np.concatenate([y0, y])
             for n in args.workers:
+                res = run_stream(artifact, man, bodies, y, workers=n)
                 row = {
                     "modality": modality,
                     "corruption": kind,
                     "severity": sev,
                     "workers": n,
-                    **stream_figures(run_stream(artifact, man, bodies, y, workers=n), risk),
+                    **stream_figures(res, risk, args.prefix, arl),
                 }
                 doc["shifted"].append(row)
                 _progress(row)
@@ -446,6 +491,27 @@ def _progress(row: dict[str, Any]) -> None:
     )
 
 
+def _alarm_checks(doc: dict[str, Any], m: str) -> dict[str, bool]:
+    """The alarm's delay against Lorden's bound, the recall's coverage and precision, and the clean prefixes."""
+    out: dict[str, bool] = {}
+    rows = [r for r in doc["shifted"] if r["modality"] == m and r.get("workers", 1) == 1]
+    scoped = [r for r in rows if r.get("lorden_bound") is not None and r["lorden_bound"] <= 50]
+    out[f"{m}: first suspension within 1.5 x Lorden's bound, every stream whose bound is <= 50"] = all(
+        r["first_suspended_input"] is not None and r["first_suspended_input"] <= 1.5 * r["lorden_bound"] for r in scoped
+    )
+    fired = [r for r in rows if r["first_suspended_input"]]
+    wrong = sum(r.get("wrong_accepts_before_alarm", 0) for r in fired)
+    if wrong:
+        got = sum(r.get("wrong_accepts_recalled", 0) for r in fired)
+        out[f"{m}: the recalls list >= 90 % of the wrong accepts given before the alarm"] = got >= 0.9 * wrong
+    listed = sum(r.get("recalled", 0) for r in rows)
+    if listed:
+        after = sum(round(r["recall_precision"] * r["recalled"]) for r in rows if r.get("recalled"))
+        out[f"{m}: >= 80 % of the recalled answers were given after the shift began"] = after >= 0.8 * listed
+    out[f"{m}: no answer suspended before the shift began"] = all(not r.get("suspended_before_shift") for r in rows)
+    return out
+
+
 def checks(doc: dict[str, Any]) -> dict[str, bool]:
     """The issue's targets on these streams."""
     out: dict[str, bool] = {}
@@ -479,6 +545,8 @@ def checks(doc: dict[str, Any]) -> dict[str, bool]:
                 out[f"{m}: first suspension with {n} workers within 1.1 x one worker's, every stream"] = all(
                     b <= 1.1 * a for a, b in pairs
                 )
+    for m in doc["models"]:
+        out.update(_alarm_checks(doc, m))
     for name, c in (doc.get("cached_false_suspensions") or {}).items():
         out[f"{name}: cached ID streams with a suspension within the bound"] = (
             c["streams_with_a_suspension"] <= c["bound_streams"]
@@ -491,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image", type=Path, default=None, help="the image classifier's artifact")
     p.add_argument("--text", type=Path, default=None, help="the text classifier's artifact")
     p.add_argument("--inputs", type=int, default=640, help="inputs per shifted stream")
+    p.add_argument("--prefix", type=int, default=100, help="clean inputs before each shift (0: shifted from input 1)")
     p.add_argument("--severities", type=int, nargs="+", default=list(SEVERITIES))
     p.add_argument("--only", nargs="*", default=None, help="these corruptions only")
     p.add_argument("--clean-streams", type=int, default=5)

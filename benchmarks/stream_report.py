@@ -19,7 +19,9 @@ def markdown(doc: dict[str, Any]) -> str:
     replicas, and the checks."""
     machine = (
         f"{doc['machine']['cpu']}, {doc['machine']['cpus']} CPUs. One input per request, in order, a fresh "
-        'server per stream, `HYDRA_DRIFT_POLICY=abstain`; counted from each stream\'s first input. "certified rule": '
+        "server per stream, `HYDRA_DRIFT_POLICY=abstain`; shifted streams begin with `prefix` clean inputs and are "
+        "counted from the shift's first input (Lorden's bound: `log A / KL` of the stream's binned p-values, the "
+        'least mean delay of any detector with this false-alarm rate). "certified rule": '
         "what the rule accepts on the same answers without the alarm (the server before the policy). p: exact "
         'one-sided binomial p-value of "the error among accepted answers is above the risk target".'
     )
@@ -38,8 +40,9 @@ def _model_lines(doc: dict[str, Any], m: str, info: dict[str, Any]) -> list[str]
         f"## {info['name']} ({m}, risk target {_pct(info['risk'])} %)",
         "",
         "| stream | accuracy % | accepted % | error among accepted % [95 %] | p | certified rule: accepted % "
-        "/ error % | first suspended input | accepts suspended | flagged % | estimate gap (points) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "/ error % | first suspended input | Lorden's bound | accepts suspended | wrong accepts before the alarm: "
+        "recalled | recalled: after the shift | flagged % | estimate gap (points) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in [x for x in doc["clean"] + doc["shifted"] if x["modality"] == m]:
         s, f = r["served"], r["certified_rule_without_alarm"]
@@ -49,10 +52,22 @@ def _model_lines(doc: dict[str, Any], m: str, info: dict[str, Any]) -> list[str]
         lines.append(
             f"| {name} | {_pct(r['accuracy'])} | {_pct(s['accept_rate'])} | {_pct(s['accepted_error'])}{ci} | "
             f"{s['p_above_risk']:.3g} | {_pct(f['accept_rate'])} / {_pct(f['accepted_error'])} | "
-            f"{r['first_suspended_input'] or '–'} | {r['accepts_suspended']} | {_pct(r['flagged'])} | "
-            f"{100 * r['estimate_gap']:+.1f} |"
+            f"{r['first_suspended_input'] or '–'} | {r.get('lorden_bound') or '–'} | {r['accepts_suspended']} | "
+            f"{_recall_cell(r)} | {_precision_cell(r)} | {_pct(r['flagged'])} | {100 * r['estimate_gap']:+.1f} |"
         )
     return [*lines, ""]
+
+
+def _recall_cell(r: dict[str, Any]) -> str:
+    if r.get("wrong_accepts_before_alarm") is None or r["corruption"] is None:
+        return "–"
+    return f"{r['wrong_accepts_recalled']} / {r['wrong_accepts_before_alarm']}"
+
+
+def _precision_cell(r: dict[str, Any]) -> str:
+    if not r.get("recalled") or r.get("recall_precision") is None:
+        return "–"
+    return f"{round(r['recall_precision'] * r['recalled'])} / {r['recalled']}"
 
 
 def _labelled_lines(doc: dict[str, Any]) -> list[str]:
