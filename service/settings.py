@@ -127,6 +127,10 @@ class Settings(BaseSettings):
     # rule of adaptive requests, from labels that came back since); mark = answers as without the alarm, their
     # guarantees marked suspended; off = the alarm changes no answer
     drift_policy: Literal["abstain", "mark", "off"] = "abstain"
+    # a URL that gets a POST when the drift alarm goes on, with the answers it recalls (service/webhook.py)
+    alarm_webhook: SecretStr | None = None
+    # a header sent with it, "Name: value" (e.g. "Authorization: Bearer <token>")
+    alarm_webhook_header: SecretStr | None = None
 
     @field_validator("artifacts", "cors_origins", mode="before")
     @classmethod
@@ -154,6 +158,25 @@ class Settings(BaseSettings):
         if v not in DRIFT_POLICIES:
             raise ValueError(f"HYDRA_DRIFT_POLICY must be one of {', '.join(DRIFT_POLICIES)}; got {value!r}")
         return v
+
+    @field_validator("alarm_webhook", mode="after")
+    @classmethod
+    def _webhook_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value().strip():
+            return None
+        from .webhook import check_url
+
+        return SecretStr(check_url(value.get_secret_value()))
+
+    @field_validator("alarm_webhook_header", mode="after")
+    @classmethod
+    def _webhook_header(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value().strip():
+            return None
+        from .webhook import check_header
+
+        check_header(value.get_secret_value())
+        return value
 
     @field_validator("log_level", "log_format", mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,10 @@ from ..core.guarantees import Answer, Guarantees, outlier_oriented
 from ..core.online_risk import OnlineRisk
 from ..core.recall import Answered, AnswerLog, RecallBook
 from ..core.uncertainty import OOD_METRICS
+from ..fleet import server_run
 from ..metrics import Metrics
 from ..settings import Settings
+from ..webhook import AlarmWebhook, webhook_for
 from .monitor import STALE_S, LiveMonitor
 from .results import ItemResult, Query
 
@@ -49,6 +52,8 @@ class GuaranteedAnswers:
     _fed_to: int | None  # the alarm's input count right after this request's inputs went in
     _answers: AnswerLog  # this process's answers given while the alarm was off
     recall_book: RecallBook
+    webhook: AlarmWebhook | None  # HYDRA_ALARM_WEBHOOK (service.webhook)
+    version: str
     _recall_marks: tuple[int, int | None] | None  # the episode whose recall this process has listed
     # (alarm_at, labels the online rules had then) of the last drift alarm episode an answer saw
     _alarm_mark: tuple[int | None, int]
@@ -240,6 +245,18 @@ class GuaranteedAnswers:
             self._drift_episodes += started
 
     # ----------------------------------------------------------------------------------------- the recall
+    def _init_recall(self, shared: Path | None) -> None:
+        """The answers given while the alarm is off and the recalls of its episodes (service.core.recall), shared by
+        the workers in a file beside the alarm's state ``shared``; the alarm's webhook (``HYDRA_ALARM_WEBHOOK``)."""
+        self._fed_to = None
+        self._answers = AnswerLog()
+        self.recall_book = RecallBook(None if shared is None else shared.with_suffix(".recall"), run=server_run())
+        self._recall_marks = None
+        hook, header = self.settings.alarm_webhook, self.settings.alarm_webhook_header
+        self.webhook = webhook_for(
+            hook.get_secret_value() if hook else None, header.get_secret_value() if header else None
+        )
+
     def note_answers(self, request_id: str, results: list[ItemResult]) -> None:
         """Keep this request's answers given while the alarm was off, for a recall (:mod:`service.core.recall`); list
         them at once if the latest episode's window holds them (an answer recorded after its episode was seen)."""
@@ -295,6 +312,19 @@ class GuaranteedAnswers:
             recall_log.warning("recalled %s[%d]", a.id, a.index, extra={**fields, **a.as_dict()})
         if self.monitor is not None and new:
             self.monitor.keep_recall(self.recall_book.run, started, changed, new, incomplete)
+        if self.webhook is not None and new:
+            self.webhook.post(
+                {
+                    "event": "drift_alarm",
+                    "model": self.name,
+                    "version": self.version,
+                    "run": self.recall_book.run,
+                    "alarm_at": started,
+                    "changed_at": changed,
+                    "recalled": [a.as_dict() for a in new],
+                    "incomplete": incomplete,
+                }
+            )
 
     def recalls(self) -> list[dict[str, Any]]:
         """The recalls of the last episodes (oldest first), every worker's that has seen its episode."""

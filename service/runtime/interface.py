@@ -35,9 +35,8 @@ from ..core.errors import InvalidInput
 from ..core.guarantees import load_guarantees
 from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
 from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
-from ..core.recall import AnswerLog, RecallBook
 from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
-from ..fleet import server_run, shared_file
+from ..fleet import shared_file
 from ..metrics import Metrics
 from ..settings import Settings
 from ..store import PredictionStore
@@ -216,12 +215,7 @@ class Runtime(GuaranteedAnswers, abc.ABC):
             else None
         )
         self.drift_error: str | None = None  # why the shared drift state cannot be read (answers abstain meanwhile)
-        # the answers given while the alarm was off, and the recalls of its episodes (service.core.recall): shared by
-        # the workers in a file beside the alarm's state
-        self._fed_to: int | None = None
-        self._answers = AnswerLog()
-        self.recall_book = RecallBook(None if shared is None else shared.with_suffix(".recall"), run=server_run())
-        self._recall_marks: tuple[int, int | None] | None = None
+        self._init_recall(shared)
         self._children: dict[tuple[str, ...], Any] = {}  # labelled metric children, looked up once
         # (alarm_at, labels the online rules had then) of the last drift alarm episode an answer saw
         self._alarm_mark: tuple[int | None, int] = (None, 0)
