@@ -275,6 +275,27 @@ def recall_figures(run: dict[str, Any], prefix: int) -> dict[str, Any]:
     }
 
 
+def labels_to_half(records: list[dict[str, Any]], risk: float, start: int, window: int = 50) -> dict[str, Any]:
+    """How many labels the online rule took, from the alarm (record ``start``), until it accepted at least half of
+    what a hindsight threshold would: the largest share of the inputs after the alarm that one confidence threshold,
+    chosen on those very inputs and their labels, accepts at an error of at most ``risk`` (``hindsight_share``),
+    against the online rule's accept rate over the last ``window`` answers, at an error among them of at most
+    ``risk`` + 1 point. None: never within the stream."""
+    rest = records[start:]
+    conf = np.array([x["confidence"] for x in rest])
+    wrong = np.array([not x["correct"] for x in rest], dtype=float)
+    order = np.argsort(-conf)
+    errs = np.cumsum(wrong[order]) / np.arange(1, len(rest) + 1)
+    ok = np.flatnonzero(errs <= risk)
+    share = float((ok.max() + 1) / len(rest)) if ok.size else 0.0
+    acc = np.array([bool(x["accept"]) for x in rest])
+    for i in range(window, len(rest) + 1):
+        a, w = acc[i - window : i], wrong[i - window : i]
+        if share > 0 and a.mean() >= 0.5 * share and (w[a].mean() if a.any() else 0.0) <= risk + 0.01:
+            return {"hindsight_share": share, "labels_to_half": i}
+    return {"hindsight_share": share, "labels_to_half": None}
+
+
 def stream_figures(run: dict[str, Any], risk: float, prefix: int = 0, arl: float = 1e5) -> dict[str, Any]:
     """Everything of one stream, counted from the shift's first input (after ``prefix`` clean inputs, which only
     the false suspensions before the shift and the recall's precision read)."""
@@ -457,6 +478,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             res = run_stream(artifact, man, bodies, y, labelled=True)
             row = {"modality": modality, "corruption": kind, "severity": sev, **stream_figures(res, risk)}
             row["online_risk_at_end"] = (res["online_risk"] or {}).get(str(risk))
+            alarm = row["first_suspended_input"]
+            row |= labels_to_half(res["records"], risk, alarm - 1) if alarm else {"labels_to_half": None}
             doc["labelled"].append(row)
             _progress(row)
     if args.cached_streams:

@@ -75,8 +75,9 @@ def _labelled_lines(doc: dict[str, Any]) -> list[str]:
         "## Labelled streams (adaptive requests, each label sent back before the next request)",
         "",
         "| model | stream | inputs | accuracy % | online rule: accepted % / error % [95 %] | certified rule "
-        "without alarm: accepted % / error % |",
-        "|---|---|---:|---:|---:|---:|",
+        "without alarm: accepted % / error % | hindsight threshold after the alarm: accepted % | labels until the "
+        "online rule accepts half of it |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["labelled"]:
         s, f = r["served"], r["certified_rule_without_alarm"]
@@ -84,7 +85,8 @@ def _labelled_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {doc['models'][r['modality']]['name']} | {r['corruption']} @{r['severity']} | {r['inputs']} | "
             f"{_pct(r['accuracy'])} | {_pct(s['accept_rate'])} / {_pct(s['accepted_error'])}{ci} | "
-            f"{_pct(f['accept_rate'])} / {_pct(f['accepted_error'])} |"
+            f"{_pct(f['accept_rate'])} / {_pct(f['accepted_error'])} | {_pct(r.get('hindsight_share'))} | "
+            f"{r.get('labels_to_half') or '–'} |"
         )
     return lines
 
