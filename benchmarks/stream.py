@@ -51,11 +51,16 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.stream_figures import labels_to_half, lorden_bound, recall_figures
 from benchmarks.stream_report import markdown, plot
 
 ROOT = Path(__file__).resolve().parents[1]
 SEVERITIES = (1, 2, 3, 4, 5)
-LABELLED = {"image": ("noise", 2), "text": ("typos", 5)}  # the labelled streams' corruption and severity
+LABELLED = {
+    "image": ("noise", 2),
+    "text": ("typos", 5),
+    "zeroshot": ("noise", 2),
+}  # the labelled streams' corruption and severity
 STREAM_SEED = 7  # the corruptions' seed (the report's shift section uses its own)
 
 
@@ -245,57 +250,6 @@ def accepted_figures(correct: np.ndarray, accept: np.ndarray, risk: float) -> di
     }
 
 
-def lorden_bound(p_values: list[float], arl: float) -> float | None:
-    """``log A / KL``: Lorden's least mean delay of any detector whose mean run length to a false alarm is ``A``, for
-    a change from uniform p-values to these (KL from :data:`benchmarks.alarm_grid.P_BINS`, as ``shift_views`` and
-    ``alarm_grid`` estimate it). None: no divergence seen."""
-    from benchmarks.alarm_grid import P_BINS
-
-    q = np.histogram(np.asarray(p_values, dtype=np.float64), P_BINS)[0] / max(len(p_values), 1)
-    u = np.diff(P_BINS)
-    kl = float(np.sum(q[q > 0] * np.log(q[q > 0] / u[q > 0])))
-    return round(math.log(arl) / kl, 1) if kl > 1e-9 else None
-
-
-def recall_figures(run: dict[str, Any], prefix: int) -> dict[str, Any]:
-    """How the recall of the stream's first alarm episode covers the wrong accepts given before the alarm, after the
-    shift began (input ``prefix + 1``), and how many of its answers were given after the shift began."""
-    r = run["records"]
-    at = {x["id"]: i + 1 for i, x in enumerate(r)}  # request id -> input number in the stream
-    listed = {a["id"] for rec in run["recalled"][:1] for a in rec["answers"]}
-    wrong = [x["id"] for x in r[prefix:] if x["accept"] and not x["correct"] and not x["suspended"]]
-    after = [i for i in listed if at.get(i, 0) > prefix]
-    return {
-        "recalled": len(listed),
-        "recall_changed_at": run["recalled"][0]["changed_at"] if run["recalled"] else None,
-        "wrong_accepts_before_alarm": len(wrong),
-        "wrong_accepts_recalled": sum(1 for i in wrong if i in listed),
-        "recall_coverage": sum(1 for i in wrong if i in listed) / len(wrong) if wrong else None,
-        "recall_precision": len(after) / len(listed) if listed else None,
-    }
-
-
-def labels_to_half(records: list[dict[str, Any]], risk: float, start: int, window: int = 50) -> dict[str, Any]:
-    """How many labels the online rule took, from the alarm (record ``start``), until it accepted at least half of
-    what a hindsight threshold would: the largest share of the inputs after the alarm that one confidence threshold,
-    chosen on those very inputs and their labels, accepts at an error of at most ``risk`` (``hindsight_share``),
-    against the online rule's accept rate over the last ``window`` answers, at an error among them of at most
-    ``risk`` + 1 point. None: never within the stream."""
-    rest = records[start:]
-    conf = np.array([x["confidence"] for x in rest])
-    wrong = np.array([not x["correct"] for x in rest], dtype=float)
-    order = np.argsort(-conf)
-    errs = np.cumsum(wrong[order]) / np.arange(1, len(rest) + 1)
-    ok = np.flatnonzero(errs <= risk)
-    share = float((ok.max() + 1) / len(rest)) if ok.size else 0.0
-    acc = np.array([bool(x["accept"]) for x in rest])
-    for i in range(window, len(rest) + 1):
-        a, w = acc[i - window : i], wrong[i - window : i]
-        if share > 0 and a.mean() >= 0.5 * share and (w[a].mean() if a.any() else 0.0) <= risk + 0.01:
-            return {"hindsight_share": share, "labels_to_half": i}
-    return {"hindsight_share": share, "labels_to_half": None}
-
-
 def stream_figures(run: dict[str, Any], risk: float, prefix: int = 0, arl: float = 1e5) -> dict[str, Any]:
     """Everything of one stream, counted from the shift's first input (after ``prefix`` clean inputs, which only
     the false suspensions before the shift and the recall's precision read)."""
@@ -433,20 +387,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from service.core.drift import HORIZON
 
     doc: dict[str, Any] = {"models": {}, "shifted": [], "clean": [], "labelled": []}
-    for modality, artifact in (("image", args.image), ("text", args.text)):
+    # the zero-shot model serves its build's labels through /predict: the image pool and corruptions, its own rows
+    models = (("image", "image", args.image), ("text", "text", args.text), ("zeroshot", "image", args.zeroshot))
+    for modality, media, artifact in models:
         if artifact is None:
             continue
         artifact = artifact.resolve()
         man = json.loads((artifact / "manifest.json").read_text())
+        if not man.get("guarantees"):
+            raise SystemExit(f"stream: {man['name']} was built without a calibration split: no guarantees to stream")
         risk = float(man["guarantees"]["selective"]["default_risk"])
         arl = HORIZON / float(man["guarantees"]["drift"]["delta"])
-        pool = image_pool(man) if modality == "image" else text_pool(man)
+        pool = image_pool(man) if media == "image" else text_pool(man)
         doc["models"][modality] = {"name": man["name"], "risk": risk, "pool": len(pool[1])}
-        kinds = [c for c in corruptions(modality) if not args.only or c in args.only]
+        kinds = [c for c in corruptions(media) if not args.only or c in args.only]
         for k, (kind, sev) in enumerate([(c, s) for c in kinds for s in args.severities]):
-            bodies, y = stream_inputs(modality, pool, args.inputs, 100 + k, kind, sev)
+            bodies, y = stream_inputs(media, pool, args.inputs, 100 + k, kind, sev)
             if args.prefix:  # clean inputs first: the shift begins at input prefix + 1
-                calm, y0 = stream_inputs(modality, pool, args.prefix, 500 + k, None, None)
+                calm, y0 = stream_inputs(media, pool, args.prefix, 500 + k, None, None)
                 bodies, y = calm + bodies, np.concatenate([y0, y])
             for n in args.workers:
                 res = run_stream(artifact, man, bodies, y, workers=n)
@@ -460,7 +418,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 doc["shifted"].append(row)
                 _progress(row)
         for s in range(args.clean_streams):
-            bodies, y = stream_inputs(modality, pool, args.clean_inputs, 1000 + s, None, None)
+            bodies, y = stream_inputs(media, pool, args.clean_inputs, 1000 + s, None, None)
             for n in args.workers:
                 row = {
                     "modality": modality,
@@ -474,7 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 _progress(row)
         if args.labelled:
             kind, sev = LABELLED[modality]
-            bodies, y = stream_inputs(modality, pool, args.labelled, 2000, kind, sev)
+            bodies, y = stream_inputs(media, pool, args.labelled, 2000, kind, sev)
             res = run_stream(artifact, man, bodies, y, labelled=True)
             row = {"modality": modality, "corruption": kind, "severity": sev, **stream_figures(res, risk)}
             row["online_risk_at_end"] = (res["online_risk"] or {}).get(str(risk))
@@ -581,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--image", type=Path, default=None, help="the image classifier's artifact")
     p.add_argument("--text", type=Path, default=None, help="the text classifier's artifact")
+    p.add_argument("--zeroshot", type=Path, default=None, help="the zero-shot artifact (its build's labels)")
     p.add_argument("--inputs", type=int, default=640, help="inputs per shifted stream")
     p.add_argument("--prefix", type=int, default=100, help="clean inputs before each shift (0: shifted from input 1)")
     p.add_argument("--severities", type=int, nargs="+", default=list(SEVERITIES))
@@ -594,8 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stream")
     args = p.parse_args(argv)
-    if args.image is None and args.text is None:
-        p.error("give --image and/or --text")
+    if args.image is None and args.text is None and args.zeroshot is None:
+        p.error("give --image, --text and/or --zeroshot")
     doc = run(args)
     doc["command"] = "python -m benchmarks.stream " + shlex.join(argv if argv is not None else sys.argv[1:])
     doc["machine"] = harness.machine()

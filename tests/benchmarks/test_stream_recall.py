@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from benchmarks.stream import lorden_bound, recall_figures
+from benchmarks.stream_figures import lorden_bound, recall_figures
 
 
 def test_lorden_bound_known_answers():
@@ -34,7 +34,7 @@ def test_recall_coverage_and_precision():
 
 
 def test_labels_to_half_of_the_hindsight_threshold():
-    from benchmarks.stream import labels_to_half
+    from benchmarks.stream_figures import labels_to_half
 
     # after the alarm (record 0 here): the 100 most confident answers are right, the rest wrong: at risk 0 the
     # hindsight threshold accepts exactly those, 1/4 of 400
