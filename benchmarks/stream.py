@@ -431,19 +431,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 doc["clean"].append(row)
                 _progress(row)
         if args.labelled:
-            kind, sev = LABELLED[modality]
-            bodies, y = stream_inputs(media, pool, args.labelled, 2000, kind, sev)
-            res = run_stream(artifact, man, bodies, y, labelled=True)
-            row = {"modality": modality, "corruption": kind, "severity": sev, **stream_figures(res, risk)}
-            row["online_risk_at_end"] = (res["online_risk"] or {}).get(str(risk))
-            alarm = row["first_suspended_input"]
-            row |= labels_to_half(res["records"], risk, alarm - 1) if alarm else {"labels_to_half": None}
-            doc["labelled"].append(row)
-            _progress(row)
+            doc["labelled"].append(_labelled_row(artifact, man, modality, media, pool, args.labelled, risk))
     if args.cached_streams:
         doc["cached_false_suspensions"] = cached_false_suspensions(args.cached_streams, 10_000)
         doc["replicas"] = replica_simulation()
     return doc
+
+
+def _labelled_row(
+    artifact: Path, man: dict[str, Any], modality: str, media: str, pool: Any, inputs: int, risk: float
+) -> dict[str, Any]:
+    """The labelled stream of one model: adaptive requests, each true label sent back before the next."""
+    kind, sev = LABELLED[modality]
+    bodies, y = stream_inputs(media, pool, inputs, 2000, kind, sev)
+    res = run_stream(artifact, man, bodies, y, labelled=True)
+    row = {"modality": modality, "corruption": kind, "severity": sev, **stream_figures(res, risk)}
+    row["online_risk_at_end"] = (res["online_risk"] or {}).get(str(risk))
+    alarm = row["first_suspended_input"]
+    row |= labels_to_half(res["records"], risk, alarm - 1) if alarm else {"labels_to_half": None}
+    _progress(row)
+    return row
 
 
 def _paired_first_suspensions(rows: list[dict[str, Any]], modality: str, workers: int) -> list[tuple[int, int]]:
