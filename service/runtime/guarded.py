@@ -363,9 +363,10 @@ class GuaranteedAnswers:
             raise NotReady(f"model {self.name!r}: {e}") from e
         return {"model": self.name, "before": before, "after": self.drift_state()}
 
-    def drift_state(self) -> dict[str, Any] | None:
+    def drift_state(self, answers: bool = True) -> dict[str, Any] | None:
         """The drift alarm now (:meth:`service.core.drift.DriftMonitor.state`), every input served included, with the
-        recalls of its last episodes (``recalled``)."""
+        recalls of its last episodes (``recalled``; without their ``answers`` unless ``answers``: the model list
+        carries the counts, the drift route the lists)."""
         if self.drift is None:
             return None
         try:
@@ -373,4 +374,7 @@ class GuaranteedAnswers:
         except DriftStateError as e:
             self._drift_failed(e)
             raise NotReady(f"model {self.name!r}: {e}") from e
-        return {**state, "recalled": self.recalls()}
+        recalled = self.recalls()
+        if not answers:
+            recalled = [{k: v for k, v in r.items() if k != "answers"} for r in recalled]
+        return {**state, "recalled": recalled}

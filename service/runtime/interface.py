@@ -409,7 +409,7 @@ class Runtime(GuaranteedAnswers, abc.ABC):
             "risk": g.risk,
             "delta": g.delta,
             "risks": {str(k): v for k, v in sorted(g.rules.items())},
-            "drift": self.drift_state(),
+            "drift": self.drift_state(answers=False),
         }
 
     def _count(self, results: list[ItemResult]) -> None:

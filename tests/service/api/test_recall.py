@@ -54,6 +54,8 @@ def test_the_answers_between_the_change_point_and_the_alarm_are_recalled(tmp_pat
         want = sorted(rid for rid, _ in window)
         assert want and not set(want) & set(suspended)
         assert rec["listed"] == len(window) and rec["dropped"] == 0 and rec["incomplete"] is False
+        (summary,) = c.get("/v1/models").json()["models"][0]["guarantees"]["drift"]["recalled"]
+        assert summary == {k: v for k, v in rec.items() if k != "answers"}  # the model list: the counts only
         text = c.get("/metrics").text
         total = sum(
             _metric(text, f'hydra_drift_recalled_total{{accepted="{v}",model="{name}"}}') for v in ("true", "false")
