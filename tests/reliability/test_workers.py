@@ -237,11 +237,12 @@ def test_two_workers_share_one_drift_alarm_keep_its_evidence_and_abstain_without
         foreign = json.dumps({"images": [b64(png(a)) for a in noise_images(4, seed=5)]}).encode()
         # a shift, sent one request at a time (on fresh connections: either worker), so that the input the alarm goes
         # on at is known: the request whose inputs turn it on is the first suspended, as with one worker
-        answers = []
+        answers, ids = [], []
         for _ in range(40):
-            st, _, body = asyncio.run(harness.request(port, "POST", "/predict", foreign))
+            st, hdrs, body = asyncio.run(harness.request(port, "POST", "/predict", foreign))
             assert st == 200, body
             answers.append(json.loads(body)["predictions"])
+            ids.append(hdrs["x-request-id"])
             if answers[-1][-1]["selective"]["suspended"]:
                 break
         first = next(i for i, preds in enumerate(answers) if any(p["selective"]["suspended"] for p in preds))
@@ -256,6 +257,15 @@ def test_two_workers_share_one_drift_alarm_keep_its_evidence_and_abstain_without
         views = [_drift(port) for _ in range(6)]  # fresh connections: both workers serve some of them
         assert all(v == views[0] for v in views) and views[0]["inputs"] == 4 * (len(answers) + tally["ok"])
         alarm = views[0]
+        # the recall: the answers of both workers from the change point to the alarm, listed once, read alike by both
+        (rec,) = alarm["recalled"]
+        window = {
+            (ids[k], i): 4 * k + i + 1
+            for k, preds in enumerate(answers)
+            for i, p in enumerate(preds)
+            if not p["selective"]["suspended"] and rec["changed_at"] <= 4 * k + i + 1 < rec["started_at"]
+        }
+        assert window and {(a["id"], a["index"]): a["input"] for a in rec["answers"]} == window
         # SIGKILL a worker: the replacement reads the same alarm
         os.kill(pids[0], signal.SIGKILL)
         t0 = time.monotonic()
