@@ -9,7 +9,7 @@ figure). They are compared where no model and no test data enter:
 * **shifts**: the calibration split is ``n`` uniform scores; after the change, a share ``pi`` of the inputs has
   p-values from ``Beta(a, 1)`` (mass near 0: outlying scores) and the rest stay uniform, over a grid of ``pi`` and
   ``a``. Lorden's bound for each, ``log A / KL``, uses the KL of the p-values binned as the stream benchmark bins
-  them (``benchmarks/shift_views.py``' ``P_BINS``), so the ratio is the one the stream benchmark reports. The
+  them (``benchmarks/stream_figures.py``' ``P_BINS``), so the ratio is the one the stream benchmark reports. The
   shifts kept are those whose bound is at most 50 inputs (the issue's scope).
 * **the null**: 100 streams of 10,000 uniform scores, a fresh split each: the alarms, against the bound
   ``delta + 10^4 / A`` (11 %).
@@ -41,8 +41,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.stream_figures import P_BINS
 
-P_BINS = np.array([0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0])  # as benchmarks/shift_views.py
 DELTA = 0.01
 CALIBRATION = 2000  # the default image build's split
 STEPS = 1500  # inputs after the change (a run that never alarms counts as this: a lower bound of its delay)

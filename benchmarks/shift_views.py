@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 
 from benchmarks import harness
 from benchmarks.stream import SEVERITIES, STREAM_SEED, image_pool, text_pool
+from benchmarks.stream_figures import lorden_bound
 from offline.config import load_config
 from offline.outliers import shifted
 from offline.shift import corrupt, corruptions
@@ -54,7 +55,6 @@ from service.core.registry import load_model
 from service.core.uncertainty import summarize
 
 DRIFT_DELTA = 0.01  # the builder's default drift delta
-P_BINS = np.array([0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0])  # p-value bins of the KL estimate
 
 
 class Views:
@@ -121,13 +121,9 @@ def first_alarm_mixture(cal: np.ndarray, stream: np.ndarray, previous: bool = Fa
 def lorden_estimate(cal: np.ndarray, scores: np.ndarray) -> float | None:
     """``log A / KL``: Lorden's lower bound on the mean delay of any change detector whose mean run length to a false
     alarm is at least ``A``, for a change from the calibration split's p-values (uniform) to these; KL estimated
-    from the served score's p-values in :data:`P_BINS` (an estimate, not a bound: binning lowers the divergence, a
-    sample of 640 raises it). None: no divergence seen."""
-    p = ood_p_values(scores, np.sort(cal))
-    q = np.histogram(p, P_BINS)[0] / p.size
-    u = np.diff(P_BINS)
-    kl = float(np.sum(q[q > 0] * np.log(q[q > 0] / u[q > 0])))
-    return round(math.log(HORIZON / DRIFT_DELTA) / kl, 1) if kl > 1e-9 else None
+    from the served score's binned p-values (:func:`benchmarks.stream_figures.lorden_bound`: an estimate, not a
+    bound: binning lowers the divergence, a sample of 640 raises it). None: no divergence seen."""
+    return lorden_bound(ood_p_values(scores, np.sort(cal)).tolist(), HORIZON / DRIFT_DELTA)
 
 
 def first_alarm_served(cal: np.ndarray, stream: np.ndarray) -> int | None:

@@ -8,15 +8,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["labels_to_half", "lorden_bound", "recall_figures"]
+__all__ = ["P_BINS", "labels_to_half", "lorden_bound", "recall_figures"]
+
+# the p-value bins of every Lorden estimate (this module, benchmarks/shift_views.py, benchmarks/alarm_grid.py)
+P_BINS = np.array([0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0])
 
 
 def lorden_bound(p_values: list[float], arl: float) -> float | None:
     """``log A / KL``: Lorden's least mean delay of any detector whose mean run length to a false alarm is ``A``, for
-    a change from uniform p-values to these (KL from :data:`benchmarks.alarm_grid.P_BINS`, as ``shift_views`` and
+    a change from uniform p-values to these (KL in :data:`P_BINS`, as ``shift_views`` and
     ``alarm_grid`` estimate it). None: no divergence seen."""
-    from benchmarks.alarm_grid import P_BINS
-
     q = np.histogram(np.asarray(p_values, dtype=np.float64), P_BINS)[0] / max(len(p_values), 1)
     u = np.diff(P_BINS)
     kl = float(np.sum(q[q > 0] * np.log(q[q > 0] / u[q > 0])))
