@@ -332,12 +332,11 @@ def alarm_paths(
         x = x[..., None]
     j = x.shape[-1]
     lw = np.full(j, -math.log(j)) if log_weights is None else np.asarray(log_weights, dtype=np.float64)
-    cap = log_cap
     w = np.zeros(x.shape[:-2] + (j,))
     on = np.zeros(x.shape[:-2], dtype=bool)
     log_c, alarm = np.empty(x.shape[:-1]), np.empty(x.shape[:-1], dtype=bool)
     for t in range(x.shape[-2]):
-        w = np.minimum(np.maximum(w, 0.0) + x[..., t, :], cap)
+        w = np.minimum(np.maximum(w, 0.0) + x[..., t, :], log_cap)
         mix = log_mix(w, lw)
         on = np.where(on, mix >= 0.0, mix >= log_a)  # on at A, off below 1
         log_c[..., t], alarm[..., t] = mix, on
@@ -388,7 +387,7 @@ class DriftMonitor:
         delta: float = 0.01,
         *,
         arl: float | None = None,
-        components: Sequence[tuple[Sequence[float], float]] = COMPONENTS,
+        components: Sequence[tuple[Any, ...]] = COMPONENTS,
         history: int = HISTORY,
     ) -> None:
         self.bets = TailBets.fit(calibration_scores, delta, components)

@@ -207,13 +207,8 @@ def merge_stored(
 ) -> list:
     """The prediction store's recall list (JSON, oldest first, the last :data:`EPISODES` of every run) with
     ``answers`` added to the episode ``(run, started_at)``: what ``update_state`` writes."""
-    book = [Recall.from_dict(d) for d in stored] if isinstance(stored, list) else []
-    rec = next((r for r in book if r.run == run and r.started_at == started_at), None)
-    if rec is None:
-        rec = Recall(started_at, changed_at, run=run)
-        book.append(rec)
-    rec.merge(answers, incomplete)
-    return [r.as_dict() for r in book[-EPISODES:]]
+    mine = Recall(started_at, changed_at, answers, incomplete=incomplete, run=run)
+    return combine(stored if isinstance(stored, list) else [], [mine.as_dict()])[-EPISODES:]
 
 
 def combine(stored: list[dict[str, Any]], local: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -223,7 +218,7 @@ def combine(stored: list[dict[str, Any]], local: list[dict[str, Any]]) -> list[d
         mine = Recall.from_dict(d)
         rec = next((r for r in book if r.run == mine.run and r.started_at == mine.started_at), None)
         if rec is None:
-            book.append(mine)
-        else:
-            rec.merge(mine.answers, mine.incomplete)
+            rec = Recall(mine.started_at, mine.changed_at, dropped=mine.dropped, run=mine.run)
+            book.append(rec)
+        rec.merge(mine.answers, mine.incomplete)
     return [r.as_dict() for r in book]

@@ -142,7 +142,6 @@ class GuaranteedAnswers:
             at, self._fed_to = monitor.alarm_at, monitor.count
         except DriftStateError as e:
             self._drift_failed(e)
-            self._fed_to = None
             return None
         self.drift_error = None
         if at is not None and self.monitor is not None and self._alarm_mark[0] != at:

@@ -132,6 +132,7 @@ class LiveMonitor:
         self.store, self.name, self.version = store, name, version
         self.guarantees, self.metrics = guarantees, metrics
         self.key = f"monitor/{name}/{version}"
+        self.recall_key = f"recall/{name}/{version}"  # the recalls of the drift alarm's episodes (service.core.recall)
         self.calibration_errors = calibration_errors
         self._cached = self.fresh()
         self._read_at = -math.inf  # monotonic time of the last read of the shared state
@@ -141,12 +142,11 @@ class LiveMonitor:
     def keep_recall(self, run: str, started_at: int, changed_at: int, answers: list[Any], incomplete: bool) -> None:
         """Add recalled answers to the store's list (every replica's, across restarts), in the background: a store
         that is down never slows an answer (the recall stays in the server's own book)."""
-        key = f"recall/{self.name}/{self.version}"
 
         def run_() -> None:
             try:
                 self.store.update_state(
-                    key, lambda v: merge_stored(v, run, started_at, changed_at, answers, incomplete)
+                    self.recall_key, lambda v: merge_stored(v, run, started_at, changed_at, answers, incomplete)
                 )
             except Exception as e:
                 log.warning("%s: the recall of the episode at input %d was not stored (%s)", self.name, started_at, e)
@@ -155,7 +155,7 @@ class LiveMonitor:
 
     def stored_recalls(self) -> list[dict[str, Any]]:
         """The store's recall list, oldest first (blocking; :class:`StoreUnavailable` when the database is down)."""
-        entry = self.store.get_state(f"recall/{self.name}/{self.version}")
+        entry = self.store.get_state(self.recall_key)
         return list(entry.value) if entry is not None and isinstance(entry.value, list) else []
 
     # ------------------------------------------------------------------------------------------------ state
