@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import train as train_mod
-from .config import BuildConfig
-from .stages.data import Batch, batches_of, take, with_features
-from .stages.finetune import member_data, member_train_config
+from offline import train as train_mod
+from offline.config import BuildConfig
+from offline.stages.data import Batch, batches_of, take, with_features
+from offline.stages.finetune import member_data, member_train_config
 
 __all__ = [
     "LAPLACE_SAMPLES",

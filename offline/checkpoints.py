@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .loaders import check_keys, load_timm
+from offline.loaders import check_keys, load_timm
 
 __all__ = ["check_keys", "completed_steps", "load_timm", "restore", "save", "steps"]
 

@@ -21,11 +21,10 @@ from typing import Any
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from offline.compute import DEVICES, PRECISIONS, resolve_device
+from offline.families import ADAPTERS
 from service.core.artifact import OOD_SCORES as SERVED_SCORES
 from service.core.scores import ZERO_SHOT_SCORES as ZERO_SHOT_SERVED
-
-from .compute import DEVICES, PRECISIONS, resolve_device
-from .families import ADAPTERS
 
 
 def families() -> tuple[str, ...]:

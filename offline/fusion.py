@@ -7,9 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from offline.families import FamilyAdapter
 from service.core.registry import build_model
-
-from .families import FamilyAdapter
 
 
 def fuse(

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from offline.shift import SHIFT_PREFIX
 from service.core.conformal import (
     SetCalibrator,
     binomial_p_value,
@@ -44,8 +45,6 @@ from service.core.conformal import (
 )
 from service.core.drift import DriftMonitor
 from service.core.guarantees import GUARANTEES_FILE, outlier_oriented
-
-from .shift import SHIFT_PREFIX
 
 __all__ = [
     "GUARANTEES_FILE",

@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import Data, Split
-from .families.attention import SlicedMultiheadAttention
-from .loaders import init_image_tower, lit_model_config, load_tokenizer, make_lit_model
-from .train import TrainConfig, accuracy, fit, images_to_tensor, recorded
+from offline.data import Data, Split
+from offline.families.attention import SlicedMultiheadAttention
+from offline.loaders import init_image_tower, lit_model_config, load_tokenizer, make_lit_model
+from offline.train import TrainConfig, accuracy, fit, images_to_tensor, recorded
 
 log = logging.getLogger("hydra.lit")
 

@@ -24,9 +24,8 @@ import torch
 from timm.models import load_state_dict
 from torch import nn
 
+from offline.config import ConfigError
 from service.core.artifact import file_sha256
-
-from .config import ConfigError
 
 __all__ = [
     "check_keys",

@@ -28,6 +28,8 @@ import torch
 from scipy.stats import spearmanr
 from sklearn.covariance import LedoitWolf
 
+from offline.calibration import calibrate_threshold
+from offline.metrics import ood_metrics
 from service.core.ood import (
     LAYER_REDUCTIONS,
     GaussianStats,
@@ -43,9 +45,6 @@ from service.core.ood import (
     standardize,
 )
 from service.core.uncertainty import OOD_METRICS, ood_flag, summarize
-
-from .calibration import calibrate_threshold
-from .metrics import ood_metrics
 
 __all__ = [
     "LAYERS",

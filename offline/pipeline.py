@@ -22,17 +22,15 @@ import timm
 import torch
 from torch import nn
 
-from service.core.artifact import Manifest
-
-from . import train as train_mod
-from .baselines import baseline_methods
-from .bases import train_config
-from .compute import on_device
-from .config import BuildConfig, ConfigError, check_budget
-from .data import Data
-from .families import ADAPTERS, get_adapter
-from .progress import stage as progress_stage
-from .stages.artifact import (
+from offline import train as train_mod
+from offline.baselines import baseline_methods
+from offline.bases import train_config
+from offline.compute import on_device
+from offline.config import BuildConfig, ConfigError, check_budget
+from offline.data import Data
+from offline.families import ADAPTERS, get_adapter
+from offline.progress import stage as progress_stage
+from offline.stages.artifact import (
     Exports,
     export_classifier,
     model_outputs,
@@ -43,13 +41,14 @@ from .stages.artifact import (
     save_weights,
     write_artifact,
 )
-from .stages.calibration import Calibration, calibrate_ood
-from .stages.context import BaseModel, BuildContext, Timer
-from .stages.data import EvalSets, eval_sets, load_data
-from .stages.evaluation import Evaluation, classifier_models, evaluate_classifier, standard_methods
-from .stages.finetune import finetune_members, finetune_one, member_checkpoints
-from .stages.guarantees import Guarantees, classifier_guarantees
-from .stages.members import Fused, Members, build_members, fuse_members, scoring_batches
+from offline.stages.calibration import Calibration, calibrate_ood
+from offline.stages.context import BaseModel, BuildContext, Timer
+from offline.stages.data import EvalSets, eval_sets, load_data
+from offline.stages.evaluation import Evaluation, classifier_models, evaluate_classifier, standard_methods
+from offline.stages.finetune import finetune_members, finetune_one, member_checkpoints
+from offline.stages.guarantees import Guarantees, classifier_guarantees
+from offline.stages.members import Fused, Members, build_members, fuse_members, scoring_batches
+from service.core.artifact import Manifest
 
 __all__ = ["STAGES", "base_checkpoint_dir", "build", "finish", "heads_of_base", "load_base", "scoring_batches"]
 

@@ -51,15 +51,13 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, CLIPTokenizer
 
-from service.core.artifact import Manifest, file_sha256
-
-from . import lit
-from . import train as train_mod
-from .config import BuildConfig, ConfigError, check_budget
-from .data import ROOT, Data
-from .families.clip import CLIPAdapter, split_heads
-from .progress import stage as progress_stage
-from .stages.artifact import (
+from offline import lit
+from offline import train as train_mod
+from offline.config import BuildConfig, ConfigError, check_budget
+from offline.data import ROOT, Data
+from offline.families.clip import CLIPAdapter, split_heads
+from offline.progress import stage as progress_stage
+from offline.stages.artifact import (
     Exports,
     export_zero_shot,
     label_free_spec,
@@ -70,9 +68,9 @@ from .stages.artifact import (
     write_artifact,
     zero_shot_extra,
 )
-from .stages.calibration import ZeroShotCalibration, calibrate_zero_shot
-from .stages.context import BaseModel, BuildContext, Timer
-from .stages.data import (
+from offline.stages.calibration import ZeroShotCalibration, calibrate_zero_shot
+from offline.stages.context import BaseModel, BuildContext, Timer
+from offline.stages.data import (
     EVAL_BATCH,
     FASHION_MEAN,
     FASHION_STD,
@@ -85,10 +83,11 @@ from .stages.data import (
     take,
     zero_shot_sets,
 )
-from .stages.evaluation import Evaluation, evaluate_zero_shot, zero_shot_methods, zero_shot_models
-from .stages.guarantees import Guarantees, zero_shot_guarantees, zero_shot_guarantees_report
-from .stages.members import Fused, Members, ScoringBatches, fuse_members, zero_shot_members
-from .train import TrainConfig
+from offline.stages.evaluation import Evaluation, evaluate_zero_shot, zero_shot_methods, zero_shot_models
+from offline.stages.guarantees import Guarantees, zero_shot_guarantees, zero_shot_guarantees_report
+from offline.stages.members import Fused, Members, ScoringBatches, fuse_members, zero_shot_members
+from offline.train import TrainConfig
+from service.core.artifact import Manifest, file_sha256
 
 __all__ = [
     "HEAD_INDEX",

@@ -37,13 +37,12 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from offline import data as data_mod
+from offline.config import read_yaml_mapping
+from offline.data import Split
+from offline.train import GRAY_MEAN, GRAY_STD, TrainConfig, accuracy, make_batches, recorded, train_base_vit
 from service.core.artifact import file_sha256
 from service.core.hardware import cpu_name
-
-from . import data as data_mod
-from .config import read_yaml_mapping
-from .data import Split
-from .train import GRAY_MEAN, GRAY_STD, TrainConfig, accuracy, make_batches, recorded, train_base_vit
 
 __all__ = ["PretrainConfig", "load_pretrain_config", "main", "pretrain", "test_accuracy"]
 

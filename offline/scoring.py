@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import FamilyAdapter
-from .progress import bar as progress_bar
+from offline.families import FamilyAdapter
+from offline.progress import bar as progress_bar
 
 Batch = dict[str, torch.Tensor]
 

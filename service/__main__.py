@@ -27,9 +27,17 @@ import sys
 
 from pydantic import ValidationError
 
-from .server import http_stack
-from .serving import EXIT_FORCED, EXIT_LOAD_FAILED, EXIT_OK, EXIT_REFUSED, EXIT_SETTINGS, freeze_startup_heap, serve
-from .settings import Settings, settings_errors
+from service.server import http_stack
+from service.serving import (
+    EXIT_FORCED,
+    EXIT_LOAD_FAILED,
+    EXIT_OK,
+    EXIT_REFUSED,
+    EXIT_SETTINGS,
+    freeze_startup_heap,
+    serve,
+)
+from service.settings import Settings, settings_errors
 
 __all__ = ["main", "freeze_startup_heap", "EXIT_OK", "EXIT_FORCED", "EXIT_SETTINGS", "EXIT_REFUSED", "EXIT_LOAD_FAILED"]
 
@@ -47,11 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         lines = settings_errors(e) if isinstance(e, ValidationError) else [str(e)]
         print("\n".join(f"invalid HYDRA_* settings: {line}" for line in lines), file=sys.stderr)
         return EXIT_SETTINGS
-    from .workers import resolve_workers, supervise
+    from service.workers import resolve_workers, supervise
 
     n = resolve_workers(settings.workers, settings.device)
     if n > 1:
-        from .logs import configure_logging
+        from service.logs import configure_logging
 
         configure_logging(settings)
         return supervise(n, settings.host, settings.port, args.graceful_timeout)

@@ -43,15 +43,15 @@ from typing import Any
 import anyio
 import torch
 
-from .core.artifact import ArtifactError
-from .core.backends import BackendConfigError
-from .core.building import BuildNote, builder_alive, read_note
-from .core.errors import InvalidInput, NotReady
-from .fleet import all_ready
-from .metrics import Metrics
-from .runtime import Runtime, open_runtime
-from .settings import Settings
-from .store import PredictionStore, open_store
+from service.core.artifact import ArtifactError
+from service.core.backends import BackendConfigError
+from service.core.building import BuildNote, builder_alive, read_note
+from service.core.errors import InvalidInput, NotReady
+from service.fleet import all_ready
+from service.metrics import Metrics
+from service.runtime import Runtime, open_runtime
+from service.settings import Settings
+from service.store import PredictionStore, open_store
 
 __all__ = [
     "ServerState",

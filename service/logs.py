@@ -21,8 +21,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from .core.jsonlog import json_formatter
-from .settings import Settings
+from service.core.jsonlog import json_formatter
+from service.settings import Settings
 
 __all__ = [
     "REQUEST_ID",

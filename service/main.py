@@ -44,14 +44,14 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .api.errors import install_error_handlers
-from .api.middleware import Front
-from .api.oip import install_oip_routes
-from .api.v1 import FAST_ROUTES, install_routes
-from .lifecycle import ServerState, lifespan
-from .metrics import Metrics
-from .settings import Settings
-from .tracing import instrument
+from service.api.errors import install_error_handlers
+from service.api.middleware import Front
+from service.api.oip import install_oip_routes
+from service.api.v1 import FAST_ROUTES, install_routes
+from service.lifecycle import ServerState, lifespan
+from service.metrics import Metrics
+from service.settings import Settings
+from service.tracing import instrument
 
 __all__ = ["HydraApp", "create_app", "app"]
 

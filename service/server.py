@@ -60,7 +60,7 @@ from typing import Any
 import uvicorn
 from uvicorn.server import HANDLED_SIGNALS
 
-from .fleet import mark_ready
+from service.fleet import mark_ready
 
 __all__ = [
     "DRAIN_LIMIT_S",

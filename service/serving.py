@@ -14,9 +14,9 @@ import socket
 
 import uvicorn
 
-from .fleet import mark_ready
-from .server import Server, http_stack
-from .settings import Settings
+from service.fleet import mark_ready
+from service.server import Server, http_stack
+from service.settings import Settings
 
 __all__ = [
     "EXIT_FORCED",
@@ -52,8 +52,8 @@ def serve(graceful: float, settings: Settings | None = None, sockets: list[socke
     exit status (``service.__main__``'s docstring lists them)."""
     # imported here: service.main builds its module-level `app` (for uvicorn service.main:app) from the environment
     # at import, and loads torch
-    from .logs import configure_logging
-    from .main import create_app
+    from service.logs import configure_logging
+    from service.main import create_app
 
     settings = settings if settings is not None else Settings()
     loop, http = http_stack(settings.loop, settings.http)

@@ -164,7 +164,7 @@ class Settings(BaseSettings):
     def _webhook_url(cls, value: SecretStr | None) -> SecretStr | None:
         if value is None or not value.get_secret_value().strip():
             return None
-        from .webhook import check_url
+        from service.webhook import check_url
 
         return SecretStr(check_url(value.get_secret_value()))
 
@@ -173,7 +173,7 @@ class Settings(BaseSettings):
     def _webhook_header(cls, value: SecretStr | None) -> SecretStr | None:
         if value is None or not value.get_secret_value().strip():
             return None
-        from .webhook import check_header
+        from service.webhook import check_header
 
         check_header(value.get_secret_value())
         return value

@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from .logs import TRACE_ID
+from service.logs import TRACE_ID
 
 __all__ = ["REQUEST_ID_HEADER", "instrument", "request_id", "trace_id"]
 

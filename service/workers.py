@@ -46,8 +46,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from .fleet import READY_DIR_ENV, WORKERS_ENV
-from .serving import EXIT_REFUSED, serve
+from service.fleet import READY_DIR_ENV, WORKERS_ENV
+from service.serving import EXIT_REFUSED, serve
 
 __all__ = ["resolve_workers", "supervise", "usable_cores"]
 

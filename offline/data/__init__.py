@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .bbc import SENTENCE_CHARS, BbcSentences, bbc_sentences, read_bbc_articles, split_sentences
-from .common import (
+from offline.data.bbc import SENTENCE_CHARS, BbcSentences, bbc_sentences, read_bbc_articles, split_sentences
+from offline.data.common import (
     CAL_HELD_OUT,
     CAL_SEED_TAG,
     FIT_HELD_OUT,
@@ -43,8 +43,8 @@ from .common import (
     package_dir,
     stratified_indices,
 )
-from .digits import digits_ood, upsample_digits
-from .fashion import (
+from offline.data.digits import digits_ood, upsample_digits
+from offline.data.fashion import (
     FASHION_CLASSES,
     FASHION_FILES,
     FASHION_ID_CLASSES,
@@ -60,12 +60,19 @@ from .fashion import (
     read_idx_images,
     read_idx_labels,
 )
-from .noise import synthetic_images
-from .tweets import TWEET_CLASSES, TWEETS_CSV, read_tweets, tweet_setting
-from .user import IMAGE_EXTS, USER_EVAL_FRACTION, USER_OOD_VAL_FRACTION, USER_SETTINGS, UserData, user_setting
+from offline.data.noise import synthetic_images
+from offline.data.tweets import TWEET_CLASSES, TWEETS_CSV, read_tweets, tweet_setting
+from offline.data.user import (
+    IMAGE_EXTS,
+    USER_EVAL_FRACTION,
+    USER_OOD_VAL_FRACTION,
+    USER_SETTINGS,
+    UserData,
+    user_setting,
+)
 
 if TYPE_CHECKING:
-    from ..config import DataConfig
+    from offline.config import DataConfig
 
 # data.setting -> the function that draws it at its Sizes; a user's settings (USER_SETTINGS) take their UserData first
 SETTINGS: dict[str, Callable[..., Data]] = {

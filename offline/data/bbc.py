@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import normalize_text, package_dir, split_record
+from offline.data.common import normalize_text, package_dir, split_record
 
 SENTENCE_CHARS = (20, 300)  # BBC sentences kept for far-OOD: min and max length in characters
 

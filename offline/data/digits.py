@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import stratified_indices
+from offline.data.common import stratified_indices
 
 DIGITS_SOURCE = "sklearn.datasets.load_digits, 8x8 values 0..16 upsampled bilinear to 28x28 uint8 0..255"
 

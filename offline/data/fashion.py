@@ -16,10 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from service.core.artifact import file_sha256
-
-from ..outliers import CORRUPTIONS, SHIFTS, corrupted, shifted
-from .common import (
+from offline.data.common import (
     ROOT,
     Data,
     HeldOut,
@@ -31,8 +28,10 @@ from .common import (
     split_record,
     stratified_indices,
 )
-from .digits import DIGITS_SOURCE, digits_ood
-from .noise import NOISE_KINDS, synthetic_images
+from offline.data.digits import DIGITS_SOURCE, digits_ood
+from offline.data.noise import NOISE_KINDS, synthetic_images
+from offline.outliers import CORRUPTIONS, SHIFTS, corrupted, shifted
+from service.core.artifact import file_sha256
 
 SYSTEM_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_CLASSES = [  # the data set's documented label order (pinned to torchvision's list in the tests)

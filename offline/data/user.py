@@ -16,9 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from service.core.artifact import file_sha256
-
-from .common import (
+from offline.data.common import (
     CAL_HELD_OUT,
     Data,
     HeldOut,
@@ -32,6 +30,7 @@ from .common import (
     split_record,
     take,
 )
+from service.core.artifact import file_sha256
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm"}
 USER_EVAL_FRACTION = 0.15  # share of user data (per split, capped by max_val / max_test) held out for val and test

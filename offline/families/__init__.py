@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .base import FamilyAdapter
-from .bert import BertAdapter
-from .clip import CLIPAdapter
-from .vit import ViTAdapter
+from offline.families.base import FamilyAdapter
+from offline.families.bert import BertAdapter
+from offline.families.clip import CLIPAdapter
+from offline.families.vit import ViTAdapter
 
 # family name -> adapter class
 ADAPTERS: dict[str, type[FamilyAdapter]] = {"vit": ViTAdapter, "bert": BertAdapter, "clip": CLIPAdapter}

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
+from offline.families.base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
 
 # Hugging Face ``hidden_act`` -> the fused model's activation name
 BERT_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}

@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import SlicedMultiheadAttention
-from .base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
-from .bert import BERT_ACTS, BertAdapter, fuse_bert_encoder
+from offline.families.attention import SlicedMultiheadAttention
+from offline.families.base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
+from offline.families.bert import BERT_ACTS, BertAdapter, fuse_bert_encoder
 
 TEXT_POOLS = ("argmax", "eos", "first", "last")
 HF_POOLERS = ("mean_pooler", "cls_pooler", "cls_last_hidden_state_pooler")

@@ -8,7 +8,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean, stack
+from offline.families.base import (
+    FamilyAdapter,
+    fuse_blocks,
+    grouped_linear,
+    layer_weights,
+    member_norm,
+    shared_or_mean,
+    stack,
+)
 
 
 def check_supported(model: nn.Module) -> None:

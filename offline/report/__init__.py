@@ -26,10 +26,10 @@ The modules, each one part of the report:
 
 from __future__ import annotations
 
-from .by_class import per_class
-from .latency import measure_latency
-from .plots import PLOT_FILES, SERVED_PLOT
-from .summary import HEADLINE, summary_of
-from .writer import write_report
+from offline.report.by_class import per_class
+from offline.report.latency import measure_latency
+from offline.report.plots import PLOT_FILES, SERVED_PLOT
+from offline.report.summary import HEADLINE, summary_of
+from offline.report.writer import write_report
 
 __all__ = ["measure_latency", "write_report", "summary_of", "per_class", "HEADLINE", "PLOT_FILES", "SERVED_PLOT"]

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from .tables import table
-from .values import pct
+from offline.report.tables import table
+from offline.report.values import pct
 
 
 def per_class(labels: np.ndarray, member_probs: np.ndarray, names: Sequence[str]) -> dict[str, Any]:

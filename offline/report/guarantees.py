@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .tables import table
-from .values import num, pct
+from offline.report.tables import table
+from offline.report.values import num, pct
 
 
 def guarantees_section(extra: Mapping[str, Any]) -> list[str]:

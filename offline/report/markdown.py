@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from .by_class import per_class_section
-from .guarantees import guarantees_section
-from .id_tables import calibrated_section, id_section
-from .ood import ood_section, scores_section, selection_section, served_flag_section
-from .shift import shift_section
-from .values import fact_text
+from offline.report.by_class import per_class_section
+from offline.report.guarantees import guarantees_section
+from offline.report.id_tables import calibrated_section, id_section
+from offline.report.ood import ood_section, scores_section, selection_section, served_flag_section
+from offline.report.shift import shift_section
+from offline.report.values import fact_text
 
 # ``extra`` keys with a section of their own (not repeated in the build facts)
 SECTION_KEYS = (

@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from offline.report.summary import OOD_KEYS
+from offline.report.tables import Cell, cell, method_table, table
+from offline.report.values import finite, num, pct, sig4
 from service.core.scores import REPORT_ORDER
-
-from .summary import OOD_KEYS
-from .tables import Cell, cell, method_table, table
-from .values import finite, num, pct, sig4
 
 # the order of OOD score columns; scores not listed follow in the order they appear
 SCORE_ORDER = REPORT_ORDER  # the registry's report order (service.core.scores)

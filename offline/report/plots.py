@@ -14,8 +14,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..metrics import calibration_bins, ece, uncertainty
-from .values import finite, pct
+from offline.metrics import calibration_bins, ece, uncertainty
+from offline.report.values import finite, pct
 
 PLOT_FILES = ("reliability.png", "ood_hist_msp.png", "ood_hist_mi.png", "member_accuracy.png")
 SERVED_PLOT = "ood_hist_served.png"  # only when ``plots["served"]`` is given

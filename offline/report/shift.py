@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .tables import cell, method_table
-from .values import num, pct
+from offline.report.tables import cell, method_table
+from offline.report.values import num, pct
 
 # the section's columns: key in a summary row -> header; rates and errors in %, NLL, Brier and AURC as numbers
 SHIFT_COLUMNS = {

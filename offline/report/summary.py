@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .values import jsonable
+from offline.report.values import jsonable
 
 # the numbers of each method that go into the manifest's `metrics` field
 HEADLINE = ("acc", "nll", "brier", "ece", "aece", "aurc", "mi_id", "mi_ood", "disagreement_id", "disagreement_ood")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .by_class import per_class
-from .markdown import markdown
-from .plots import (
+from offline.report.by_class import per_class
+from offline.report.markdown import markdown
+from offline.report.plots import (
     SERVED_PLOT,
     plot_confusion,
     plot_drift,
@@ -19,8 +19,8 @@ from .plots import (
     plot_risk_coverage,
     plot_served_hist,
 )
-from .summary import summary_of
-from .values import jsonable
+from offline.report.summary import summary_of
+from offline.report.values import jsonable
 
 
 def _write_plots(out: Path, rows: list[dict], ood_kinds: dict[str, str], plots: dict, extra: dict) -> list[str]:

@@ -26,10 +26,10 @@ from ``offline.stages``.
 
 from __future__ import annotations
 
-from .. import data as data_mod  # the data sets load_data reads (tests replace a setting's loader through it)
-from .calibration import layer_candidate_name
-from .context import BuildContext, Timer
-from .data import (
+from offline import data as data_mod  # the data sets load_data reads (tests replace a setting's loader through it)
+from offline.stages.calibration import layer_candidate_name
+from offline.stages.context import BuildContext, Timer
+from offline.stages.data import (
     EVAL_MAX_PIXELS,
     FASHION_MEAN,
     FASHION_STD,
@@ -44,8 +44,8 @@ from .data import (
     take,
     with_features,
 )
-from .finetune import finetune_members
-from .members import Members, ScoringBatches, build_members, scoring_batches
+from offline.stages.finetune import finetune_members
+from offline.stages.members import Members, ScoringBatches, build_members, scoring_batches
 
 __all__ = [
     "EVAL_MAX_PIXELS",

@@ -18,25 +18,31 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from offline import lit
+from offline.config import BuildConfig, ExportConfig
+from offline.data import Data
+from offline.export import (
+    BF16_MIN_AGREEMENT,
+    ONNX_OPSET,
+    bf16_agreement,
+    bf16_flag_agreement,
+    eager_outputs,
+    export_checked,
+)
+from offline.guarantees import GUARANTEES_FILE, Fitted
+from offline.ood_fit import LAYERS
+from offline.progress import stage as progress_stage
+from offline.report import write_report
+from offline.stages.calibration import Calibration, ZeroShotCalibration
+from offline.stages.context import BuildContext, Timer
+from offline.stages.data import Batch, Batches, EvalSets, ZeroShotSets, prompt_batch
+from offline.stages.evaluation import Evaluation
+from offline.stages.guarantees import Guarantees
+from offline.stages.members import Fused
+from offline.stages.shift import shift_report
 from service.core.artifact import OOD_FILE, Manifest, write_manifest
 from service.core.ood import ensemble_scores, ood_tensors
 from service.core.uncertainty import ood_flag
-
-from .. import lit
-from ..config import BuildConfig, ExportConfig
-from ..data import Data
-from ..export import BF16_MIN_AGREEMENT, ONNX_OPSET, bf16_agreement, bf16_flag_agreement, eager_outputs, export_checked
-from ..guarantees import GUARANTEES_FILE, Fitted
-from ..ood_fit import LAYERS
-from ..progress import stage as progress_stage
-from ..report import write_report
-from .calibration import Calibration, ZeroShotCalibration
-from .context import BuildContext, Timer
-from .data import Batch, Batches, EvalSets, ZeroShotSets, prompt_batch
-from .evaluation import Evaluation
-from .guarantees import Guarantees
-from .members import Fused
-from .shift import shift_report
 
 __all__ = [
     "Exports",

@@ -16,15 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from service.core.manifest import Uncertainty
-from service.core.ood import LayerStats, OODStats, mahalanobis, standardize
-from service.core.uncertainty import SUMMARY_SCORES, summarize
-from service.core.uncertainty import ood_score as ood_score_of
-
-from ..calibration import calibrate_threshold, fit_temperature
-from ..config import BuildConfig
-from ..foreign import foreign_images
-from ..ood_fit import (
+from offline.calibration import calibrate_threshold, fit_temperature
+from offline.config import BuildConfig
+from offline.foreign import foreign_images
+from offline.ood_fit import (
     LAYERS,
     LayerChoice,
     Run,
@@ -44,9 +39,22 @@ from ..ood_fit import (
     select_score,
     with_layers,
 )
-from .context import BuildContext
-from .data import Batch, Batches, EvalSets, ZeroShotSets, collect, collect_logits, eval_batches, unlabelled
-from .members import Fused
+from offline.stages.context import BuildContext
+from offline.stages.data import (
+    Batch,
+    Batches,
+    EvalSets,
+    ZeroShotSets,
+    collect,
+    collect_logits,
+    eval_batches,
+    unlabelled,
+)
+from offline.stages.members import Fused
+from service.core.manifest import Uncertainty
+from service.core.ood import LayerStats, OODStats, mahalanobis, standardize
+from service.core.uncertainty import SUMMARY_SCORES, summarize
+from service.core.uncertainty import ood_score as ood_score_of
 
 __all__ = [
     "Calibration",

@@ -19,10 +19,10 @@ from typing import Any
 
 from torch import nn
 
-from ..compute import Compute, resolve_device, resolve_precision
-from ..config import BuildConfig
-from ..data import Data
-from ..families import FamilyAdapter, get_adapter
+from offline.compute import Compute, resolve_device, resolve_precision
+from offline.config import BuildConfig
+from offline.data import Data
+from offline.families import FamilyAdapter, get_adapter
 
 __all__ = ["BaseModel", "BuildContext", "Timer", "compute_of", "train_compute"]
 

@@ -23,17 +23,16 @@ import torch
 from PIL import Image
 from torch import nn
 
+from offline import data as data_mod
+from offline import lit
+from offline import train as train_mod
+from offline.config import BuildConfig, ConfigError
+from offline.data import Data
+from offline.foreign import foreign_images
+from offline.ood_fit import Run
+from offline.shift import SHIFT_PREFIX, corrupt, corruptions
+from offline.stages.context import BuildContext
 from service.core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
-
-from .. import data as data_mod
-from .. import lit
-from .. import train as train_mod
-from ..config import BuildConfig, ConfigError
-from ..data import Data
-from ..foreign import foreign_images
-from ..ood_fit import Run
-from ..shift import SHIFT_PREFIX, corrupt, corruptions
-from .context import BuildContext
 
 __all__ = [
     "EVAL_BATCH",

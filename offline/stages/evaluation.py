@@ -17,14 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from service.core.fused_clip import zero_shot_logits
-from service.core.ood import OODStats
-from service.core.uncertainty import SUMMARY_SCORES, ood_flag
-
-from ..calibration import fit_temperature
-from ..foreign import foreign_images
-from ..metrics import evaluate_predictions
-from ..ood_fit import (
+from offline.calibration import fit_temperature
+from offline.foreign import foreign_images
+from offline.metrics import evaluate_predictions
+from offline.ood_fit import (
     LayerChoice,
     Run,
     detection,
@@ -34,14 +30,17 @@ from ..ood_fit import (
     member_agreement,
     scores_np,
 )
-from ..ood_fit import with_layers as with_layer_stats
-from ..progress import bar as progress_bar
-from ..report import measure_latency
-from .calibration import Calibration, ZeroShotCalibration
-from .context import BuildContext
-from .data import Batch, EvalSets, ZeroShotSets, collect, collect_logits, with_features
-from .members import Fused, Members
-from .shift import shift_metrics
+from offline.ood_fit import with_layers as with_layer_stats
+from offline.progress import bar as progress_bar
+from offline.report import measure_latency
+from offline.stages.calibration import Calibration, ZeroShotCalibration
+from offline.stages.context import BuildContext
+from offline.stages.data import Batch, EvalSets, ZeroShotSets, collect, collect_logits, with_features
+from offline.stages.members import Fused, Members
+from offline.stages.shift import shift_metrics
+from service.core.fused_clip import zero_shot_logits
+from service.core.ood import OODStats
+from service.core.uncertainty import SUMMARY_SCORES, ood_flag
 
 __all__ = [
     "Evaluation",

@@ -11,13 +11,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import data as data_mod
-from .. import train as train_mod
-from ..config import BuildConfig
-from ..data import Data
-from .context import BuildContext, train_compute
-from .data import head_module, take
-from .members import Members
+from offline import data as data_mod
+from offline import train as train_mod
+from offline.config import BuildConfig
+from offline.data import Data
+from offline.stages.context import BuildContext, train_compute
+from offline.stages.data import head_module, take
+from offline.stages.members import Members
 
 __all__ = [
     "MEMBER_SEED_STRIDE",

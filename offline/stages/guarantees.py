@@ -12,17 +12,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from offline.calibration import calibrate_threshold
+from offline.guarantees import CalibrationOutputs, Fitted, evaluate_guarantees, fit_guarantees
+from offline.ood_fit import LAYERS, Run, scores_np
+from offline.progress import stage as progress_stage
+from offline.shift import SHIFT_PREFIX
+from offline.stages.calibration import Calibration, ZeroShotCalibration
+from offline.stages.context import BuildContext
+from offline.stages.data import Batch, EvalSets, ZeroShotSets, collect_logits
+from offline.stages.evaluation import Method, method_stats
 from service.core.uncertainty import summarize
-
-from ..calibration import calibrate_threshold
-from ..guarantees import CalibrationOutputs, Fitted, evaluate_guarantees, fit_guarantees
-from ..ood_fit import LAYERS, Run, scores_np
-from ..progress import stage as progress_stage
-from ..shift import SHIFT_PREFIX
-from .calibration import Calibration, ZeroShotCalibration
-from .context import BuildContext
-from .data import Batch, EvalSets, ZeroShotSets, collect_logits
-from .evaluation import Method, method_stats
 
 __all__ = [
     "Guarantees",

@@ -10,15 +10,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..compute import on_device
-from ..config import BuildConfig
-from ..families import FamilyAdapter
-from ..families.clip import CLIPAdapter
-from ..fusion import fuse
-from ..members import Budget, pool_size, sample_members
-from ..scoring import circuit_ranking, random_ranking, taylor_prune
-from .context import BuildContext, Timer, compute_of
-from .data import Batch, Batches, batches_of, circuit_batches, concat, sample_indices, take
+from offline.compute import on_device
+from offline.config import BuildConfig
+from offline.families import FamilyAdapter
+from offline.families.clip import CLIPAdapter
+from offline.fusion import fuse
+from offline.members import Budget, pool_size, sample_members
+from offline.scoring import circuit_ranking, random_ranking, taylor_prune
+from offline.stages.context import BuildContext, Timer, compute_of
+from offline.stages.data import Batch, Batches, batches_of, circuit_batches, concat, sample_indices, take
 
 __all__ = [
     "Fused",

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..calibration import fit_temperature
-from ..metrics import evaluate_predictions
-from ..shift import SHIFT_PREFIX
-from .data import EvalSets
+from offline.calibration import fit_temperature
+from offline.metrics import evaluate_predictions
+from offline.shift import SHIFT_PREFIX
+from offline.stages.data import EvalSets
 
 __all__ = ["shift_metrics", "shift_report", "shift_summary"]
 

@@ -22,10 +22,10 @@ The pretrained models these start from are loaded by :mod:`offline.loaders` (:fu
 
 from __future__ import annotations
 
-from ..checkpoints import completed_steps
-from ..loaders import load_minilm_classifier, minilm_path
-from .augment import CROP_RATIO, affine_crop, crop, flip
-from .batches import (
+from offline.checkpoints import completed_steps
+from offline.loaders import load_minilm_classifier, minilm_path
+from offline.train.augment import CROP_RATIO, affine_crop, crop, flip
+from offline.train.batches import (
     Batch,
     GetBatch,
     Labelled,
@@ -36,8 +36,8 @@ from .batches import (
     tokenize,
     val_batches,
 )
-from .decode import DECODED, IMAGE_FILE_LIMIT, DecodeCache, files_to_tensor
-from .loop import (
+from offline.train.decode import DECODED, IMAGE_FILE_LIMIT, DecodeCache, files_to_tensor
+from offline.train.loop import (
     Forward,
     Resume,
     accuracy,
@@ -48,9 +48,9 @@ from .loop import (
     recorded,
     step_batches,
 )
-from .parts import PARTS, block_of, param_part, trainable_names, unfreeze_parts
-from .presets import GRAY_MEAN, GRAY_STD, PRESETS, TrainConfig
-from .runs import (
+from offline.train.parts import PARTS, block_of, param_part, trainable_names, unfreeze_parts
+from offline.train.presets import GRAY_MEAN, GRAY_STD, PRESETS, TrainConfig
+from offline.train.runs import (
     TRAIN_LOG_ATTR,
     finetune_bert,
     finetune_member,
@@ -59,7 +59,7 @@ from .runs import (
     train_classifier_on_arrays,
     vit_forward,
 )
-from .schedule import lr_factor, make_optimizer, make_scheduler
+from offline.train.schedule import lr_factor, make_optimizer, make_scheduler
 
 __all__ = [
     "CROP_RATIO",

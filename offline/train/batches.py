@@ -15,9 +15,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .augment import crop, flip
-from .decode import files_to_tensor
-from .presets import TrainConfig
+from offline.train.augment import crop, flip
+from offline.train.decode import files_to_tensor
+from offline.train.presets import TrainConfig
 
 Batch = dict[str, torch.Tensor]
 Labelled = tuple[Batch, torch.Tensor]  # a model batch and its int64 labels (B,)

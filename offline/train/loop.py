@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import checkpoints
-from ..compute import Compute
-from ..progress import bar as progress_bar
-from .batches import Batch, GetBatch, Labelled
-from .parts import trainable_names
-from .presets import TrainConfig
-from .schedule import make_optimizer, make_scheduler
+from offline import checkpoints
+from offline.compute import Compute
+from offline.progress import bar as progress_bar
+from offline.train.batches import Batch, GetBatch, Labelled
+from offline.train.parts import trainable_names
+from offline.train.presets import TrainConfig
+from offline.train.schedule import make_optimizer, make_scheduler
 
 Forward = Callable[[nn.Module, Batch], torch.Tensor]  # (model, batch) -> logits (B, C)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .parts import unfreeze_parts
+from offline.train.parts import unfreeze_parts
 
 # Fashion-MNIST pixel statistics: the normalisation of the ViT trained here (same values as the pipeline's prep).
 GRAY_MEAN, GRAY_STD = (0.2860,), (0.3530,)

@@ -15,11 +15,11 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..data import Data, Split
-from ..families.vit import check_supported
-from .batches import Batch, data_batcher, val_batches
-from .loop import Forward, Resume, accuracy, fit
-from .presets import GRAY_MEAN, GRAY_STD, TrainConfig
+from offline.data import Data, Split
+from offline.families.vit import check_supported
+from offline.train.batches import Batch, data_batcher, val_batches
+from offline.train.loop import Forward, Resume, accuracy, fit
+from offline.train.presets import GRAY_MEAN, GRAY_STD, TrainConfig
 
 log = logging.getLogger("hydra.train")
 

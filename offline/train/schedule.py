@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .presets import TrainConfig
+from offline.train.presets import TrainConfig
 
 
 def lr_factor(step: int, steps: int, warmup_frac: float, min_lr_frac: float = 0.0) -> float:

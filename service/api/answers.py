@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ..core.guarantees import Guarantees
-from ..core.uncertainty import OOD_METRICS
-from ..runtime import ItemResult, Outcome, Query, Runtime
-from ..runtime.batching import BatchResult
+from service.core.guarantees import Guarantees
+from service.core.uncertainty import OOD_METRICS
+from service.runtime import ItemResult, Outcome, Query, Runtime
+from service.runtime.batching import BatchResult
 
 __all__ = ["build_predictions", "dumps", "predict_answer"]
 

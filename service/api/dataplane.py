@@ -17,11 +17,11 @@ from typing import Any
 import anyio
 from fastapi import Request
 
-from ..lifecycle import ServerState, pick
-from ..logs import InferenceNote, log_predictions
-from ..runtime import Outcome, Runtime
-from ..tracing import request_id as new_request_id
-from .requests import ParsedRequest
+from service.api.requests import ParsedRequest
+from service.lifecycle import ServerState, pick
+from service.logs import InferenceNote, log_predictions
+from service.runtime import Outcome, Runtime
+from service.tracing import request_id as new_request_id
 
 __all__ = ["INLINE_BYTES", "prepare_inputs", "request_id", "run_inference", "server_state"]
 

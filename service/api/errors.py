@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..core.errors import (
+from service.core.errors import (
     InternalError,
     InvalidInput,
     MethodNotAllowed,

@@ -24,14 +24,14 @@ from typing import Any
 import anyio
 from fastapi import Request
 
-from ..core.errors import InvalidInput, NotFound, ServiceError
-from ..lifecycle import ServerState
-from ..runtime import Runtime
-from ..runtime.monitor import LiveMonitor
-from ..store import FEEDBACK_STATUSES, FeedbackItem, PredictionStore, StoreUnavailable
-from .dataplane import server_state
-from .errors import validate_json_body
-from .schemas import MAX_FEEDBACK, FeedbackRequest, FeedbackResponse, FeedbackResult
+from service.api.dataplane import server_state
+from service.api.errors import validate_json_body
+from service.api.schemas import MAX_FEEDBACK, FeedbackRequest, FeedbackResponse, FeedbackResult
+from service.core.errors import InvalidInput, NotFound, ServiceError
+from service.lifecycle import ServerState
+from service.runtime import Runtime
+from service.runtime.monitor import LiveMonitor
+from service.store import FEEDBACK_STATUSES, FeedbackItem, PredictionStore, StoreUnavailable
 
 __all__ = ["MAX_FEEDBACK", "StoreOff", "feedback", "monitor", "store_metrics"]
 

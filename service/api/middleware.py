@@ -34,11 +34,11 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..core.errors import InternalError, InvalidInput, PayloadTooLarge, ServiceError, Unauthorized
-from ..lifecycle import ServerState
-from ..logs import InferenceNote, access_log_enabled, log_access, request_context
-from ..tracing import REQUEST_ID_HEADER, request_id, trace_id
-from .errors import error_response
+from service.api.errors import error_response
+from service.core.errors import InternalError, InvalidInput, PayloadTooLarge, ServiceError, Unauthorized
+from service.lifecycle import ServerState
+from service.logs import InferenceNote, access_log_enabled, log_access, request_context
+from service.tracing import REQUEST_ID_HEADER, request_id, trace_id
 
 __all__ = ["FastRoute", "Front", "PUBLIC_PATHS", "endpoint_label"]
 

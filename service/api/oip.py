@@ -26,14 +26,14 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from ..core.artifact import DEFAULT_TEMPLATE
-from ..core.errors import InvalidInput, NotFound, NotReady, UnsupportedMediaType
-from ..lifecycle import ServerState, not_ready_reason
-from ..runtime import Outcome, Query, Runtime
-from .dataplane import request_id, run_inference, server_state
-from .oip_codec import HEADER_LENGTH, InferRequest, Tensor, decode_request, encode_answer
-from .requests import ParsedRequest, check_labels, media_type
-from .schemas import check_template
+from service.api.dataplane import request_id, run_inference, server_state
+from service.api.oip_codec import HEADER_LENGTH, InferRequest, Tensor, decode_request, encode_answer
+from service.api.requests import ParsedRequest, check_labels, media_type
+from service.api.schemas import check_template
+from service.core.artifact import DEFAULT_TEMPLATE
+from service.core.errors import InvalidInput, NotFound, NotReady, UnsupportedMediaType
+from service.lifecycle import ServerState, not_ready_reason
+from service.runtime import Outcome, Query, Runtime
 
 __all__ = ["DEFAULT_OUTPUTS", "EXTENSIONS", "OUTPUTS", "install_oip_routes", "model_metadata"]
 

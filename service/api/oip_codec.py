@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.errors import InvalidInput
-from .errors import validate_json_body
+from service.api.errors import validate_json_body
+from service.core.errors import InvalidInput
 
 __all__ = [
     "HEADER_LENGTH",

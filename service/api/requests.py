@@ -23,12 +23,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..core.artifact import DEFAULT_TEMPLATE
-from ..core.errors import InvalidInput, UnsupportedMediaType
-from ..runtime import Query
-from ..settings import Settings
-from .errors import format_validation_errors, validate_json_body
-from .schemas import FormOptions, PredictRequest, ZeroShotRequest, check_limits
+from service.api.errors import format_validation_errors, validate_json_body
+from service.api.schemas import FormOptions, PredictRequest, ZeroShotRequest, check_limits
+from service.core.artifact import DEFAULT_TEMPLATE
+from service.core.errors import InvalidInput, UnsupportedMediaType
+from service.runtime import Query
+from service.settings import Settings
 
 __all__ = ["ParsedRequest", "check_labels", "normalise_label", "parse_json_body", "parse_labels", "parse_request"]
 

@@ -19,8 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, field_validator, model_validator
 from pydantic.config import JsonDict
 
-from ..core.artifact import DEFAULT_TEMPLATE, OOD_SCORES
-from ..core.errors import InvalidInput
+from service.core.artifact import DEFAULT_TEMPLATE, OOD_SCORES
+from service.core.errors import InvalidInput
 
 __all__ = [
     "PredictRequest",

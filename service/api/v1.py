@@ -33,15 +33,11 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope
 
-from ..core.errors import Forbidden, NotFound, NotReady
-from ..core.recall import combine
-from ..lifecycle import not_ready_reason
-from ..metrics import CONTENT_TYPE_LATEST
-from .answers import dumps, predict_answer
-from .dataplane import request_id, run_inference, server_state
-from .feedback import feedback, monitor, store_metrics
-from .requests import ParsedRequest, parse_json_body, parse_request
-from .schemas import (
+from service.api.answers import dumps, predict_answer
+from service.api.dataplane import request_id, run_inference, server_state
+from service.api.feedback import feedback, monitor, store_metrics
+from service.api.requests import ParsedRequest, parse_json_body, parse_request
+from service.api.schemas import (
     ERROR_RESPONSES,
     TEMPLATE_PATTERN,
     FeedbackRequest,
@@ -53,6 +49,10 @@ from .schemas import (
     ReadyResponse,
     ZeroShotRequest,
 )
+from service.core.errors import Forbidden, NotFound, NotReady
+from service.core.recall import combine
+from service.lifecycle import not_ready_reason
+from service.metrics import CONTENT_TYPE_LATEST
 
 __all__ = ["DOCS_ASSETS", "FAST_ROUTES", "answer_body", "contract_openapi", "infer", "install_docs", "install_routes"]
 

@@ -23,9 +23,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import manifest as _manifest
-from .manifest import *  # noqa: F403  (the typed model, re-exported whole: its __all__)
-from .manifest import VERSION_PATTERN, Manifest
+from service.core import manifest as _manifest
+from service.core.manifest import *  # noqa: F403  (the typed model, re-exported whole: its __all__)
+from service.core.manifest import VERSION_PATTERN, Manifest
 
 __all__ = [
     *_manifest.__all__,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fused import GroupedLinear
+from service.core.fused import GroupedLinear
 
 __all__ = [
     "AotiBackend",

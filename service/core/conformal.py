@@ -70,7 +70,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from .selective import (
+from service.core.selective import (
     P_VALUES,
     SelectiveRule,
     _level,

@@ -118,7 +118,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .selective import binomial_cdf
+from service.core.selective import binomial_cdf
 
 __all__ = [
     "BURST",

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .drift import DriftEpisode, DriftMonitor
+from service.core.drift import DriftEpisode, DriftMonitor
 
 __all__ = ["DriftStateError", "SharedDriftMonitor", "SIZE"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .fused_layers import (
+from service.core.fused_layers import (
     BlockLayout,
     FusedAttention,
     FusedBlock,

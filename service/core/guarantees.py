@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 from safetensors.torch import load_file
 
-from .artifact import ArtifactError, Manifest
-from .conformal import SetCalibrator, keep_top, ood_p_values
-from .drift import DriftMonitor
-from .online_risk import ConfidenceRanks
-from .uncertainty import OOD_METRICS
+from service.core.artifact import ArtifactError, Manifest
+from service.core.conformal import SetCalibrator, keep_top, ood_p_values
+from service.core.drift import DriftMonitor
+from service.core.online_risk import ConfidenceRanks
+from service.core.uncertainty import OOD_METRICS
 
 __all__ = ["GUARANTEES_FILE", "Answer", "Guarantees", "load_guarantees", "outlier_oriented"]
 
@@ -178,7 +178,7 @@ class Guarantees:
         ``shared``, its state in that file, shared by every process that opens it (:mod:`service.core.drift_shared`:
         the workers of one server)."""
         if shared is not None:
-            from .drift_shared import SharedDriftMonitor
+            from service.core.drift_shared import SharedDriftMonitor
 
             return SharedDriftMonitor(shared, self.ood_scores, delta=self.drift_delta)
         return DriftMonitor(self.ood_scores, delta=self.drift_delta)

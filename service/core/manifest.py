@@ -34,7 +34,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
 
-from .scores import FEATURE_SCORES, LOGIT_SCORES, SCORES
+from service.core.scores import FEATURE_SCORES, LOGIT_SCORES, SCORES
 
 __all__ = [
     "DEFAULT_TEMPLATE",

@@ -75,8 +75,8 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .conformal import SetCalibrator, keep_top
-from .selective import binomial_cdf
+from service.core.conformal import SetCalibrator, keep_top
+from service.core.selective import binomial_cdf
 
 __all__ = [
     "AdaptiveConformal",

@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .scores import FEATURE_SCORES, OOD_METRICS, PER_MEMBER_SCORES, SCORES, SUMMARY_SCORES
-from .uncertainty import summarize
+from service.core.scores import FEATURE_SCORES, OOD_METRICS, PER_MEMBER_SCORES, SCORES, SUMMARY_SCORES
+from service.core.uncertainty import summarize
 
 __all__ = [
     "FEATURE_SCORES",

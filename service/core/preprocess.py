@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from .errors import InvalidInput, PayloadTooLarge, ServiceError, UnsupportedMediaType
-from .manifest import ClipTextPreprocessing, ImagePreprocessing, TextPreprocessing
+from service.core.errors import InvalidInput, PayloadTooLarge, ServiceError, UnsupportedMediaType
+from service.core.manifest import ClipTextPreprocessing, ImagePreprocessing, TextPreprocessing
 
 __all__ = ["ImagePreprocessor", "TextPreprocessor", "decode_base64", "make_preprocessor", "ACCEPTED_IMAGE_FORMATS"]
 

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from .fused import FusedBert, FusedViT
-from .fused_clip import FusedCLIP
+from service.core.fused import FusedBert, FusedViT
+from service.core.fused_clip import FusedCLIP
 
 __all__ = ["ARCHS", "build_model", "load_model"]
 

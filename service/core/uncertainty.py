@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .scores import OOD_METRICS, SUMMARY_SCORES
+from service.core.scores import OOD_METRICS, SUMMARY_SCORES
 
 __all__ = ["OOD_METRICS", "SUMMARY_SCORES", "entropy", "summarize", "ood_score", "ood_flag", "member_probs"]
 

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.artifact import ArtifactError, load_manifest, verify_files
-from ..metrics import Metrics
-from ..settings import Settings
-from .classifier import ClassifierRuntime
-from .interface import ItemResult, Outcome, Query, Runtime, summarize_rows
-from .zeroshot import CLIPZeroShotRuntime, TextCache, text_cache_counter
+from service.core.artifact import ArtifactError, load_manifest, verify_files
+from service.metrics import Metrics
+from service.runtime.classifier import ClassifierRuntime
+from service.runtime.interface import ItemResult, Outcome, Query, Runtime, summarize_rows
+from service.runtime.zeroshot import CLIPZeroShotRuntime, TextCache, text_cache_counter
+from service.settings import Settings
 
 __all__ = [
     "RUNTIMES",

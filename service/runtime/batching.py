@@ -53,8 +53,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.errors import InternalError, NotReady, Overloaded, ServiceError
-from ..metrics import Metrics
+from service.core.errors import InternalError, NotReady, Overloaded, ServiceError
+from service.metrics import Metrics
 
 __all__ = ["FILL_RULES", "BatchLimits", "Batcher", "BatchResult"]
 

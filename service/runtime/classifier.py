@@ -13,12 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from ..core.artifact import ArtifactError, Manifest
-from ..core.backends import Backend, BackendConfigError
-from ..core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
-from ..metrics import Metrics
-from ..settings import Settings
-from .interface import (
+from service.core.artifact import ArtifactError, Manifest
+from service.core.backends import Backend, BackendConfigError
+from service.core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
+from service.metrics import Metrics
+from service.runtime.interface import (
     ItemResult,
     Outcome,
     Query,
@@ -28,7 +27,8 @@ from .interface import (
     preprocess_images,
     summarize_rows,
 )
-from .plan import Plan, load_backend, resolve_plan
+from service.runtime.plan import Plan, load_backend, resolve_plan
+from service.settings import Settings
 
 __all__ = ["ClassifierRuntime"]
 

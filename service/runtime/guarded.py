@@ -17,19 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from ..core.drift import DriftFeed, DriftMonitor
-from ..core.drift_shared import DriftStateError
-from ..core.errors import InvalidInput, NotReady
-from ..core.guarantees import Answer, Guarantees, outlier_oriented
-from ..core.online_risk import OnlineRisk
-from ..core.recall import Answered, AnswerLog, RecallBook
-from ..core.uncertainty import OOD_METRICS
-from ..fleet import server_run
-from ..metrics import Metrics
-from ..settings import Settings
-from ..webhook import AlarmWebhook, webhook_for
-from .monitor import STALE_S, LiveMonitor
-from .results import ItemResult, Query
+from service.core.drift import DriftFeed, DriftMonitor
+from service.core.drift_shared import DriftStateError
+from service.core.errors import InvalidInput, NotReady
+from service.core.guarantees import Answer, Guarantees, outlier_oriented
+from service.core.online_risk import OnlineRisk
+from service.core.recall import Answered, AnswerLog, RecallBook
+from service.core.uncertainty import OOD_METRICS
+from service.fleet import server_run
+from service.metrics import Metrics
+from service.runtime.monitor import STALE_S, LiveMonitor
+from service.runtime.results import ItemResult, Query
+from service.settings import Settings
+from service.webhook import AlarmWebhook, webhook_for
 
 __all__ = ["GuaranteedAnswers"]
 

@@ -29,22 +29,22 @@ from typing import Any, ClassVar, cast
 import torch
 from safetensors.torch import load_file
 
-from ..core.artifact import ArtifactError, Manifest, artifact_version
-from ..core.drift import DriftFeed
-from ..core.errors import InvalidInput
-from ..core.guarantees import load_guarantees
-from ..core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
-from ..core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
-from ..core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
-from ..fleet import shared_file
-from ..metrics import Metrics
-from ..settings import Settings
-from ..store import PredictionStore
-from .batching import Batcher, BatchLimits
-from .guarded import GuaranteedAnswers
-from .monitor import LiveMonitor
-from .plan import Plan
-from .results import ItemResult, Outcome, Query
+from service.core.artifact import ArtifactError, Manifest, artifact_version
+from service.core.drift import DriftFeed
+from service.core.errors import InvalidInput
+from service.core.guarantees import load_guarantees
+from service.core.ood import PER_MEMBER_SCORES, OODStats, ensemble_scores, ood_from_tensors
+from service.core.preprocess import ImagePreprocessor, TextPreprocessor, decode_base64
+from service.core.uncertainty import OOD_METRICS, ood_flag, ood_score, summarize
+from service.fleet import shared_file
+from service.metrics import Metrics
+from service.runtime.batching import Batcher, BatchLimits
+from service.runtime.guarded import GuaranteedAnswers
+from service.runtime.monitor import LiveMonitor
+from service.runtime.plan import Plan
+from service.runtime.results import ItemResult, Outcome, Query
+from service.settings import Settings
+from service.store import PredictionStore
 
 __all__ = [
     "ItemResult",

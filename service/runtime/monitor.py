@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.guarantees import Guarantees
-from ..core.online import (
+from service.core.guarantees import Guarantees
+from service.core.online import (
     AdaptiveConformal,
     Counts,
     Figure,
@@ -53,11 +53,11 @@ from ..core.online import (
     estimate_figure,
     raw_misses,
 )
-from ..core.online_risk import OnlineRisk
-from ..core.recall import merge_stored
-from ..metrics import Metrics
-from ..store import FOREIGN, PredictionStore, Rows, records_from_items
-from ..store.records import ServedItem
+from service.core.online_risk import OnlineRisk
+from service.core.recall import merge_stored
+from service.metrics import Metrics
+from service.store import FOREIGN, PredictionStore, Rows, records_from_items
+from service.store.records import ServedItem
 
 __all__ = ["FIGURES", "REFRESH_S", "STALE_S", "WINDOW", "LiveMonitor", "MonitorState"]
 

@@ -23,10 +23,17 @@ from typing import Any
 
 import torch
 
-from ..core.artifact import Manifest
-from ..core.backends import AotiBackend, Backend, BackendConfigError, OnnxBackend, TorchBackend, TorchScriptBackend
-from ..core.hardware import cpu_has_native_bf16
-from ..core.registry import load_model
+from service.core.artifact import Manifest
+from service.core.backends import (
+    AotiBackend,
+    Backend,
+    BackendConfigError,
+    OnnxBackend,
+    TorchBackend,
+    TorchScriptBackend,
+)
+from service.core.hardware import cpu_has_native_bf16
+from service.core.registry import load_model
 
 __all__ = ["FP32_ONLY", "Plan", "load_backend", "onnxruntime_available", "resolve_plan"]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ..core.artifact import DEFAULT_TEMPLATE
-from .batching import BatchResult
+from service.core.artifact import DEFAULT_TEMPLATE
+from service.runtime.batching import BatchResult
 
 __all__ = ["ItemResult", "Outcome", "Query"]
 

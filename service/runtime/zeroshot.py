@@ -30,15 +30,23 @@ import anyio
 import torch
 from prometheus_client import Counter
 
-from ..core.artifact import DEFAULT_TEMPLATE, ArtifactError, ImagePreprocessing, Manifest
-from ..core.errors import InvalidInput
-from ..core.fused_clip import FusedCLIP, zero_shot_logits
-from ..core.preprocess import ImagePreprocessor, TextPreprocessor
-from ..core.registry import load_model
-from ..metrics import Metrics
-from ..settings import Settings
-from .interface import ItemResult, Outcome, Query, Runtime, load_ood_stats, preprocess_images, summarize_rows
-from .plan import resolve_plan
+from service.core.artifact import DEFAULT_TEMPLATE, ArtifactError, ImagePreprocessing, Manifest
+from service.core.errors import InvalidInput
+from service.core.fused_clip import FusedCLIP, zero_shot_logits
+from service.core.preprocess import ImagePreprocessor, TextPreprocessor
+from service.core.registry import load_model
+from service.metrics import Metrics
+from service.runtime.interface import (
+    ItemResult,
+    Outcome,
+    Query,
+    Runtime,
+    load_ood_stats,
+    preprocess_images,
+    summarize_rows,
+)
+from service.runtime.plan import resolve_plan
+from service.settings import Settings
 
 __all__ = ["CLIPZeroShotRuntime", "TextCache", "TEXT_CACHE_SIZE", "text_cache_counter"]
 

@@ -13,10 +13,10 @@ same SQLAlchemy Core code; ``HYDRA_STORE=off`` turns it off.
   transactions; :mod:`.records`: the records in and out; :mod:`.errors`: the exceptions.
 """
 
-from . import records
-from .errors import StateConflict, StoreError, StoreUnavailable
-from .records import *  # noqa: F403 (records.__all__ lists the records, re-exported whole)
-from .store import PredictionStore, StoreConfig, open_store
+from service.store import records
+from service.store.errors import StateConflict, StoreError, StoreUnavailable
+from service.store.records import *  # noqa: F403 (records.__all__ lists the records, re-exported whole)
+from service.store.store import PredictionStore, StoreConfig, open_store
 
 __all__ = ["PredictionStore", "StateConflict", "StoreConfig", "StoreError", "StoreUnavailable", "open_store"]
 __all__ += records.__all__

@@ -10,7 +10,7 @@ that lets one through gets the contract's error body with the status named here.
 
 from __future__ import annotations
 
-from ..core.errors import ServiceError
+from service.core.errors import ServiceError
 
 __all__ = ["StateConflict", "StoreError", "StoreUnavailable"]
 

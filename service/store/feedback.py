@@ -28,10 +28,10 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, select
 
-from .database import Database
-from .records import FeedbackItem, FeedbackStatus, PredictionRecord
-from .schema import ID_CHARS, feedback, predictions
-from .writes import prediction_row
+from service.store.database import Database
+from service.store.records import FeedbackItem, FeedbackStatus, PredictionRecord
+from service.store.schema import ID_CHARS, feedback, predictions
+from service.store.writes import prediction_row
 
 __all__ = ["CHUNK_IDS", "add_feedback"]
 

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Select, and_, func, select
 
-from .database import Database
-from .records import FOREIGN, UNLABELLED, Counts, Rows
-from .schema import feedback, predictions
+from service.store.database import Database
+from service.store.records import FOREIGN, UNLABELLED, Counts, Rows
+from service.store.schema import feedback, predictions
 
 __all__ = ["confidence_sums", "count_rows", "read_rows"]
 

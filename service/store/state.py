@@ -15,10 +15,10 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from .database import Database
-from .errors import StateConflict
-from .records import StateEntry
-from .schema import NAME_CHARS, state
+from service.store.database import Database
+from service.store.errors import StateConflict
+from service.store.records import StateEntry
+from service.store.schema import NAME_CHARS, state
 
 __all__ = ["get_state", "put_state", "update_state"]
 

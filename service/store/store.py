@@ -24,13 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import Settings
-from . import feedback as feedback_ops
-from . import reads, state
-from .database import Database, DatabaseConfig, resolve_url
-from .records import Counts, FeedbackItem, FeedbackStatus, PredictionRecord, Rows, StateEntry, StoreStats
-from .writer import Writer, WriterConfig
-from .writes import Retention
+from service.settings import Settings
+from service.store import feedback as feedback_ops
+from service.store import reads, state
+from service.store.database import Database, DatabaseConfig, resolve_url
+from service.store.records import Counts, FeedbackItem, FeedbackStatus, PredictionRecord, Rows, StateEntry, StoreStats
+from service.store.writer import Writer, WriterConfig
+from service.store.writes import Retention
 
 __all__ = ["PredictionStore", "StoreConfig", "open_store"]
 

@@ -37,9 +37,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from .database import Database, is_transient, short_error
-from .records import PredictionRecord, StoreStats
-from .writes import Retention, apply_retention, insert_predictions
+from service.store.database import Database, is_transient, short_error
+from service.store.records import PredictionRecord, StoreStats
+from service.store.writes import Retention, apply_retention, insert_predictions
 
 __all__ = ["Writer", "WriterConfig"]
 

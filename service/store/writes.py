@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 from sqlalchemy import Connection, and_, delete, exists, select
 
-from .database import Database
-from .records import PredictionRecord
-from .schema import feedback, predictions
+from service.store.database import Database
+from service.store.records import PredictionRecord
+from service.store.schema import feedback, predictions
 
 __all__ = ["CHUNK_ROWS", "Retention", "apply_retention", "insert_predictions", "prediction_row"]
 
