@@ -26,7 +26,7 @@ Methods:
                       served flag's cost, reported as hydra_ood / hydra
     hydra_ood_layers  hydra_ood plus the pooled features of the first blocks (with_layer_features) and the
                       mahalanobis_layers score over three of them (the largest candidate of
-                      offline.ood_fit.layer_candidates): the cost of the layer score,
+                      offline.method.ood_fit.layer_candidates): the cost of the layer score,
                       reported as hydra_ood_layers / hydra
     single_bf16_weights, hydra_bf16_weights
                       copies of single / hydra with their matrix weights stored in bf16, as the server keeps them
@@ -60,10 +60,11 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch
 from torch import nn
 
+from benchmarks import result_json
 from benchmarks.harness import cpu_name  # noqa: F401 (the CPU named in every result; recipe.py and others import it here)
 from offline.families import get_adapter
-from offline.fusion import fuse
-from offline.ood_fit import MAX_SCORE_LAYERS
+from offline.method.fusion import fuse
+from offline.method.ood_fit import MAX_SCORE_LAYERS
 from service.core.backends import cast_gemm_weights
 from service.core.fused import CPU_MAX_ROWS
 from service.core.hardware import cpu_bf16_flags
@@ -139,7 +140,7 @@ def build(layout: str, members: int, keep: int, seed: int = 0) -> dict[str, Any]
     fused, _ = fuse(adapter, pruned)
     # a deep ensemble: M dense models of the same layout (weights differ; cost is what matters)
     dense = [base] + [_dense(layout, seed + s) for s in range(1, members)]
-    # the layer score's largest candidate (offline.ood_fit.layer_candidates): at most MAX_SCORE_LAYERS blocks
+    # the layer score's largest candidate (offline.method.ood_fit.layer_candidates): at most MAX_SCORE_LAYERS blocks
     classes, layers = fused.cfg["num_classes"], min(len(heads) - 1, MAX_SCORE_LAYERS)
     return {
         "base": base,
@@ -492,7 +493,7 @@ def _save(
             meta["commands"] = [c for c in old["meta"]["commands"] if c != command] + [command]
             macs = {**old["macs"], **macs}
     rows.sort(key=lambda r: (r["precision"] != "fp32", r["batch"], METHODS.index(r["method"])))
-    path.write_text(json.dumps({"meta": meta, "macs": macs, "rows": rows}, indent=1) + "\n")
+    result_json.write(path, {"meta": meta, "macs": macs, "rows": rows})
     (path.parent / f"fusion_{meta['layout']}.txt").write_text("\n".join(render(meta, macs, rows)) + "\n")
 
 

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from offline.config import load_config
-from offline.ood_fit import scores_np
+from offline.method.ood_fit import scores_np
 from offline.stages import EVAL_MAX_PIXELS, collect, eval_batches, load_data
 from service.core.artifact import load_manifest
 from service.core.ood import ood_from_tensors

@@ -22,8 +22,8 @@ import torch
 
 from benchmarks.truth import reserved_images
 from offline.data import fashion
-from offline.loaders import load_timm
-from offline.pretrain import per_class_accuracy
+from offline.models.loaders import load_timm
+from offline.train.pretrain import per_class_accuracy
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "offline" / "backbones" / "fashion-vit-s.json"
@@ -39,7 +39,8 @@ def backbone() -> torch.nn.Module:
 
 def accuracy(model: torch.nn.Module, x: np.ndarray, official: np.ndarray) -> dict[str, Any]:
     """Overall and per-class accuracy (by the data set's names) of ``model`` on uint8 images ``x`` ``(N, 28, 28)``
-    with official Fashion-MNIST labels, at the demo normalisation (:func:`offline.pretrain.per_class_accuracy`)."""
+    with official Fashion-MNIST labels, at the demo normalisation
+    (:func:`offline.train.pretrain.per_class_accuracy`)."""
     y = fashion.fashion_id_labels(official)
     per_class = per_class_accuracy(model, x, y)
     counts = np.bincount(y, minlength=len(per_class))

@@ -33,7 +33,7 @@ from torch import nn
 
 from benchmarks import bench_fusion
 from offline.families import get_adapter
-from offline.fusion import fuse
+from offline.method.fusion import fuse
 
 METHODS = ("single", "member", "hydra", "hydra_unfused", "deep_ensemble")
 BACKENDS = ("eager", "onnx", "aoti")  # the serving backends: torch eager, ONNX Runtime, an AOTInductor package
@@ -178,7 +178,7 @@ def compiled_methods(
     server's session options; ``aoti``: an AOTInductor package), fp32 on the CPU, loaded by the server's own
     backend classes. The Deep Ensemble is M loaded instances of the dense model's export, run one after another:
     M separate copies of the weights in memory, the cost of M different models of the layout."""
-    from offline.export import export_aoti, export_onnx
+    from offline.models.export import export_aoti, export_onnx
     from service.core.backends import AotiBackend, OnnxBackend
 
     x = models["make_input"](2)

@@ -6,7 +6,7 @@
 The builds are ``benchmarks/recipe.py``'s (``--variants baselines trunk-half trunk-3q --seeds 0 1 2``, one
 config per run; see ``benchmarks/README.md``), read from its work folder: the ``baselines`` variant is the config
 without a shared trunk (``hydra.shared_blocks`` 0) with ``base.baselines`` (LoRA-Ensembles, BatchEnsemble,
-last-layer Laplace: :mod:`offline.baselines`) beside Single and Hydra; ``trunk-half`` / ``trunk-3q`` have
+last-layer Laplace: :mod:`offline.pipelines.baselines`) beside Single and Hydra; ``trunk-half`` / ``trunk-3q`` have
 ``hydra.shared_blocks`` = L/2 and 3L/4 (rounded down); ``shipped`` is the config as it ships (3L/4 since the
 default rule below chose it). Every quality figure is the build's own, on its test data: accuracy, NLL, Brier and ECE at
 T = 1 and at the method's own temperature (fitted on ID validation), AURC, MSP AUROC and the AUROC of the build's
@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from benchmarks import result_json
 from benchmarks.bench_fusion import cpu_name
 from benchmarks.frontier_tables import SETTINGS, markdown, plot, rows_kept, zero_shot_markdown
 from offline.report.latency import measure_latency
@@ -218,14 +219,14 @@ def _base_and_batches(cfg: Any, classes: int) -> tuple[torch.nn.Module, Callable
     """The shipped config's base architecture (random weights for a ViT, the packaged MiniLM for text) and a maker of
     input batches of a given size."""
     if cfg.family == "vit":
-        from offline.loaders import load_timm
+        from offline.models.loaders import load_timm
 
         arch = dict(cfg.base.arch)
         arch.pop("pretrained_cfg_overlay", None)
         base = load_timm(cfg.base.source.split(":", 1)[1], None, classes, **arch).eval()
         size, chans = arch.get("img_size", 224), arch.get("in_chans", 3)
         return base, lambda b: {"pixel_values": torch.randn(b, chans, size, size)}
-    from offline.loaders import load_minilm_classifier
+    from offline.models.loaders import load_minilm_classifier
 
     base, _ = load_minilm_classifier(classes)
     T = cfg.base.max_length
@@ -234,7 +235,7 @@ def _base_and_batches(cfg: Any, classes: int) -> tuple[torch.nn.Module, Callable
 
 def _runners(setting: str, cfg: Any) -> tuple[dict[str, Runner], dict[str, Runner], Callable[[int], Any]]:
     """Every row's model as ``batch -> output`` (eager), Hydra's also as served (TorchScript), and the batch maker."""
-    from offline.baselines import _forward, _repeat, batch_ensembled, lora_model, lora_runner
+    from offline.pipelines.baselines import _forward, _repeat, batch_ensembled, lora_model, lora_runner
     from service.core.registry import load_model
 
     M = cfg.hydra.members
@@ -273,7 +274,7 @@ def cost(setting: str, reps: int = 7) -> dict[str, dict[str, Any]]:
     weights of the shipped architectures, in one process; the rows' methods interleaved, batch by batch."""
     from benchmarks.cost import count_macs
     from offline.config import load_config
-    from offline.pipeline import heads_of_base
+    from offline.pipelines.classifier_build import heads_of_base
 
     cfg = load_config(ROOT / "offline" / "configs" / f"{SETTINGS[setting]}.yaml")
     runs, served, batch = _runners(setting, cfg)
@@ -326,7 +327,7 @@ def publish(done: dict[str, str], docs: dict[str, Any]) -> None:
     kept = summary.get("shipped", {}).get("settings", {})
     block["settings"] = {**kept, **block["settings"]}  # a setting not rerun keeps its published figures
     summary["shipped"] = block
-    SUMMARY.write_text(json.dumps(summary, indent=1) + "\n")
+    result_json.write(SUMMARY, summary)
     text = TABLES.read_text() if TABLES.is_file() else ""
     if BEGIN in text and END in text:
         text = text[: text.index(BEGIN)] + text[text.index(END) + len(END) :].lstrip("\n")
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[frontier] {setting}: no builds under {WORK / SETTINGS[setting]}")
             continue
         if setting == "zeroshot":
-            (OUT / "zeroshot.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+            result_json.write(OUT / "zeroshot.json", {"machine": machine, "rows": rows})
             (OUT / "zeroshot.md").write_text(zero_shot_markdown(rows, machine))
             print((OUT / "zeroshot.md").read_text())
             done[setting], docs[setting] = zero_shot_markdown(rows, machine), {"rows": rows}
@@ -374,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
             old = {RENAMED.get(k, k): v for k, v in old.items()} if old else None
             costs = {**old, "_setup": {**old.get("_setup", {}), "kept": True}} if old else None
         doc = {"setting": SETTINGS[setting], "machine": machine, "rows": rows, "cost": costs}
-        (OUT / f"{setting}.json").write_text(json.dumps(doc, indent=1) + "\n")
+        result_json.write(OUT / f"{setting}.json", doc)
         page = markdown(setting, rows, costs, machine, (REFERENCE, SHIPPED))
         (OUT / f"{setting}.md").write_text(page)
         if costs:

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import result_json
 from service.core.hardware import cpu_name  # the CPU named in every result
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -474,10 +475,11 @@ def machine() -> dict[str, Any]:
 
 
 def write_result(result: dict[str, Any], out: Path | None, default_name: str) -> Path:
-    """Write ``result`` as JSON to ``out``, else to ``benchmarks/results/<default_name>``; the path written."""
+    """Write ``result`` as JSON (one row a line, :mod:`benchmarks.result_json`) to ``out``, else to
+    ``benchmarks/results/<default_name>``; the path written."""
     path = out or ROOT / "benchmarks" / "results" / default_name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    result_json.write(path, result)
     return path
 
 

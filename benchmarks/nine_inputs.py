@@ -1,7 +1,7 @@
 """The nine everyday foreign images through a real server: what `make serve`'s image models answer for them.
 
 Starts ``python -m service`` on 127.0.0.1 (loopback only) with an image classifier artifact and a zero-shot
-artifact, then posts each of :func:`offline.foreign.nine_inputs` (RGB noise 400x300, grey noise 28x28, white,
+artifact, then posts each of :func:`offline.data.foreign.nine_inputs` (RGB noise 400x300, grey noise 28x28, white,
 mid-grey, a gradient, a checkerboard, a photo of a building, a photo of a flower, black) as a PNG file to
 ``POST /predict`` (the classifier) and ``POST /zero-shot`` (the build's labels, and a second, foreign label set:
 the flag must not depend on the labels). Records each answer's label, confidence, OOD flag, score, threshold and
@@ -84,7 +84,7 @@ async def ask(port: int, path: str, fields: list[tuple[str, str | bytes]]) -> di
 def answers(port: int, names: dict[str, str], build_labels: list[str]) -> list[dict[str, Any]]:
     """Each of the nine inputs posted to ``/predict`` and to ``/zero-shot`` with the build's labels and with
     :data:`OTHER_LABELS`: one row per input."""
-    from offline.foreign import nine_inputs
+    from offline.data.foreign import nine_inputs
 
     rows = []
     for x in nine_inputs():

@@ -3,8 +3,9 @@
     .venv/bin/python -m benchmarks.ood_ablation --out benchmarks/results/ood_ablation
 
 The image-fast setting's base model, members and fused Hydra are built with the builder's own code
-(:mod:`offline.pipeline`, :mod:`offline.stages`) under a few variants, and every model's OOD scores are computed
-the way a build does (Gaussians on the fit split, norms and thresholds on ID validation, 95 % of it let through):
+(:mod:`offline.pipelines.classifier_build`, :mod:`offline.stages`) under a few variants, and every model's OOD scores
+are computed the way a build does (Gaussians on the fit split, norms and thresholds on ID validation, 95 % of it let
+through):
 
 * ``scratch-<steps>``: the small ViT trained here from scratch for that many steps (the demo's base before the
   backbone; 400 steps is what ``image-fast`` trained): does longer training, i.e. higher accuracy, collapse the
@@ -13,7 +14,7 @@ the way a build does (Gaussians on the fit split, norms and thresholds on ID val
   against the shipped config's recipe (a bootstrap resample each, distillation from the base): does the member
   recipe collapse it?
 * ``fit=train``: the Gaussians fitted on the training images instead of held-out ones;
-* ``backbone``: the shipped configs' base, the pretrained backbone (``offline.pretrain``) fine-tuned.
+* ``backbone``: the shipped configs' base, the pretrained backbone (``offline.train.pretrain``) fine-tuned.
 
 For each model (single, each member, Hydra) and each score (``mahalanobis``: the last feature;
 ``mahalanobis_layers``: with the intermediate layers, its layer set as the build would choose it on validation)
@@ -24,7 +25,6 @@ foreign-image set, and the mean AUROC over the OOD test sets. Writes ``<out>/abl
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 from pathlib import Path
@@ -33,13 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks import result_json
 from benchmarks.bench_fusion import cpu_name
 from offline.config import load_config
+from offline.data.foreign import foreign_images
 from offline.families import get_adapter
-from offline.foreign import foreign_images
-from offline.fusion import fuse
-from offline.metrics import ood_metrics
-from offline.ood_fit import (
+from offline.method.ensemble_metrics import ood_metrics
+from offline.method.fusion import fuse
+from offline.method.ood_fit import (
     candidate_scores,
     fit_layer_stats,
     fit_ood_stats,
@@ -48,7 +49,7 @@ from offline.ood_fit import (
     scores_np,
     select_score,
 )
-from offline.pipeline import load_base, scoring_batches
+from offline.pipelines.classifier_build import load_base, scoring_batches
 from offline.stages import (
     EVAL_MAX_PIXELS,
     BuildContext,
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": {k: VARIANTS[k] for k in args.variants},
         "rows": rows,
     }
-    (out / "ablation.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    result_json.write(out / "ablation.json", doc, default=str)
     (out / "ablation.md").write_text(markdown(doc))
     print(markdown(doc))
     return 0

@@ -66,7 +66,7 @@ def profile_onnx(models: dict, args: argparse.Namespace) -> None:
     from collections import defaultdict
 
     from benchmarks.cost import _ImageLogits, _TextLogits
-    from offline.export import export_onnx
+    from offline.models.export import export_onnx
     from service.core.backends import onnx_session
 
     x = models["make_input"](args.batch)

@@ -1,8 +1,8 @@
 """Quality benchmark: the paper's table (Single, Deep Ensemble, MC Dropout, pruned singles, Hydra) and its ablations.
 
 Both real settings of this project are run with the builder's own pieces
-(``offline.pipeline``, ``offline.train``, ``offline.scoring``, ``offline.members``,
-``offline.fusion``, ``offline.metrics``):
+(``offline.pipelines.classifier_build``, ``offline.train``, ``offline.method.head_scores``, ``offline.method.members``,
+``offline.method.fusion``, ``offline.method.ensemble_metrics``):
 
 * ``image``: a small ViT trained here on 6 Fashion-MNIST classes; near-OOD = the 4
   held-out classes, far-OOD = sklearn digits and synthetic noise.
@@ -60,11 +60,11 @@ from benchmarks.quality_setting import (
     with_spec,
 )
 from offline import train as train_mod
-from offline.fusion import fuse
-from offline.members import Budget, pool_size, sample_members
-from offline.metrics import evaluate_predictions
-from offline.pipeline import base_checkpoint_dir
-from offline.scoring import circuit_ranking
+from offline.method.ensemble_metrics import evaluate_predictions
+from offline.method.fusion import fuse
+from offline.method.head_scores import circuit_ranking
+from offline.method.members import Budget, pool_size, sample_members
+from offline.pipelines.classifier_build import base_checkpoint_dir
 from offline.stages import ScoringBatches, Timer, build_members, collect_logits
 
 # the benchmark's API; its settings (recipes, data, batches) live in benchmarks/quality_setting.py
@@ -124,8 +124,8 @@ def _new_base(ctx: Context, seed: int) -> nn.Module:
 def builder_base_dir(spec: Spec, seed: int, cache_dir: Path = BUILDER_BASES) -> Path | None:
     """The builder's cached base of the same recipe (``base.cache_dir`` of ``offline/build.py``), if there is one.
 
-    ``offline.pipeline.load_base`` trains with seed 0 and keys its cache by (family, base, data) config;
-    the benchmark's seed-0 base has exactly that recipe, so a full benchmark run after the full builds
+    ``offline.pipelines.classifier_build.load_base`` trains with seed 0 and keys its cache by (family, base, data)
+    config; the benchmark's seed-0 base has exactly that recipe, so a full benchmark run after the full builds
     resumes from the build's base instead of training it again (the benchmark never creates that folder).
     ``fit``'s checkpoint fingerprint (training config, data size, architecture) still has to match.
     """
@@ -265,7 +265,8 @@ def logits_of(ctx: Context, fn: Callable[[Batch], torch.Tensor]) -> tuple[torch.
 
 
 def metrics_row(ctx: Context, logits: torch.Tensor, ood_logits: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """``offline.metrics.evaluate_predictions`` of member logits (T = 1, MSP), with each OOD set's kind."""
+    """``offline.method.ensemble_metrics.evaluate_predictions`` of member logits (T = 1, MSP), with each OOD set's
+    kind."""
     probs = torch.softmax(logits.float(), -1).numpy()
     ood_probs = {n: torch.softmax(v.float(), -1).numpy() for n, v in ood_logits.items()}
     m = evaluate_predictions(probs, ctx.y_test, ood_probs, ood_score="msp")

@@ -25,7 +25,7 @@ from offline.stages import (
     sample_indices,
     take,
 )
-from offline.stages.data import fashion_vit_prep
+from offline.stages.datasets import fashion_vit_prep
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = ROOT / ".cache" / "benchmarks"
@@ -167,7 +167,7 @@ def build_config(
     members: int | None = None,
     prune_per_layer: int | None = None,
 ) -> BuildConfig:
-    """The builder's config equivalent of ``spec`` (what ``offline.pipeline``'s functions read)."""
+    """The builder's config equivalent of ``spec`` (what ``offline.pipelines.classifier_build``'s functions read)."""
     m = members if members is not None else spec.members
     return BuildConfig(
         name=f"bench-{spec.setting}",

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import result_json
 from benchmarks.bench_fusion import cpu_name
 from offline.build import build
 from offline.config import load_config
@@ -84,7 +85,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # three quarters of its L blocks (rounded down; the fast configs ship 3L/4: docs/build.md, "The default rule")
     "shipped": {},
     "k0": {"hydra.shared_blocks": 0},
-    # without a trunk, with the efficient-ensemble baselines' rows beside Hydra's (offline/baselines.py)
+    # without a trunk, with the efficient-ensemble baselines' rows beside Hydra's (offline/pipelines/baselines.py)
     "baselines": {"base.baselines": ["lora_ensemble", "batch_ensemble", "laplace"], "hydra.shared_blocks": 0},
     "trunk-half": {"hydra.shared_blocks": "L/2"},
     # zero-shot (offline/configs/zeroshot-*.yaml): the shipped vision-tower Taylor members, and joint circuits over
@@ -118,7 +119,7 @@ def resolve(overrides: dict[str, Any], base: Any) -> dict[str, Any]:
         if isinstance(value, str) and value in NAMED:
             value = NAMED[value]
         elif isinstance(value, str) and value in TRUNK:
-            from offline.pipeline import heads_of_base
+            from offline.pipelines.classifier_build import heads_of_base
 
             heads = heads_of_base(base)
             if heads is None:
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             doc = {"config": str(args.config), "machine": machine, "seeds": args.seeds, "rows": rows}
             several = len({r["seed"] for r in rows}) > 1
             text = markdown(rows, str(args.config), machine) + (over_seeds(rows) if several else "")
-            (args.out / "recipe.json").write_text(json.dumps(doc, indent=1) + "\n")
+            result_json.write(args.out / "recipe.json", doc)
             (args.out / "recipe.md").write_text(text)
     print(text)
     return 0

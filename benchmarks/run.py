@@ -8,7 +8,8 @@
 Writes ``results/quality.json``, ``cost.json``, ``ablations.json`` (one row per measurement),
 ``summary.json`` (all of them in one file: machine, quality, cost, cost ratios, ablations, runs; its
 shape is in ``benchmarks/README.md``), ``tables.md`` and ``plots/*.png``, and replaces the block
-between the result markers of ``benchmarks/README.md``.
+between the result markers of ``benchmarks/README.md``. Every JSON is written one row a line
+(:mod:`benchmarks.result_json`).
 A part run for some settings / layouts only replaces those rows and keeps the others, so the
 files always hold the latest measurement of everything.
 """
@@ -37,6 +38,7 @@ import torch
 
 from benchmarks import cost as cost_mod
 from benchmarks import quality as q
+from benchmarks import result_json
 from benchmarks.tables import METHOD_NAMES, ablation_tables, avg_auroc, cost_tables, group, quality_tables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +94,7 @@ def write_part(out: Path, part: str, rows: list[dict], key: str, replaced: set[s
     merged = merge_rows(old.get("rows", []), rows, key, replaced)
     runs = {**old.get("runs", {}), **{k: meta for k in sorted(replaced)}}
     doc = {"rows": merged, "runs": runs}
-    path.write_text(json.dumps(_jsonable(doc), indent=1))
+    result_json.write(path, _jsonable(doc))
     return doc
 
 
@@ -229,7 +231,7 @@ def write_outputs(out: Path, readme: Path | None, command: str) -> dict:
         "ablations": parts["ablations"].get("rows", []),
         "runs": {p: parts[p].get("runs", {}) for p in PARTS},
     }
-    (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=1))
+    result_json.write(out / "summary.json", _jsonable(summary))
     made = plots(out, summary)
     lines = [f"Machine: {summary['machine']}.", "", f"Generated {summary['generated']} by `{command}`.", ""]
     lines += quality_tables(summary["quality"], summary["runs"]["quality"])

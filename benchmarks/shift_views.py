@@ -19,7 +19,7 @@ input sees of each corruption and severity:
   for, no alarm on the served score can meet it.
 
 Nothing is fitted: every threshold comes from the artifact's calibration split. Also the views' share on the build's
-mild-shift validation set (:func:`offline.outliers.shifted`, shifts none of the corruptions have).
+mild-shift validation set (:func:`offline.data.outliers.shifted`, shifts none of the corruptions have).
 
     python -m benchmarks.shift_views --artifact artifacts/default/image
 
@@ -42,8 +42,8 @@ from benchmarks import harness
 from benchmarks.stream import SEVERITIES, STREAM_SEED, image_pool, text_pool
 from benchmarks.stream_figures import lorden_bound
 from offline.config import load_config
-from offline.outliers import shifted
-from offline.shift import corrupt, corruptions
+from offline.data.outliers import shifted
+from offline.method.corruptions import corrupt, corruptions
 from offline.stages import EVAL_MAX_PIXELS, eval_batches, load_data
 from service.core.artifact import load_manifest
 from service.core.conformal import ood_p_values

@@ -39,7 +39,7 @@ def single_artifact(artifact: Path, out: Path, example: dict[str, torch.Tensor])
     """Write the Single of ``artifact`` to ``out`` (weights, the artifact's exports, a manifest that
     :func:`service.runtime.plan.load_backend` reads) and return ``out``; ``example``: a batch of model inputs (the
     preprocessor's) to trace the exports on."""
-    from offline.export import export_onnx, export_torchscript
+    from offline.models.export import export_onnx, export_torchscript
     from service.core.registry import build_model
 
     doc = json.loads((Path(artifact) / "manifest.json").read_text())

@@ -5,9 +5,9 @@ default ``HYDRA_DRIFT_POLICY=abstain``, a fresh server and prediction store per 
 order, as a client would send them, and counts from each stream's first input:
 
 * **shifted streams**: ``--inputs`` (640) in-distribution inputs under each of the project's own corruptions
-  (:mod:`offline.shift`) at each of its five severities. Per stream: accuracy; the accept rate and the error among
-  accepted answers, with the exact one-sided binomial test of "error above the risk target" (scipy) and a 95 %
-  Clopper-Pearson interval; the input at which the drift alarm went on (the first answer it suspended); the
+  (:mod:`offline.method.corruptions`) at each of its five severities. Per stream: accuracy; the accept rate and the
+  error among accepted answers, with the exact one-sided binomial test of "error above the risk target" (scipy) and a 95
+  % Clopper-Pearson interval; the input at which the drift alarm went on (the first answer it suspended); the
   accepts it suspended (answers the certified rule would have accepted: ``hydra_guarantees_suspended_total``);
   the same accept figures for the certified rule as if no alarm (the answers' confidence against the rule's
   threshold and OOD cut: what the server answered before the policy); the share flagged; the label-free estimate's
@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import harness
+from benchmarks import harness, result_json
 from benchmarks.stream_figures import labels_to_half, lorden_bound, recall_figures
 from benchmarks.stream_report import markdown, plot
 
@@ -111,7 +111,7 @@ def stream_inputs(
 ) -> tuple[list[dict[str, str]], np.ndarray]:
     """``n`` inputs drawn from ``pool`` (without replacement while it lasts), corrupted as asked: the request bodies'
     input fields and the true labels."""
-    from offline.shift import corrupt
+    from offline.method.corruptions import corrupt
 
     x, y = pool
     rng = np.random.default_rng(seed)
@@ -383,7 +383,7 @@ def _median(values: list[int | None]) -> float | None:
 
 # ----------------------------------------------------------------------------------------------- the run
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from offline.shift import corruptions
+    from offline.method.corruptions import corruptions
     from service.core.drift import HORIZON
 
     doc: dict[str, Any] = {"models": {}, "shifted": [], "clean": [], "labelled": []}
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["machine"] = harness.machine()
     doc["checks"] = checks(doc)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "stream.json").write_text(json.dumps(doc, indent=2) + "\n")
+    result_json.write(args.out / "stream.json", doc)
     (args.out / "stream.md").write_text(markdown(doc))
     plot(doc, args.out / "plots" / "stream.png")
     harness.print_checks(doc["checks"])

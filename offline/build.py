@@ -4,8 +4,8 @@ The same command, installed: ``hydra-build`` (``[project.scripts]`` in ``pyproje
 ``python -m offline.build``.
 
 Thin entry point: configuration parsing and validation live in ``offline.config``;
-:func:`build` dispatches by family to the classifier pipeline (``offline.pipeline``:
-``vit``, ``bert``) or the zero-shot one (``offline.pipeline_clip``: ``clip``), both
+:func:`build` dispatches by family to the classifier pipeline (``offline.pipelines.classifier_build``:
+``vit``, ``bert``) or the zero-shot one (``offline.pipelines.zeroshot_build``: ``clip``), both
 chains of ``offline.stages`` over one build context. Every config value can be
 overridden by a flag; ``--help`` lists them all.
 """
@@ -28,12 +28,14 @@ if __name__ == "__main__" and not __package__:
 
 import torch  # noqa: E402
 
-from offline import lit, pipeline, train  # noqa: E402
+from offline import train  # noqa: E402
 from offline.config import BuildConfig, ConfigError, add_arguments, load_config, overrides_from_args  # noqa: E402
 from offline.families import ADAPTERS  # noqa: E402
+from offline.pipelines import classifier_build as pipeline
 from offline.progress import DEFAULT_EVERY  # noqa: E402
 from offline.progress import set_enabled as set_progress  # noqa: E402
 from offline.progress import set_every as set_progress_every  # noqa: E402
+from offline.train import lit
 from service.core.jsonlog import json_formatter  # noqa: E402
 
 # the command's own flags: every other flag is a config override (``--hydra.members 5``)
@@ -83,7 +85,8 @@ def check_presets(cfg: BuildConfig) -> None:
 
 def build(cfg: BuildConfig, out: str | Path, stage: str | None = None, member: int | None = None) -> Path:
     """Build the artifact of ``cfg`` into ``out`` with its family's pipeline and return it; or run one ``stage``
-    of a classifier build (:data:`offline.pipeline.STAGES`; ``member``: the member of ``--stage member``)."""
+    of a classifier build (:data:`offline.pipelines.classifier_build.STAGES`; ``member``: the member of
+    ``--stage member``)."""
     configure_logging()
     run = pipeline_of(cfg.family)
     check_presets(cfg)

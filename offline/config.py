@@ -40,7 +40,7 @@ ZERO_SHOT_SCORES = ("auto", *ZERO_SHOT_SERVED)
 SETTINGS = ("fashion-mnist", "tweets", "image-folder", "text-file")
 AUGMENT = ("none", "flip", "crop", "crop+flip")  # data.augment
 CONFORMAL_SCORES = ("lac", "aps", "raps")  # guarantees.method (service.core.conformal.SCORES)
-BASELINES = ("lora_ensemble", "batch_ensemble", "laplace")  # base.baselines (offline.baselines)
+BASELINES = ("lora_ensemble", "batch_ensemble", "laplace")  # base.baselines (offline.pipelines.baselines)
 BASELINE_MODULES = {"lora_ensemble": ("peft",), "batch_ensemble": ("torch_uncertainty",), "laplace": ("laplace",)}
 
 
@@ -64,11 +64,11 @@ class BaseModelConfig:
     # report a Deep Ensemble baseline of this many base models, trained alike with seeds seed, seed + 1, ... on the
     # same data (its row scores the same OOD statistics as Hydra's); 0 = none. Each extra base costs a base training
     deep_ensemble: int = 0
-    # lit: a timm ViT checkpoint (.safetensors, e.g. offline.pretrain's backbone) the image tower starts from instead
-    # of random weights; its architecture must be the preset's vision tower (base.arch)
+    # lit: a timm ViT checkpoint (.safetensors, e.g. offline.train.pretrain's backbone) the image tower starts from
+    # instead of random weights; its architecture must be the preset's vision tower (base.arch)
     image_init: str | None = None
     # efficient-ensemble baselines the report adds beside Hydra, from the same base, data and member fine-tuning
-    # budget (offline/baselines.py): lora_ensemble, batch_ensemble, laplace (vit and bert builds on the CPU)
+    # budget (offline/pipelines/baselines.py): lora_ensemble, batch_ensemble, laplace (vit and bert builds on the CPU)
     baselines: list[str] = field(default_factory=list)
 
 
@@ -89,9 +89,10 @@ class DataConfig:
     max_calibration: int = 2000
     seed: int = 0  # split seed
     # ID test inputs copied under every corruption of the modality at each of data.shift_severities for the report's
-    # shift section (offline.shift: noise, blur, contrast, JPEG, rotation; typos, dropped words); 0 = no shift section
+    # shift section (offline.method.corruptions: noise, blur, contrast, JPEG, rotation; typos, dropped words); 0 = no
+    # shift section
     shift_inputs: int = 0
-    shift_severities: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # of offline.shift's 1 to 5
+    shift_severities: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])  # of the corruptions' 1 to 5
     # images: training-time augmentation of the base and the members: none | flip | crop | crop+flip (random resized
     # crops of data.crop_scale..1 of the area, then flips); default: the training preset's flips (and hydra.augment)
     augment: str | None = None

@@ -20,6 +20,11 @@ chosen indices so a build can be traced back to its exact examples (:mod:`.commo
 
 :data:`SETTINGS` maps a config's ``data.setting`` to the function that draws it; :func:`load` draws the data of a
 config's ``data`` section.
+
+The test sets made here live here too: :mod:`.foreign` (foreign images) and :mod:`.outliers` (synthetic outliers
+from ID images, an OOD validation set for any image data).
+
+May import: :mod:`offline.config` and ``service.core``; never training, a build step or a pipeline.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from offline.data.common import (
 )
 from offline.data.digits import DIGITS_SOURCE, digits_ood
 from offline.data.noise import NOISE_KINDS, synthetic_images
-from offline.outliers import CORRUPTIONS, SHIFTS, corrupted, shifted
+from offline.data.outliers import CORRUPTIONS, SHIFTS, corrupted, shifted
 from service.core.artifact import file_sha256
 
 SYSTEM_FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -56,7 +56,7 @@ FASHION_FILES = {
 }
 # The Fashion-MNIST train file's ID images are split once, the same way for every seed and size: 1,000 images per
 # class are reserved for validation and the fit split (and never trained on: not by a build's base model or members,
-# nor by the image backbone offline.pretrain trains); the other 30,000 form the training pool
+# nor by the image backbone offline.train.pretrain trains); the other 30,000 form the training pool
 FASHION_RESERVED_PER_CLASS = 1000
 FASHION_POOL_SEED = 20261124  # the generator of that one split (not data.seed: the pools must not move with it)
 
@@ -279,13 +279,13 @@ def _fashion_ood_records(
                 **split_record(digits[0]),
             },
             "corrupted": {
-                "from": "the ID validation images, each corrupted (offline.outliers)",
+                "from": "the ID validation images, each corrupted (offline.data.outliers)",
                 "kind": "far",
                 "corruptions": list(CORRUPTIONS),
                 "size": len(ood_val["corrupted"]),
             },
             "shifted": {
-                "from": "the ID validation images, each under a mild shift (offline.outliers.shifted)",
+                "from": "the ID validation images, each under a mild shift (offline.data.outliers.shifted)",
                 "kind": "shift",
                 "shifts": list(SHIFTS),
                 "size": len(ood_val["shifted"]),

@@ -1,4 +1,8 @@
-"""Model family adapters: timm ViT, Hugging Face BERT, OpenCLIP; the registry is filled at import."""
+"""Model family adapters: timm ViT, Hugging Face BERT, OpenCLIP; the registry is filled at import.
+
+
+May import: ``service.core`` only; every other room of the builder may import it.
+"""
 
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ class FamilyAdapter:
     name: str = "base"
     # the family's build, each a "module:function" resolved when a build runs (:meth:`build_step`), so that the
     # registry imports no builder code: the pipeline that builds its artifact (``(cfg, out) -> out``) and the loader
-    # of its base model (``offline.bases`` for the classifier families)
+    # of its base model (``offline.pipelines.bases`` for the classifier families)
     pipeline: str = ""
     base_loader: str = ""
 

@@ -71,8 +71,8 @@ def fuse_bert_encoder(
 
 class BertAdapter(FamilyAdapter):
     name = "bert"
-    pipeline = "offline.pipeline:build"
-    base_loader = "offline.bases:bert_base"
+    pipeline = "offline.pipelines.classifier_build:build"
+    base_loader = "offline.pipelines.bases:bert_base"
     check = staticmethod(check_supported)
 
     @staticmethod

@@ -223,8 +223,8 @@ class CLIPAdapter(FamilyAdapter):
     """Joint vision + text head access for OpenCLIP models; see the module docstring for the layer index."""
 
     name = "clip"
-    pipeline = "offline.pipeline_clip:build_zero_shot"
-    base_loader = "offline.pipeline_clip:load_base_clip"
+    pipeline = "offline.pipelines.zeroshot_build:build_zero_shot"
+    base_loader = "offline.pipelines.zeroshot_build:load_base_clip"
     check = staticmethod(check_supported)
 
     def num_vision_layers(self, model: nn.Module) -> int:

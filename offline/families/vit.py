@@ -49,8 +49,8 @@ def check_supported(model: nn.Module) -> None:
 
 class ViTAdapter(FamilyAdapter):
     name = "vit"
-    pipeline = "offline.pipeline:build"
-    base_loader = "offline.bases:vit_base"
+    pipeline = "offline.pipelines.classifier_build:build"
+    base_loader = "offline.pipelines.bases:vit_base"
     check = staticmethod(check_supported)
 
     def num_layers(self, model: nn.Module) -> int:

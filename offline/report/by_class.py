@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from offline.report.tables import table
+from offline.report.markdown_tables import table
 from offline.report.values import pct
 
 

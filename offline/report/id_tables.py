@@ -3,7 +3,7 @@ method at its own temperature fitted on ID validation data."""
 
 from __future__ import annotations
 
-from offline.report.tables import Cell, cell, method_table
+from offline.report.markdown_tables import Cell, cell, method_table
 from offline.report.values import latency_cell, num, param_count, pct, sig4
 
 _T_COLUMN: tuple[str, Cell] = ("T", cell(sig4, "temperature"))

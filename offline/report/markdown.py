@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from offline.report.by_class import per_class_section
-from offline.report.guarantees import guarantees_section
+from offline.report.guarantee_tables import guarantees_section
 from offline.report.id_tables import calibrated_section, id_section
-from offline.report.ood import ood_section, scores_section, selection_section, served_flag_section
-from offline.report.shift import shift_section
+from offline.report.ood_tables import ood_section, scores_section, selection_section, served_flag_section
+from offline.report.shift_tables import shift_section
 from offline.report.values import fact_text
 
 # ``extra`` keys with a section of their own (not repeated in the build facts)

@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from offline.metrics import calibration_bins, ece, uncertainty
+from offline.method.ensemble_metrics import calibration_bins, ece, uncertainty
 from offline.report.values import finite, pct
 
 PLOT_FILES = ("reliability.png", "ood_hist_msp.png", "ood_hist_mi.png", "member_accuracy.png")

@@ -2,7 +2,8 @@
 and, with ``base.deep_ensemble``, the Deep Ensemble) run on every evaluation set, and the report's rows.
 
 Each model is a :class:`Method`: how to run it on a batch, its size, the temperature its main row is scored at, and
-its outputs on every set (``runs``). A row holds the metrics of :func:`offline.metrics.evaluate_predictions`, the
+its outputs on every set (``runs``). A row holds the metrics of
+:func:`offline.method.ensemble_metrics.evaluate_predictions`, the
 method at its own fitted temperature, every OOD score's detection with the method's own statistics, its size and
 its latency.
 """
@@ -17,10 +18,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from offline.calibration import fit_temperature
-from offline.foreign import foreign_images
-from offline.metrics import evaluate_predictions
-from offline.ood_fit import (
+from offline.data.foreign import foreign_images
+from offline.method.calibration import fit_temperature
+from offline.method.ensemble_metrics import evaluate_predictions
+from offline.method.ood_fit import (
     LayerChoice,
     Run,
     detection,
@@ -30,14 +31,14 @@ from offline.ood_fit import (
     member_agreement,
     scores_np,
 )
-from offline.ood_fit import with_layers as with_layer_stats
+from offline.method.ood_fit import with_layers as with_layer_stats
 from offline.progress import bar as progress_bar
 from offline.report import measure_latency
-from offline.stages.calibration import Calibration, ZeroShotCalibration
+from offline.stages.calibrate import Calibration, ZeroShotCalibration
 from offline.stages.context import BuildContext
-from offline.stages.data import Batch, EvalSets, ZeroShotSets, collect, collect_logits, with_features
-from offline.stages.members import Fused, Members
-from offline.stages.shift import shift_metrics
+from offline.stages.datasets import Batch, EvalSets, ZeroShotSets, collect, collect_logits, with_features
+from offline.stages.ensemble import Fused, Members
+from offline.stages.shift_eval import shift_metrics
 from service.core.fused_clip import zero_shot_logits
 from service.core.ood import OODStats
 from service.core.uncertainty import SUMMARY_SCORES, ood_flag
@@ -93,7 +94,7 @@ class Models:
     members: list[Method]
     hydra: Method
     others: list[Method] = field(default_factory=list)
-    baselines: dict[str, Method] = field(default_factory=dict)  # base.baselines (offline.baselines), by name
+    baselines: dict[str, Method] = field(default_factory=dict)  # base.baselines (offline.pipelines.baselines), by name
 
 
 @dataclass
@@ -159,9 +160,9 @@ def classifier_models(
     baselines: dict[str, tuple[Callable[[Batch], Any], int]] | None = None,
 ) -> Models:
     """A classifier build's models on the evaluation device (``build.device``, under ``build.eval_precision``): each
-    single model with its penultimate and layer features (:func:`offline.stages.data.with_features`), the fused
+    single model with its penultimate and layer features (:func:`offline.stages.datasets.with_features`), the fused
     model as served. ``bases``: the base model, then the Deep Ensemble's others; ``baselines``: name -> (batch ->
-    outputs, parameters) (:func:`offline.baselines.baseline_methods`)."""
+    outputs, parameters) (:func:`offline.pipelines.baselines.baseline_methods`)."""
     ev, adapter = ctx.evaluation, ctx.adapter
     run = ev.wrap if ev.cuda or ev.precision != "fp32" else (lambda f: f)
 

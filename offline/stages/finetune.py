@@ -16,8 +16,8 @@ from offline import train as train_mod
 from offline.config import BuildConfig
 from offline.data import Data
 from offline.stages.context import BuildContext, train_compute
-from offline.stages.data import head_module, take
-from offline.stages.members import Members
+from offline.stages.datasets import head_module, take
+from offline.stages.ensemble import Members
 
 __all__ = [
     "MEMBER_SEED_STRIDE",

@@ -13,17 +13,21 @@ One module per concern:
 * :mod:`.schedule`: the optimizer and the learning-rate schedule;
 * :mod:`.batches`, :mod:`.decode`, :mod:`.augment`: inputs as model batches (image files through the server's
   preprocessing, decoded once), and the training-time flips and crops;
-* :mod:`.loop`: :func:`fit`, its batch order and :func:`accuracy` (checkpoint files: :mod:`offline.checkpoints`);
+* :mod:`.loop`: :func:`fit`, its batch order and :func:`accuracy` (checkpoint files: :mod:`offline.train.checkpoints`);
 * :mod:`.runs`: the runs a build makes (:func:`train_base_vit`, :func:`finetune_bert`, :func:`finetune_member`).
 
-The pretrained models these start from are loaded by :mod:`offline.loaders` (:func:`load_minilm_classifier` and
+The pretrained models these start from are loaded by :mod:`offline.models.loaders` (:func:`load_minilm_classifier` and
 :func:`minilm_path` are importable from here too).
+
+Also here: :mod:`.checkpoints` (a resumable run's files), :mod:`.pretrain` (the image backbone,
+``python -m offline.train.pretrain``) and :mod:`.lit` (the locked-text zero-shot model).
+
+May import: data, models, the config, the families, ``compute`` and ``progress``; never a build step or a pipeline.
 """
 
 from __future__ import annotations
 
-from offline.checkpoints import completed_steps
-from offline.loaders import load_minilm_classifier, minilm_path
+from offline.models.loaders import load_minilm_classifier, minilm_path
 from offline.train.augment import CROP_RATIO, affine_crop, crop, flip
 from offline.train.batches import (
     Batch,
@@ -36,6 +40,7 @@ from offline.train.batches import (
     tokenize,
     val_batches,
 )
+from offline.train.checkpoints import completed_steps
 from offline.train.decode import DECODED, IMAGE_FILE_LIMIT, DecodeCache, files_to_tensor
 from offline.train.loop import (
     Forward,

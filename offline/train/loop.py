@@ -3,7 +3,7 @@
 Batches are drawn without replacement from seeded per-epoch permutations that depend only on ``(seed, step)``
 (:func:`batch_indices`), made in order by ``tcfg.workers`` DataLoader processes (:func:`step_batches`), so a
 run is a deterministic function of its config; with a :class:`Resume` folder it checkpoints every
-``tcfg.checkpoint_every`` steps (:mod:`offline.checkpoints`), and a run interrupted at any point resumes from its
+``tcfg.checkpoint_every`` steps (:mod:`offline.train.checkpoints`), and a run interrupted at any point resumes from its
 last checkpoint to the same final weights as an uninterrupted run.
 """
 
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offline import checkpoints
 from offline.compute import Compute
 from offline.progress import bar as progress_bar
+from offline.train import checkpoints
 from offline.train.batches import Batch, GetBatch, Labelled
 from offline.train.parts import trainable_names
 from offline.train.presets import TrainConfig

@@ -64,8 +64,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # small ViTs trained here: (steps, peak lr) of training from scratch and of member fine-tuning
     "vit_fast": _vit_preset(embed_dim=96, depth=4, train=(500, 2e-3), finetune=(100, 3e-4)),
     "vit_full": _vit_preset(embed_dim=144, depth=6, train=(2400, 1.5e-3), finetune=(500, 2e-4)),
-    # a pretrained image backbone (offline.pretrain, or a user's checkpoint of the same domain) fine-tuned: short, at
-    # a low learning rate, with the same flips and milder crops than pretraining; members as the presets above
+    # a pretrained image backbone (offline.train.pretrain, or a user's checkpoint of the same domain) fine-tuned:
+    # short, at a low learning rate, with the same flips and milder crops than pretraining; members as the presets above
     "vit_pretrained": {
         "train": _vit_run(steps=150, lr=2e-4, warmup_frac=0.1, crop_scale=0.6),
         "finetune": _vit_run(steps=60, lr=2e-4, warmup_frac=0.1, unfreeze="attention+mlp+norm+head"),

@@ -1,6 +1,6 @@
 """Fused Hydra ensemble: M pruned transformer members run as one model.
 
-This is the runtime half of the project: the offline builder (``offline/fusion.py``)
+This is the runtime half of the project: the offline builder (``offline/method/fusion.py``)
 writes a config dict plus a safetensors state dict, and the server rebuilds the
 model from them with :func:`service.core.registry.load_model`. Only torch is imported here.
 

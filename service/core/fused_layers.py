@@ -137,7 +137,8 @@ class MemberLayerNorm(nn.Module):
         """True when all members' affine parameters are equal (cached on the parameters' versions)."""
         w, b = self.weight, self.bias
         if torch.compiler.is_compiling() or torch.compiler.is_exporting():
-            return self._shared  # a graph capture sees no storage; settled by an eager call first (offline.export)
+            # a graph capture sees no storage; settled by an eager call first (offline.models.export)
+            return self._shared
         key = (w._version, b._version, w.data_ptr(), b.data_ptr())
         if key != self._shared_key:
             with torch.no_grad():

@@ -1,6 +1,6 @@
 """The guarantees an answer carries, as the server applies them: prediction sets, OOD p-values, answers with a risk
 bound, and the drift alarm's reference. Fitted by the builder on the artifact's calibration split
-(``offline/guarantees.py``), stored in ``guarantees.safetensors`` and the manifest's ``guarantees`` block.
+(``offline/method/guarantee_fits.py``), stored in ``guarantees.safetensors`` and the manifest's ``guarantees`` block.
 
 What each guarantee holds over (docs/api.md, "Guarantees", says the same for users): the calibration split is a
 random sample of in-distribution inputs that nothing else of the build touched. If the inputs a model serves are

@@ -1,6 +1,7 @@
 """The zero-shot runtime (``task: zero-shot``, family ``clip``): images against labels given per request.
 
-The artifact (``offline/pipeline_clip.py``) holds a fused :class:`service.core.fused_clip.FusedCLIP`. Serving:
+The artifact (``offline/pipelines/zeroshot_build.py``) holds a fused :class:`service.core.fused_clip.FusedCLIP`.
+Serving:
 
 * text side: the prompts ``template.format(label=...)`` -> text embeddings ``(L, M, D)``, computed once per
   ``(labels, template)`` and kept in a bounded LRU cache (:class:`TextCache`); the manifest's fixed ``labels``

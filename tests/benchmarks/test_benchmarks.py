@@ -43,7 +43,7 @@ def test_full_mode_is_the_builds_full_recipe(tmp_path: Path, setting: str, confi
     from dataclasses import replace
 
     from offline.config import load_config
-    from offline.pipeline import base_checkpoint_dir
+    from offline.pipelines.classifier_build import base_checkpoint_dir
 
     spec = q.setting_spec(setting, fast=False)
     cfg = load_config(Path(q.ROOT) / "offline" / "configs" / config)

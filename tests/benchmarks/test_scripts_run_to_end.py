@@ -40,7 +40,7 @@ from benchmarks import (
 )
 from offline.config import load_config
 from offline.data import FASHION_CLASSES, FASHION_ID_CLASSES
-from offline.shift import corruptions
+from offline.method.corruptions import corruptions
 from tests.fixtures.fashion import needs_fashion
 from tests.fixtures.tiny_artifact import make_tiny_artifact, make_tiny_clip_artifact
 from tests.offline.conftest import ticket_config, write_user_files

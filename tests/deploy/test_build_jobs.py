@@ -19,7 +19,7 @@ import yaml
 
 from offline.build import parse_args
 from offline.config import load_config
-from offline.pipeline import STAGES
+from offline.pipelines.classifier_build import STAGES
 from tests.deploy.helpers import DEPLOY, by_kind, kustomize, one, require_tool
 
 BUILD = DEPLOY / "build"

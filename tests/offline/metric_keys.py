@@ -1,4 +1,5 @@
-"""Keys of what ``offline.metrics.evaluate_predictions`` returns, shared by the metrics and the report tests."""
+"""Keys of what ``offline.method.ensemble_metrics.evaluate_predictions`` returns, shared by the metrics and the report
+tests."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from offline.baselines import BatchEnsembleLinear, batch_ensembled
 from offline.build import build
 from offline.config import ConfigError
+from offline.pipelines.baselines import BatchEnsembleLinear, batch_ensembled
 
 from .conftest import ticket_config, tiny_vit
 

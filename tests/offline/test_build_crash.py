@@ -36,15 +36,18 @@ sys.exit(main(sys.argv[3:]))
 
 # (where, when): each stage boundary, then each step of the final write
 FAST_STOPS = [
-    ("offline.pipeline:export_classifier", "before"),  # weights and statistics written, no exports, no manifest
+    (
+        "offline.pipelines.classifier_build:export_classifier",
+        "before",
+    ),  # weights and statistics written, no exports, no manifest
 ]
 SLOW_STOPS = [
-    ("offline.stages.artifact:write_manifest", "after"),  # the manifest written, the checkpoints not yet removed
-    ("offline.pipeline:scored_members", "before"),  # the base done
-    ("offline.pipeline:fuse_members", "before"),  # the members fine-tuned
-    ("offline.pipeline:save_weights", "before"),  # evaluation done, nothing of the artifact written
-    ("offline.stages.artifact:write_report", "before"),  # exports written, no report
-    ("offline.stages.artifact:write_manifest", "before"),  # every file but the manifest
+    ("offline.stages.package:write_manifest", "after"),  # the manifest written, the checkpoints not yet removed
+    ("offline.pipelines.classifier_build:scored_members", "before"),  # the base done
+    ("offline.pipelines.classifier_build:fuse_members", "before"),  # the members fine-tuned
+    ("offline.pipelines.classifier_build:save_weights", "before"),  # evaluation done, nothing of the artifact written
+    ("offline.stages.package:write_report", "before"),  # exports written, no report
+    ("offline.stages.package:write_manifest", "before"),  # every file but the manifest
 ]
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from offline.calibration import T_MAX, calibrate_threshold, ensemble_nll, fit_temperature
+from offline.method.calibration import T_MAX, calibrate_threshold, ensemble_nll, fit_temperature
 from service.core.uncertainty import OOD_METRICS, ood_flag
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from offline import checkpoints
+from offline.train import checkpoints
 
 
 def _run(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:

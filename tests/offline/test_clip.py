@@ -13,8 +13,8 @@ import torch
 from offline.families import get_adapter
 from offline.families.attention import SlicedMultiheadAttention
 from offline.families.clip import split_heads
-from offline.fusion import fuse
-from offline.scoring import HiddenStateCache
+from offline.method.fusion import fuse
+from offline.method.head_scores import HiddenStateCache
 from service.core.registry import load_model
 from tests.fixtures.tiny_bert import tiny_bert_config
 
@@ -248,7 +248,7 @@ def test_causal_text_tower():
 
 def test_circuit_ranking_over_both_towers_matches_brute_force():
     """The first two greedy steps of circuit extraction pick the best joint (layer, head) by direct evaluation."""
-    from offline.scoring import circuit_objective, circuit_ranking
+    from offline.method.head_scores import circuit_objective, circuit_ranking
 
     base = tiny_clip()
     adapter = get_adapter("clip")
@@ -277,7 +277,7 @@ def test_circuit_ranking_over_both_towers_matches_brute_force():
 
 def test_taylor_scores_read_the_fused_in_proj_gradients():
     """Taylor on the vision tower: per-head scores from in_proj_weight's [Wq; Wk; Wv] rows and gradients."""
-    from offline.scoring import accumulate_grads, taylor_layer_scores, taylor_prune
+    from offline.method.head_scores import accumulate_grads, taylor_layer_scores, taylor_prune
 
     base = tiny_clip()
     adapter = get_adapter("clip")
@@ -311,7 +311,7 @@ def test_roundtrip_through_safetensors_and_build_model(kind, tmp_path):
 
 @pytest.mark.parametrize("kind", ["clip", "hf0"])
 def test_encoders_export_with_dynamic_batch_labels_and_length(kind, tmp_path):
-    from offline.export import check_parity, export_onnx, export_torchscript
+    from offline.models.export import check_parity, export_onnx, export_torchscript
 
     base, keeps, batch = _model(kind, tmp_path / "bert")
     adapter = get_adapter("clip")
@@ -338,7 +338,7 @@ def test_hydra_members_of_openclip_checkpoint_on_disk(tmp_path):
 
     import open_clip
 
-    from offline.pipeline_clip import load_openclip
+    from offline.pipelines.zeroshot_build import load_openclip
 
     cfg_path = tmp_path / "tiny-clip-hydra-test.json"
     cfg_path.write_text(
@@ -373,7 +373,7 @@ def test_openclip_tokenizer_matches_open_clip_ids(tmp_path):
     import open_clip
     from transformers import AutoTokenizer
 
-    from offline.pipeline_clip import openclip_tokenizer
+    from offline.pipelines.zeroshot_build import openclip_tokenizer
 
     texts = ["A photo of a T-shirt/top.", "a photo of a dog", "Ankle boot", "word " * 100]
     openclip_tokenizer(77).save_pretrained(str(tmp_path))

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from offline import lit
 from offline.data import Data, Split
-from offline.loaders import minilm_path
-from offline.train import TrainConfig
+from offline.models.loaders import minilm_path
+from offline.train import TrainConfig, lit
 
 VISION = {"image_size": 28, "patch_size": 7, "width": 32, "layers": 2, "head_width": 8, "mlp_ratio": 2.0}
 CLASSES = ["top-left square", "bottom-right square", "horizontal bar"]

@@ -78,9 +78,9 @@ def tiny_checkpoint(tmp_path):
 
 @pytest.mark.slow  # a whole build: circuits, fusion, calibration, evaluation, four exports (~1-2 min on 2 cores)
 def test_zero_shot_build_from_openclip_checkpoint(tmp_path, tiny_checkpoint, monkeypatch):
-    from offline import pipeline_clip
     from offline.build import build
     from offline.config import load_config
+    from offline.pipelines import zeroshot_build as pipeline_clip
     from service.core.artifact import load_manifest, verify_files
 
     cfg_path, weights = tiny_checkpoint
@@ -139,7 +139,7 @@ def _served_model_is_the_members(out, manifest, cfg_path, weights) -> None:
     import open_clip
     from transformers import AutoTokenizer
 
-    from offline import pipeline_clip
+    from offline.pipelines import zeroshot_build as pipeline_clip
 
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     prompts = [manifest["zero_shot"]["template"].format(label=c) for c in CLASSES]
@@ -179,9 +179,9 @@ def _guarantees_on_the_calibration_split(out, manifest, risks) -> None:
 
 
 def test_label_words_must_name_every_class_and_only_zero_shot(tmp_path, monkeypatch):
-    from offline import pipeline_clip
     from offline.build import build
     from offline.config import ConfigError, load_config
+    from offline.pipelines import zeroshot_build as pipeline_clip
 
     monkeypatch.setattr(pipeline_clip, "load_data", lambda cfg: synthetic_data())
     monkeypatch.setattr(pipeline_clip, "load_base_clip", lambda *a: pytest.fail("the base loaded before the check"))

@@ -110,7 +110,7 @@ def test_cli_help_lists_every_option_and_errors_are_one_line(tmp_path):
 
 
 def test_base_cache_dir_is_shared_by_builds_that_differ_only_in_hydra_settings(tmp_path):
-    from offline.pipeline import base_checkpoint_dir
+    from offline.pipelines.classifier_build import base_checkpoint_dir
 
     root = Path(__file__).resolve().parents[2] / "offline" / "configs"
     over = {"base.cache_dir": str(tmp_path / "bases")}

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from offline.export import (
+from offline.models.export import (
     BF16_TOLERANCE,
     ExportMismatch,
     bf16_agreement,
@@ -136,7 +136,7 @@ def test_bf16_agreement_report(case):
 
 def test_shared_eager_reference_gives_the_same_checks(case):
     """The build computes the fp32 eager outputs once for the TorchScript, ONNX and bf16 checks."""
-    from offline.export import eager_outputs
+    from offline.models.export import eager_outputs
 
     family, model, example, batches, d = case
     export_torchscript(model, example, d / "shared.ts")
@@ -157,7 +157,7 @@ def test_shared_eager_reference_gives_the_same_checks(case):
 def test_exports_carry_the_features_and_the_check_covers_them(case, kind):
     """With ``with_features`` the exports give (logits (B, M, C), features (B, M, D)); a features-only difference
     fails the parity check, naming output 1."""
-    from offline.export import eager_outputs, export_checked
+    from offline.models.export import eager_outputs, export_checked
 
     family, model, example, batches, d = case
     model.with_features = True
@@ -174,7 +174,7 @@ def test_exports_carry_the_features_and_the_check_covers_them(case, kind):
 
 def test_bf16_flag_agreement_compares_the_served_flags(case):
     """The served flag under bf16 autocast vs fp32, on the model's own outputs (logits and features)."""
-    from offline.export import bf16_flag_agreement, eager_outputs
+    from offline.models.export import bf16_flag_agreement, eager_outputs
 
     family, model, example, batches, d = case
     model.with_features = True

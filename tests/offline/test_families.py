@@ -9,13 +9,15 @@ import typing
 import pytest
 import torch
 
-from offline import bases, pipeline, pipeline_clip
 from offline import build as build_mod
 from offline.config import ConfigError, families, load_config
 from offline.data import ROOT
-from offline.export import export_onnx, export_torchscript
 from offline.families import ADAPTERS, get_adapter
 from offline.families.vit import ViTAdapter
+from offline.models.export import export_onnx, export_torchscript
+from offline.pipelines import bases
+from offline.pipelines import classifier_build as pipeline
+from offline.pipelines import zeroshot_build as pipeline_clip
 from service.core.fused import tiny_config
 from service.core.manifest import Manifest
 from service.core.registry import ARCHS, build_model
@@ -96,11 +98,13 @@ def test_a_family_naming_no_loader_fails_naming_what_is_missing(monkeypatch):
 
     class Wrong(ViTAdapter):
         name = "wrong"
-        base_loader = "offline.bases:no_such_loader"
+        base_loader = "offline.pipelines.bases:no_such_loader"
 
     with pytest.raises(LookupError, match=r"family 'half' names no base loader"):
         Half().build_step("base_loader")
-    with pytest.raises(LookupError, match=r"family 'wrong': base loader 'offline.bases:no_such_loader' is not a"):
+    with pytest.raises(
+        LookupError, match=r"family 'wrong': base loader 'offline.pipelines.bases:no_such_loader' is not a"
+    ):
         Wrong().build_step("base_loader")
     with pytest.raises(ConfigError, match=r"family must be one of \('vit', 'bert', 'clip'\), got 'half'"):
         load_config(None, {"family": "half", "data.setting": "fashion-mnist", "hydra.prune_per_layer": 1})

@@ -1,4 +1,4 @@
-"""The foreign-image test set (offline/foreign.py): every kind, deterministic, images a server accepts."""
+"""The foreign-image test set (offline/data/foreign.py): every kind, deterministic, images a server accepts."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from offline.foreign import FOREIGN_KINDS, NINE_INPUTS, foreign_images, nine_inputs
+from offline.data.foreign import FOREIGN_KINDS, NINE_INPUTS, foreign_images, nine_inputs
 from service.core.preprocess import ImagePreprocessor
 
 PREP = {"type": "image", "size": [28, 28], "mean": [0.286], "std": [0.353], "channels": 1, "resize": "direct"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offline.families import get_adapter
-from offline.fusion import fuse
+from offline.method.fusion import fuse
 from service.core.registry import load_model
 
 from .conftest import bert_batch, tiny_bert, tiny_vit

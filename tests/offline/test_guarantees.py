@@ -1,5 +1,6 @@
-"""The builder's calibration record (:func:`offline.guarantees.fit_guarantees`): its ``errors`` are the served
-model's wrong top labels on the calibration split, by hand on known outputs and on a tiny build served for real."""
+"""The builder's calibration record (:func:`offline.method.guarantee_fits.fit_guarantees`): its ``errors`` are the
+served model's wrong top labels on the calibration split, by hand on known outputs and on a tiny build served for
+real."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi.testclient import TestClient
 from offline.build import build
 from offline.config import GuaranteesConfig
 from offline.data import load
-from offline.guarantees import CalibrationOutputs, calibration_errors, fit_guarantees
+from offline.method.guarantee_fits import CalibrationOutputs, calibration_errors, fit_guarantees
 from service.core.artifact import load_manifest
 from service.core.online import HarmfulShiftAlarm, clopper_pearson_upper
 from service.main import create_app

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offline.config import ConfigError
-from offline.loaders import check_keys, load_minilm_classifier, load_timm, minilm_path
+from offline.models.loaders import check_keys, load_minilm_classifier, load_timm, minilm_path
 
 from .conftest import save_minilm_like, tiny_bert
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from offline.members import Budget, pool_size, sample_members
+from offline.method.members import Budget, pool_size, sample_members
 
 
 def test_global_budget_draws_from_the_least_important_pool():

@@ -1,4 +1,4 @@
-"""Known answers for offline.metrics, and agreement with scikit-learn and service.core.uncertainty."""
+"""Known answers for offline.method.ensemble_metrics, and agreement with scikit-learn and service.core.uncertainty."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from sklearn.metrics import average_precision_score, roc_auc_score
 
-from offline import metrics as M
+from offline.method import ensemble_metrics as M
 from service.core.uncertainty import summarize
 from tests.offline.metric_keys import EVAL_OOD_SET_KEYS, EVAL_SCALAR_KEYS
 
@@ -202,7 +202,7 @@ def _aurc_by_definition(confidence, correct):
 
 
 def test_aurc_known_answers():
-    from offline.metrics import aurc
+    from offline.method.ensemble_metrics import aurc
 
     assert aurc([0.9, 0.8, 0.7, 0.6], [1, 1, 1, 0]) == pytest.approx(1 / 16)  # the error ranked last
     assert aurc([0.9, 0.8, 0.7, 0.6], [0, 1, 1, 1]) == pytest.approx((1 + 1 / 2 + 1 / 3 + 1 / 4) / 4)  # ranked first
@@ -211,7 +211,7 @@ def test_aurc_known_answers():
 
 
 def test_aurc_matches_its_definition_and_rewards_a_better_ranking():
-    from offline.metrics import aurc
+    from offline.method.ensemble_metrics import aurc
 
     rng = np.random.default_rng(0)
     conf = rng.random(300)
@@ -224,7 +224,7 @@ def test_aurc_matches_its_definition_and_rewards_a_better_ranking():
 
 
 def test_evaluate_predictions_reports_aurc_of_the_mean_prediction():
-    from offline.metrics import aurc, evaluate_predictions
+    from offline.method.ensemble_metrics import aurc, evaluate_predictions
 
     rng = np.random.default_rng(1)
     probs = rng.dirichlet(np.ones(3), size=(50, 2))

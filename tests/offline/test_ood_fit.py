@@ -1,4 +1,4 @@
-"""Fitting the OOD statistics (offline/ood_fit.py): shrinkage, known Gaussians recovered, round trip to disk."""
+"""Fitting the OOD statistics (offline/method/ood_fit.py): shrinkage, known Gaussians recovered, round trip to disk."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from sklearn.covariance import LedoitWolf
 
-from offline.ood_fit import fit_gaussians
+from offline.method.ood_fit import fit_gaussians
 from service.core.ood import mahalanobis, stats_from_tensors, stats_tensors
 
 
@@ -55,7 +55,7 @@ def test_statistics_round_trip_through_safetensors(tmp_path):
 
 # ----------------------------------------------------------------------------- selection and detection
 def test_select_score_serves_the_best_mean_recall_and_honours_a_forced_score():
-    from offline.ood_fit import select_score
+    from offline.method.ood_fit import select_score
 
     id_val = {"msp": np.linspace(0.6, 1.0, 100), "mahalanobis": np.linspace(0.0, 1.0, 100)}
     ood_val = {  # msp cannot tell this set apart; Mahalanobis flags every input of it
@@ -77,7 +77,7 @@ def test_select_score_serves_the_best_mean_recall_and_honours_a_forced_score():
 
 
 def test_detection_known_answers():
-    from offline.ood_fit import detection
+    from offline.method.ood_fit import detection
 
     id_scores = {"msp": np.array([0.9, 0.8, 0.95]), "energy": np.array([-3.0, -2.0, -2.5])}
     ood = {
@@ -92,7 +92,7 @@ def test_detection_known_answers():
 
 
 def test_fit_ood_stats_norms_standardise_the_validation_scores():
-    from offline.ood_fit import fit_ood_stats, scores_np
+    from offline.method.ood_fit import fit_ood_stats, scores_np
 
     z, y, _ = _data(n=600, members=3)
     g = torch.Generator().manual_seed(1)
@@ -173,7 +173,7 @@ def _layer_data(n: int = 240, members: int = 2, layers: int = 3, dim: int = 6, s
 def _fitted_layer_data() -> tuple[Any, ...]:
     """:func:`_layer_data` split into fit, validation and new inputs, with the last feature's statistics fitted and
     its Mahalanobis score on validation: ``(logits, feats, layers, y, (fit, val, new), stats, val_md)``."""
-    from offline.ood_fit import fit_ood_stats, scores_np
+    from offline.method.ood_fit import fit_ood_stats, scores_np
 
     logits, feats, layers, y = _layer_data()
     fit, val, new = slice(0, 120), slice(120, 180), slice(180, 240)
@@ -185,7 +185,7 @@ def _fitted_layer_data() -> tuple[Any, ...]:
 def test_layer_candidates_equal_the_served_score_on_their_restricted_statistics():
     """What selection computes for a layer set (layer_columns + candidate_scores, once for all sets) is exactly what
     the server computes with the statistics restricted to that set (ensemble_scores), on other inputs too."""
-    from offline.ood_fit import (
+    from offline.method.ood_fit import (
         candidate_scores,
         fit_layer_stats,
         layer_candidates,
@@ -244,7 +244,7 @@ def test_layer_reductions_known_answers():
 
 
 def test_layer_candidate_names_round_trip():
-    from offline.ood_fit import LayerChoice, layer_candidate_name, parse_layer_candidate
+    from offline.method.ood_fit import LayerChoice, layer_candidate_name, parse_layer_candidate
 
     assert layer_candidate_name((0, 2)) == "mahalanobis_layers@0,2"  # the largest column: the name older reports use
     assert layer_candidate_name((1,), "members") == "mahalanobis_layers@1:members"
@@ -259,7 +259,7 @@ def test_layer_candidate_names_round_trip():
 def test_label_free_layer_statistics_are_one_gaussian_of_every_fit_input():
     """``label_free``: each (member, layer) Gaussian is that of all fit inputs, whatever their class (the mean is
     their mean); its candidates equal the server's score on the restricted statistics, as the per-class ones do."""
-    from offline.ood_fit import (
+    from offline.method.ood_fit import (
         candidate_scores,
         fit_layer_stats,
         layer_columns,
@@ -287,7 +287,7 @@ def test_label_free_layer_statistics_are_one_gaussian_of_every_fit_input():
 
 
 def test_every_layer_reduction_is_a_candidate_and_members_needs_several():
-    from offline.ood_fit import fit_layer_stats, fit_ood_stats, layer_candidate_scores, layer_columns, scores_np
+    from offline.method.ood_fit import fit_layer_stats, fit_ood_stats, layer_candidate_scores, layer_columns, scores_np
 
     logits, feats, layers, y = _layer_data()
     fit, val = slice(0, 120), slice(120, 240)
@@ -303,7 +303,7 @@ def test_every_layer_reduction_is_a_candidate_and_members_needs_several():
 
 
 def test_layer_statistics_round_trip_and_shapes_are_checked(tmp_path):
-    from offline.ood_fit import fit_layer_stats
+    from offline.method.ood_fit import fit_layer_stats
     from service.core.ood import LayerStats, layer_scores, layer_tensors, layers_from_tensors
 
     _, _, layers, y = _layer_data()

@@ -1,11 +1,12 @@
-"""Synthetic outliers from ID images (offline/outliers.py): each corruption does what it says, deterministically."""
+"""Synthetic outliers from ID images (offline/data/outliers.py): each corruption does what it says,
+deterministically."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from offline.outliers import CORRUPTIONS, SHIFTS, corrupted, shifted
+from offline.data.outliers import CORRUPTIONS, SHIFTS, corrupted, shifted
 
 
 def _images(n: int = 12, seed: int = 0) -> np.ndarray:
@@ -48,7 +49,7 @@ def test_lists_of_images_of_any_size_and_colour():
 
 
 def test_unknown_corruption_is_refused():
-    from offline.outliers import _one
+    from offline.data.outliers import _one
 
     with pytest.raises(ValueError, match="unknown corruption"):
         _one(np.zeros((4, 4), np.uint8), "melt", np.zeros((4, 4), np.uint8), np.random.default_rng(0))

@@ -1,4 +1,4 @@
-"""offline.pretrain: the command that trains the demo image backbone, and the backbone the repository ships.
+"""offline.train.pretrain: the command that trains the demo image backbone, and the backbone the repository ships.
 
 * a short run of a tiny config is deterministic, and one killed after a checkpoint resumes to the same weights, bit
   for bit;
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import yaml
 
-from offline import checkpoints
 from offline import data as data_mod
-from offline import pretrain as pt
-from offline.loaders import load_timm
+from offline.models.loaders import load_timm
+from offline.train import checkpoints
+from offline.train import pretrain as pt
 from service.core.artifact import file_sha256
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,7 +96,9 @@ def test_bad_pretraining_configs_are_one_line_errors(tmp_path, capsys):
     bad.write_text("name: x\narchitecture: {}\n")
     assert pt.main(["--config", str(bad), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("offline.pretrain: unknown pretraining config keys ['architecture']") and "\n" not in err
+    assert (
+        err.startswith("offline.train.pretrain: unknown pretraining config keys ['architecture']") and "\n" not in err
+    )
     assert pt.main(["--config", str(tmp_path / "missing.yaml"), "--out", str(tmp_path)]) == 2
     assert "does not exist" in capsys.readouterr().err
     bad.write_text("name: x\ntrain: {steps: 0}\n")
@@ -153,7 +155,7 @@ def test_the_record_command_rebuilds_the_backbone(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "offline.pretrain",
+        "offline.train.pretrain",
         "--config",
         config,
         "--out",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from offline.metrics import evaluate_predictions
+from offline.method.ensemble_metrics import evaluate_predictions
 from offline.report import HEADLINE, PLOT_FILES, SERVED_PLOT, measure_latency, per_class, write_report
 from tests.offline.metric_keys import EVAL_OOD_SET_KEYS, EVAL_SCALAR_KEYS
 

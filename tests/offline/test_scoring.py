@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from offline.families import get_adapter
-from offline.scoring import (
+from offline.method.head_scores import (
     accumulate_grads,
     circuit_objective,
     circuit_ranking,
@@ -165,7 +165,7 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
     """Circuit extraction's text batches pad only to their own longest text; labels stay with their texts."""
     from transformers import AutoTokenizer
 
-    from offline.stages.data import circuit_batches
+    from offline.stages.datasets import circuit_batches
     from offline.train import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
@@ -189,7 +189,7 @@ def test_circuit_batches_sort_texts_by_length_with_their_labels():
 def test_length_sorted_batches_order_maps_back_to_the_inputs():
     from transformers import AutoTokenizer
 
-    from offline.stages.data import length_sorted_batches
+    from offline.stages.datasets import length_sorted_batches
     from offline.train import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())

@@ -13,11 +13,11 @@ from pydantic import ValidationError, create_model
 
 from offline.build import build
 from offline.config import ConfigError, check_budget, load_config
-from offline.export import check_parity, export_onnx, export_torchscript
 from offline.families import get_adapter
-from offline.fusion import fuse
-from offline.members import Budget, sample_members
-from offline.pipeline import check_request
+from offline.method.fusion import fuse
+from offline.method.members import Budget, sample_members
+from offline.models.export import check_parity, export_onnx, export_torchscript
+from offline.pipelines.classifier_build import check_request
 from offline.stages.finetune import member_train_config
 from offline.train.parts import trainable_names
 from service.core.artifact import load_manifest

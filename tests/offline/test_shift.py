@@ -1,5 +1,5 @@
-"""The shift section's corruptions (``offline/shift.py``): known answers per corruption, monotone in severity,
-seeded, and clear errors."""
+"""The shift section's corruptions (``offline/method/corruptions.py``): known answers per corruption, monotone in
+severity, seeded, and clear errors."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from offline import shift
+from offline.method import corruptions as shift
 
 
 def blobs(n: int = 6, size: int = 28) -> np.ndarray:

@@ -11,11 +11,11 @@ import torch
 
 from offline.build import build
 from offline.config import ConfigError, load_config
-from offline.metrics import aurc, ece
-from offline.report.shift import shift_section
-from offline.shift import REPORT_SEVERITIES, corrupt
-from offline.stages.data import load_data
-from offline.stages.shift import shift_report, shift_summary
+from offline.method.corruptions import REPORT_SEVERITIES, corrupt
+from offline.method.ensemble_metrics import aurc, ece
+from offline.report.shift_tables import shift_section
+from offline.stages.datasets import load_data
+from offline.stages.shift_eval import shift_report, shift_summary
 from service.core.artifact import load_manifest
 from service.core.preprocess import make_preprocessor
 from service.core.registry import load_model

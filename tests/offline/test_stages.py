@@ -11,7 +11,7 @@ from torch import nn
 
 from offline.config import ConfigError, load_config
 from offline.data import Data, Split
-from offline.stages.data import collect, eval_batches, head_module, with_features
+from offline.stages.datasets import collect, eval_batches, head_module, with_features
 from offline.stages.finetune import MEMBER_SEED_STRIDE, member_data, member_train_config, reinit_head
 from service.core.preprocess import ImagePreprocessor
 

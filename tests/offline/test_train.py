@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from offline import checkpoints
 from offline import train as T
 from offline.data import Data, Split
 from offline.families import get_adapter
+from offline.train import checkpoints
 
 from .conftest import tiny_bert, tiny_vit
 

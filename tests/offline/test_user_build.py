@@ -132,7 +132,7 @@ def test_deep_ensemble_baseline_row(user_files, tmp_path):
     import dataclasses
     import json
 
-    from offline.pipeline import base_checkpoint_dir
+    from offline.pipelines.classifier_build import base_checkpoint_dir
 
     ckpt, data = user_files
     over = ticket_build(ckpt, data, **{"export.onnx": False, "base.cache_dir": str(tmp_path / "bases")})

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from offline.guarantees import Fitted, drift_runs, grid_of, target_grid
-from offline.report.guarantees import _drift_table
+from offline.method.guarantee_fits import Fitted, drift_runs, grid_of, target_grid
+from offline.report.guarantee_tables import _drift_table
 from service.core.conformal import SetCalibrator, ood_p_values, selective_thresholds
 from service.core.drift import CAP_DECADES, HORIZON, TailBets, alarm_paths
 from service.core.guarantees import outlier_oriented
@@ -218,8 +218,9 @@ def test_drift_alarm_detects_a_sustained_switch_within_300_inputs(outputs):
 
 
 def test_build_report_shows_the_drift_runs(outputs):
-    """The build report's drift section (offline.guarantees.drift_runs) on the model's outputs: no false alarm on
-    the ID streams, no burst fired it, every switch the target covers fired it and it cleared after the return."""
+    """The build report's drift section (offline.method.guarantee_fits.drift_runs) on the model's outputs: no false
+    alarm on the ID streams, no burst fired it, every switch the target covers fired it and it cleared after the
+    return."""
     metric = outputs["meta"]["metric"]
     cal = np.sort(outlier_oriented(outputs["calibration"]["score"], metric))
     fitted = Fitted(tensors={"ood.scores": torch.from_numpy(cal)}, spec={}, sets=None)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
-from offline.ood_fit import scores_np
+from offline.method.ood_fit import scores_np
 from service.core.artifact import OOD_SCORES, ArtifactError, load_manifest, parse_manifest
 from service.core.ood import ood_from_tensors
 from service.core.preprocess import ImagePreprocessor, make_preprocessor
@@ -53,7 +53,8 @@ def layers_artifact(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 
 
 def builder_scores(root: Path, images: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """The builder's scores (offline.ood_fit.scores_np) of ``images`` through the eager model and the artifact."""
+    """The builder's scores (offline.method.ood_fit.scores_np) of ``images`` through the eager model and the
+    artifact."""
     m = load_manifest(root)
     model = load_model(root / m.model.weights, m.model.config)
     model.with_features = True

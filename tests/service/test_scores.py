@@ -12,7 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
-from offline.ood_fit import scores_np
+from offline.method.ood_fit import scores_np
 from service.core import ood, scores
 from service.core.artifact import load_manifest
 from service.core.registry import load_model

@@ -22,9 +22,9 @@ from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 
 from offline import data as data_mod
-from offline.checkpoints import load_timm
 from offline.families import get_adapter
-from offline.fusion import fuse
+from offline.method.fusion import fuse
+from offline.train.checkpoints import load_timm
 from service.core.artifact import (
     BaseModelInfo,
     ImagePreprocessing,

@@ -30,7 +30,8 @@ PREP = CLIP_PREP
 
 @pytest.fixture(scope="module")
 def zs_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny zero-shot artifact written like offline/pipeline_clip.py (torch weights, tokenizer, manifest)."""
+    """A tiny zero-shot artifact written like offline/pipelines/zeroshot_build.py (torch weights, tokenizer,
+    manifest)."""
     return make_tiny_clip_artifact(tmp_path_factory.mktemp("zs") / "tiny-clip", labels=LABELS, temperature=TEMPERATURE)
 
 
@@ -258,7 +259,7 @@ def zs_label_free(zs_artifact: Path, tmp_path_factory: pytest.TempPathFactory) -
     one Gaussian per member of the image embeddings, the image tower's layer 0; served mahalanobis_layers."""
     import shutil
 
-    from offline.ood_fit import background_stats, fit_layer_stats, label_free_scores, with_layers
+    from offline.method.ood_fit import background_stats, fit_layer_stats, label_free_scores, with_layers
     from service.core.ood import ood_tensors
 
     out = tmp_path_factory.mktemp("zs-lf") / "tiny-clip-lf"

@@ -12,11 +12,11 @@ from timm.data import resolve_data_config
 from torch import nn
 
 from offline import train as train_mod
-from offline.checkpoints import load_timm
 from offline.config import BuildConfig, ConfigError
 from offline.data import Data
 from offline.stages.context import BaseModel, train_compute
-from offline.stages.data import fashion_vit_prep
+from offline.stages.datasets import fashion_vit_prep
+from offline.train.checkpoints import load_timm
 from service.core.artifact import file_sha256
 
 __all__ = ["bert_base", "timm_preprocessing", "train_config", "vit_base"]

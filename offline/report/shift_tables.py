@@ -1,12 +1,12 @@
 """The shift section of report.md: every method on corrupted copies of ID test inputs (the ``shift`` block of
-:func:`offline.stages.shift.shift_report`)."""
+:func:`offline.stages.shift_eval.shift_report`)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from offline.report.tables import cell, method_table
+from offline.report.markdown_tables import cell, method_table
 from offline.report.values import num, pct
 
 # the section's columns: key in a summary row -> header; rates and errors in %, NLL, Brier and AURC as numbers

@@ -1,5 +1,5 @@
 """The calibration stage: the served ensemble's temperature and OOD score and threshold, fitted on validation data
-only (:mod:`offline.calibration`, :mod:`offline.ood_fit`).
+only (:mod:`offline.method.calibration`, :mod:`offline.method.ood_fit`).
 
 A classifier's score is chosen among the probability, logit and feature scores (:func:`calibrate_ood`); a zero-shot
 model's is a probability score (:func:`calibrate`) or, by default, the label-free distance of its image embeddings
@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from offline.calibration import calibrate_threshold, fit_temperature
 from offline.config import BuildConfig
-from offline.foreign import foreign_images
-from offline.ood_fit import (
+from offline.data.foreign import foreign_images
+from offline.method.calibration import calibrate_threshold, fit_temperature
+from offline.method.ood_fit import (
     LAYERS,
     LayerChoice,
     Run,
@@ -40,7 +40,7 @@ from offline.ood_fit import (
     with_layers,
 )
 from offline.stages.context import BuildContext
-from offline.stages.data import (
+from offline.stages.datasets import (
     Batch,
     Batches,
     EvalSets,
@@ -50,7 +50,7 @@ from offline.stages.data import (
     eval_batches,
     unlabelled,
 )
-from offline.stages.members import Fused
+from offline.stages.ensemble import Fused
 from service.core.manifest import Uncertainty
 from service.core.ood import LayerStats, OODStats, mahalanobis, standardize
 from service.core.uncertainty import SUMMARY_SCORES, summarize
@@ -141,7 +141,7 @@ def calibrate_ood(ctx: BuildContext, fn: Callable[[Batch], Any], runs: dict[str,
     split's features, norms on validation), every score's threshold at ``calibration.tpr`` and recall on each OOD
     validation set; the best mean recall is served unless the config names a score. ``fn``, ``runs``: the fused
     model and its outputs on ``sets`` (validation and the fit split are read; the OOD validation sets are run here).
-    With layer features every layer set of :func:`offline.ood_fit.layer_candidates` is a ``mahalanobis_layers``
+    With layer features every layer set of :func:`offline.method.ood_fit.layer_candidates` is a ``mahalanobis_layers``
     candidate of its own."""
     cfg, classes = ctx.config, len(ctx.data.class_names)
     hydra, fit, y_fit = runs["val"], runs["fit"], sets.labels("fit")

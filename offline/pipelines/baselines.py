@@ -29,7 +29,7 @@ from torch import nn
 
 from offline import train as train_mod
 from offline.config import BuildConfig
-from offline.stages.data import Batch, batches_of, take, with_features
+from offline.stages.datasets import Batch, batches_of, take, with_features
 from offline.stages.finetune import member_data, member_train_config
 
 __all__ = [

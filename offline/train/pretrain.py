@@ -1,8 +1,8 @@
-"""Pretrain an image backbone once, on in-distribution training images only: ``python -m offline.pretrain``.
+"""Pretrain an image backbone once, on in-distribution training images only: ``python -m offline.train.pretrain``.
 
 The demo image configs (``image-fast``, ``image-full``) and the zero-shot model's image tower start from the
 backbone this writes, through ``base.path``: the same code path a user's timm checkpoint takes
-(:func:`offline.loaders.load_timm`). It is a timm ``VisionTransformer`` (the config's ``arch``, a variant of
+(:func:`offline.models.loaders.load_timm`). It is a timm ``VisionTransformer`` (the config's ``arch``, a variant of
 the timm model named ``timm``) trained supervised on the six in-distribution Fashion-MNIST classes, with the
 training pool of :func:`offline.data.fashion_pools` only: never the reserved images the builds validate and fit
 on, never the held-out classes, digits, noise or any OOD set.
@@ -255,7 +255,7 @@ def load_spec(cfg: PretrainConfig) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m offline.pretrain", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m offline.train.pretrain", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", required=True, help="pretraining config (offline/configs/pretrain/fashion-vit-s.yaml)")
     ap.add_argument("--out", default=str(ROOT / "offline" / "backbones"), help="folder for the weights and record")
     ap.add_argument("--steps", type=int, default=None, help="override train.steps (a short run, e.g. a test)")
@@ -270,10 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_pretrain_config(args.config, args.steps)
         ckpt = Path(args.checkpoint_dir or ROOT / ".cache" / "pretrain" / f"{cfg.name}-{cfg.train.steps}")
-        command = "python -m offline.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python -m offline.train.pretrain " + " ".join(argv if argv is not None else sys.argv[1:])
         pretrain(cfg, Path(args.out), ckpt, command)
     except (PretrainError, FileNotFoundError) as e:
-        print(f"offline.pretrain: {e}", file=sys.stderr)
+        print(f"offline.train.pretrain: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -23,14 +23,21 @@ import torch
 from torch import nn
 
 from offline import train as train_mod
-from offline.baselines import baseline_methods
-from offline.bases import train_config
 from offline.compute import on_device
 from offline.config import BuildConfig, ConfigError, check_budget
 from offline.data import Data
 from offline.families import ADAPTERS, get_adapter
+from offline.pipelines.baselines import baseline_methods
+from offline.pipelines.bases import train_config
 from offline.progress import stage as progress_stage
-from offline.stages.artifact import (
+from offline.stages.calibrate import Calibration, calibrate_ood
+from offline.stages.certify import Guarantees, classifier_guarantees
+from offline.stages.context import BaseModel, BuildContext, Timer
+from offline.stages.datasets import EvalSets, eval_sets, load_data
+from offline.stages.ensemble import Fused, Members, build_members, fuse_members, scoring_batches
+from offline.stages.evaluation import Evaluation, classifier_models, evaluate_classifier, standard_methods
+from offline.stages.finetune import finetune_members, finetune_one, member_checkpoints
+from offline.stages.package import (
     Exports,
     export_classifier,
     model_outputs,
@@ -41,18 +48,12 @@ from offline.stages.artifact import (
     save_weights,
     write_artifact,
 )
-from offline.stages.calibration import Calibration, calibrate_ood
-from offline.stages.context import BaseModel, BuildContext, Timer
-from offline.stages.data import EvalSets, eval_sets, load_data
-from offline.stages.evaluation import Evaluation, classifier_models, evaluate_classifier, standard_methods
-from offline.stages.finetune import finetune_members, finetune_one, member_checkpoints
-from offline.stages.guarantees import Guarantees, classifier_guarantees
-from offline.stages.members import Fused, Members, build_members, fuse_members, scoring_batches
 from service.core.artifact import Manifest
 
 __all__ = ["STAGES", "base_checkpoint_dir", "build", "finish", "heads_of_base", "load_base", "scoring_batches"]
 
-CLASSIFIER_PIPELINE = "offline.pipeline:build"  # what a classifier family's adapter names as its pipeline
+# what a classifier family's adapter names as its pipeline
+CLASSIFIER_PIPELINE = "offline.pipelines.classifier_build:build"
 STAGES = ("base", "score", "member", "finish")  # --stage: the parts of a build one process (pod, GPU) can run
 
 
@@ -179,10 +180,10 @@ def finish(
     baselines: dict[str, Any] | None = None,
 ) -> Path:
     """Calibrate, evaluate, export and write the artifact. Every evaluation input goes through the server's
-    preprocessing of the artifact (:func:`offline.stages.data.eval_sets`); the fused model returns its members'
-    features too, for the OOD statistics (:func:`offline.stages.calibration.calibrate_ood`). ``bases``: the base
+    preprocessing of the artifact (:func:`offline.stages.datasets.eval_sets`); the fused model returns its members'
+    features too, for the OOD statistics (:func:`offline.stages.calibrate.calibrate_ood`). ``bases``: the base
     model, then the Deep Ensemble baseline's other base models (``base.deep_ensemble``), if any; ``baselines``: the
-    efficient-ensemble baselines (``base.baselines``, :func:`offline.baselines.baseline_methods`)."""
+    efficient-ensemble baselines (``base.baselines``, :func:`offline.pipelines.baselines.baseline_methods`)."""
     prepare_out(ctx)
     sets = eval_sets(ctx)
     fused.model.with_features = True  # (logits, features): the served model and its exports carry both ...
@@ -210,7 +211,7 @@ def write_classifier(
     fitted: Guarantees,
     checked: Exports,
 ) -> Path:
-    """The report, then the manifest of a classifier artifact (:func:`offline.stages.artifact.write_artifact`)."""
+    """The report, then the manifest of a classifier artifact (:func:`offline.stages.package.write_artifact`)."""
     cfg, data, adapter, timer = ctx.config, ctx.data, ctx.adapter, ctx.timer
     prep, base_desc, latency = ctx.base.preprocessing, ctx.base.description, sets.latency
     members, strategy, fused, fcfg = pruned.models, pruned.strategy, fusion.model, fusion.config
@@ -322,4 +323,5 @@ def check_members_done(ctx: BuildContext) -> None:
             )
 
 
-# the classifier families' base loaders, by family (the zero-shot family's is offline.pipeline_clip.load_base_clip)
+# the classifier families' base loaders, by family (the zero-shot family's is
+# offline.pipelines.zeroshot_build.load_base_clip)

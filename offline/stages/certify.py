@@ -1,4 +1,5 @@
-"""The guarantees stage: the served model's guarantees fitted on the calibration split (:mod:`offline.guarantees`:
+"""The guarantees stage: the served model's guarantees fitted on the calibration split
+(:mod:`offline.method.guarantee_fits`:
 prediction sets, OOD p-values, answers with a risk bound, the drift alarm's reference) and the report's section of
 them. Without a calibration split there are none."""
 
@@ -12,14 +13,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from offline.calibration import calibrate_threshold
-from offline.guarantees import CalibrationOutputs, Fitted, evaluate_guarantees, fit_guarantees
-from offline.ood_fit import LAYERS, Run, scores_np
+from offline.method.calibration import calibrate_threshold
+from offline.method.corruptions import SHIFT_PREFIX
+from offline.method.guarantee_fits import CalibrationOutputs, Fitted, evaluate_guarantees, fit_guarantees
+from offline.method.ood_fit import LAYERS, Run, scores_np
 from offline.progress import stage as progress_stage
-from offline.shift import SHIFT_PREFIX
-from offline.stages.calibration import Calibration, ZeroShotCalibration
+from offline.stages.calibrate import Calibration, ZeroShotCalibration
 from offline.stages.context import BuildContext
-from offline.stages.data import Batch, EvalSets, ZeroShotSets, collect_logits
+from offline.stages.datasets import Batch, EvalSets, ZeroShotSets, collect_logits
 from offline.stages.evaluation import Method, method_stats
 from service.core.uncertainty import summarize
 
@@ -69,8 +70,8 @@ def _every_method(
     ctx: BuildContext, methods: dict[str, Method], cal: Calibration, sets: EvalSets
 ) -> tuple[dict[str, dict[str, CalibrationOutputs]], dict[str, float]]:
     """Every method's answers on the calibration split, validation, ID test, each OOD test set and each shifted copy
-    of ID test inputs, at its own
-    temperature with its own OOD statistics (Hydra: the served ones), and its OOD threshold on validation."""
+    of ID test inputs, at its own temperature with its own OOD statistics (Hydra: the served ones), and its OOD
+    threshold on validation."""
     layers = cal.layers if cal.metric == LAYERS else None
     names = ["calibration", "val", "test", *(n for n in sets.named() if n.startswith(("ood:", SHIFT_PREFIX)))]
     classes = len(ctx.data.class_names)
@@ -144,7 +145,8 @@ def zero_shot_outputs(
 def zero_shot_guarantees_report(
     ctx: BuildContext, hydra: Method, cal: ZeroShotCalibration, sets: ZeroShotSets, guarantees: Guarantees
 ) -> Guarantees:
-    """The report's guarantees section of a zero-shot build (:func:`offline.guarantees.evaluate_guarantees`), for
+    """The report's guarantees section of a zero-shot build
+    (:func:`offline.method.guarantee_fits.evaluate_guarantees`), for
     the served model alone: the build's labels and template, its served score on the calibration split, ID test and
     each OOD test set. (Single and the members have no label-free statistics of their own to compare like with
     like.)"""

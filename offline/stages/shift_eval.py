@@ -1,13 +1,14 @@
-"""The report's shift section: every method on corrupted copies of ID test inputs (:mod:`offline.shift`).
+"""The report's shift section: every method on corrupted copies of ID test inputs (:mod:`offline.method.corruptions`).
 
 Where the inputs drift away from the training data without leaving its classes, an ensemble's uncertainty is known
 to help most (Ovadia et al. 2019). ``data.shift_inputs`` ID test inputs (the first of the test split, which is
 drawn at random and stratified) are copied under every corruption of the modality at each severity; every
-method runs on each copy like on any evaluation set (:func:`offline.stages.data.shift_sets`, ``EvalSets.shift``).
+method runs on each copy like on any evaluation set (:func:`offline.stages.datasets.shift_sets`, ``EvalSets.shift``).
 Per method and copy the section gives, at the method's own temperature fitted on ID validation (the same
 treatment for every method): accuracy, ECE, NLL, Brier and AURC; and with a calibration split, the accept rate and the
 error among accepted answers of the method's own risk rule at the served risk target (``guarantees.risk``, its
-guarantees fitted on the calibration split as the served model's are: :func:`offline.guarantees.evaluate_guarantees`).
+guarantees fitted on the calibration split as the served model's are:
+:func:`offline.method.guarantee_fits.evaluate_guarantees`).
 
     data.shift_sets(ctx, pre)  ->  {"noise@1": Batches, ...}    (data.shift_inputs > 0, a classifier)
     shift_metrics(methods, sets)  ->  {method: {"noise@1": {"acc", "ece", "nll", "brier", "aurc"}, ...}}
@@ -20,10 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from offline.calibration import fit_temperature
-from offline.metrics import evaluate_predictions
-from offline.shift import SHIFT_PREFIX
-from offline.stages.data import EvalSets
+from offline.method.calibration import fit_temperature
+from offline.method.corruptions import SHIFT_PREFIX
+from offline.method.ensemble_metrics import evaluate_predictions
+from offline.stages.datasets import EvalSets
 
 __all__ = ["shift_metrics", "shift_report", "shift_summary"]
 
@@ -84,5 +85,6 @@ def shift_report(metrics: dict[str, dict[str, dict[str, float]]], guarantees: di
 
 
 def _accepted(rule: dict[str, Any] | None) -> dict[str, Any]:
-    """A risk rule's row on a shifted copy (:func:`offline.guarantees.selective_table`) as the section's figures."""
+    """A risk rule's row on a shifted copy (:func:`offline.method.guarantee_fits.selective_table`) as the section's
+    figures."""
     return {} if rule is None else {"accept_rate": rule["test_accept_rate"], "accepted_error": rule["test_risk"]}

@@ -209,7 +209,7 @@ TIMM_TO_OPENCLIP_BLOCK = {
 
 def init_image_tower(model: nn.Module, path: str | Path) -> dict[str, Any]:
     """Start ``model``'s image tower (an open_clip ``VisionTransformer``) from a timm ``VisionTransformer``
-    checkpoint of the same shape (``offline.pretrain``'s backbone); the embedding projection stays as initialised.
+    checkpoint of the same shape (``offline.train.pretrain``'s backbone); the embedding projection stays as initialised.
 
     The mapping is exact for grey images sent as RGB (the LiT tower's input): timm's patch embedding has a bias and
     one input channel, open_clip's none and three, so the weights are split evenly over the three (equal) channels

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from offline.report.tables import table
+from offline.report.markdown_tables import table
 from offline.report.values import num, pct
 
 

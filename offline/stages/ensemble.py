@@ -1,5 +1,6 @@
 """Head scores -> members: the batches head scoring reads, the strategy's ranking of the base model's heads (Taylor,
-circuits, random: :mod:`offline.scoring`) and the M pruned members sampled from it (:mod:`offline.members`)."""
+circuits, random: :mod:`offline.method.head_scores`) and the M pruned members sampled from it
+(:mod:`offline.method.members`)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ from offline.compute import on_device
 from offline.config import BuildConfig
 from offline.families import FamilyAdapter
 from offline.families.clip import CLIPAdapter
-from offline.fusion import fuse
-from offline.members import Budget, pool_size, sample_members
-from offline.scoring import circuit_ranking, random_ranking, taylor_prune
+from offline.method.fusion import fuse
+from offline.method.head_scores import circuit_ranking, random_ranking, taylor_prune
+from offline.method.members import Budget, pool_size, sample_members
 from offline.stages.context import BuildContext, Timer, compute_of
-from offline.stages.data import Batch, Batches, batches_of, circuit_batches, concat, sample_indices, take
+from offline.stages.datasets import Batch, Batches, batches_of, circuit_batches, concat, sample_indices, take
 
 __all__ = [
     "Fused",
@@ -191,7 +192,8 @@ def zero_shot_members(ctx: BuildContext, scoring: ScoringBatches) -> Members:
 
 @dataclass
 class Fused:
-    """The members fused into one model (:mod:`offline.fusion`): one forward pass, member logits ``(B, M, C)``."""
+    """The members fused into one model (:mod:`offline.method.fusion`): one forward pass, member logits
+    ``(B, M, C)``."""
 
     model: nn.Module  # a service.core fused model, in eval mode
     config: dict[str, Any]  # its config: with the weights, what the artifact stores

@@ -1,6 +1,6 @@
 """The artifact stage: the folder emptied for a new artifact, the weights and statistics saved, every export checked
-against eager (:mod:`offline.export`), the report written (:mod:`offline.report`) and, last, the manifest (its one
-writer: :func:`service.core.artifact.write_manifest`), so that a failed build leaves no manifest behind."""
+against eager (:mod:`offline.models.export`), the report written (:mod:`offline.report`) and, last, the manifest (its
+one writer: :func:`service.core.artifact.write_manifest`), so that a failed build leaves no manifest behind."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from offline import lit
 from offline.config import BuildConfig, ExportConfig
 from offline.data import Data
-from offline.export import (
+from offline.method.guarantee_fits import GUARANTEES_FILE, Fitted
+from offline.method.ood_fit import LAYERS
+from offline.models.export import (
     BF16_MIN_AGREEMENT,
     ONNX_OPSET,
     bf16_agreement,
@@ -29,17 +30,16 @@ from offline.export import (
     eager_outputs,
     export_checked,
 )
-from offline.guarantees import GUARANTEES_FILE, Fitted
-from offline.ood_fit import LAYERS
 from offline.progress import stage as progress_stage
 from offline.report import write_report
-from offline.stages.calibration import Calibration, ZeroShotCalibration
+from offline.stages.calibrate import Calibration, ZeroShotCalibration
+from offline.stages.certify import Guarantees
 from offline.stages.context import BuildContext, Timer
-from offline.stages.data import Batch, Batches, EvalSets, ZeroShotSets, prompt_batch
+from offline.stages.datasets import Batch, Batches, EvalSets, ZeroShotSets, prompt_batch
+from offline.stages.ensemble import Fused
 from offline.stages.evaluation import Evaluation
-from offline.stages.guarantees import Guarantees
-from offline.stages.members import Fused
-from offline.stages.shift import shift_report
+from offline.stages.shift_eval import shift_report
+from offline.train import lit
 from service.core.artifact import OOD_FILE, Manifest, write_manifest
 from service.core.ood import ensemble_scores, ood_tensors
 from service.core.uncertainty import ood_flag

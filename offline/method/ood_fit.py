@@ -28,8 +28,8 @@ import torch
 from scipy.stats import spearmanr
 from sklearn.covariance import LedoitWolf
 
-from offline.calibration import calibrate_threshold
-from offline.metrics import ood_metrics
+from offline.method.calibration import calibrate_threshold
+from offline.method.ensemble_metrics import ood_metrics
 from service.core.ood import (
     LAYER_REDUCTIONS,
     GaussianStats,
@@ -119,7 +119,7 @@ def fit_gaussians(features: torch.Tensor, labels: torch.Tensor, classes: int) ->
 
 
 # one method's outputs on one set: logits (N, M, C), penultimate features (N, M, D) or None, layer features
-# (N, M, L-1, d) or None (offline.stages.data.collect)
+# (N, M, L-1, d) or None (offline.stages.datasets.collect)
 Run = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 LAYERS = "mahalanobis_layers"  # the multi-layer score; its candidates are named LAYERS@<ids>[:<reduce>]
 
@@ -321,8 +321,8 @@ def select_score(
     """The served score and every candidate's validation figures.
 
     Each candidate's threshold lets ``tpr`` of the ID validation inputs through
-    (:func:`offline.calibration.calibrate_threshold`); its recall on each OOD validation set is the share that set
-    flags. The score with the best mean recall over the sets is served (ties: the earlier in ``OOD_METRICS``'s
+    (:func:`offline.method.calibration.calibrate_threshold`); its recall on each OOD validation set is the share that
+    set flags. The score with the best mean recall over the sets is served (ties: the earlier in ``OOD_METRICS``'s
     order, probability scores first); ``forced`` (``calibration.ood_score``) overrides the choice. Without OOD
     validation sets the first available of :data:`NO_OOD_DATA_ORDER` is served.
     """

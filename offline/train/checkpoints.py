@@ -7,7 +7,7 @@ complete checkpoint or none; only the newest one is kept. A checkpoint is resume
 fingerprint (its config, data size and model: :func:`offline.train.loop.fingerprint`).
 
 The loaders of a user's pretrained checkpoints (:func:`check_keys`, :func:`load_timm`) live in
-:mod:`offline.loaders`; they are importable from here too, where the builder first had them.
+:mod:`offline.models.loaders`; they are importable from here too, where the builder first had them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offline.loaders import check_keys, load_timm
+from offline.models.loaders import check_keys, load_timm
 
 __all__ = ["check_keys", "completed_steps", "load_timm", "restore", "save", "steps"]
 

@@ -282,8 +282,7 @@ def evaluate_predictions(
 
     Args:
         probs: ``(N, M, C)`` member probabilities on the ID test set (single model: ``M = 1``).
-        labels: ``(N,)`` ID labels.
-        ood_probs: per OOD set, member probabilities ``(N', M, C)``.
+        labels: ``(N,)`` ID labels. ood_probs: per OOD set, member probabilities ``(N', M, C)``.
         ood_score: the detection score, ``msp`` (as ``-msp``), ``entropy`` or ``mutual_information`` (``mi``).
 
     Returns plain floats: ``acc``, ``nll``, ``brier``, ``ece``, ``aece``, ``aurc`` (the area under the

@@ -14,7 +14,7 @@ as negatives). The text tower being frozen, the caption embeddings are computed 
 
 The model is an ordinary OpenCLIP model: :func:`save_openclip` writes its state dict and
 model config so that ``open_clip.create_model(name, pretrained=file)`` loads it back. It is made by
-:mod:`offline.loaders` (:func:`lit_model_config`, :func:`make_lit_model`, :func:`init_image_tower`,
+:mod:`offline.models.loaders` (:func:`lit_model_config`, :func:`make_lit_model`, :func:`init_image_tower`,
 :func:`load_tokenizer`, importable from here too).
 """
 
@@ -35,7 +35,7 @@ from torch import nn
 
 from offline.data import Data, Split
 from offline.families.attention import SlicedMultiheadAttention
-from offline.loaders import init_image_tower, lit_model_config, load_tokenizer, make_lit_model
+from offline.models.loaders import init_image_tower, lit_model_config, load_tokenizer, make_lit_model
 from offline.train import TrainConfig, accuracy, fit, images_to_tensor, recorded
 
 log = logging.getLogger("hydra.lit")
@@ -69,7 +69,7 @@ LIT_PRESETS: dict[str, dict[str, Any]] = {
             "hflip": True,
         },
     },
-    # the image tower of the pretrained Fashion backbone (offline.pretrain; base.image_init): timm's ViT layout
+    # the image tower of the pretrained Fashion backbone (offline.train.pretrain; base.image_init): timm's ViT layout
     # (no ln_pre, LayerNorm eps 1e-6), 4x4 patches, 6 layers of 6 heads of 32; a short LiT run aligns it to the text
     "lit_backbone": {
         "vision": {

@@ -8,7 +8,7 @@
 Base model (``base.source``):
 
 * ``lit``: an OpenCLIP ``CustomTextCLIP`` with the packaged MiniLM as frozen text tower and an image
-  tower trained here on the ID classes' captions (:mod:`offline.lit`; preset ``base.preset``, e.g.
+  tower trained here on the ID classes' captions (:mod:`offline.train.lit`; preset ``base.preset``, e.g.
   ``lit_fast``; ``base.arch`` overrides its vision config, ``base.steps`` its step count). The trained
   model is cached under ``$HYDRA_CACHE_DIR/lit`` (default ``.cache/lit``) by a hash of everything
   that determines it, so a rebuild with other Hydra settings does not retrain it.
@@ -51,26 +51,15 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoTokenizer, CLIPTokenizer
 
-from offline import lit
 from offline import train as train_mod
 from offline.config import BuildConfig, ConfigError, check_budget
 from offline.data import ROOT, Data
 from offline.families.clip import CLIPAdapter, split_heads
 from offline.progress import stage as progress_stage
-from offline.stages.artifact import (
-    Exports,
-    export_zero_shot,
-    label_free_spec,
-    model_spec,
-    prepare_out,
-    provenance,
-    save_weights,
-    write_artifact,
-    zero_shot_extra,
-)
-from offline.stages.calibration import ZeroShotCalibration, calibrate_zero_shot
+from offline.stages.calibrate import ZeroShotCalibration, calibrate_zero_shot
+from offline.stages.certify import Guarantees, zero_shot_guarantees, zero_shot_guarantees_report
 from offline.stages.context import BaseModel, BuildContext, Timer
-from offline.stages.data import (
+from offline.stages.datasets import (
     EVAL_BATCH,
     FASHION_MEAN,
     FASHION_STD,
@@ -83,10 +72,20 @@ from offline.stages.data import (
     take,
     zero_shot_sets,
 )
+from offline.stages.ensemble import Fused, Members, ScoringBatches, fuse_members, zero_shot_members
 from offline.stages.evaluation import Evaluation, evaluate_zero_shot, zero_shot_methods, zero_shot_models
-from offline.stages.guarantees import Guarantees, zero_shot_guarantees, zero_shot_guarantees_report
-from offline.stages.members import Fused, Members, ScoringBatches, fuse_members, zero_shot_members
-from offline.train import TrainConfig
+from offline.stages.package import (
+    Exports,
+    export_zero_shot,
+    label_free_spec,
+    model_spec,
+    prepare_out,
+    provenance,
+    save_weights,
+    write_artifact,
+    zero_shot_extra,
+)
+from offline.train import TrainConfig, lit
 from service.core.artifact import Manifest, file_sha256
 
 __all__ = [
@@ -224,8 +223,8 @@ def _lit_key(model_cfg: dict, tcfg: TrainConfig, data: Data, max_length: int, im
 
 
 def _lit_base(cfg: BuildConfig, data: Data) -> BaseModel:
-    """A LiT model (:mod:`offline.lit`): the packaged MiniLM as frozen text tower and an image tower trained here on
-    the ID classes' captions, or loaded from the cache when the same one was trained before."""
+    """A LiT model (:mod:`offline.train.lit`): the packaged MiniLM as frozen text tower and an image tower trained here
+    on the ID classes' captions, or loaded from the cache when the same one was trained before."""
     if cfg.base.preset not in lit.LIT_PRESETS:
         raise ConfigError(f"base.preset {cfg.base.preset!r} is not a LiT preset; known: {sorted(lit.LIT_PRESETS)}")
     preset = lit.LIT_PRESETS[cfg.base.preset]
@@ -271,7 +270,7 @@ def _lit_trained(
     max_length: int,
     weights: Path,
 ) -> dict[str, Any]:
-    """``model``'s image tower trained (:func:`offline.lit.train_lit`) and saved with its training log beside
+    """``model``'s image tower trained (:func:`offline.train.lit.train_lit`) and saved with its training log beside
     ``weights``, or loaded from there when an earlier build trained the same; returns the training log."""
     cache = weights.parent
     if weights.is_file() and (cache / "lit_log.json").is_file():
@@ -357,7 +356,7 @@ def build_zero_shot(cfg: BuildConfig, out: Path) -> Path:
 
 def finish_zero_shot(ctx: BuildContext, members: Members, fused: Fused, prompts: Batch) -> Path:
     """Calibrate, evaluate, export and write the artifact; evaluation images go through the server's preprocessing
-    (:func:`offline.stages.data.zero_shot_sets`), each batch with the label ``prompts``."""
+    (:func:`offline.stages.datasets.zero_shot_sets`), each batch with the label ``prompts``."""
     prepare_out(ctx)
     sets = zero_shot_sets(ctx, prompts)
     models = zero_shot_models(ctx, members, fused, prompts)
@@ -392,7 +391,7 @@ def write_zero_shot(
     checked: Exports,
     t_single: float,
 ) -> Path:
-    """The report, then the manifest of a zero-shot artifact (:func:`offline.stages.artifact.write_artifact`);
+    """The report, then the manifest of a zero-shot artifact (:func:`offline.stages.package.write_artifact`);
     ``t_single``: the base model's own temperature (the report's ``single_ts`` row)."""
     cfg, data, adapter, timer = ctx.config, ctx.data, ctx.adapter, ctx.timer
     base, prep, base_desc = ctx.base.model, ctx.base.preprocessing, ctx.base.description
@@ -460,7 +459,8 @@ def metrics_table(artifact: str | Path, methods: Sequence[str] = TABLE_METHODS) 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m offline.pipeline_clip ARTIFACT``: print the zero-shot metrics table of a built artifact."""
+    """``python -m offline.pipelines.zeroshot_build ARTIFACT``: print the zero-shot metrics table of a built
+    artifact."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("artifact", help="artifact directory holding report.json")
     args = ap.parse_args(argv)

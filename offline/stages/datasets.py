@@ -24,14 +24,14 @@ from PIL import Image
 from torch import nn
 
 from offline import data as data_mod
-from offline import lit
 from offline import train as train_mod
 from offline.config import BuildConfig, ConfigError
 from offline.data import Data
-from offline.foreign import foreign_images
-from offline.ood_fit import Run
-from offline.shift import SHIFT_PREFIX, corrupt, corruptions
+from offline.data.foreign import foreign_images
+from offline.method.corruptions import SHIFT_PREFIX, corrupt, corruptions
+from offline.method.ood_fit import Run
 from offline.stages.context import BuildContext
+from offline.train import lit
 from service.core.preprocess import ImagePreprocessor, TextPreprocessor, make_preprocessor
 
 __all__ = [
@@ -204,8 +204,8 @@ class EvalSets:
     ood_test: dict[str, Batches]
     val: Batches | None = None
     fit: Batches | None = None
-    foreign: Batches | None = None  # the foreign-image test set (offline.foreign), images only: the served flag's
-    calibration: Batches | None = None  # the calibration split: the guarantees' (offline.guarantees)
+    foreign: Batches | None = None  # the foreign-image test set (offline.data.foreign), images only: the served flag's
+    calibration: Batches | None = None  # the calibration split: the guarantees' (offline.method.guarantee_fits)
     ood_val: dict[str, Batches] = field(default_factory=dict)  # the OOD validation sets: the served score's choice
     test_labels: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # (N,) in batch order
     latency: Batch = field(default_factory=dict)  # the first 8 test inputs in their own order: the latency batch
@@ -249,8 +249,9 @@ def eval_sets(ctx: BuildContext) -> EvalSets:
 
 
 def shift_sets(ctx: BuildContext, pre: ImagePreprocessor | TextPreprocessor) -> dict[str, Batches]:
-    """The report's shift section's sets (:mod:`offline.stages.shift`): the first ``data.shift_inputs`` ID test
-    inputs corrupted by every corruption of the modality at each of ``data.shift_severities`` (:mod:`offline.shift`), by
+    """The report's shift section's sets (:mod:`offline.stages.shift_eval`): the first ``data.shift_inputs`` ID test
+    inputs corrupted by every corruption of the modality at each of ``data.shift_severities``
+    (:mod:`offline.method.corruptions`), by
     ``<corruption>@<severity>``, through the server's preprocessing ``pre``; empty when the config asks for none."""
     n = min(ctx.config.data.shift_inputs, len(ctx.data.test.labels))
     if n <= 0:
@@ -321,9 +322,9 @@ def zero_shot_sets(ctx: BuildContext, prompts: Batch) -> ZeroShotSets:
 # ----------------------------------------------------------------------------- a model's outputs over batches
 @torch.inference_mode()
 def collect(fn: Callable[[Batch], Any], batches: Batches) -> Run:
-    """Concatenated outputs of ``fn`` over batches (:data:`offline.ood_fit.Run`): logits, and the features and layer
-    features when ``fn`` returns them (``(logits, features[, layers])``); a single model's ``(N, C)`` / ``(N, D)`` /
-    ``(N, L-1, d)`` become ``(N, 1, C)`` / ``(N, 1, D)`` / ``(N, 1, L-1, d)``."""
+    """Concatenated outputs of ``fn`` over batches (:data:`offline.method.ood_fit.Run`): logits, and the features and
+    layer features when ``fn`` returns them (``(logits, features[, layers])``); a single model's ``(N, C)`` / ``(N, D)``
+    / ``(N, L-1, d)`` become ``(N, 1, C)`` / ``(N, 1, D)`` / ``(N, 1, L-1, d)``."""
     parts: list[list[torch.Tensor]] = [[], [], []]
     for batch, _ in batches:
         y = fn(batch)

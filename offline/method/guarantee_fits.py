@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from offline.shift import SHIFT_PREFIX
+from offline.method.corruptions import SHIFT_PREFIX
 from service.core.conformal import (
     SetCalibrator,
     binomial_p_value,
