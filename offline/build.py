@@ -31,7 +31,8 @@ import torch  # noqa: E402
 from offline import train  # noqa: E402
 from offline.config import BuildConfig, ConfigError, add_arguments, load_config, overrides_from_args  # noqa: E402
 from offline.families import ADAPTERS  # noqa: E402
-from offline.pipelines import classifier_build as pipeline
+from offline.pipelines import classifier_build as pipeline  # noqa: E402
+from offline.pipelines import zeroshot_build  # noqa: E402
 from offline.progress import DEFAULT_EVERY  # noqa: E402
 from offline.progress import set_enabled as set_progress  # noqa: E402
 from offline.progress import set_every as set_progress_every  # noqa: E402
@@ -42,11 +43,18 @@ from service.core.jsonlog import json_formatter  # noqa: E402
 NOT_OVERRIDES = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")
 
 
+# the pipeline of each task (a family's row says its task): what `build` runs
+PIPELINES: dict[str, Callable[[BuildConfig, Path], Path]] = {
+    "classification": pipeline.build,
+    "zero-shot": zeroshot_build.build_zero_shot,
+}
+
+
 def pipeline_of(family: str) -> Callable[[BuildConfig, Path], Path]:
-    """The pipeline that builds ``family``, as its adapter names it (offline/families), read when a build runs."""
+    """The pipeline that builds ``family``: its task's (:data:`PIPELINES`)."""
     if family not in ADAPTERS:
         raise ConfigError(f"family {family!r} has no pipeline; known: {sorted(ADAPTERS)}")
-    return ADAPTERS[family]().build_step("pipeline")
+    return PIPELINES[ADAPTERS[family].row.task]
 
 
 def configure_logging(log_format: str | None = None) -> None:

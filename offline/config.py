@@ -325,7 +325,8 @@ def _check_ranges(cfg: BuildConfig) -> None:
             raise ConfigError(f"data.{key} must be >= 1, got {getattr(d, key)}")
     if not isinstance(d.shift_inputs, int) or d.shift_inputs < 0:
         raise ConfigError(f"data.shift_inputs must be an integer >= 0 (0: no shift section), got {d.shift_inputs!r}")
-    if d.label_words and cfg.family != "clip":
+    zero_shot = cfg.family in ADAPTERS and ADAPTERS[cfg.family].row.task == "zero-shot"
+    if d.label_words and not zero_shot:
         raise ConfigError("data.label_words is for zero-shot builds (family clip): a classifier's labels are its own")
     if not all(isinstance(w, str) and w.strip() for w in d.label_words.values()):
         raise ConfigError("data.label_words: every class needs a word that is not empty")
@@ -414,10 +415,10 @@ def _check_distillation(h: HydraConfig) -> None:
 
 
 def _check_calibration(c: CalibrationConfig, family: str) -> None:
-    """The served OOD score (one a zero-shot build can serve, for ``clip``) and the threshold's TPR."""
+    """The served OOD score (one a zero-shot build can serve, for a zero-shot family) and the threshold's TPR."""
     if c.ood_score not in OOD_SCORES:
         raise ConfigError(f"calibration.ood_score must be one of {OOD_SCORES}, got {c.ood_score!r}")
-    if family == "clip" and c.ood_score not in ZERO_SHOT_SCORES:
+    if ADAPTERS[family].row.task == "zero-shot" and c.ood_score not in ZERO_SHOT_SCORES:
         raise ConfigError(
             f"calibration.ood_score {c.ood_score!r} needs class statistics; zero-shot "
             f"builds serve one of {ZERO_SHOT_SCORES}"
@@ -475,18 +476,18 @@ def validate(cfg: BuildConfig) -> None:
     _check_guarantees(cfg.guarantees)
     d = cfg.data
     _check_data_source(d, cfg.hydra.strategy)
-    image_setting = d.setting in ("fashion-mnist", "image-folder")
-    if cfg.family == "bert" and image_setting:
-        raise ConfigError(f"family bert needs text data, but data.setting is {d.setting}")
-    if cfg.family in ("vit", "clip") and not image_setting:
-        raise ConfigError(f"family {cfg.family} needs image data, but data.setting is {d.setting}")
+    row = ADAPTERS[cfg.family].row
+    modality = "image" if d.setting in ("fashion-mnist", "image-folder") else "text"
+    if modality != row.modality:
+        raise ConfigError(f"family {cfg.family} needs {row.modality} data, but data.setting is {d.setting}")
     if cfg.base.path is not None and not Path(cfg.base.path).exists():
         raise ConfigError(f"base.path {cfg.base.path} does not exist")
     bad = [b for b in cfg.base.baselines if b not in BASELINES]
     if bad:
         raise ConfigError(f"base.baselines: unknown baseline {bad[0]!r}; expected some of {BASELINES}")
-    if cfg.base.baselines and cfg.family == "clip":
-        raise ConfigError("base.baselines: the baselines are built for the vit and bert families, not clip")
+    if cfg.base.baselines and not row.baselines:
+        mine = " and ".join(f for f, a in ADAPTERS.items() if a.row.baselines)
+        raise ConfigError(f"base.baselines: the baselines are built for the {mine} families, not {cfg.family}")
     for name in cfg.base.baselines:  # before hours of training, not after them
         missing = [m for m in BASELINE_MODULES[name] if importlib.util.find_spec(m) is None]
         if missing:
@@ -495,8 +496,9 @@ def validate(cfg: BuildConfig) -> None:
             )
     if cfg.base.baselines and resolve_device(cfg.build.device).type != "cpu":
         raise ConfigError("base.baselines: the baselines are trained and evaluated on the CPU; set build.device cpu")
-    if cfg.hydra.shared_blocks and cfg.family == "clip":
-        raise ConfigError("hydra.shared_blocks: a shared trunk is for the vit and bert families, not clip")
+    if cfg.hydra.shared_blocks and not row.shared_trunk:
+        mine = " and ".join(f for f, a in ADAPTERS.items() if a.row.shared_trunk)
+        raise ConfigError(f"hydra.shared_blocks: a shared trunk is for the {mine} families, not {cfg.family}")
     _check_data_sizes(d)
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+from service.core.families import Family
 
 # The base model's head indices each layer still holds, recorded on pruned copies.
 KEPT_ATTR = "_hydra_kept_heads"
@@ -29,25 +30,36 @@ class ZeroHeadOutput(nn.Module):
 
 
 class FamilyAdapter:
-    """Base class; subclasses implement the family-specific accessors, and name the family's build."""
+    """Base class: a subclass declares everything about its family, in its one file.
 
-    name: str = "base"
-    # the family's build, each a "module:function" resolved when a build runs (:meth:`build_step`), so that the
-    # registry imports no builder code: the pipeline that builds its artifact (``(cfg, out) -> out``) and the loader
-    # of its base model (``offline.pipelines.bases`` for the classifier families)
-    pipeline: str = ""
+    * ``row``: its row of :data:`service.core.families.FAMILIES` (name, task, modality, the fused module's arch, what
+      it supports): the manifest, the config checks and the server read the row, the pipeline is the task's
+      (:data:`offline.build.PIPELINES`);
+    * ``base_loader``: which base model loader of :data:`offline.pipelines.bases.BASE_LOADERS` makes its base model;
+    * ``lora_targets``: the attention projections LoRA adapts (a ``peft`` regex over module names; the baselines);
+    * the structure accessors below (head counting, slicing, fusion), :meth:`logits` (a plain model call, for the
+      baselines) and :meth:`config_heads` (head counts from a Hugging Face ``config.json``).
+
+    A subclass in ``offline/families/`` is registered by :mod:`offline.families` at import.
+    """
+
+    row: Family
+    name: str = "base"  # row.name, set for each subclass that declares a row
     base_loader: str = ""
+    lora_targets: str = ""
 
-    def build_step(self, which: str) -> Callable[..., Any]:
-        """The function ``which`` (``"pipeline"`` or ``"base_loader"``) names; a clear error when it names none."""
-        ref = getattr(self, which)
-        module, _, func = ref.partition(":")
-        if not module or not func:
-            raise LookupError(f"family {self.name!r} names no {which.replace('_', ' ')} (got {ref!r})")
-        found = getattr(importlib.import_module(module), func, None)
-        if not callable(found):
-            raise LookupError(f"family {self.name!r}: {which.replace('_', ' ')} {ref!r} is not a function")
-        return found
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "row" in vars(cls):
+            cls.name = cls.row.name
+
+    def logits(self, model: nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> torch.Tensor:
+        """Logits ``(B, C)`` of a plain call of ``model`` (the family's own class, or peft around it) on ``batch``."""
+        raise NotImplementedError(f"family {self.name!r} has no plain model call")
+
+    def config_heads(self, config: dict[str, Any]) -> list[int] | None:
+        """Head counts per layer read from a Hugging Face ``config.json`` of the family; None when it has none."""
+        return None
 
     # -- structure -----------------------------------------------------------------
     def num_layers(self, model: nn.Module) -> int:

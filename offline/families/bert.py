@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from offline.families.base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
+from service.core.families import BERT
 
 # Hugging Face ``hidden_act`` -> the fused model's activation name
 BERT_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -70,9 +71,16 @@ def fuse_bert_encoder(
 
 
 class BertAdapter(FamilyAdapter):
-    name = "bert"
-    pipeline = "offline.pipelines.classifier_build:build"
-    base_loader = "offline.pipelines.bases:bert_base"
+    row = BERT
+    base_loader = "huggingface"
+    lora_targets = r".*attention\.(self\.(query|key|value)|output\.dense)"
+
+    def logits(self, model: nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> torch.Tensor:
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs).logits
+
+    def config_heads(self, config: dict[str, Any]) -> list[int] | None:
+        return [int(config["num_attention_heads"])] * int(config["num_hidden_layers"])
+
     check = staticmethod(check_supported)
 
     @staticmethod
@@ -170,7 +178,7 @@ class BertAdapter(FamilyAdapter):
         for k, v in grouped_linear([c.weight for c in heads], [c.bias for c in heads]).items():
             sd[f"classifier.{k}"] = v
         return {
-            "arch": "bert",
+            "arch": self.row.arch,
             "members": len(members),
             "vocab_size": cfg_hf.vocab_size,
             "max_position": cfg_hf.max_position_embeddings,

@@ -44,6 +44,7 @@ from torch import nn
 from offline.families.attention import SlicedMultiheadAttention
 from offline.families.base import FamilyAdapter, fuse_blocks, grouped_linear, layer_weights, member_norm, shared_or_mean
 from offline.families.bert import BERT_ACTS, BertAdapter, fuse_bert_encoder
+from service.core.families import CLIP
 
 TEXT_POOLS = ("argmax", "eos", "first", "last")
 HF_POOLERS = ("mean_pooler", "cls_pooler", "cls_last_hidden_state_pooler")
@@ -222,9 +223,8 @@ def _memo(ctx: dict, key: str, deps: tuple[torch.Tensor, ...], compute: Any) -> 
 class CLIPAdapter(FamilyAdapter):
     """Joint vision + text head access for OpenCLIP models; see the module docstring for the layer index."""
 
-    name = "clip"
-    pipeline = "offline.pipelines.zeroshot_build:build_zero_shot"
-    base_loader = "offline.pipelines.zeroshot_build:load_base_clip"
+    row = CLIP
+    base_loader = "openclip"
     check = staticmethod(check_supported)
 
     def num_vision_layers(self, model: nn.Module) -> int:
@@ -389,7 +389,7 @@ class CLIPAdapter(FamilyAdapter):
             sd["logit_bias"] = shared_or_mean([m.logit_bias.reshape(()) for m in members], "logit_bias", report)
             bias = float(sd["logit_bias"])
         return {
-            "arch": "clip",
+            "arch": self.row.arch,
             "members": len(members),
             "embed_dim": int(ref.visual.proj.shape[1]),
             "logit_scale": float(sd["logit_scale"].exp()),

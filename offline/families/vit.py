@@ -17,6 +17,7 @@ from offline.families.base import (
     shared_or_mean,
     stack,
 )
+from service.core.families import VIT
 
 
 def check_supported(model: nn.Module) -> None:
@@ -48,9 +49,13 @@ def check_supported(model: nn.Module) -> None:
 
 
 class ViTAdapter(FamilyAdapter):
-    name = "vit"
-    pipeline = "offline.pipelines.classifier_build:build"
-    base_loader = "offline.pipelines.bases:vit_base"
+    row = VIT
+    base_loader = "timm"
+    lora_targets = r".*blocks\.\d+\.attn\.(qkv|proj)"
+
+    def logits(self, model: nn.Module, batch: dict[str, torch.Tensor], **kwargs: Any) -> torch.Tensor:
+        return model(batch["pixel_values"], **kwargs)
+
     check = staticmethod(check_supported)
 
     def num_layers(self, model: nn.Module) -> int:
@@ -133,7 +138,7 @@ class ViTAdapter(FamilyAdapter):
         if not isinstance(act, nn.GELU):
             raise ValueError(f"unsupported MLP activation {type(act).__name__}")
         return {
-            "arch": "vit",
+            "arch": self.row.arch,
             "members": len(members),
             "img_size": list(ref.patch_embed.img_size),
             "patch_size": ref.patch_embed.patch_size[0],

@@ -14,15 +14,19 @@ it); any other missing or unexpected key is an error naming the first few keys (
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import open_clip
 import timm
 import torch
+from open_clip.tokenizer import bytes_to_unicode, default_bpe
 from timm.models import load_state_dict
 from torch import nn
+from transformers import CLIPTokenizer
 
 from offline.config import ConfigError
 from service.core.artifact import file_sha256
@@ -264,3 +268,42 @@ def _image_tower_state(src: dict[str, torch.Tensor], dst_c: int, layers: int) ->
                 name = f"{b}{kind}" if b.endswith("_") else f"{b}.{kind}"  # in_proj_weight, ln_1.weight, ...
                 out[f"transformer.resblocks.{i}.{name}"] = src[f"blocks.{i}.{a}.{kind}"]
     return out
+
+
+OPENCLIP_PREFIX = "openclip:"
+
+
+def load_openclip(name: str, path: str | None) -> nn.Module:
+    """An OpenCLIP model through open_clip's own loader: ``create_model(name, pretrained=path)``.
+
+    ``name`` is a built-in architecture (``ViT-B-32``) or a model config ``.json`` (registered first).
+    """
+    if name.endswith(".json"):
+        cfg_path = Path(name)
+        if not cfg_path.is_file():
+            raise ConfigError(f"OpenCLIP model config {cfg_path} does not exist")
+        open_clip.add_model_config(cfg_path)
+        name = cfg_path.stem
+    try:
+        model = open_clip.create_model(name, pretrained=path, load_weights=path is not None)
+    except RuntimeError as e:
+        raise ConfigError(f"cannot load OpenCLIP model {name!r} from {path!r}: {e}") from e
+    return model.eval()
+
+
+def openclip_tokenizer(context_length: int = 77) -> Any:
+    """open_clip's BPE tokenizer as a Hugging Face ``CLIPTokenizer`` (same ids on ordinary text), padding with 0.
+
+    Built from the BPE merges file open_clip ships, so no hub is reached; ``save_pretrained`` makes the
+    artifact's ``tokenizer/`` folder loadable with ``AutoTokenizer``.
+    """
+    merges = gzip.open(default_bpe()).read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]
+    vocab = list(bytes_to_unicode().values())
+    vocab = vocab + [v + "</w>" for v in vocab] + ["".join(m.split()) for m in merges]
+    vocab += ["<|startoftext|>", "<|endoftext|>"]  # open_clip's <start_of_text>, <end_of_text>: ids 49406, 49407
+    return CLIPTokenizer(
+        vocab={t: i for i, t in enumerate(vocab)},
+        merges=[tuple(m.split()) for m in merges],
+        pad_token="!",  # id 0, what open_clip pads with
+        model_max_length=context_length,
+    )

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from offline import train as train_mod
-from offline.config import BuildConfig
+from offline.config import BuildConfig, ConfigError
+from offline.families import get_adapter
 from offline.stages.datasets import Batch, batches_of, take, with_features
 from offline.stages.finetune import member_data, member_train_config
 
@@ -58,10 +59,8 @@ def _head_name(model: nn.Module) -> str:
 
 
 def _forward(family: str) -> Callable[..., torch.Tensor]:
-    """``(model, batch, **kwargs) -> logits (B, C)`` of a timm ViT or a Hugging Face classifier (and peft on them)."""
-    if family == "vit":
-        return lambda m, b, **kw: m(b["pixel_values"], **kw)
-    return lambda m, b, **kw: m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], **kw).logits
+    """``(model, batch, **kwargs) -> logits (B, C)``: the family's plain model call (and peft's around it)."""
+    return get_adapter(family).logits
 
 
 def _repeat(batch: Batch, m: int) -> Batch:
@@ -102,10 +101,11 @@ def _train(
 
 # ----------------------------------------------------------------------------- LoRA-Ensembles
 def lora_targets(family: str) -> str:
-    """The attention projections LoRA adapts (a ``peft`` regex over module names)."""
-    if family == "vit":
-        return r".*blocks\.\d+\.attn\.(qkv|proj)"
-    return r".*attention\.(self\.(query|key|value)|output\.dense)"
+    """The attention projections LoRA adapts (a ``peft`` regex over module names), as the family's adapter says."""
+    targets = get_adapter(family).lora_targets
+    if not targets:
+        raise ConfigError(f"base.baselines: family {family!r} names no LoRA targets")
+    return targets
 
 
 def lora_model(base: nn.Module, family: str, members: int, seed: int) -> tuple[nn.Module, list[str]]:

@@ -26,9 +26,9 @@ from offline import train as train_mod
 from offline.compute import on_device
 from offline.config import BuildConfig, ConfigError, check_budget
 from offline.data import Data
-from offline.families import ADAPTERS, get_adapter
+from offline.families import get_adapter
 from offline.pipelines.baselines import baseline_methods
-from offline.pipelines.bases import train_config
+from offline.pipelines.bases import base_loader, train_config
 from offline.progress import stage as progress_stage
 from offline.stages.calibrate import Calibration, calibrate_ood
 from offline.stages.certify import Guarantees, classifier_guarantees
@@ -49,31 +49,29 @@ from offline.stages.package import (
     write_artifact,
 )
 from service.core.artifact import Manifest
+from service.core.families import FAMILIES
 
 __all__ = ["STAGES", "base_checkpoint_dir", "build", "finish", "heads_of_base", "load_base", "scoring_batches"]
 
-# what a classifier family's adapter names as its pipeline
-CLASSIFIER_PIPELINE = "offline.pipelines.classifier_build:build"
 STAGES = ("base", "score", "member", "finish")  # --stage: the parts of a build one process (pod, GPU) can run
 
 
 # ----------------------------------------------------------------------------- base model
 def heads_of_base(cfg: BuildConfig) -> list[int] | None:
-    """Head counts of the base model read cheaply (config files), to check the budget before heavy work."""
-    src = cfg.base.source
+    """Head counts of the base model read cheaply (config files, a model on the meta device), to check the budget
+    before heavy work; the family's adapter counts them."""
+    src, adapter = cfg.base.source, get_adapter(cfg.family)
     if src == "train-vit":
         arch = {**train_mod.PRESETS[cfg.base.preset]["arch"], **cfg.base.arch}
         return [int(arch["num_heads"])] * int(arch["depth"])
     if src == "minilm" or src.startswith("hf:"):
         path = cfg.base.path or (train_mod.minilm_path() if src == "minilm" else src[3:])
         conf = Path(path) / "config.json"
-        if conf.is_file():
-            c = json.loads(conf.read_text())
-            return [int(c["num_attention_heads"])] * int(c["num_hidden_layers"])
+        return adapter.config_heads(json.loads(conf.read_text())) if conf.is_file() else None
     if src.startswith("timm:"):
         with torch.device("meta"):
             m = timm.create_model(src[5:], pretrained=False, **cfg.base.arch)
-        return [blk.attn.num_heads for blk in m.blocks]
+        return adapter.heads(m)
     return None
 
 
@@ -129,11 +127,11 @@ def load_base(cfg: BuildConfig, data: Data, out: Path | None = None) -> BaseMode
     """The base classifier (eval) with the artifact's preprocessing, its tokenizer (text; else None) and its
     description for the manifest."""
     ckpt = base_checkpoint_dir(cfg, out, data)
-    adapter = get_adapter(cfg.family)
-    if adapter.pipeline != CLASSIFIER_PIPELINE:
-        mine = ", ".join(n for n, a in ADAPTERS.items() if a.pipeline == CLASSIFIER_PIPELINE)
-        raise ConfigError(f"family {cfg.family!r} is not a classifier family ({mine}); its build is {adapter.pipeline}")
-    return adapter.build_step("base_loader")(cfg, data, ckpt)
+    row = get_adapter(cfg.family).row
+    if row.task != "classification":
+        mine = ", ".join(f.name for f in FAMILIES.values() if f.task == "classification")
+        raise ConfigError(f"family {cfg.family!r} is not a classifier family ({mine}); it is a {row.task} family")
+    return base_loader(cfg.family)(cfg, data, ckpt)
 
 
 # ----------------------------------------------------------------------------- the build
@@ -321,7 +319,3 @@ def check_members_done(ctx: BuildContext) -> None:
                 f"--stage finish: member {i} is at step {done} of {h.finetune_steps} "
                 f"(run --stage member --member {i} first)"
             )
-
-
-# the classifier families' base loaders, by family (the zero-shot family's is
-# offline.pipelines.zeroshot_build.load_base_clip)

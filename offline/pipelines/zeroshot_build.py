@@ -32,37 +32,22 @@ images, ``(B, M, D)``; member logits ``(B, M, L) = logit_scale · einsum("bmd,lm
 
 from __future__ import annotations
 
-import argparse
-import gzip
-import hashlib
-import json
 import logging
-import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import open_clip
 import torch
-from open_clip.model import get_model_preprocess_cfg
-from open_clip.tokenizer import bytes_to_unicode, default_bpe
-from safetensors.torch import load_file
-from torch import nn
-from transformers import AutoTokenizer, CLIPTokenizer
 
-from offline import train as train_mod
 from offline.config import BuildConfig, ConfigError, check_budget
-from offline.data import ROOT, Data
 from offline.families.clip import CLIPAdapter, split_heads
+from offline.pipelines.bases import load_base_clip
 from offline.progress import stage as progress_stage
 from offline.stages.calibrate import ZeroShotCalibration, calibrate_zero_shot
 from offline.stages.certify import Guarantees, zero_shot_guarantees, zero_shot_guarantees_report
-from offline.stages.context import BaseModel, BuildContext, Timer
+from offline.stages.context import BuildContext, Timer
 from offline.stages.datasets import (
     EVAL_BATCH,
-    FASHION_MEAN,
-    FASHION_STD,
     Batch,
     Batches,
     concat,
@@ -85,19 +70,14 @@ from offline.stages.package import (
     write_artifact,
     zero_shot_extra,
 )
-from offline.train import TrainConfig, lit
-from service.core.artifact import Manifest, file_sha256
+from offline.train import lit
+from service.core.artifact import Manifest
 
 __all__ = [
     "HEAD_INDEX",
     "build_zero_shot",
     "finish_zero_shot",
-    "image_prep",
-    "load_base_clip",
-    "load_openclip",
-    "metrics_table",
     "ood_sample",
-    "openclip_tokenizer",
     "prompt_batch",
     "zero_shot_batches",
 ]
@@ -108,180 +88,6 @@ HEAD_INDEX = (
     "joint layer index: vision tower layers 0..Lv-1, then text tower layers Lv..Lv+Lt-1; "
     "heads are indices into the base model's heads of that layer"
 )
-OPENCLIP_PREFIX = "openclip:"
-
-
-# ----------------------------------------------------------------------------- base models
-def load_base_clip(cfg: BuildConfig, data: Data) -> BaseModel:
-    """Base CLIP (eval), the artifact preprocessing, its tokenizer and a description for the manifest."""
-    src = cfg.base.source
-    if src == "lit":
-        return _lit_base(cfg, data)
-    if src.startswith(OPENCLIP_PREFIX):
-        return _openclip_base(cfg, src[len(OPENCLIP_PREFIX) :])
-    raise ConfigError(f"base.source {src!r} is not a zero-shot model source (lit, openclip:<name or config.json>)")
-
-
-def image_prep(size: Sequence[int], mean: Sequence[float], std: Sequence[float], interpolation: str) -> dict:
-    """The image part of the artifact's preprocessing: RGB (gray replicated), resized directly to ``size``."""
-    return {
-        "type": "image",
-        "size": [int(s) for s in size],
-        "mean": [float(m) for m in mean],
-        "std": [float(s) for s in std],
-        "interpolation": interpolation,
-        "channels": 3,
-        "resize": "direct",
-    }
-
-
-def load_openclip(name: str, path: str | None) -> nn.Module:
-    """An OpenCLIP model through open_clip's own loader: ``create_model(name, pretrained=path)``.
-
-    ``name`` is a built-in architecture (``ViT-B-32``) or a model config ``.json`` (registered first).
-    """
-    if name.endswith(".json"):
-        cfg_path = Path(name)
-        if not cfg_path.is_file():
-            raise ConfigError(f"OpenCLIP model config {cfg_path} does not exist")
-        open_clip.add_model_config(cfg_path)
-        name = cfg_path.stem
-    try:
-        model = open_clip.create_model(name, pretrained=path, load_weights=path is not None)
-    except RuntimeError as e:
-        raise ConfigError(f"cannot load OpenCLIP model {name!r} from {path!r}: {e}") from e
-    return model.eval()
-
-
-def openclip_tokenizer(context_length: int = 77) -> Any:
-    """open_clip's BPE tokenizer as a Hugging Face ``CLIPTokenizer`` (same ids on ordinary text), padding with 0.
-
-    Built from the BPE merges file open_clip ships, so no hub is reached; ``save_pretrained`` makes the
-    artifact's ``tokenizer/`` folder loadable with ``AutoTokenizer``.
-    """
-    merges = gzip.open(default_bpe()).read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]
-    vocab = list(bytes_to_unicode().values())
-    vocab = vocab + [v + "</w>" for v in vocab] + ["".join(m.split()) for m in merges]
-    vocab += ["<|startoftext|>", "<|endoftext|>"]  # open_clip's <start_of_text>, <end_of_text>: ids 49406, 49407
-    return CLIPTokenizer(
-        vocab={t: i for i, t in enumerate(vocab)},
-        merges=[tuple(m.split()) for m in merges],
-        pad_token="!",  # id 0, what open_clip pads with
-        model_max_length=context_length,
-    )
-
-
-def _openclip_base(cfg: BuildConfig, name: str) -> BaseModel:
-    """An OpenCLIP checkpoint (``openclip:<name or config.json>``, weights in ``base.path``) with open_clip's own
-    preprocessing and tokenizer."""
-    model = load_openclip(name, cfg.base.path)
-    pp = get_model_preprocess_cfg(model)  # what open_clip's own transforms would do
-    size = pp.get("size", model.visual.image_size)
-    size = [size, size] if isinstance(size, int) else list(size)
-    prep = image_prep(size, pp["mean"], pp["std"], pp.get("interpolation", "bicubic"))
-    hf_text = hasattr(model, "text") and hasattr(model.text, "config")
-    if hf_text:  # HF text tower
-        tok_name = open_clip.get_model_config(Path(name).stem)["text_cfg"].get("hf_tokenizer_name")
-        tok = AutoTokenizer.from_pretrained(tok_name or model.text.config.name_or_path)
-        max_length = cfg.base.max_length
-    else:
-        max_length = int(model.context_length)
-        tok = openclip_tokenizer(max_length)
-    # open_clip's own text transformer adds its positional embedding to all context_length positions
-    padding = "longest" if hf_text else "max_length"
-    prep["text"] = {"max_length": max_length, "tokenizer": "tokenizer", "padding": padding}
-    desc = {
-        "name": Path(name).stem,
-        "source": cfg.base.source,
-        "path": cfg.base.path,
-        "sha256": file_sha256(cfg.base.path) if cfg.base.path else None,
-    }
-    return BaseModel(model, prep, tok, desc)
-
-
-def lit_cache_dir() -> Path:
-    return Path(os.environ.get("HYDRA_CACHE_DIR", ROOT / ".cache")) / "lit"
-
-
-def _lit_key(model_cfg: dict, tcfg: TrainConfig, data: Data, max_length: int, image_init: str | None = None) -> str:
-    tower = Path(model_cfg["text_cfg"]["hf_model_name"])
-    weights = next(iter(sorted(tower.glob("*.safetensors"))), None)
-    doc = {
-        "model": model_cfg,
-        "train": train_mod.recorded(tcfg),
-        "templates": lit.TRAIN_TEMPLATES,
-        "max_length": max_length,
-        "classes": list(data.class_names),
-        "train_split": data.splits.get("id", {}).get("train"),
-        "text_weights": file_sha256(weights) if weights else None,
-        "version": 1,
-    }
-    if image_init:  # the image tower's starting weights (an unset one keeps older keys)
-        doc["image_init"] = file_sha256(image_init)
-    blob = json.dumps(doc, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _lit_base(cfg: BuildConfig, data: Data) -> BaseModel:
-    """A LiT model (:mod:`offline.train.lit`): the packaged MiniLM as frozen text tower and an image tower trained here
-    on the ID classes' captions, or loaded from the cache when the same one was trained before."""
-    if cfg.base.preset not in lit.LIT_PRESETS:
-        raise ConfigError(f"base.preset {cfg.base.preset!r} is not a LiT preset; known: {sorted(lit.LIT_PRESETS)}")
-    preset = lit.LIT_PRESETS[cfg.base.preset]
-    vision = {**preset["vision"], **cfg.base.arch}
-    model_cfg = lit.lit_model_config(vision, text_path=cfg.base.path)
-    steps = {"steps": cfg.base.steps} if cfg.base.steps else {}
-    tcfg = TrainConfig(**{**preset["train"], **steps, "seed": cfg.data.seed})
-    max_length = min(cfg.base.max_length, model_cfg["text_cfg"]["context_length"])
-    size = vision["image_size"]
-    size = [size, size] if isinstance(size, int) else list(size)
-    prep = image_prep(size, [FASHION_MEAN] * 3, [FASHION_STD] * 3, "bilinear")
-    tok = lit.load_tokenizer(model_cfg)
-    if cfg.base.image_init and not Path(cfg.base.image_init).is_file():
-        raise ConfigError(f"base.image_init {cfg.base.image_init} is not a file")
-    cache = lit_cache_dir() / _lit_key(model_cfg, tcfg, data, max_length, cfg.base.image_init)
-    model = lit.make_lit_model(model_cfg, pretrained_text=True, seed=tcfg.seed)
-    init = lit.init_image_tower(model, cfg.base.image_init) if cfg.base.image_init else None
-    weights = cache / f"lit-{cfg.base.preset}.safetensors"
-    info = _lit_trained(model, model_cfg, tok, data, tcfg, prep, max_length, weights)
-    prep["text"] = {"max_length": max_length, "tokenizer": "tokenizer", "padding": "longest"}
-    text_path = model_cfg["text_cfg"]["hf_model_name"]
-    text_weights = next(iter(sorted(Path(text_path).glob("*.safetensors"))), None)
-    desc = {
-        "name": "LiT CustomTextCLIP: frozen all-MiniLM-L6-v2 text tower, image tower trained here",
-        "source": "lit",
-        "path": text_path,
-        "sha256": file_sha256(text_weights) if text_weights else None,
-        "open_clip_config": model_cfg,
-        "lit": info,
-        "cache": str(cache),
-        "image_init": init,
-    }
-    return BaseModel(model.eval(), prep, tok, desc)
-
-
-def _lit_trained(
-    model: nn.Module,
-    model_cfg: dict[str, Any],
-    tok: Any,
-    data: Data,
-    tcfg: TrainConfig,
-    prep: dict[str, Any],
-    max_length: int,
-    weights: Path,
-) -> dict[str, Any]:
-    """``model``'s image tower trained (:func:`offline.train.lit.train_lit`) and saved with its training log beside
-    ``weights``, or loaded from there when an earlier build trained the same; returns the training log."""
-    cache = weights.parent
-    if weights.is_file() and (cache / "lit_log.json").is_file():
-        model.load_state_dict(load_file(str(weights)), strict=True)
-        log.info("LiT base model loaded from the cache %s", cache)
-        return json.loads((cache / "lit_log.json").read_text())
-    lit.train_lit(model, tok, data, tcfg, prep, max_length=max_length)
-    info = getattr(model, lit.LIT_TRAIN_LOG_ATTR)
-    lit.save_openclip(model, model_cfg, cache, weights.stem)
-    (cache / "lit_log.json").write_text(json.dumps(info, indent=2, default=str))
-    return info
 
 
 # ----------------------------------------------------------------------------- the scoring batches
@@ -429,44 +235,3 @@ def write_zero_shot(
 
     title = f"{cfg.name}: zero-shot Hydra ({strategy['name']}, M={len(members)})"
     return write_artifact(ctx, manifest, evaluation, title, zero_shot_extra(ctx, calibrated, t_single, fitted))
-
-
-# ----------------------------------------------------------------------------- the numbers, printed
-TABLE_METHODS = ("single", "single_ts", "hydra", "ensemble_unfused")
-
-
-def metrics_table(artifact: str | Path, methods: Sequence[str] = TABLE_METHODS) -> str:
-    """Zero-shot accuracy, ECE, NLL and per-OOD-set AUROC / FPR95 (%) of ``methods`` from ``report.json``."""
-    doc = json.loads((Path(artifact) / "report.json").read_text())
-    rows = {r["method"]: r for r in doc["rows"]}
-    sets = list(doc.get("ood_kinds", {}))
-    head = ["method", "acc %", "ECE %", "NLL"] + [f"{s} {k}" for s in [*sets, "avg"] for k in ("AUROC", "FPR95")]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:.2f}"
-
-    for m in methods:
-        if m not in rows:
-            continue
-        r = rows[m]
-        ood = [r["ood"].get(s, {}) for s in sets] + [r.get("ood_avg", {})]
-        cells = [m, pct(r["acc"]), pct(r["ece"]), f"{r['nll']:.4f}"]
-        cells += [pct(o.get(k)) for o in ood for k in ("auroc", "fpr95")]
-        lines.append("| " + " | ".join(cells) + " |")
-    kinds = ", ".join(f"{s}: {k}" for s, k in doc.get("ood_kinds", {}).items())
-    return "\n".join([f"{doc['title']} (OOD sets: {kinds}; score {doc['extra'].get('ood_score')})", *lines])
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m offline.pipelines.zeroshot_build ARTIFACT``: print the zero-shot metrics table of a built
-    artifact."""
-    ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("artifact", help="artifact directory holding report.json")
-    args = ap.parse_args(argv)
-    print(metrics_table(args.artifact))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -182,6 +182,8 @@ class FusedViT(FusedClassifier):
     norm_pre, final_norm, fc_norm, patch_bias, shared_blocks (the trunk: see :class:`FusedEncoder`).
     """
 
+    ARCH = "vit"  # the config's arch (service.core.registry.ARCHS)
+
     def __init__(self, cfg: dict[str, Any]) -> None:
         # token pooling reads only the first token: the last layer computes only that token
         super().__init__(cfg, first_token_readout=cfg.get("global_pool", "token") == "token")
@@ -242,6 +244,8 @@ class FusedBert(FusedClassifier):
     dim, head_dim, num_heads (per layer, padded), mlp_hidden, num_classes, act, eps,
     mlp, pooler (bool), shared_blocks (the trunk: see :class:`FusedEncoder`).
     """
+
+    ARCH = "bert"  # the config's arch (service.core.registry.ARCHS)
 
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__(cfg, first_token_readout=True)  # the readout reads only the [CLS] token

@@ -217,6 +217,8 @@ class FusedCLIP(nn.Module):
     both L2-normalised. ``logit_scale`` is stored as its log (as in open_clip).
     """
 
+    ARCH = "clip"  # the config's arch (service.core.registry.ARCHS)
+
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         self.cfg = dict(cfg)

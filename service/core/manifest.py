@@ -34,6 +34,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import Self
 
+from service.core.families import FAMILIES
 from service.core.scores import FEATURE_SCORES, LOGIT_SCORES, SCORES
 
 __all__ = [
@@ -240,8 +241,9 @@ class ModelSpec(_OpenRecord):
     @field_validator("config")
     @classmethod
     def _arch(cls, value: dict[str, Any]) -> dict[str, Any]:
-        if value.get("arch") not in ("vit", "bert", "clip"):
-            raise ValueError(f"config.arch must be vit, bert or clip, got {value.get('arch')!r}")
+        arches = sorted({f.arch for f in FAMILIES.values()})
+        if value.get("arch") not in arches:
+            raise ValueError(f"config.arch must be one of {', '.join(arches)}, got {value.get('arch')!r}")
         return value
 
 
@@ -413,7 +415,7 @@ class Manifest(_Record):
     name: str = Field(min_length=1)  # the model's name in API answers and metrics
     # the model's version in API answers and metrics; absent: build.version, else a hash of the manifest
     version: str | None = Field(None, pattern=VERSION_PATTERN)
-    family: Literal["vit", "bert", "clip"]
+    family: str  # a row of service.core.families.FAMILIES
     task: Literal["classification", "zero-shot"]
     base_model: BaseModelInfo
     members: PositiveInt  # M
@@ -460,15 +462,30 @@ class Manifest(_Record):
             copy._document_sha256 = None
         return copy
 
+    @field_validator("family")
+    @classmethod
+    def _family(cls, value: str) -> str:
+        if value not in FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {value!r}")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
+        row = FAMILIES[self.family]
+        if self.task != row.task:
+            raise ValueError(f"task {self.task} does not match family {self.family}, a {row.task} family")
+        if self.model.config.get("arch") != row.arch:
+            raise ValueError(
+                f"model.config.arch {self.model.config.get('arch')!r} is not family {self.family}'s {row.arch!r}"
+            )
         if len(self.heads) != self.members:
             raise ValueError(f"heads lists {len(self.heads)} members, members is {self.members}")
         trunk = self.model.config.get("shared_blocks", 0)
         if trunk != (self.shared_blocks or 0):
             raise ValueError(f"shared_blocks {self.shared_blocks} differs from model.config.shared_blocks {trunk}")
-        if trunk and self.family == "clip":
-            raise ValueError("shared_blocks: a shared trunk is for the vit and bert families")
+        if trunk and not row.shared_trunk:
+            trunked = ", ".join(f.name for f in FAMILIES.values() if f.shared_trunk)
+            raise ValueError(f"shared_blocks: a shared trunk is for the {trunked} families")
         if self.task == "classification":
             self._check_classifier()
         else:
@@ -510,8 +527,6 @@ class Manifest(_Record):
             raise ValueError("exports: a classifier's export is one file (file, max_abs_diff, tolerance)")
 
     def _check_zero_shot(self) -> None:
-        if self.family != "clip":
-            raise ValueError(f"task zero-shot needs family clip, not {self.family}")
         if self.zero_shot is None:
             raise ValueError("a zero-shot artifact needs its zero_shot block (template, logit_scale, embed_dim)")
         if not isinstance(self.preprocessing, ImagePreprocessing) or self.preprocessing.text is None:

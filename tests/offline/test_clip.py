@@ -338,7 +338,7 @@ def test_hydra_members_of_openclip_checkpoint_on_disk(tmp_path):
 
     import open_clip
 
-    from offline.pipelines.zeroshot_build import load_openclip
+    from offline.models.loaders import load_openclip
 
     cfg_path = tmp_path / "tiny-clip-hydra-test.json"
     cfg_path.write_text(
@@ -373,7 +373,7 @@ def test_openclip_tokenizer_matches_open_clip_ids(tmp_path):
     import open_clip
     from transformers import AutoTokenizer
 
-    from offline.pipelines.zeroshot_build import openclip_tokenizer
+    from offline.models.loaders import openclip_tokenizer
 
     texts = ["A photo of a T-shirt/top.", "a photo of a dog", "Ankle boot", "word " * 100]
     openclip_tokenizer(77).save_pretrained(str(tmp_path))

@@ -139,7 +139,7 @@ def _served_model_is_the_members(out, manifest, cfg_path, weights) -> None:
     import open_clip
     from transformers import AutoTokenizer
 
-    from offline.pipelines import zeroshot_build as pipeline_clip
+    from offline.models.loaders import load_openclip
 
     tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     prompts = [manifest["zero_shot"]["template"].format(label=c) for c in CLASSES]
@@ -148,7 +148,7 @@ def _served_model_is_the_members(out, manifest, cfg_path, weights) -> None:
     assert torch.equal(enc["input_ids"], open_clip.tokenize(prompts, context_length=12))
 
     fused = load_model(out / manifest["model"]["weights"], manifest["model"]["config"])
-    base = pipeline_clip.load_openclip(str(cfg_path), str(weights))
+    base = load_openclip(str(cfg_path), str(weights))
     adapter = get_adapter("clip")
     members = [adapter.prune_to(base, h["vision"] + h["text"]) for h in manifest["heads"]]
     px = torch.randn(4, 3, 16, 16)

@@ -102,8 +102,8 @@ def test_invalid_manifests_are_refused(tmp_path):
         ({"family": "resnet"}, "family", ""),
         ({"format_version": 2}, "format_version", ""),
         ({"surprise": 1}, "surprise", "Extra inputs are not permitted"),
-        ({"model": {"config": {"arch": "gpt"}, "inputs": ["x"]}}, "model.config", "arch must be vit, bert or clip"),
-        ({"task": "zero-shot"}, "(top level)", "needs family clip"),
+        ({"model": {"config": {"arch": "gpt"}, "inputs": ["x"]}}, "model.config", "arch must be one of bert, clip, vit"),
+        ({"task": "zero-shot"}, "(top level)", "task zero-shot does not match family bert, a classification family"),
     ],
 )
 def test_every_manifest_field_is_checked_at_load(artifact, change, field, message):
