@@ -60,7 +60,7 @@ COPY README.md ./
 COPY service/ service/
 # `-P`: the import check sees the installed package, not the source folder in the working directory. uvloop and
 # httptools (runtime dependencies) are checked too: without them `python -m service` would fall back to asyncio and
-# h11, the slower pure-Python HTTP layer (service/server.py).
+# h11, the slower pure-Python HTTP layer (service/entrypoints/http_server.py).
 RUN pip install --no-deps . \
  && python -P -c "import service.settings, service.main, uvloop, httptools"
 

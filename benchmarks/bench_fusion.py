@@ -54,7 +54,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# as the server runs (service/main.py): large activations on transparent huge pages; set before torch allocates
+# as the server runs (service/entrypoints/app.py): large activations on transparent huge pages; set before torch
+# allocates
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch

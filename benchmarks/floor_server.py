@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     args = p.parse_args(argv)
-    from service.server import http_stack  # the server's own choice of loop and parser
+    from service.entrypoints.http_server import http_stack  # the server's own choice of loop and parser
 
     loop, http = http_stack("auto", "auto")
     uvicorn.run(app, host=args.host, port=args.port, loop=loop, http=http, log_level="warning", access_log=False)

@@ -31,7 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the server's OpenMP setting (service.main), before torch
+os.environ.setdefault(
+    "OMP_WAIT_POLICY", "PASSIVE"
+)  # the server's OpenMP setting (service.entrypoints.app), before torch
 
 from benchmarks import harness
 

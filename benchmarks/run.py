@@ -31,7 +31,9 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the server runs (service/main.py); before torch allocates
+os.environ.setdefault(
+    "THP_MEM_ALLOC_ENABLE", "1"
+)  # as the server runs (service/entrypoints/app.py); before torch allocates
 
 import numpy as np
 import torch

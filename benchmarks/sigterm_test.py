@@ -10,11 +10,11 @@ it N times, a fresh server each time. Then it accounts for every request:
 
 * ``in_flight_at_sigterm``: sent before the signal, answered after it (they finished);
 * sent after the signal but before the server stopped accepting (uvicorn notices a
-  signal within 0.1 s; ``service/server.py`` stops at the signal itself): served;
+  signal within 0.1 s; ``service/entrypoints/http_server.py`` stops at the signal itself): served;
 * ``refused``: the connection was refused (ECONNREFUSED): the server no longer
   accepts. ``reset``: the connection was reset, or closed, before any response
   byte; ``broken``: closed in the middle of a response. Both are failures: a
-  connection the kernel accepted must be answered (``service/server.py`` answers
+  connection the kernel accepted must be answered (``service/entrypoints/http_server.py`` answers
   the ones still in the accept queue at the signal; uvicorn alone resets them);
 * ``lost``: reached the app and got no answer. The server logs how many requests
   it received and answered (``hydra.service`` at shutdown): ``lost = received -

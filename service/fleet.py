@@ -1,6 +1,6 @@
-"""The workers of one ``python -m service`` (``HYDRA_WORKERS``; :mod:`service.workers`): each marks itself ready in a
-folder the supervisor made, and ``/readyz`` of any of them answers 200 only when every worker is (:func:`all_ready`).
-A lone server has no such folder: nothing here applies to it."""
+"""The workers of one ``python -m service`` (``HYDRA_WORKERS``; :mod:`service.entrypoints.workers`): each marks itself
+ready in a folder the supervisor made, and ``/readyz`` of any of them answers 200 only when every worker is
+(:func:`all_ready`). A lone server has no such folder: nothing here applies to it."""
 
 from __future__ import annotations
 

@@ -3,11 +3,11 @@
 Every metric is one row of :data:`SPECS` (its attribute on :class:`Metrics`, type, name, help text, labels,
 buckets, and for a gauge how several workers' values combine); :class:`Metrics` registers them in that order.
 
-With several workers (``HYDRA_WORKERS``; :mod:`service.workers`) the supervisor sets ``PROMETHEUS_MULTIPROC_DIR``
-before a worker imports prometheus_client, whose multiprocess mode then keeps every value in files there, and
-:meth:`Metrics.render` of any worker gives one view of all of them: counters and histograms summed over the workers
-(those that died included: counts only grow), each gauge combined as its ``mode`` says over the live workers (a
-queue depth summed, an alarm the largest, readiness the smallest). Counters then have no ``_created`` series.
+With several workers (``HYDRA_WORKERS``; :mod:`service.entrypoints.workers`) the supervisor sets
+``PROMETHEUS_MULTIPROC_DIR`` before a worker imports prometheus_client, whose multiprocess mode then keeps every value
+in files there, and :meth:`Metrics.render` of any worker gives one view of all of them: counters and histograms summed
+over the workers (those that died included: counts only grow), each gauge combined as its ``mode`` says over the live
+workers (a queue depth summed, an alarm the largest, readiness the smallest). Counters then have no ``_created`` series.
 """
 
 from __future__ import annotations

@@ -12,10 +12,13 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.store.backends import BACKENDS
+
 __all__ = ["DRIFT_POLICIES", "STORE_SCHEMES", "Settings", "settings_errors"]
 
 # database URLs the prediction store takes (service/store/database.py): SQLite, and PostgreSQL through psycopg 3
-STORE_SCHEMES = frozenset({"sqlite", "postgresql", "postgres", "postgresql+psycopg"})
+# the URL schemes HYDRA_STORE_URL may name: every store backend's (service.store.backends.BACKENDS)
+STORE_SCHEMES = frozenset(scheme for backend in BACKENDS.values() for scheme in backend.schemes)
 # what an answer does while its model's drift alarm is on (docs/api.md "Guarantees"): abstain from accepting, mark the
 # guarantees suspended but answer as without the alarm, or nothing
 DRIFT_POLICIES = ("abstain", "mark", "off")
@@ -51,12 +54,13 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     # TCP port `python -m service` listens on
     port: int = Field(8000, ge=1, le=65535)
-    # event loop of `python -m service`: auto = uvloop when it imports, else asyncio (service/server.py)
+    # event loop of `python -m service`: auto = uvloop when it imports, else asyncio
+    # (service/entrypoints/http_server.py)
     loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     # HTTP/1.1 parser of `python -m service`: auto = httptools when it imports, else h11 (pure Python)
     http: Literal["auto", "h11", "httptools"] = "auto"
-    # server processes of `python -m service` on one port (service/workers.py): N, or auto = one per core on CPU
-    # (they share one drift alarm per model), on CUDA one per two cores, at most 8
+    # server processes of `python -m service` on one port (service/entrypoints/workers.py): N, or auto = one per core
+    # on CPU (they share one drift alarm per model), on CUDA one per two cores, at most 8
     workers: int | Literal["auto"] = "auto"
     # auto = CUDA when available, else CPU
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from service.main import create_app  # noqa: E402
+from service.entrypoints.app import create_app  # noqa: E402
 from tests.fixtures.tiny_artifact import tiny_artifacts  # noqa: E402
 from tests.service.helpers import settings_for  # noqa: E402
 

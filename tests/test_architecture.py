@@ -134,7 +134,7 @@ def test_the_installed_commands_name_the_documented_entry_points():
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"hydra-build": "offline.build:main", "hydra-serve": "service.__main__:main"}
+    assert scripts == {"hydra-build": "offline.build:main", "hydra-serve": "service.entrypoints.cli:main"}
     for target in scripts.values():
         module, _, name = target.partition(":")
         assert callable(getattr(importlib.import_module(module), name))

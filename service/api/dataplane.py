@@ -30,7 +30,7 @@ INLINE_BYTES = 32 * 1024
 
 
 def server_state(request: Request) -> ServerState:
-    """The state the app's handlers share (set by :func:`service.main.create_app`)."""
+    """The state the app's handlers share (set by :func:`service.entrypoints.app.create_app`)."""
     return request.app.state.hydra
 
 

@@ -2,9 +2,10 @@
 the body size limit, and the fast routes.
 
 :class:`Front` wraps the whole app (outside Starlette's error middleware and OpenTelemetry's, see
-:class:`service.main.HydraApp`), so that every answer, a 500 included, carries the request's ``X-Request-ID``: the
-client's, or a new one (:mod:`service.tracing`). It sets the request ID and the ``traceparent`` trace ID for the logs
-of the request (:mod:`service.logs`) and writes its access line once answered. It sees every request, 404s included:
+:class:`service.entrypoints.app.HydraApp`), so that every answer, a 500 included, carries the request's
+``X-Request-ID``: the client's, or a new one (:mod:`service.tracing`). It sets the request ID and the ``traceparent``
+trace ID for the logs of the request (:mod:`service.logs`) and writes its access line once answered. It sees every
+request, 404s included:
 it counts it (``hydra_requests_in_flight``, ``hydra_request_duration_seconds`` by route and status, the received /
 answered counters of the shutdown log), answers 401 ``unauthorized`` when ``HYDRA_API_KEY`` is set and the bearer
 token is missing or wrong (except on :data:`PUBLIC_PATHS`, the probes and metrics, and CORS preflights), and answers

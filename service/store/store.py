@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from service.settings import Settings
 from service.store import feedback as feedback_ops
 from service.store import reads, state
 from service.store.database import Database, DatabaseConfig, resolve_url
@@ -57,8 +56,9 @@ class StoreConfig:
     max_label_chars: int = 10_000  # longest label name feedback takes (HYDRA_MAX_TEXT_CHARS)
 
     @classmethod
-    def from_settings(cls, s: Settings) -> StoreConfig | None:
-        """The store's configuration from ``HYDRA_*`` settings; None when ``HYDRA_STORE=off``."""
+    def from_settings(cls, s: Any) -> StoreConfig | None:
+        """The store's configuration from ``HYDRA_*`` settings (a :class:`service.settings.Settings`, which sits above
+        the store: it reads the backends' URL schemes); None when ``HYDRA_STORE=off``."""
         if not s.store:
             return None
         url = s.store_url.get_secret_value() if s.store_url is not None else None
@@ -192,7 +192,7 @@ class PredictionStore:
         self.close()
 
 
-def open_store(settings: Settings) -> PredictionStore | None:
+def open_store(settings: Any) -> PredictionStore | None:
     """The store the settings ask for (None with ``HYDRA_STORE=off``). It does not wait for the database: one that
     is down is retried in the background, and the server starts and serves meanwhile."""
     config = StoreConfig.from_settings(settings)

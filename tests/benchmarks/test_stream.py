@@ -142,7 +142,7 @@ def test_a_shifted_stream_suspends_at_the_same_input_with_two_workers(tmp_path: 
     worker's does. The shift: the noise images whose OOD p-value is at most 0.05 under the tiny model, in turn."""
     from fastapi.testclient import TestClient
 
-    from service.main import create_app
+    from service.entrypoints.app import create_app
     from tests.service.helpers import noise_images, settings_for
 
     art = make_tiny_artifact(tmp_path / "vit", "vit", name="tiny-stream", guarantees={"risks": [0.5], "risk": 0.5})

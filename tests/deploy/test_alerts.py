@@ -236,9 +236,9 @@ def test_the_feedback_alerts_exist() -> None:
 
 def test_inference_endpoints_are_the_servers_routes() -> None:
     try:
-        from service.main import app
+        from service.entrypoints.app import app
     except ImportError as e:
-        pytest.skip(f"service.main not importable ({e})")
+        pytest.skip(f"service.entrypoints.app not importable ({e})")
     paths = {getattr(r, "path", None) for r in app.routes if "POST" in getattr(r, "methods", ())}
     paths.discard("/v1/models/{model_name}/drift/reset")  # an operator's call after an investigation, not inference
     paths.discard("/v1/models/{model_name}/feedback")  # labels for answers given (the feedback API), not inference

@@ -149,7 +149,7 @@ def test_custom_predictor_speaks_v2_on_the_servers_port(isvc: dict[str, Any]) ->
 def test_probes_are_the_protocols_health_routes(isvc: dict[str, Any]) -> None:
     from fastapi.testclient import TestClient
 
-    from service.main import create_app
+    from service.entrypoints.app import create_app
     from service.settings import Settings
 
     c = predictor_container(isvc)

@@ -62,6 +62,6 @@ def test_image_extras_from_the_real_pyproject(extra: str, ort: str) -> None:
     ).stdout.splitlines()  # one requirement a line, as `pip install -r` reads them (markers hold spaces)
     assert out[: len(project["dependencies"])] == project["dependencies"]
     assert any(r.startswith(ort) for r in out)
-    # the C event loop and HTTP parser `python -m service` runs (service/server.py), for Linux
+    # the C event loop and HTTP parser `python -m service` runs (service/entrypoints/http_server.py), for Linux
     assert {r.split("==")[0] for r in out} >= {"uvloop", "httptools"}
     assert not any(r.startswith(("timm", "open_clip_torch", "scikit-learn", "pytest")) for r in out)

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from offline.build import build
 from service.core.artifact import load_manifest
 from service.core.backends import BackendConfigError
-from service.main import create_app
+from service.entrypoints.app import create_app
 from service.runtime.plan import resolve_plan
 from tests.service.helpers import settings_for
 

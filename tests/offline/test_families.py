@@ -30,7 +30,7 @@ from service.core.artifact import load_manifest
 from service.core.families import FAMILIES, Family, register_family
 from service.core.fused import FusedBert, tiny_config
 from service.core.registry import ARCHS, build_model
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import example_inputs, tiny_clip_config
 from tests.service.helpers import settings_for
 

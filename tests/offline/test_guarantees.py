@@ -14,7 +14,7 @@ from offline.data import load
 from offline.method.guarantee_fits import CalibrationOutputs, calibration_errors, fit_guarantees
 from service.core.artifact import load_manifest
 from service.core.online import HarmfulShiftAlarm, clopper_pearson_upper
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.service.helpers import settings_for
 
 from .conftest import ticket_config

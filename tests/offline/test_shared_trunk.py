@@ -23,7 +23,7 @@ from offline.train.parts import trainable_names
 from service.core.artifact import load_manifest
 from service.core.manifest import Manifest
 from service.core.registry import load_model
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.service.helpers import settings_for
 
 from .conftest import LABELS, bert_batch, ticket_build, ticket_config, tiny_bert, tiny_vit

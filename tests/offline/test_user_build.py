@@ -16,7 +16,7 @@ from service.core.artifact import load_manifest
 from service.core.preprocess import make_preprocessor
 from service.core.registry import load_model
 from service.core.uncertainty import summarize
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.service.helpers import settings_for
 
 from .conftest import LABELS, ticket_build, ticket_config

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from service.__main__ import main
+from service.entrypoints.cli import main
 from service.runtime import ClassifierRuntime
 
 DELAY_S = float(os.environ.get("RELIABILITY_DELAY_S", "0.5"))

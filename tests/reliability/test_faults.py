@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.core.errors import InvalidInput
-from service.main import create_app
+from service.entrypoints.app import create_app
 from service.runtime.batching import Batcher, BatchLimits
 from tests.service.helpers import b64, noise_images, png, settings_for
 

@@ -16,7 +16,7 @@ import schemathesis
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures import schema_fuzz
 from tests.service.helpers import settings_for
 

@@ -18,13 +18,13 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 import service.api.middleware
-import service.main
-from service.main import create_app
+import service.entrypoints.app
+from service.entrypoints.app import create_app
 from service.settings import Settings
 from tests.service.helpers import b64, png, settings_for
 
 KEY = "sec-Zz81-bearer-key-do-not-log"
-SERVICE = Path(service.main.__file__).resolve().parent
+SERVICE = Path(service.entrypoints.app.__file__).resolve().parent
 
 
 def test_key_compared_by_digest_in_constant_time(artifacts, monkeypatch):

@@ -1,7 +1,7 @@
 """SIGTERM under load, end to end (``benchmarks/sigterm_test.py``): each repetition starts ``python -m service`` on
 the tiny ViT, loads it with 16 clients that open a fresh connection per request, sends SIGTERM, and accounts for
-every request from both sides. The target (service/server.py): no connection reset or broken, none lost, every new
-connection after the signal refused, exit status 0."""
+every request from both sides. The target (service/entrypoints/http_server.py): no connection reset or broken, none
+lost, every new connection after the signal refused, exit status 0."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from benchmarks.harness import free_port
-from service import __main__ as entry
+from service.entrypoints import cli as entry
+from service.entrypoints.app import create_app
 from service.lifecycle import StartupError
-from service.main import create_app
 from service.runtime import ClassifierRuntime
 from tests.service.helpers import b64, hold_warmup, png, settings_for
 
@@ -96,7 +96,7 @@ def test_a_failure_while_loading_keeps_the_server_not_ready_and_calls_on_fatal(a
 
 
 def test_python_m_service_exit_statuses(artifacts, artifact_copy, monkeypatch, capsys, caplog):
-    """``service.__main__.main`` in-process: 3 when a file is bad (nothing bound), 4 when loading fails later."""
+    """``service.entrypoints.cli.main`` in-process: 3 when a file is bad (nothing bound), 4 when loading fails later."""
     for key in [k for k in __import__("os").environ if k.startswith("HYDRA_")]:
         monkeypatch.delenv(key)
     art = artifact_copy("vit")

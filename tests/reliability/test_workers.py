@@ -1,6 +1,7 @@
-"""Several workers on one port (``HYDRA_WORKERS``, service/workers.py), through the real ``python -m service``: both
-workers answer, ``/metrics`` is one view of both, ``/readyz`` is 503 while a worker is missing, a worker killed with
-SIGKILL under load loses only its requests in flight and is replaced while the other answers, and SIGTERM stops them
+"""Several workers on one port (``HYDRA_WORKERS``, service/entrypoints/workers.py), through the real
+``python -m service``: both workers answer, ``/metrics`` is one view of both, ``/readyz`` is 503 while a worker is
+missing, a worker killed with SIGKILL under load loses only its requests in flight and is replaced while the other
+answers, and SIGTERM stops them
 all with status 0. A bad ``HYDRA_WORKERS`` refuses start-up in one line."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pytest
 from pydantic import ValidationError
 
 from benchmarks import harness
+from service.entrypoints.workers import resolve_workers
 from service.settings import Settings, settings_errors
-from service.workers import resolve_workers
 from tests.fixtures import golden
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import b64, noise_images, png
@@ -295,8 +296,8 @@ def test_the_supervisor_leaves_its_process_environment_as_it_found_it(monkeypatc
     inside a longer-lived process, it must not make that process a 'worker' of a folder that is gone."""
     import socket
 
+    from service.entrypoints.workers import supervise
     from service.fleet import READY_DIR_ENV, shared_file
-    from service.workers import supervise
 
     monkeypatch.delenv(READY_DIR_ENV, raising=False)
     monkeypatch.delenv("HYDRA_THREADS", raising=False)

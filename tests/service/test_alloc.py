@@ -1,6 +1,6 @@
 """The server puts large CPU activations on transparent huge pages (``THP_MEM_ALLOC_ENABLE``, set in
-``service/main.py`` before torch is imported): a freed and re-allocated 64 MiB activation costs a few dozen page
-faults per call instead of 16k."""
+``service/entrypoints/app.py`` before torch is imported): a freed and re-allocated 64 MiB activation costs a few dozen
+page faults per call instead of 16k."""
 
 from __future__ import annotations
 

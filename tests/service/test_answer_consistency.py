@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from tests.service.helpers import b64, noise_images, png, settings_for
 

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from service import lifecycle
 from service.core.building import BuildNote, clear_note, note_path, read_note, write_note
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import b64, png, settings_for
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from service.core.conformal import SetCalibrator
 from service.core.online import AdaptiveConformal, HarmfulShiftAlarm, raw_misses, wilson_interval
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for
 

@@ -20,10 +20,10 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from benchmarks.harness import free_port
-from service.__main__ import freeze_startup_heap
 from service.core.artifact import load_manifest
+from service.entrypoints.app import create_app
+from service.entrypoints.cli import freeze_startup_heap
 from service.lifecycle import StartupError
-from service.main import create_app
 from service.runtime import ClassifierRuntime
 from service.settings import Settings
 from tests.service.helpers import b64, hold_warmup, png, settings_for
@@ -177,7 +177,7 @@ def test_shutdown_finishes_in_flight_requests(artifacts):
 
 def test_import_loads_nothing_and_server_does_not_import_the_builder():
     code = (
-        "import sys, service.main as m, service.__main__;"
+        "import sys, service.entrypoints.app as m, service.entrypoints.cli;"
         "assert m.app.state.hydra.runtimes == {} and not m.app.state.hydra.ready;"
         "bad = sorted({n.split('.')[0] for n in sys.modules} & {'offline', 'timm', 'open_clip', 'sklearn'});"
         "print(bad)"
@@ -218,7 +218,7 @@ def test_python_m_service_serves_and_stops_on_sigterm(artifacts, artifact_copy):
         assert r.status_code == 200 and r.json()["model"] == "tiny-vit"
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0  # a graceful stop on SIGTERM exits 0 (service/__main__.py)
+        assert proc.returncode == 0  # a graceful stop on SIGTERM exits 0 (service/entrypoints/cli.py)
         assert "stopped: every queued request answered" in err and "Application shutdown complete" in err
     finally:
         if proc.poll() is None:

@@ -19,8 +19,8 @@ from pydantic import ValidationError
 from service import settings as settings_module
 from service.core.artifact import ArtifactError, artifact_version, load_manifest, parse_manifest, write_manifest
 from service.core.jsonlog import json_formatter
+from service.entrypoints.app import create_app
 from service.logs import RequestContextFilter, configure_logging
-from service.main import create_app
 from service.settings import Settings
 from service.tracing import request_id, trace_id
 from tests.service.helpers import assert_error, b64, png, settings_for

@@ -17,7 +17,7 @@ from service.core.ood import ood_from_tensors
 from service.core.preprocess import ImagePreprocessor, make_preprocessor
 from service.core.registry import load_model
 from service.core.uncertainty import OOD_METRICS
-from service.main import create_app
+from service.entrypoints.app import create_app
 from service.runtime.interface import load_ood_stats
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for

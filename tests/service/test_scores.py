@@ -17,7 +17,7 @@ from service.core import ood, scores
 from service.core.artifact import load_manifest
 from service.core.registry import load_model
 from service.core.uncertainty import summarize
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import b64, noise_images, png, settings_for
 

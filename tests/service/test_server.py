@@ -1,5 +1,6 @@
-"""service/server.py: which event loop and HTTP parser run, and a shutdown that answers the connections the kernel
-had queued and refuses new ones, checked on real sockets (Linux: the mechanism needs its socket filters)."""
+"""service/entrypoints/http_server.py: which event loop and HTTP parser run, and a shutdown that answers the
+connections the kernel had queued and refuses new ones, checked on real sockets (Linux: the mechanism needs its socket
+filters)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from uvicorn._compat import asyncio_run
 
 from benchmarks.harness import free_port
 from service import settings as settings_module
-from service.server import Server, accept_queue_length, http_stack, refuse_new_connections
+from service.entrypoints.http_server import Server, accept_queue_length, http_stack, refuse_new_connections
 from service.settings import Settings
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="socket filters and TCP_INFO: Linux")
@@ -176,7 +177,8 @@ def test_shutdown_answers_every_queued_connection_and_refuses_new_ones(loop, htt
 @linux_only
 def test_uvicorns_own_shutdown_resets_them():
     """The control: the same scenario with uvicorn's shutdown resets the queued connections (the listening socket is
-    closed with them in its queue) and the late one. If a uvicorn release stops doing so, service/server.py's
+    closed with them in its queue) and the late one. If a uvicorn release stops doing so,
+    service/entrypoints/http_server.py's
     drain may go."""
     queued, late = _stop_with_a_full_queue(uvicorn.Server, "uvloop", "httptools")
     assert "ConnectionResetError" in queued + late, (queued, late)

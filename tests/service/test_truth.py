@@ -34,7 +34,7 @@ from service.core.artifact import (
     Uncertainty,
     write_manifest,
 )
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.fashion import needs_fashion
 from tests.service.helpers import b64, png, settings_for
 

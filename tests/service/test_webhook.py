@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from service import webhook
-from service.main import create_app
+from service.entrypoints.app import create_app
 from service.settings import Settings, settings_errors
 from service.webhook import AlarmWebhook, check_header, check_url
 from tests.service.api.test_recall import _drift_artifact, _shift

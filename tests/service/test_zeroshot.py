@@ -18,7 +18,7 @@ from service.core.fused_clip import FusedCLIP, zero_shot_logits
 from service.core.preprocess import ImagePreprocessor, TextPreprocessor
 from service.core.registry import build_model
 from service.core.uncertainty import summarize
-from service.main import create_app
+from service.entrypoints.app import create_app
 from service.runtime import RUNTIMES, CLIPZeroShotRuntime, TextCache
 from tests.fixtures.tiny_artifact import CLIP_PREP, make_tiny_clip_artifact
 from tests.service.helpers import assert_error, b64, settings_for

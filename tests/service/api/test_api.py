@@ -22,7 +22,7 @@ from service.api.schemas import PredictResponse
 from service.core.artifact import load_manifest
 from service.core.registry import load_model
 from service.core.uncertainty import ood_flag, ood_score, summarize
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from tests.service.core.test_preprocess import huge_png_header
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for

@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from service.api.schemas import FeedbackResponse, ModelsResponse, PredictResponse
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import make_tiny_artifact, make_tiny_clip_artifact
 from tests.service.helpers import settings_for
 

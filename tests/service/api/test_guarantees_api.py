@@ -20,7 +20,7 @@ from service.core.drift import MAX_PAYOFF
 from service.core.preprocess import ImagePreprocessor
 from service.core.registry import load_model
 from service.core.uncertainty import summarize
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from tests.service.helpers import assert_error, b64, noise_images, png, settings_for
 

@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from service.api.oip import DEFAULT_OUTPUTS, OUTPUTS
-from service.main import create_app
+from service.entrypoints.app import create_app
 from service.runtime import ClassifierRuntime
 from tests.fixtures.tiny_artifact import TINY_LABELS
 from tests.service.helpers import b64, hold_warmup, noise_images, png, settings_for

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import uvicorn
 
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import TINY_LABELS
 from tests.service.helpers import b64, noise_images, png, settings_for
 

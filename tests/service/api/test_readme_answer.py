@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import settings_for
 

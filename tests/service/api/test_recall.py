@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.service.api.test_guarantees_api import _drift_artifact, _like_calibration, _metric
 from tests.service.helpers import b64, png, settings_for
 

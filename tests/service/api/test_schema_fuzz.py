@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures import schema_fuzz
 from tests.fixtures.tiny_artifact import make_tiny_clip_artifact
 from tests.service.helpers import settings_for

@@ -102,7 +102,11 @@ def test_invalid_manifests_are_refused(tmp_path):
         ({"family": "resnet"}, "family", ""),
         ({"format_version": 2}, "format_version", ""),
         ({"surprise": 1}, "surprise", "Extra inputs are not permitted"),
-        ({"model": {"config": {"arch": "gpt"}, "inputs": ["x"]}}, "model.config", "arch must be one of bert, clip, vit"),
+        (
+            {"model": {"config": {"arch": "gpt"}, "inputs": ["x"]}},
+            "model.config",
+            "arch must be one of bert, clip, vit",
+        ),
         ({"task": "zero-shot"}, "(top level)", "task zero-shot does not match family bert, a classification family"),
     ],
 )

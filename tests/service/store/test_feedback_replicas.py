@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from service.main import create_app
+from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import TINY_LABELS
 from tests.service.helpers import settings_for
 from tests.service.test_feedback import NAME, artifact, predict, send

@@ -1,10 +1,5 @@
-"""One server process: the app on uvicorn (:class:`service.server.Server`), alone or as a worker of a supervisor
-(:mod:`service.workers`). ``python -m service`` (:mod:`service.__main__`) validates the settings first.
-
-Start-up: the artifacts are verified before the port is bound, then loaded and warmed up in the background
-(``/healthz`` 200, ``/readyz`` 503 meanwhile); once ready, what start-up allocated is frozen out of the garbage
-collector's scans (:func:`freeze_startup_heap`) and a worker marks itself ready (:mod:`service.fleet`).
-"""
+"""One server process: the app on uvicorn (:class:`service.entrypoints.http_server.Server`), alone or as a worker of
+a supervisor (:mod:`service.entrypoints.workers`); its start-up is step 3 of :mod:`service.entrypoints`."""
 
 from __future__ import annotations
 
@@ -14,8 +9,8 @@ import socket
 
 import uvicorn
 
+from service.entrypoints.http_server import Server, http_stack
 from service.fleet import mark_ready
-from service.server import Server, http_stack
 from service.settings import Settings
 
 __all__ = [
@@ -49,11 +44,11 @@ def _on_ready() -> None:
 
 def serve(graceful: float, settings: Settings | None = None, sockets: list[socket.socket] | None = None) -> int:
     """Run the server until a signal stops it, on ``sockets`` (a supervisor's) or on ``HYDRA_HOST:HYDRA_PORT``; the
-    exit status (``service.__main__``'s docstring lists them)."""
-    # imported here: service.main builds its module-level `app` (for uvicorn service.main:app) from the environment
-    # at import, and loads torch
+    exit status (``service.entrypoints.cli``'s docstring lists them)."""
+    # imported here: service.entrypoints.app builds its module-level `app` (for uvicorn service.main:app) from the
+    # environment at import, and loads torch
+    from service.entrypoints.app import create_app
     from service.logs import configure_logging
-    from service.main import create_app
 
     settings = settings if settings is not None else Settings()
     loop, http = http_stack(settings.loop, settings.http)
@@ -64,7 +59,8 @@ def serve(graceful: float, settings: Settings | None = None, sockets: list[socke
         app,
         host=settings.host,
         port=settings.port,
-        # uvloop and httptools unless not installed or HYDRA_LOOP / HYDRA_HTTP say otherwise (service/server.py)
+        # uvloop and httptools unless not installed or HYDRA_LOOP / HYDRA_HTTP say otherwise
+        # (service/entrypoints/http_server.py)
         loop=loop,
         http=http,
         log_level=settings.log_level,

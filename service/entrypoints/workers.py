@@ -23,8 +23,8 @@ alarm's evidence stays in the shared file; ``/metrics`` is one view of all worke
 multiprocess mode: counters and histograms summed, each gauge combined as its metric says, :mod:`service.metrics`);
 ``/readyz`` answers 200 only when every worker is ready (:func:`service.fleet.all_ready`, each worker's mark in a
 folder the supervisor makes); SIGTERM or SIGINT reaches every worker, each drains as one server does
-(:class:`service.server.Server`) and the supervisor waits for all of them; a worker that dies is replaced (its
-requests in flight are lost, the others keep answering), unless it dies before it ever was ready: then the
+(:class:`service.entrypoints.http_server.Server`) and the supervisor waits for all of them; a worker that dies is
+replaced (its requests in flight are lost, the others keep answering), unless it dies before it ever was ready: then the
 configuration is wrong, every worker stops and the supervisor exits with the worker's status. A worker loads its
 models before it takes connections (``HYDRA_LOAD_IN_BACKGROUND`` is false for workers), so that a replacement
 warming up takes no traffic; ``/healthz`` then answers once the first worker has loaded (a Kubernetes startup probe
@@ -46,8 +46,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from service.entrypoints.serving import EXIT_REFUSED, serve
 from service.fleet import READY_DIR_ENV, WORKERS_ENV
-from service.serving import EXIT_REFUSED, serve
 
 __all__ = ["resolve_workers", "supervise", "usable_cores"]
 
@@ -92,7 +92,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _worker(sock: socket.socket, graceful: float) -> None:
-    """A worker process: the whole server on the supervisor's socket (:func:`service.serving.serve`)."""
+    """A worker process: the whole server on the supervisor's socket (:func:`service.entrypoints.serving.serve`)."""
     sys.exit(serve(graceful, sockets=[sock]))
 
 
