@@ -13,6 +13,7 @@ import math
 import numpy as np
 import torch
 
+from service.core.scores import outlier_sign
 from service.core.uncertainty import OOD_METRICS
 
 __all__ = ["T_MIN", "T_MAX", "ensemble_nll", "fit_temperature", "calibrate_threshold"]
@@ -106,21 +107,22 @@ def calibrate_threshold(id_scores: np.ndarray, metric: str, tpr: float = 0.95) -
         raise ValueError("cannot calibrate an OOD threshold on no ID scores")
     if not np.isfinite(s).all():
         raise ValueError("ID scores contain NaN or inf")
-    higher_is_id = OOD_METRICS[metric]
+    to_id = -outlier_sign(metric)
     # oriented so that larger = more in-distribution, sorted most-ID first
-    ordered = np.sort(s if higher_is_id else -s)[::-1]
+    ordered = np.sort(to_id * s)[::-1]
     n = len(ordered)
     k = min(n, max(1, math.ceil(tpr * n - 1e-9)))  # inputs that must pass; 1e-9 absorbs 0.95 * N round-off
     kth = ordered[k - 1]
     cand = kth if k == n else (kth + ordered[k]) / 2  # halfway to the first input that may be flagged
-    thr = float(cand if higher_is_id else -cand)
+    thr = float(to_id * cand)
     # guard: in the scores' own precision, the midpoint must not round onto the next score
     passes = _passes(s, metric, thr)
     if passes.sum() < k or (k < n and ordered[k] < kth and passes.sum() > k):
-        thr = float(kth if higher_is_id else -kth)
+        thr = float(to_id * kth)
     return thr
 
 
 def _passes(scores: np.ndarray, metric: str, threshold: float) -> np.ndarray:
     t = np.asarray(threshold, dtype=scores.dtype) if np.issubdtype(scores.dtype, np.floating) else threshold
-    return scores >= t if OOD_METRICS[metric] else scores <= t
+    sign = outlier_sign(metric)
+    return sign * scores <= sign * t

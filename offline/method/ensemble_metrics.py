@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
-from service.core.uncertainty import OOD_METRICS, SUMMARY_SCORES, summarize
+from service.core.scores import outlier_sign
+from service.core.uncertainty import SUMMARY_SCORES, summarize
 
 __all__ = [
     "N_BINS",
@@ -215,7 +216,7 @@ def ood_scores(probs: np.ndarray | dict[str, np.ndarray], score: str = "msp") ->
     name = _metric_name(score)
     u = probs if isinstance(probs, Mapping) else uncertainty(probs)
     s = np.asarray(u[name], dtype=np.float64)
-    return -s if OOD_METRICS[name] else s  # OOD_METRICS: True = higher means more in-distribution
+    return outlier_sign(name) * s
 
 
 def _binary(id_scores: np.ndarray, ood_scores_: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -44,6 +44,7 @@ from service.core.ood import (
     reduce_layers,
     standardize,
 )
+from service.core.scores import outlier_sign
 from service.core.uncertainty import OOD_METRICS, ood_flag, summarize
 
 __all__ = [
@@ -358,7 +359,7 @@ def detection(id_scores: dict[str, np.ndarray], ood: dict[str, dict[str, np.ndar
     """Per score: AUROC and FPR at 95 % TPR on each OOD set (OOD positive) and their means over the sets."""
     out: dict[str, Any] = {}
     for name, s_id in id_scores.items():
-        sign = -1.0 if OOD_METRICS[base_score(name)] else 1.0  # ood_metrics wants higher = more OOD
+        sign = outlier_sign(base_score(name))  # ood_metrics wants higher = more OOD
         per = {k: ood_metrics(sign * s_id, sign * v[name]) for k, v in ood.items()}
         per = {k: {"auroc": m["auroc"], "fpr95": m["fpr95"]} for k, m in per.items()}
         avg = {m: float(np.mean([v[m] for v in per.values()])) for m in ("auroc", "fpr95")} if per else {}

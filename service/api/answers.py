@@ -18,7 +18,7 @@ import numpy as np
 import orjson
 
 from service.core.guarantees import Guarantees
-from service.core.uncertainty import OOD_METRICS
+from service.core.scores import flag_side, outlier_sign
 from service.runtime import ItemResult, Outcome, Query, Runtime
 from service.runtime.batching import BatchResult
 
@@ -112,7 +112,7 @@ def build_predictions(
 def _ood(r: ItemResult, metric: str, threshold: float, return_scores: bool) -> dict[str, Any]:
     """The answer's OOD block: ``threshold`` is the rule the flag applied (with a p-value, the score threshold of
     ``p_value <= alpha`` at the request's level; else the build's), and a flagged input says why."""
-    past = "below" if OOD_METRICS[metric] else "above"
+    past = flag_side(metric)
     out: dict[str, Any] = {"flag": r.ood_flag, "score": r.ood_score, "metric": metric}
     if r.p_value is None:
         out["threshold"] = threshold
@@ -147,10 +147,11 @@ def _selective(r: ItemResult, metric: str, g: Guarantees) -> dict[str, Any]:
         reason = f"the online rule of the risk target {r.risk:g} stands above every confidence: nothing is accepted"
     elif reason is None and not r.accept:
         why = []
-        past = not (r.ood_score >= g.ood_threshold if OOD_METRICS[metric] else r.ood_score <= g.ood_threshold)
-        if past:
-            side = "below" if OOD_METRICS[metric] else "above"
-            why.append(f"the {metric} score {r.ood_score:.4g} is {side} the rule's OOD cut {g.ood_threshold:.4g}")
+        sign = outlier_sign(metric)
+        if sign * r.ood_score > sign * g.ood_threshold:
+            why.append(
+                f"the {metric} score {r.ood_score:.4g} is {flag_side(metric)} the rule's OOD cut {g.ood_threshold:.4g}"
+            )
         conf = float(r.probs[r.prediction])
         if lam is not None and conf < lam:
             which = "online rule's threshold" if online else "rule's threshold"

@@ -32,7 +32,7 @@ from service.core.artifact import ArtifactError, Manifest
 from service.core.conformal import SetCalibrator, keep_top, ood_p_values
 from service.core.drift import DriftMonitor
 from service.core.online_risk import ConfidenceRanks
-from service.core.uncertainty import OOD_METRICS
+from service.core.scores import outlier_sign
 
 __all__ = ["GUARANTEES_FILE", "Answer", "Guarantees", "load_guarantees", "outlier_oriented"]
 
@@ -42,8 +42,7 @@ QHAT_CACHE = 256  # set thresholds kept per model (distinct alpha levels request
 
 def outlier_oriented(scores: np.ndarray, metric: str) -> np.ndarray:
     """``scores`` of the OOD score ``metric`` with higher = more OOD (MSP, where higher = in distribution, negated)."""
-    s = np.asarray(scores, dtype=np.float64)
-    return -s if OOD_METRICS[metric] else s
+    return outlier_sign(metric) * np.asarray(scores, dtype=np.float64)
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ class Guarantees:
         # the per-request path in Python scalars (a numpy call costs microseconds after the model ran): the sorted
         # calibration scores as a list for bisect, the risk rules' OOD cut outlier-oriented
         object.__setattr__(self, "_cal", self.ood_scores.tolist())
-        object.__setattr__(self, "_sign", -1.0 if OOD_METRICS[self.metric] else 1.0)
+        object.__setattr__(self, "_sign", outlier_sign(self.metric))
         object.__setattr__(self, "_cut", self._sign * float(self.ood_threshold))
 
     def answer(self, scores: list[float], probs: np.ndarray | None, alpha: float, risk: float) -> Answer:

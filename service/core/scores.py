@@ -33,6 +33,8 @@ __all__ = [
     "SUMMARY_SCORES",
     "ZERO_SHOT_SCORES",
     "Score",
+    "flag_side",
+    "outlier_sign",
 ]
 
 # what a score is computed from: the ensemble's probabilities (a summary of the members' logits), the members'
@@ -102,3 +104,18 @@ PER_MEMBER_SCORES = tuple(s.name for s in _ENTRIES if s.members == (s.name,))  #
 MEMBER_NEEDS: dict[str, tuple[str, ...]] = {s.name: s.members for s in _ENTRIES if s.members}
 ZERO_SHOT_SCORES = tuple(s.name for s in _ENTRIES if s.zero_shot)
 REPORT_ORDER = tuple(s.name for s in sorted(_ENTRIES, key=lambda s: s.report_rank))
+
+
+def outlier_sign(metric: str) -> float:
+    """The direction of the score ``metric``, read here and nowhere else: ``outlier_sign(metric) * score`` is the score
+    with higher = more OOD (the MSP negated: it grows on in-distribution inputs; every other score as it is). A score
+    is past a threshold toward OOD when ``sign * score > sign * threshold``; negation is exact, so comparing the
+    oriented values decides exactly as comparing the raw ones the other way round."""
+    if metric not in SCORES:
+        raise ValueError(f"unknown OOD score {metric!r}; expected one of {sorted(SCORES)}")
+    return -1.0 if SCORES[metric].higher_is_id else 1.0
+
+
+def flag_side(metric: str) -> str:
+    """The side of its threshold on which a flagged score of ``metric`` lies, in words: "below" or "above"."""
+    return "below" if outlier_sign(metric) < 0 else "above"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from service.core.scores import OOD_METRICS, SUMMARY_SCORES
+from service.core.scores import OOD_METRICS, SUMMARY_SCORES, outlier_sign
 
 __all__ = ["OOD_METRICS", "SUMMARY_SCORES", "entropy", "summarize", "ood_score", "ood_flag", "member_probs"]
 
@@ -78,6 +78,5 @@ def ood_score(summary: dict[str, torch.Tensor], metric: str) -> torch.Tensor:
 
 def ood_flag(score: torch.Tensor, metric: str, threshold: float) -> torch.Tensor:
     """True where an input is flagged OOD: MSP below the threshold, every other score (outlier scores) above it."""
-    if metric not in OOD_METRICS:
-        raise ValueError(f"unknown OOD score {metric!r}; expected one of {sorted(OOD_METRICS)}")
-    return score < threshold if OOD_METRICS[metric] else score > threshold
+    sign = outlier_sign(metric)
+    return sign * score > sign * threshold

@@ -23,7 +23,7 @@ from service.core.errors import InvalidInput, NotReady
 from service.core.guarantees import Answer, Guarantees, outlier_oriented
 from service.core.online_risk import OnlineRisk
 from service.core.recall import Answered, AnswerLog, RecallBook
-from service.core.uncertainty import OOD_METRICS
+from service.core.scores import outlier_sign
 from service.fleet import server_run
 from service.metrics import Metrics
 from service.runtime.monitor import STALE_S, LiveMonitor
@@ -136,7 +136,7 @@ class GuaranteedAnswers:
         assert g is not None
         try:
             if query.monitor:
-                sign = -1.0 if OOD_METRICS[g.metric] else 1.0  # outlier-oriented: MSP negated
+                sign = outlier_sign(g.metric)  # outlier-oriented: MSP negated
                 self.drift.add([sign * s for s in scores])
             monitor = self.drift.flush(notify=False)  # the metrics follow at the next scrape (refresh_drift)
             at, self._fed_to = monitor.alarm_at, monitor.count

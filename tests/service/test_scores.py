@@ -4,6 +4,7 @@ it, and a made-up score added as one entry and its function is computed by the e
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from offline.method.ood_fit import scores_np
 from service.core import ood, scores
 from service.core.artifact import load_manifest
 from service.core.registry import load_model
-from service.core.uncertainty import summarize
+from service.core.uncertainty import ood_flag, summarize
 from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 from tests.service.helpers import b64, noise_images, png, settings_for
@@ -102,3 +103,26 @@ def test_a_made_up_score_is_one_entry_and_its_function(layers_artifact, monkeypa
     monkeypatch.setitem(scores.SCORES, broken.name, broken)
     with pytest.raises(ImportError, match="score 'broken' names combine 'no_such_function'"):
         ood._combined()
+
+
+def test_a_scores_direction_has_one_owner():
+    """Only ``service/core/scores.py`` reads which way a score points (``outlier_sign``, ``flag_side``): no other
+    module of the server, the builder or the benchmarks indexes ``OOD_METRICS`` or reads ``higher_is_id``; and the
+    oriented score flags exactly where the raw comparison the other way round does."""
+    root = Path(__file__).resolve().parents[2]
+    reads = re.compile(r"OOD_METRICS\s*(\[|\.get\(|\.items\(|\.values\()|\.higher_is_id")
+    found = [
+        str(p.relative_to(root))
+        for pkg in ("service", "offline", "benchmarks")
+        for p in (root / pkg).rglob("*.py")
+        if p.name != "scores.py" and reads.search(p.read_text())
+    ]
+    assert found == []
+    assert [scores.outlier_sign(n) for n in ("msp", "entropy")] == [-1.0, 1.0]
+    assert (scores.flag_side("msp"), scores.flag_side("energy")) == ("below", "above")
+    with pytest.raises(ValueError, match="unknown OOD score 'nope'"):
+        scores.outlier_sign("nope")
+    x = torch.tensor([0.1, 0.5, 0.50000006, 0.9])
+    for name in ("msp", "energy"):
+        want = x < 0.5 if name == "msp" else x > 0.5
+        assert torch.equal(ood_flag(x, name, 0.5), want)
