@@ -12,12 +12,12 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.store.backends import BACKENDS
+from service.store.dialects import BACKENDS
 
 __all__ = ["DRIFT_POLICIES", "STORE_SCHEMES", "Settings", "settings_errors"]
 
 # database URLs the prediction store takes (service/store/database.py): SQLite, and PostgreSQL through psycopg 3
-# the URL schemes HYDRA_STORE_URL may name: every store backend's (service.store.backends.BACKENDS)
+# the URL schemes HYDRA_STORE_URL may name: every store backend's (service.store.dialects.BACKENDS)
 STORE_SCHEMES = frozenset(scheme for backend in BACKENDS.values() for scheme in backend.schemes)
 # what an answer does while its model's drift alarm is on (docs/api.md "Guarantees"): abstain from accepting, mark the
 # guarantees suspended but answer as without the alarm, or nothing

@@ -17,7 +17,8 @@ chunked body streams in. The HTTP contract is docs/api.md.
 (:func:`service.api.v1.answer_body`), without Starlette's routing, its error middleware and FastAPI's per-route
 machinery: those cost more per request than the model does on a GPU. Everything else, multipart bodies included,
 goes through FastAPI, which also holds the OpenAPI document of these routes. Errors on a fast route get the same
-answers as through FastAPI (:func:`service.api.errors.error_response`). With OpenTelemetry on (``HYDRA_OTEL``) every
+answers as through FastAPI (:func:`service.api.error_bodies.error_response`). With OpenTelemetry on (``HYDRA_OTEL``)
+every
 request goes through FastAPI, where its instrumentation traces it.
 """
 
@@ -35,7 +36,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api.errors import error_response
+from service.api.error_bodies import error_response
 from service.core.errors import InternalError, InvalidInput, PayloadTooLarge, ServiceError, Unauthorized
 from service.lifecycle import ServerState
 from service.logs import InferenceNote, access_log_enabled, log_access, request_context
@@ -146,7 +147,7 @@ class Front:
         return self.fast.get(scope["path"])
 
     async def _fast(self, route: FastRoute, scope: Scope, receive: Receive, send: Send) -> None:
-        """A fast route's answer, or the error answer FastAPI's handlers would give (service.api.errors)."""
+        """A fast route's answer, or the error answer FastAPI's handlers would give (service.api.error_bodies)."""
         try:
             body = await route(scope, receive)
         except ClientDisconnect:  # the client left before its body was read: nobody to answer

@@ -11,7 +11,8 @@ request parameter ``template``; without ``labels`` it answers over its fixed lab
 
 ``infer`` runs the same path as ``/predict`` (:func:`service.api.dataplane.run_inference`: the same limits, model
 choice, batcher and metrics; auth is the middleware's). Errors are the protocol's ``{"error": "..."}``
-(:func:`service.api.errors.error_response` under ``/v2``). The routes are left out of ``/openapi.json``: the protocol
+(:func:`service.api.error_bodies.error_response` under ``/v2``). The routes are left out of ``/openapi.json``: the
+protocol
 documents them.
 """
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.api.errors import validate_json_body
+from service.api.error_bodies import validate_json_body
 from service.core.errors import InvalidInput
 
 __all__ = [

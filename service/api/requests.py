@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.api.errors import format_validation_errors, validate_json_body
+from service.api.error_bodies import format_validation_errors, validate_json_body
 from service.api.schemas import FormOptions, PredictRequest, ZeroShotRequest, check_limits
 from service.core.artifact import DEFAULT_TEMPLATE
 from service.core.errors import InvalidInput, UnsupportedMediaType

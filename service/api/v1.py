@@ -1,5 +1,5 @@
 """The HTTP routes (docs/api.md): health, readiness, metrics, the model list, ``/predict`` and ``/zero-shot``; the
-feedback and monitor routes are :mod:`service.api.feedback`'s.
+feedback and monitor routes are :mod:`service.api.feedback_routes`'s.
 
 Handlers are thin. The two inference endpoints share one path, :func:`answer_body`: parse the
 body (:mod:`service.api.requests`), then the inference path every endpoint shares
@@ -8,7 +8,7 @@ as :class:`~service.api.schemas.PredictResponse` dumps without its unset fields
 (:func:`service.api.answers.predict_answer`), written with orjson. JSON requests to these routes are answered by
 :class:`service.api.middleware.Front` through the same :func:`answer_body` without FastAPI's routing
 (:data:`FAST_ROUTES`); the routes here answer the rest (multipart bodies) and document both.
-Errors are domain exceptions mapped to the contract's body in :mod:`service.api.errors`. The Open
+Errors are domain exceptions mapped to the contract's body in :mod:`service.api.error_bodies`. The Open
 Inference Protocol's routes (``/v2``) are :mod:`service.api.oip`.
 
 The route declarations carry the OpenAPI documentation: response models, the error
@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope
 
 from service.api.answers import dumps, predict_answer
 from service.api.dataplane import request_id, run_inference, server_state
-from service.api.feedback import feedback, monitor, store_metrics
+from service.api.feedback_routes import feedback, monitor, store_metrics
 from service.api.requests import ParsedRequest, parse_json_body, parse_request
 from service.api.schemas import (
     ERROR_RESPONSES,
@@ -283,7 +283,7 @@ def contract_openapi(schema: dict[str, Any]) -> dict[str, Any]:
     """FastAPI's OpenAPI document with the contract's error body where FastAPI declares its own.
 
     FastAPI gives every route with a parameter a 422 ``HTTPValidationError``; this server never sends that body
-    (:mod:`service.api.errors` answers validation errors with ``{"error": {"code", "message"}}``). Where a query
+    (:mod:`service.api.error_bodies` answers validation errors with ``{"error": {"code", "message"}}``). Where a query
     parameter or a body could fail validation the 422 becomes ``ErrorResponse``; where the only parameters are
     strings in the path (``model_name``), which cannot fail, it goes. Then so do the unused schemas.
     """

@@ -1,7 +1,7 @@
 """The domain exceptions: what went wrong, as a contract error code, an HTTP status and a message for the caller.
 
 Library code (preprocessing, the runtimes) raises these without knowing about HTTP; the server maps them to the
-contract's error body in one place (:mod:`service.api.errors`). They live in the core because the builder's
+contract's error body in one place (:mod:`service.api.error_bodies`). They live in the core because the builder's
 preprocessing raises them too (a training image that does not decode is the same ``InvalidInput`` a client gets).
 """
 

@@ -18,7 +18,7 @@ IDs and the access log, auth, body limit, request metrics), :mod:`service.lifecy
 start-up, shutdown, model picking), :mod:`service.api.v1` (the HTTP API's handlers) and
 :mod:`service.api.oip` (the Open Inference Protocol's), both over :mod:`service.api.dataplane`
 (the one inference path), :mod:`service.tracing` (request IDs, trace context, OpenTelemetry
-with ``HYDRA_OTEL``) and :mod:`service.api.errors` (the error body). Handlers reach the loaded
+with ``HYDRA_OTEL``) and :mod:`service.api.error_bodies` (the error body). Handlers reach the loaded
 models through ``request.app.state.hydra``.
 """
 
@@ -44,7 +44,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.api.errors import install_error_handlers
+from service.api.error_bodies import install_error_handlers
 from service.api.middleware import Front
 from service.api.oip import install_oip_routes
 from service.api.v1 import FAST_ROUTES, install_routes

@@ -14,9 +14,9 @@ same SQLAlchemy Core code; ``HYDRA_STORE=off`` turns it off.
 """
 
 from service.store import records
-from service.store.errors import StateConflict, StoreError, StoreUnavailable
 from service.store.records import *  # noqa: F403 (records.__all__ lists the records, re-exported whole)
 from service.store.store import PredictionStore, StoreConfig, open_store
+from service.store.store_errors import StateConflict, StoreError, StoreUnavailable
 
 __all__ = ["PredictionStore", "StateConflict", "StoreConfig", "StoreError", "StoreUnavailable", "open_store"]
 __all__ += records.__all__

@@ -41,9 +41,9 @@ from sqlalchemy import Connection, exc, insert, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.sql.dml import Insert
 
-from service.store.backends import BACKENDS, DatabaseConfig, backend_for_scheme
-from service.store.errors import StoreError, StoreUnavailable
+from service.store.dialects import BACKENDS, DatabaseConfig, backend_for_scheme
 from service.store.schema import SCHEMA_KEY, SCHEMA_VERSION, metadata, state
+from service.store.store_errors import StoreError, StoreUnavailable
 
 __all__ = ["Database", "DatabaseConfig", "default_state_dir", "is_transient", "resolve_url", "short_error"]
 

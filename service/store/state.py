@@ -16,9 +16,9 @@ from typing import Any
 from sqlalchemy import select, update
 
 from service.store.database import Database
-from service.store.errors import StateConflict
 from service.store.records import StateEntry
 from service.store.schema import NAME_CHARS, state
+from service.store.store_errors import StateConflict
 
 __all__ = ["get_state", "put_state", "update_state"]
 

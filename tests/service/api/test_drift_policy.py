@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from service.entrypoints import cli as entry
 from service.core.artifact import parse_manifest, write_manifest
+from service.entrypoints import cli as entry
 from service.entrypoints.app import create_app
 from service.runtime import monitor as monitor_module
 from service.settings import Settings, settings_errors

@@ -25,7 +25,7 @@ import anyio
 from fastapi import Request
 
 from service.api.dataplane import server_state
-from service.api.errors import validate_json_body
+from service.api.error_bodies import validate_json_body
 from service.api.schemas import MAX_FEEDBACK, FeedbackRequest, FeedbackResponse, FeedbackResult
 from service.core.errors import InvalidInput, NotFound, ServiceError
 from service.lifecycle import ServerState
