@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.cli_args import parse_positive, parser
 from benchmarks.stream_figures import P_BINS
 
 DELTA = 0.01
@@ -180,14 +181,10 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__, "benchmarks/results/alarm_grid.json")
     p.add_argument("--runs", type=int, default=150, help="streams per shift")
     p.add_argument("--null-runs", type=int, default=100, help="streams of 10,000 null inputs")
-    p.add_argument("--out", type=Path, default=None, help="result file (default benchmarks/results/alarm_grid.json)")
-    args = p.parse_args(argv)
-    if args.runs < 1 or args.null_runs < 1:
-        p.error("--runs and --null-runs must be >= 1")
-    return args
+    return parse_positive(p, argv, "runs", "null_runs")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,6 @@ Writes ``benchmarks/results/drift_cost.json`` (``--out`` elsewhere).
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import statistics
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import harness
+from benchmarks.cli_args import parse_positive, parser
 
 CHUNKS = (1, 32)
 
@@ -68,19 +68,11 @@ def measure(size: int, repeats: int, block: int, folder: Path) -> dict[str, Any]
     }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    p = parser(__doc__, "benchmarks/results/drift_cost.json")
     p.add_argument("--repeats", type=int, default=15, help="repetitions (each: a block of each monitor)")
     p.add_argument("--block", type=int, default=2000, help="updates per block")
-    p.add_argument("--out", type=Path, default=None, help="result file (default benchmarks/results/drift_cost.json)")
-    args = p.parse_args(argv)
-    if args.repeats < 1 or args.block < 1:
-        p.error("--repeats and --block must be >= 1")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_positive(p, argv, "repeats", "block")
     with tempfile.TemporaryDirectory(prefix="hydra-drift-cost-") as tmp:
         rows = [measure(size, args.repeats, args.block, Path(tmp)) for size in CHUNKS]
     for r in rows:

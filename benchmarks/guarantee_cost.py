@@ -36,6 +36,7 @@ os.environ.setdefault(
 )  # the server's OpenMP setting (service.entrypoints.app), before torch
 
 from benchmarks import harness
+from benchmarks.cli_args import parse_positive
 
 
 async def measure(rt: Any, prepared: list[Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -153,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=11, help="paired repetitions")
     p.add_argument("--block", type=int, default=50, help="answers per timed block")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default results/guarantee_cost/<name>.json)")
-    args = p.parse_args(argv)
-    if args.repeats < 1 or args.block < 1:
-        p.error("--repeats and --block must be positive")
+    args = parse_positive(p, argv, "repeats", "block")
     result, rt = asyncio.run(run(args))
     name = rt.name
     doc = {

@@ -35,6 +35,12 @@ def _split_commas(value: object) -> object:
     return value
 
 
+def _secret_text(value: SecretStr | None) -> str | None:
+    """The text of a secret setting, or None when it is unset or blank (an empty variable means unset)."""
+    text = value.get_secret_value() if value is not None else ""
+    return text if text.strip() else None
+
+
 def _installed(module: str) -> bool:
     """Whether ``module`` can be imported (without importing it)."""
     try:
@@ -166,20 +172,20 @@ class Settings(BaseSettings):
     @field_validator("alarm_webhook", mode="after")
     @classmethod
     def _webhook_url(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is None or not value.get_secret_value().strip():
-            return None
         from service.webhook import check_url
 
-        return SecretStr(check_url(value.get_secret_value()))
+        text = _secret_text(value)
+        return None if text is None else SecretStr(check_url(text))
 
     @field_validator("alarm_webhook_header", mode="after")
     @classmethod
     def _webhook_header(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is None or not value.get_secret_value().strip():
-            return None
         from service.webhook import check_header
 
-        check_header(value.get_secret_value())
+        text = _secret_text(value)
+        if text is None:
+            return None
+        check_header(text)
         return value
 
     @field_validator("log_level", "log_format", mode="before")
@@ -211,9 +217,10 @@ class Settings(BaseSettings):
     @field_validator("store_url", mode="after")
     @classmethod
     def _store_url_scheme(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is None or not value.get_secret_value().strip():
-            return None  # HYDRA_STORE_URL="" means the default SQLite store, as if unset
-        scheme = value.get_secret_value().strip().partition("://")[0].lower()
+        text = _secret_text(value)  # HYDRA_STORE_URL="" means the default SQLite store, as if unset
+        if text is None:
+            return None
+        scheme = text.strip().partition("://")[0].lower()
         if scheme not in STORE_SCHEMES:
             raise ValueError(
                 f"HYDRA_STORE_URL: scheme {scheme!r} is not supported; use one of {sorted(STORE_SCHEMES)} "
