@@ -11,8 +11,8 @@ The rooms, top to bottom; each imports only the rooms below it (the import contr
 * ``data/``, ``models/``, ``method/``: data sets and test sets; loading pretrained models and exporting fused ones;
   the mathematics (head scores, members, fusion, calibration, guarantees, OOD fits, shift corruptions);
 * ``config``: the build configuration and its validation;
-* ``families/``, ``compute``, ``progress``: the model families' adapters, where and in which precision a build
-  computes, and progress on long work.
+* ``families/``, ``compute``: the model families' adapters, and where and in which precision a build computes
+  (progress on long work is :mod:`service.core.progress`, shared with ``hydra-predict``).
 
 ``service.core`` sits under all of them; nothing here imports the rest of ``service``.
 """

@@ -33,11 +33,11 @@ from offline.config import BuildConfig, ConfigError, add_arguments, load_config,
 from offline.families import ADAPTERS  # noqa: E402
 from offline.pipelines import classifier_build as pipeline  # noqa: E402
 from offline.pipelines import zeroshot_build  # noqa: E402
-from offline.progress import DEFAULT_EVERY  # noqa: E402
-from offline.progress import set_enabled as set_progress  # noqa: E402
-from offline.progress import set_every as set_progress_every  # noqa: E402
 from offline.train import lit
 from service.core.jsonlog import json_formatter  # noqa: E402
+from service.core.progress import DEFAULT_EVERY  # noqa: E402
+from service.core.progress import set_enabled as set_progress  # noqa: E402
+from service.core.progress import set_every as set_progress_every  # noqa: E402
 
 # the command's own flags: every other flag is a config override (``--hydra.members 5``)
 NOT_OVERRIDES = ("config", "out", "force", "no_progress", "stage", "member", "progress_every", "log_format")

@@ -9,6 +9,6 @@
 * :mod:`.ensemble_metrics`: an ensemble's classification, calibration and OOD metrics (numpy);
 * :mod:`.corruptions`: the shifted copies of ID inputs that the report and the stream benchmark measure.
 
-May import: ``service.core``, :mod:`offline.families` and :mod:`offline.progress`; never a build step, a pipeline,
+May import: ``service.core``, :mod:`offline.families` and :mod:`service.core.progress`; never a build step, a pipeline,
 training or the report.
 """

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from offline.families import FamilyAdapter
-from offline.progress import bar as progress_bar
+from service.core.progress import bar as progress_bar
 
 Batch = dict[str, torch.Tensor]
 

@@ -29,7 +29,6 @@ from offline.data import Data
 from offline.families import get_adapter
 from offline.pipelines.baselines import baseline_methods
 from offline.pipelines.bases import base_loader, train_config
-from offline.progress import stage as progress_stage
 from offline.stages.calibrate import Calibration, calibrate_ood
 from offline.stages.certify import Guarantees, classifier_guarantees
 from offline.stages.context import BaseModel, BuildContext, Timer
@@ -50,6 +49,7 @@ from offline.stages.package import (
 )
 from service.core.artifact import Manifest
 from service.core.families import FAMILIES
+from service.core.progress import stage as progress_stage
 
 __all__ = ["STAGES", "base_checkpoint_dir", "build", "finish", "heads_of_base", "load_base", "scoring_batches"]
 

@@ -42,7 +42,6 @@ import torch
 from offline.config import BuildConfig, ConfigError, check_budget
 from offline.families.clip import CLIPAdapter, split_heads
 from offline.pipelines.bases import load_base_clip
-from offline.progress import stage as progress_stage
 from offline.stages.calibrate import ZeroShotCalibration, calibrate_zero_shot
 from offline.stages.certify import Guarantees, zero_shot_guarantees, zero_shot_guarantees_report
 from offline.stages.context import BuildContext, Timer
@@ -72,6 +71,7 @@ from offline.stages.package import (
 )
 from offline.train import lit
 from service.core.artifact import Manifest
+from service.core.progress import stage as progress_stage
 
 __all__ = [
     "HEAD_INDEX",

@@ -17,11 +17,11 @@ from offline.method.calibration import calibrate_threshold
 from offline.method.corruptions import SHIFT_PREFIX
 from offline.method.guarantee_fits import CalibrationOutputs, Fitted, evaluate_guarantees, fit_guarantees
 from offline.method.ood_fit import LAYERS, Run, scores_np
-from offline.progress import stage as progress_stage
 from offline.stages.calibrate import Calibration, ZeroShotCalibration
 from offline.stages.context import BuildContext
 from offline.stages.datasets import Batch, EvalSets, ZeroShotSets, collect_logits
 from offline.stages.evaluation import Method, method_stats
+from service.core.progress import stage as progress_stage
 from service.core.uncertainty import summarize
 
 __all__ = [

@@ -32,7 +32,6 @@ from offline.method.ood_fit import (
     scores_np,
 )
 from offline.method.ood_fit import with_layers as with_layer_stats
-from offline.progress import bar as progress_bar
 from offline.report import measure_latency
 from offline.stages.calibrate import Calibration, ZeroShotCalibration
 from offline.stages.context import BuildContext
@@ -41,6 +40,7 @@ from offline.stages.ensemble import Fused, Members
 from offline.stages.shift_eval import shift_metrics
 from service.core.fused_clip import zero_shot_logits
 from service.core.ood import OODStats
+from service.core.progress import bar as progress_bar
 from service.core.uncertainty import SUMMARY_SCORES, ood_flag
 
 __all__ = [

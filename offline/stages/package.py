@@ -30,7 +30,6 @@ from offline.models.export import (
     eager_outputs,
     export_checked,
 )
-from offline.progress import stage as progress_stage
 from offline.report import write_report
 from offline.stages.calibrate import Calibration, ZeroShotCalibration
 from offline.stages.certify import Guarantees
@@ -42,6 +41,7 @@ from offline.stages.shift_eval import shift_report
 from offline.train import lit
 from service.core.artifact import OOD_FILE, Manifest, write_manifest
 from service.core.ood import ensemble_scores, ood_tensors
+from service.core.progress import stage as progress_stage
 from service.core.uncertainty import ood_flag
 
 __all__ = [

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from offline.compute import Compute
-from offline.progress import bar as progress_bar
 from offline.train import checkpoints
 from offline.train.batches import Batch, GetBatch, Labelled
 from offline.train.parts import trainable_names
 from offline.train.presets import TrainConfig
 from offline.train.schedule import make_optimizer, make_scheduler
+from service.core.progress import bar as progress_bar
 
 Forward = Callable[[nn.Module, Batch], torch.Tensor]  # (model, batch) -> logits (B, C)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from offline import progress
+from service.core import progress
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,5 @@
-"""Progress of the build's long stages: tqdm bars on a terminal, progress lines everywhere else.
+"""Progress of long work (the build's stages, a ``hydra-predict`` run): tqdm bars on a terminal, progress lines
+everywhere else.
 
 On a terminal (stderr a TTY, no ``--no-progress``) each stage draws a tqdm bar with its rate and ETA. Without one
 (Kubernetes Job logs, CI, ``nohup``) a bar would be carriage-return noise, and a stage that only logged when it

@@ -1,0 +1,103 @@
+"""``hydra-predict --engine ray``: the same rows on Ray Data, from a laptop to a cluster (``--address``; KubeRay's
+``RayJob``: deploy/batch/).
+
+The parts not yet written are the work: Ray Data runs :class:`PartScorer` actors over them (``map_batches`` with an
+actor class: the artifact loaded once per actor, ``--actors`` of them, one GPU each when the settings ask for CUDA).
+Each actor reads its part's inputs, scores them as the in-process run does (:class:`~service.batch.scorer.
+BatchScorer`) and writes the part whole into ``--out`` (a folder every node sees, as the server's artifact volume
+is), so that a killed job started again skips the parts that are done. The driver only counts the rows as they come
+back and, at the end, writes the summary as the in-process run does.
+
+Needs the ``batch`` extra (``pip install 'hydra-serve[batch]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from service.batch.inputs import BatchInputError, open_source
+from service.batch.parts import Parts
+from service.batch.run_spec import guarantees_of, options_of, run_record
+from service.batch.scorer import BatchOptions, BatchScorer
+from service.core.artifact import artifact_version, load_manifest
+from service.core.progress import bar
+from service.settings import Settings
+
+__all__ = ["PartScorer", "run_ray"]
+
+
+class PartScorer:
+    """A Ray actor: the artifact loaded once; each call scores whole parts and writes them."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.scorer = BatchScorer(spec["artifact"], Settings(), BatchOptions(**spec["options"]))
+        args = spec["source"]
+        self.source = open_source(args["path"], args["column"], args["id_column"], self.scorer.modality)
+        self.parts = Parts(spec["out"], spec["format"], spec["part_size"], spec["run"])
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list[int]]:
+        size, done = self.spec["part_size"], []
+        for k in [int(k) for k in batch["part"]]:
+            if self.parts.path(k).exists():  # a part another attempt already wrote
+                done.append(0)
+                continue
+            chunks = self.source.chunks(self.spec["batch_size"], skip=k * size, stop=(k + 1) * size)
+            rows = [r for chunk in self.scorer.rows(chunks, threads=self.spec["threads"]) for r in chunk]
+            self.parts.write(k, rows)
+            done.append(len(rows))
+        return {"part": [int(k) for k in batch["part"]], "rows": done}
+
+
+def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, str]:
+    """Score every part not yet written on Ray Data; ``(parts, the artifact's guarantees, its served score)``."""
+    import ray  # the batch extra: imported when a Ray run starts
+
+    manifest = load_manifest(args.artifact)
+    if manifest.task != "classification":
+        raise BatchInputError(
+            f"{args.artifact}: hydra-predict scores classifier artifacts; this one is {manifest.task}"
+        )
+    modality = "text" if manifest.preprocessing.type == "text" else "image"
+    source = open_source(args.input, args.column, args.id_column, modality)
+    options = options_of(args)
+    described = {"model": manifest.name, "version": artifact_version(manifest), "options": vars(options)}
+    parts = Parts(args.out, args.format, args.part_size, run_record(args, described))
+    total, done = source.count(), parts.done()
+    todo = [k for k in range(-(-total // args.part_size)) if not parts.path(k).exists()]
+    spec = {
+        "artifact": str(args.artifact.resolve()),
+        "options": vars(options),
+        "source": {"path": str(args.input.resolve()), "column": args.column, "id_column": args.id_column},
+        "out": str(Path(args.out).resolve()),
+        "format": args.format,
+        "part_size": args.part_size,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+        "run": run_record(args, described),
+    }
+    env = {k: v for k, v in os.environ.items() if k.startswith(("HYDRA_", "OMP_", "HF_", "TRANSFORMERS_"))}
+    ray.init(address=args.address, runtime_env={"env_vars": env}, log_to_driver=False, include_dashboard=False)
+    try:
+        gpu = 1 if settings.device.startswith("cuda") else 0
+        progress = bar(desc="batch", total=total, initial=min(done * args.part_size, total))
+        if todo:
+            ds = ray.data.from_items([{"part": k} for k in todo], override_num_blocks=len(todo))
+            out = ds.map_batches(
+                PartScorer,
+                fn_constructor_args=(spec,),
+                batch_size=1,
+                concurrency=args.actors,
+                num_gpus=gpu,
+                num_cpus=0 if gpu else max(1, settings.threads or 1),
+            )
+            for row in out.iter_rows():
+                progress.update(int(row["rows"]))
+        progress.close()
+    finally:
+        ray.shutdown()
+    guarantees, metric = guarantees_of(args.artifact)
+    return parts, guarantees, metric
