@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.fixtures import golden
+from tests.fixtures import golden, golden_batch
 
 
 def _diff(want: Any, got: Any, where: str, tol: float = golden.TOL) -> list[str]:
@@ -125,3 +125,83 @@ def test_a_cut_that_drops_a_decision_is_seen():
 def test_the_golden_file_is_in_the_repository():
     assert golden.GOLDEN.is_file() and golden.GOLDEN.relative_to(Path(__file__).resolve().parents[2])
     assert set(json.loads(golden.RECORDED_ON.read_text())) == set(golden.machine())
+
+
+# The batch leg (tests/fixtures/golden_batch.py): the recorded /predict requests of the eager backend, their inputs
+# scored by service.batch (hydra-predict's path, without HTTP) on the same tiny artifacts, options and settings; each
+# row's answer is the recorded prediction. It covers vit/torch/{1,2,5} and bert/torch/{0..5}; it skips the Open
+# Inference Protocol requests (vit/torch/6, vit/torch/7, bert/torch/6: not /predict's answer), and the recording holds
+# no request with options a batch lacks (adaptive, labels, template; multipart). A batch does not feed the online
+# drift alarm, which fired at input 12 of the server's text traffic (inside bert/torch/2): in the predictions recorded
+# suspended (bert/torch/2 to 5) the alarm's fields (golden_batch.ALARM_FIELDS: the three `suspended`, `alarm_at`,
+# `certified`, `accept`, `reason`) are held to what the batch gives without it: not suspended, no alarm_at, and the
+# selective decision recorded unsuspended for the same input at the same risk (bert/torch/0's, for 3, 4 and 5); at
+# risk 0.05 (bert/torch/2), asked of no unsuspended request, `accept`, `certified` and `reason` are not compared.
+BATCH_KEYS = {f"vit/torch/{i}" for i in (1, 2, 5)} | {f"bert/torch/{i}" for i in range(6)}
+
+
+@pytest.fixture(scope="module")
+def batch_answers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return golden_batch.collect(tmp_path_factory.mktemp("golden-batch"))
+
+
+def _batch_diff(batch: dict[str, list[dict[str, Any]]], tol: float) -> list[str]:
+    """Where the batch answers differ from the recorded predictions (``golden_batch.expected``)."""
+    want = json.loads(golden.GOLDEN.read_text())
+    out = []
+    for key in sorted(batch):
+        expected = golden_batch.expected(want, key)
+        if len(expected) != len(batch[key]):
+            out.append(f"batch {key}: {len(expected)} predictions != {len(batch[key])} rows")
+            continue
+        for n, ((w, drop), got) in enumerate(zip(expected, batch[key], strict=True)):
+            out += _diff(w, golden_batch.without(got, drop), f"batch {key}[{n}]", tol)
+    return out
+
+
+def test_the_batch_leg_sends_every_recorded_predict_request_it_can():
+    eager = {k for k in golden.keys() if k.split("/")[1] == golden_batch.BACKEND}
+    covered = {f"{f}/{golden_batch.BACKEND}/{i}" for f in golden.SENT for i, _ in golden_batch.requests(f)}
+    skipped = golden_batch.skipped()
+    assert covered == BATCH_KEYS and covered | set(skipped) == eager and not covered & set(skipped)
+    assert set(skipped) == {"vit/torch/6", "vit/torch/7", "bert/torch/6"}
+    assert all("not /predict" in why for why in skipped.values())
+    # the leg holds both kinds of suspended prediction: with an unsuspended one to stand for it and without
+    want = json.loads(golden.GOLDEN.read_text())
+    drops = {k: {bool(d) for _, d in golden_batch.expected(want, k)} for k in covered}
+    suspended = {k for k in covered for p in want[k]["body"]["predictions"] if p["selective"]["suspended"]}
+    assert suspended == {f"bert/torch/{i}" for i in (2, 3, 4, 5)}
+    assert drops["bert/torch/2"] == {True} and all(drops[k] == {False} for k in covered - {"bert/torch/2"})
+
+
+def test_the_batch_path_gives_the_recorded_answers(batch_answers: dict[str, list[dict[str, Any]]]):
+    """Every row's answer is the server's recorded prediction: the same decisions, numbers within the golden test's
+    tolerance (``STRICT`` on the recording's machine, ``TOL`` elsewhere), ids and timings exempt."""
+    assert set(batch_answers) == BATCH_KEYS
+    tol = golden.STRICT if _recorded_here() else golden.TOL
+    diffs = _batch_diff(batch_answers, tol)
+    assert diffs == [], f"tolerance {tol} ({golden.machine()})\n" + "\n".join(diffs[:20])
+
+
+def test_the_batch_leg_sees_a_moved_number_or_decision(batch_answers: dict[str, list[dict[str, Any]]]):
+    """A row whose confidence moved by 1e-3, whose decision or set changed, or that says it is suspended fails."""
+    import copy
+
+    def moved(key: str, n: int, change: Any) -> list[str]:
+        batch = copy.deepcopy(batch_answers)
+        change(batch[key][n])
+        return _batch_diff(batch, golden.TOL)
+
+    def nudge(p: dict[str, Any]) -> None:
+        p["confidence"] += 1e-3
+
+    def flip(block: str, field: str) -> Any:
+        return lambda p: p[block].update({field: not p[block][field]})
+
+    (diff,) = moved("vit/torch/1", 0, nudge)  # the one number moved, and nothing else
+    assert diff.startswith("batch vit/torch/1[0].confidence: "), diff
+    assert moved("bert/torch/4", 0, flip("selective", "accept"))  # compared with bert/torch/0's unsuspended decision
+    assert moved("bert/torch/2", 1, flip("ood", "flag")) and moved("bert/torch/2", 1, flip("selective", "suspended"))
+    assert moved("bert/torch/3", 2, lambda p: p["conformal"]["set"].pop())
+    assert moved("vit/torch/2", 3, lambda p: p["selective"].update(reason="another reason"))
+    assert moved("vit/torch/5", 0, lambda p: p["ood"].update(score=p["ood"]["score"] * (1 + 1e-3)))
