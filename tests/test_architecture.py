@@ -128,13 +128,17 @@ def test_the_layer_contracts_list_every_server_module():
 
 
 def test_the_installed_commands_name_the_documented_entry_points():
-    """``hydra-build`` and ``hydra-serve`` (``[project.scripts]``) run what ``python offline/build.py`` and
-    ``python -m service`` run."""
+    """``hydra-build``, ``hydra-serve`` and ``hydra-predict`` (``[project.scripts]``) run what
+    ``python offline/build.py``, ``python -m service`` and ``python -m service.batch`` run."""
     import importlib
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"hydra-build": "offline.build:main", "hydra-serve": "service.entrypoints.cli:main"}
+    assert scripts == {
+        "hydra-build": "offline.build:main",
+        "hydra-serve": "service.entrypoints.cli:main",
+        "hydra-predict": "service.batch.cli:main",
+    }
     for target in scripts.values():
         module, _, name = target.partition(":")
         assert callable(getattr(importlib.import_module(module), name))

@@ -113,11 +113,13 @@ def finish(args: argparse.Namespace, parts: Parts, scorer_guarantees: Any, metri
         test = batch_shift_test(scores, scorer_guarantees.ood_scores, metric, args.shift_alpha)
         test["policy"] = policy
         summary["shift_test"] = test
-    if test is not None and test["rejected"] and policy != "off" and not parts.noted("suspended"):
+    suspended = test is not None and test["rejected"] and policy != "off"
+    if suspended:  # part by part, only rows not yet suspended: a run killed here and started again ends alike
         for k in range(parts.done()):
-            parts.write(k, [suspend(r, policy, test) for r in parts.read(k)])
-        parts.note(suspended=True)
-    summary["suspended"] = bool(parts.noted("suspended"))
+            rows = parts.read(k)
+            if any(r["error"] is None and not r["suspended"] for r in rows):
+                parts.write(k, [r if r["suspended"] else suspend(r, policy, test) for r in rows])
+    summary["suspended"] = suspended
     if args.select:
         chosen = select(enumerate(parts.all_rows(SELECT_COLUMNS)), args.select, args.by)
         path = write_selection(args, parts.out, chosen)

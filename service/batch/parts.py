@@ -72,14 +72,6 @@ class Parts:
         for k in range(self.done()):
             yield from self.read(k, columns)
 
-    def note(self, **fields: Any) -> None:
-        """Add ``fields`` to ``run.json`` (what the end of the run decided)."""
-        meta = self.out / RUN_FILE
-        _atomic_write(meta, json.dumps({**json.loads(meta.read_text()), **fields}, indent=1).encode())
-
-    def noted(self, key: str) -> Any:
-        return json.loads((self.out / RUN_FILE).read_text()).get(key)
-
 
 def _encode(rows: list[dict[str, Any]], fmt: str) -> bytes:
     if fmt == "jsonl":

@@ -90,7 +90,7 @@ def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, s
                 PartScorer,
                 fn_constructor_args=(spec,),
                 batch_size=1,
-                concurrency=args.actors,
+                compute=ray.data.ActorPoolStrategy(size=args.actors),
                 num_gpus=gpu,
                 num_cpus=0 if gpu else max(1, settings.threads or 1),
             )

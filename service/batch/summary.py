@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from service.core.online import estimate_figure
 from service.core.scores import outlier_sign
@@ -55,7 +56,7 @@ def label_free(rows: Iterable[dict[str, Any]], level: float = 0.95) -> dict[str,
     }
 
 
-def batch_shift_test(scores: np.ndarray, cal_oriented: np.ndarray, metric: str, alpha: float) -> dict[str, Any]:
+def batch_shift_test(scores: ArrayLike, cal_oriented: ArrayLike, metric: str, alpha: float) -> dict[str, Any]:
     """The one-sided Mann-Whitney U test of the batch's OOD ``scores`` (raw, as served) against the calibration
     split's outlier-oriented scores (module docstring): ``{"test", "n", "m", "auc", "z", "p_value", "alpha",
     "rejected"}``."""
