@@ -37,6 +37,8 @@ RUN apt-get update \
 # Builder: a virtualenv with the pinned dependencies, then the package itself.
 FROM python AS builder
 ARG VARIANT
+# More extras of pyproject.toml, comma-separated: batch-cluster for the Ray cluster of hydra-predict (deploy/batch/).
+ARG EXTRAS=""
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3-venv \
  && rm -rf /var/lib/apt/lists/* \
@@ -53,7 +55,7 @@ COPY deploy/docker/requirements.py /tmp/requirements.py
 # Both: OpenTelemetry (`otel` extra), off unless HYDRA_OTEL=true.
 RUN extra=gpu,otel \
  && if [ "$VARIANT" = cpu ]; then extra=onnx,otel; export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu; fi \
- && python /tmp/requirements.py pyproject.toml "$extra" > /tmp/requirements.txt \
+ && python /tmp/requirements.py pyproject.toml "$extra${EXTRAS:+,$EXTRAS}" > /tmp/requirements.txt \
  && pip install -r /tmp/requirements.txt
 # Then the source: only the server package (the offline builder and its dependencies stay out of the image).
 COPY README.md ./
