@@ -1,5 +1,6 @@
 """``hydra-predict`` (``python -m service.batch``): score a folder, CSV, JSONL or Parquet file with an artifact, every
-row with the fields of ``/predict``, in-process by default or on Ray Data (``--engine ray``); docs/batch.md.
+row with the fields of ``/predict``, in-process by default or on Ray Data (``--engine ray``); ``hydra-predict
+feedback FILE`` sends the labels of a ``--select`` file back to the prediction store; docs/batch.md.
 
 Settings come from the same ``HYDRA_*`` variables as the server's (device, backend, precision, threads,
 ``HYDRA_DRIFT_POLICY``). Exit status: 0 done; 2 a bad argument, input or artifact (one line on stderr).
@@ -25,11 +26,14 @@ from service.batch.ray_engine import run_ray
 from service.batch.run_spec import options_of, run_record
 from service.batch.scorer import BatchScorer
 from service.batch.summary import SELECT_BY, batch_shift_test, label_free, select, suspend
+from service.core.artifact import load_manifest
 from service.core.errors import ServiceError
 from service.core.progress import bar, set_enabled
 from service.settings import Settings, settings_errors
+from service.store import PredictionStore, open_store
+from service.store.records import FEEDBACK_STATUSES, FeedbackItem
 
-__all__ = ["finish", "main", "parse_args", "run_local"]
+__all__ = ["feedback", "finish", "main", "parse_args", "run_local"]
 
 log = logging.getLogger("hydra.batch")
 SUMMARY_COLUMNS = ("id", "error", "confidence", "ood_score", "ood_p_value", "ood_flag", "accept")
@@ -68,6 +72,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", default="local", choices=("local", "ray"), help="in-process, or Ray Data")
     p.add_argument("--address", help="--engine ray: an existing cluster (default: a local Ray)")
     p.add_argument("--actors", type=int, default=2, help="--engine ray: model actors (one per GPU on a GPU node)")
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="record every answer in the prediction store (HYDRA_STORE*), so that labels can come back for them",
+    )
     p.add_argument("--no-progress", action="store_true", help="no bar on a terminal (progress lines in logs stay)")
     args = p.parse_args(argv)
     for name in ("part_size", "batch_size", "threads", "top_k", "actors"):
@@ -85,11 +94,14 @@ def run_local(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Batc
     scorer = BatchScorer(args.artifact, settings, options_of(args))
     source = open_source(args.input, args.column, args.id_column, scorer.modality)
     parts = Parts(args.out, args.format, args.part_size, run_record(args, scorer.describe()))
+    store = open_recording(args, settings)
+    if store is not None:
+        scorer.record_into(store, parts.run_id)
     done, total = parts.done(), source.count()
     start = min(done * args.part_size, total)
     progress = bar(desc="batch", total=total, initial=start)
-    k, buf = done, []
-    for rows in scorer.rows(source.chunks(args.batch_size, skip=start), threads=args.threads):
+    k, buf, t0 = done, [], time.monotonic()
+    for rows in scorer.rows(source.chunks(args.batch_size, skip=start), threads=args.threads, first=start):
         buf += rows
         progress.update(len(rows))
         while len(buf) >= args.part_size:
@@ -98,7 +110,20 @@ def run_local(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Batc
     if buf:
         parts.write(k, buf)
     progress.close()
+    parts.rate = (total - start, time.monotonic() - t0)
+    if store is not None:
+        store.close()  # every answer written before the run ends
     return parts, scorer
+
+
+def open_recording(args: argparse.Namespace, settings: Settings) -> PredictionStore | None:
+    """The prediction store the answers are recorded in (``--record``); a one-line error when it is off."""
+    if not args.record:
+        return None
+    store = open_store(settings)
+    if store is None:
+        raise BatchInputError("--record needs the prediction store: HYDRA_STORE is off")
+    return store
 
 
 def finish(args: argparse.Namespace, parts: Parts, scorer_guarantees: Any, metric: str, policy: str) -> dict:
@@ -106,41 +131,106 @@ def finish(args: argparse.Namespace, parts: Parts, scorer_guarantees: Any, metri
     to label first. Written to ``summary.json``; idempotent (a restarted run finishes alike)."""
     rows = list(parts.all_rows(SUMMARY_COLUMNS))
     summary: dict[str, Any] = {"rows": len(rows), "errors": sum(r["error"] is not None for r in rows)}
-    summary |= label_free(rows)
+    scored, seconds = parts.rate
+    summary["scored_now"] = {"inputs": scored, "seconds": round(seconds, 3), "inputs_per_s": _rate(scored, seconds)}
+    summary |= label_free(rows, calibration=calibration_of(scorer_guarantees, args.artifact))
     test = None
     if scorer_guarantees is not None:
         scores = [r["ood_score"] for r in rows if r["error"] is None]
         test = batch_shift_test(scores, scorer_guarantees.ood_scores, metric, args.shift_alpha)
         test["policy"] = policy
         summary["shift_test"] = test
-    suspended = test is not None and test["rejected"] and policy != "off"
-    if suspended:  # part by part, only rows not yet suspended: a run killed here and started again ends alike
-        for k in range(parts.done()):
-            rows = parts.read(k)
-            if any(r["error"] is None and not r["suspended"] for r in rows):
-                parts.write(k, [r if r["suspended"] else suspend(r, policy, test) for r in rows])
-    summary["suspended"] = suspended
+    summary["suspended"] = test is not None and test["rejected"] and policy != "off"
+    if test is not None and summary["suspended"]:
+        suspend_parts(parts, policy, test)
     if args.select:
-        chosen = select(enumerate(parts.all_rows(SELECT_COLUMNS)), args.select, args.by)
-        path = write_selection(args, parts.out, chosen)
+        chosen = select(enumerate(parts.all_rows(SELECT_COLUMNS)), args.select, args.by, metric)
+        path = write_selection(args, parts, chosen)
         summary["selected"] = {"k": len(chosen), "by": args.by, "file": path.name}
     (parts.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
-def write_selection(args: argparse.Namespace, out: Path, chosen: list[tuple[int, dict]]) -> Path:
-    """``to_label.csv``: the chosen inputs best first (position, id, the input where it is a text, the model's label,
-    the score it was chosen by) with an empty ``label`` column to fill (docs/batch.md, "Labels back")."""
-    path = out / "to_label.csv"
+def calibration_of(guarantees: Any, artifact: Path) -> tuple[float, int, Any] | None:
+    """``(accuracy, n, confidences)`` of the artifact's calibration split (None: no split, or no confidences)."""
+    if guarantees is None or guarantees.ranks is None:
+        return None
+    spec = load_manifest(artifact).guarantees
+    errors = spec.calibration.get("errors") if spec is not None else None
+    n = guarantees.ranks.n
+    if not isinstance(errors, int) or isinstance(errors, bool) or not n:
+        return None
+    return 1 - errors / n, n, guarantees.ranks.confidences
+
+
+def suspend_parts(parts: Parts, policy: str, test: dict[str, Any]) -> None:
+    """Every answered row not yet suspended, suspended (:func:`~service.batch.summary.suspend`), part by part: a run
+    killed here and started again ends alike."""
+    for k in range(parts.done()):
+        rows = parts.read(k)
+        if any(r["error"] is None and not r["suspended"] for r in rows):
+            parts.write(k, [r if r["suspended"] else suspend(r, policy, test) for r in rows])
+
+
+def _rate(n: int, seconds: float) -> float | None:
+    return round(n / seconds, 2) if n and seconds > 0 else None
+
+
+def write_selection(args: argparse.Namespace, parts: Parts, chosen: list[tuple[int, dict]]) -> Path:
+    """``to_label.csv``: the chosen inputs best first (position, id, the model's label, the score it was chosen by,
+    with ``--record`` the answer's id in the store) and an empty ``label`` column to fill (docs/batch.md, "Labels
+    back")."""
+    path = parts.out / "to_label.csv"
     with path.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["position", "id", "predicted", args.by, "label"])
+        w.writerow(["position", "id", "predicted", args.by, *(["answer_id"] if args.record else []), "label"])
         for i, r in chosen:
-            w.writerow([i, r["id"], r["label"], r[args.by] if args.by != "ood" else r["ood_p_value"], ""])
+            by = (
+                r[args.by]
+                if args.by != "ood"
+                else (r["ood_p_value"] if r["ood_p_value"] is not None else r["ood_score"])
+            )
+            w.writerow([i, r["id"], r["label"], by, *([f"{parts.run_id}:{i}"] if args.record else []), ""])
     return path
 
 
+def feedback(argv: Sequence[str]) -> int:
+    """``hydra-predict feedback FILE --artifact DIR``: the labels filled in a ``to_label.csv`` (rows with an
+    ``answer_id`` and a ``label``; empty labels skipped) into the prediction store, as ``/feedback`` puts them."""
+    p = argparse.ArgumentParser(prog="hydra-predict feedback", description=feedback.__doc__)
+    p.add_argument("file", type=Path, help="a to_label.csv of a --record run, its label column filled")
+    p.add_argument("--artifact", type=Path, required=True, help="the artifact the run scored with")
+    args = p.parse_args(argv)
+    try:
+        manifest = load_manifest(args.artifact)
+        items = labelled_items(args.file)
+        store = open_recording(argparse.Namespace(record=True), Settings())
+        assert store is not None
+        try:
+            statuses = store.add_feedback(manifest.name, manifest.labels or [], items)
+        finally:
+            store.close()
+    except (ServiceError, OSError, ValidationError) as e:
+        print(f"hydra-predict feedback: {e}", file=sys.stderr)
+        return 2
+    counts = {s: statuses.count(s) for s in FEEDBACK_STATUSES}
+    print(json.dumps({"labels": len(items), **counts}))
+    return 0
+
+
+def labelled_items(path: Path) -> list[FeedbackItem]:
+    """The filled rows of a ``to_label.csv`` as feedback items (answer ``id``, index 0, ``label``)."""
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and "answer_id" not in rows[0]:
+        raise BatchInputError(f"{path}: no answer_id column: the run was not recorded (run it with --record)")
+    return [FeedbackItem(r["answer_id"], 0, r["label"].strip()) for r in rows if r.get("label", "").strip()]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["feedback"]:
+        return feedback(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if args.no_progress:

@@ -8,6 +8,7 @@ part size). A second run into the same folder must match it, or it stops in one 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ class Parts:
         if part_size < 1:
             raise BatchInputError(f"--part-size must be >= 1, got {part_size}")
         self.out, self.fmt, self.part_size = Path(out), fmt, part_size
+        self.rate: tuple[int, float] = (0, 0.0)  # (inputs scored by this run, seconds it took): the summary's
         self.run = {**run, "format": fmt, "part_size": part_size}
         self.out.mkdir(parents=True, exist_ok=True)
         meta = self.out / RUN_FILE
@@ -44,6 +46,12 @@ class Parts:
                 )
         else:
             _atomic_write(meta, json.dumps(self.run, indent=1).encode())
+
+    @property
+    def run_id(self) -> str:
+        """A short hash of what the rows come from (``run.json``): the answers' ids in the store are
+        ``"<run id>:<position>"``."""
+        return "batch-" + hashlib.sha256(json.dumps(self.run, sort_keys=True).encode()).hexdigest()[:16]
 
     def path(self, k: int) -> Path:
         return self.out / f"part-{k:05d}.{self.fmt}"

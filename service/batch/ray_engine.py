@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from service.batch.scorer import BatchOptions, BatchScorer
 from service.core.artifact import artifact_version, load_manifest
 from service.core.progress import bar
 from service.settings import Settings
+from service.store import open_store
 
 __all__ = ["PartScorer", "run_ray"]
 
@@ -38,6 +40,11 @@ class PartScorer:
         args = spec["source"]
         self.source = open_source(args["path"], args["column"], args["id_column"], self.scorer.modality)
         self.parts = Parts(spec["out"], spec["format"], spec["part_size"], spec["run"])
+        if spec["run"]["record"]:  # each actor records its answers in the store every node reaches (HYDRA_STORE_URL)
+            store = open_store(Settings())
+            if store is None:
+                raise BatchInputError("--record needs the prediction store: HYDRA_STORE is off")
+            self.scorer.record_into(store, self.parts.run_id)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list[int]]:
         size, done = self.spec["part_size"], []
@@ -46,7 +53,10 @@ class PartScorer:
                 done.append(0)
                 continue
             chunks = self.source.chunks(self.spec["batch_size"], skip=k * size, stop=(k + 1) * size)
-            rows = [r for chunk in self.scorer.rows(chunks, threads=self.spec["threads"]) for r in chunk]
+            scored = self.scorer.rows(chunks, threads=self.spec["threads"], first=k * size)
+            rows = [r for chunk in scored for r in chunk]
+            if self.scorer.rt.monitor is not None:
+                self.scorer.rt.monitor.store.flush()  # recorded before the part says it is done
             self.parts.write(k, rows)
             done.append(len(rows))
         return {"part": [int(k) for k in batch["part"]], "rows": done}
@@ -83,7 +93,8 @@ def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, s
     ray.init(address=args.address, runtime_env={"env_vars": env}, log_to_driver=False, include_dashboard=False)
     try:
         gpu = 1 if settings.device.startswith("cuda") else 0
-        progress = bar(desc="batch", total=total, initial=min(done * args.part_size, total))
+        start = min(done * args.part_size, total)
+        progress, t0 = bar(desc="batch", total=total, initial=start), time.monotonic()
         if todo:
             ds = ray.data.from_items([{"part": k} for k in todo], override_num_blocks=len(todo))
             out = ds.map_batches(
@@ -97,6 +108,7 @@ def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, s
             for row in out.iter_rows():
                 progress.update(int(row["rows"]))
         progress.close()
+        parts.rate = (total - start, time.monotonic() - t0)  # Ray's start and the actors' model loads included
     finally:
         ray.shutdown()
     guarantees, metric = guarantees_of(args.artifact)

@@ -21,7 +21,8 @@ def options_of(args: argparse.Namespace) -> BatchOptions:
 
 def run_record(args: argparse.Namespace, described: dict[str, Any]) -> dict[str, Any]:
     """What the rows come from, as ``run.json`` keeps it: the model, its version, the options, the input."""
-    return {**described, "input": str(args.input.resolve()), "column": args.column, "id_column": args.id_column}
+    where = {"input": str(args.input.resolve()), "column": args.column, "id_column": args.id_column}
+    return {**described, **where, "record": bool(args.record)}
 
 
 def guarantees_of(artifact: Path) -> tuple[Any, str]:

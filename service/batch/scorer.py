@@ -22,6 +22,7 @@ from service.core.errors import ServiceError
 from service.runtime import Query, Runtime, load_runtime
 from service.runtime.interface import fill_scores
 from service.settings import Settings
+from service.store import PredictionStore
 
 __all__ = ["COLUMNS", "BatchOptions", "BatchScorer"]
 
@@ -69,10 +70,15 @@ class BatchOptions:
 
 
 class BatchScorer:
-    """The artifact loaded once; :meth:`rows` scores chunks of raw inputs into rows (one per input, in order)."""
+    """The artifact loaded once; :meth:`rows` scores chunks of raw inputs into rows (one per input, in order).
+
+    :meth:`record_into` a prediction store: each answer is then recorded there as the server records its answers, as
+    the answer ``"<run id>:<position>"`` (one prediction, index 0), so that labels sent back for it reach the store
+    as ``/feedback`` labels do (docs/batch.md, "Labels back")."""
 
     def __init__(self, artifact: str | Path, settings: Settings, options: BatchOptions) -> None:
         self.rt: Runtime = load_runtime(artifact, settings)
+        self.run_id: str | None = None  # set by record_into
         if self.rt.task != "classification":
             raise ServiceError(f"{artifact}: hydra-predict scores classifier artifacts; this one is {self.rt.task}")
         self.options = options
@@ -82,6 +88,11 @@ class BatchScorer:
     @property
     def modality(self) -> str:
         return self.rt.modality
+
+    def record_into(self, store: PredictionStore, run_id: str) -> None:
+        """Record every answer from now on in ``store`` as ``"<run_id>:<position>"``."""
+        self.rt.attach_monitor(store)
+        self.run_id = run_id
 
     def describe(self) -> dict[str, Any]:
         """The model and options a run's rows came from (kept beside the parts: a resume must match it)."""
@@ -101,8 +112,11 @@ class BatchScorer:
                     errors[i] = f"{ids[i]}: {e}"
             return prepared, errors
 
-    def score(self, ids: Sequence[str], prepared: list[Any], errors: dict[int, str]) -> list[dict[str, Any]]:
-        """Rows of one prepared chunk: the model's pass, the uncertainty, the guarantees, the answer's fields."""
+    def score(
+        self, ids: Sequence[str], prepared: list[Any], errors: dict[int, str], first: int = 0
+    ) -> list[dict[str, Any]]:
+        """Rows of one prepared chunk whose first input is input ``first`` of the run: the model's pass, the
+        uncertainty, the guarantees, the answer's fields (and, recording, the answers in the store)."""
         rt, preds = self.rt, []
         if prepared:
             results = rt._run(prepared)
@@ -120,20 +134,33 @@ class BatchScorer:
                 return_scores=self.query.return_scores,
                 guarantees=rt.guarantees,
             )
+            if rt.monitor is not None:
+                answered = [first + i for i in range(len(ids)) if i not in errors]
+                for pos, r in zip(answered, results, strict=True):
+                    rt.monitor.record(f"{self.run_id}:{pos}", [r], None, False)
         answers = iter(preds)
         return [_error_row(rid, errors[i]) if i in errors else _row(rid, next(answers)) for i, rid in enumerate(ids)]
 
-    def rows(self, chunks: Iterator[tuple[list[str], list[str | bytes]]], threads: int = 2) -> Iterator[list[dict]]:
-        """Rows chunk by chunk, the next chunk decoded in ``threads`` threads while the model runs this one."""
+    def rows(
+        self, chunks: Iterator[tuple[list[str], list[str | bytes]]], threads: int = 2, first: int = 0
+    ) -> Iterator[list[dict]]:
+        """Rows chunk by chunk (the first chunk's first input is input ``first`` of the run), the next chunk decoded
+        in ``threads`` threads while the model runs this one."""
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="hydra-decode") as pool:
-            pending: tuple[list[str], Future] | None = None
+            pending: tuple[list[str], Future, int] | None = None
             for ids, raws in chunks:
-                nxt = (ids, pool.submit(self.prepare, ids, raws))
+                nxt = (ids, pool.submit(self.prepare, ids, raws), first)
+                first += len(ids)
                 if pending is not None:
-                    yield self.score(pending[0], *pending[1].result())
+                    yield self._scored(pending)
                 pending = nxt
             if pending is not None:
-                yield self.score(pending[0], *pending[1].result())
+                yield self._scored(pending)
+
+    def _scored(self, pending: tuple[list[str], Future, int]) -> list[dict[str, Any]]:
+        ids, future, first = pending
+        prepared, errors = future.result()
+        return self.score(ids, prepared, errors, first)
 
 
 def _row(rid: str, p: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,11 @@
 
 * **Label-free accuracy** of the batch: the mean top-label probability of its answers, with the normal interval of a
   Poisson-binomial mean (:func:`service.core.online.estimate_figure`, the estimator of ``/monitor``). It is the
-  expected accuracy if the probabilities are calibrated on this batch's inputs, and only then.
+  expected accuracy if the probabilities are calibrated on this batch's inputs, and only then. With a calibration
+  split, also ``adjusted_accuracy``, the difference of confidences (Guillory et al., 2021): the calibration split's
+  accuracy moved by how far the batch's mean confidence is from the split's. It removes the model's miscalibration
+  as the split measured it, and holds when that miscalibration is the same on the batch's inputs (no shift that
+  changes it).
 * **One shift test of the whole batch** against the calibration split: the one-sided Mann-Whitney U test of "the
   batch's OOD scores are larger than the calibration split's" (outlier-oriented, :func:`service.core.scores.
   outlier_sign`). Stated exactly: if the batch's inputs and the calibration split's are independent draws of one
@@ -21,6 +25,7 @@ import heapq
 import json
 import math
 from collections.abc import Iterable
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -29,15 +34,18 @@ from numpy.typing import ArrayLike
 from service.core.online import estimate_figure
 from service.core.scores import outlier_sign
 
-__all__ = ["SELECT_BY", "batch_shift_test", "label_free", "select", "suspend"]
+__all__ = ["SELECT_BY", "batch_shift_test", "difference_of_confidences", "label_free", "select", "suspend"]
 
 # what --by ranks on, larger = label first: the members' disagreement, the smallest margin between the two top labels,
-# the predictive entropy, the most foreign input (the smallest OOD p-value; the OOD score without guarantees)
+# the predictive entropy, the most foreign input (the smallest OOD p-value; without guarantees, the OOD score
+# oriented so that larger = more foreign)
 SELECT_BY = ("mutual_information", "margin", "entropy", "ood")
 
 
-def label_free(rows: Iterable[dict[str, Any]], level: float = 0.95) -> dict[str, Any]:
-    """The label-free accuracy of the answered rows, with its interval; and the flagged and accepted shares."""
+def label_free(rows: Iterable[dict[str, Any]], level: float = 0.95, calibration: Any = None) -> dict[str, Any]:
+    """The label-free accuracy of the answered rows, with its interval; and the flagged and accepted shares. With
+    ``calibration`` (``(accuracy, n, confidences)`` of the calibration split), also ``adjusted_accuracy``: the
+    difference of confidences (module docstring)."""
     n = flagged = accepted = 0
     conf_sum = conf_var = 0.0
     for r in rows:
@@ -48,12 +56,28 @@ def label_free(rows: Iterable[dict[str, Any]], level: float = 0.95) -> dict[str,
         flagged += bool(r["ood_flag"])
         accepted += bool(r.get("accept"))
     f = estimate_figure(conf_sum, conf_var, n, level)
-    return {
+    out = {
         "answered": n,
         "estimated_accuracy": {"value": f.value, "low": f.low, "high": f.high, "level": level},
         "ood_flagged": flagged / n if n else None,
         "accepted": accepted / n if n else None,
     }
+    if calibration is not None and n:
+        acc, cal_n, cal_conf = calibration
+        out["adjusted_accuracy"] = difference_of_confidences(conf_sum / n, conf_var / n**2, acc, cal_n, cal_conf, level)
+    return out
+
+
+def difference_of_confidences(
+    mean_conf: float, var_mean: float, cal_accuracy: float, cal_n: int, cal_conf: np.ndarray, level: float = 0.95
+) -> dict[str, Any]:
+    """The batch's accuracy as the calibration split's, moved by how much the mean confidence moved:
+    ``acc_cal + (mean conf - mean conf_cal)``, clipped to ``[0, 1]``; its interval adds the calibration accuracy's
+    binomial variance to the batch mean's (normal, at ``level``)."""
+    value = cal_accuracy + (mean_conf - float(np.mean(cal_conf)))
+    half = NormalDist().inv_cdf(0.5 + level / 2) * math.sqrt(var_mean + cal_accuracy * (1 - cal_accuracy) / cal_n)
+    clip = lambda x: min(1.0, max(0.0, x))  # noqa: E731
+    return {"value": clip(value), "low": clip(value - half), "high": clip(value + half), "level": level}
 
 
 def batch_shift_test(scores: ArrayLike, cal_oriented: ArrayLike, metric: str, alpha: float) -> dict[str, Any]:
@@ -79,20 +103,24 @@ def batch_shift_test(scores: ArrayLike, cal_oriented: ArrayLike, metric: str, al
     return out | {"auc": u / (n * m), "z": z, "p_value": p, "rejected": bool(p <= alpha)}
 
 
-def _key(row: dict[str, Any], by: str) -> float:
+def _key(row: dict[str, Any], by: str, sign: float) -> float:
     if by == "margin":
         return -float(row["margin"]) if row.get("margin") is not None else -math.inf
     if by == "ood":
         p = row.get("ood_p_value")
-        return -float(p) if p is not None else float(row["ood_score"])
+        return -float(p) if p is not None else sign * float(row["ood_score"])
     return float(row[by])
 
 
-def select(rows: Iterable[tuple[int, dict[str, Any]]], k: int, by: str) -> list[tuple[int, dict[str, Any]]]:
-    """The ``k`` answered rows ranked first by ``by`` (ties: the earlier input), as ``(position, row)``, best first."""
+def select(
+    rows: Iterable[tuple[int, dict[str, Any]]], k: int, by: str, metric: str = "msp"
+) -> list[tuple[int, dict[str, Any]]]:
+    """The ``k`` answered rows ranked first by ``by`` (ties: the earlier input), as ``(position, row)``, best first;
+    ``metric``: the served OOD score, oriented so that ``ood`` without p-values ranks the most foreign first."""
     if by not in SELECT_BY:
         raise ValueError(f"--by must be one of {', '.join(SELECT_BY)}, got {by!r}")
-    best = heapq.nlargest(k, ((_key(r, by), -i, i, r) for i, r in rows if r.get("error") is None))
+    sign = outlier_sign(metric)
+    best = heapq.nlargest(k, ((_key(r, by, sign), -i, i, r) for i, r in rows if r.get("error") is None))
     return [(i, r) for _, _, i, r in best]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import mannwhitneyu
 
-from service.batch.summary import batch_shift_test, label_free, select
+from service.batch.summary import batch_shift_test, difference_of_confidences, label_free, select
 from service.core.online import estimate_figure
 
 
@@ -62,3 +62,16 @@ def test_label_free_is_the_monitors_estimator_and_select_breaks_ties_by_position
     assert [i for i, _ in select(enumerate(ranked), 3, "mutual_information")] == [1, 2, 3]
     with pytest.raises(ValueError, match="--by must be one of"):
         select(enumerate(ranked), 1, "loss")
+
+
+def test_the_difference_of_confidences_moves_the_calibration_accuracy_by_the_confidence_shift():
+    cal_conf = np.array([0.9, 0.8, 0.7, 0.6])  # mean 0.75
+    got = difference_of_confidences(0.70, 0.0001, 0.85, 2000, cal_conf)
+    half = 1.959963984540054 * np.sqrt(0.0001 + 0.85 * 0.15 / 2000)
+    assert got["value"] == pytest.approx(0.80) and got["low"] == pytest.approx(0.80 - half)
+    assert got["high"] == pytest.approx(0.80 + half) and got["level"] == 0.95
+    assert difference_of_confidences(0.99, 0.0, 0.99, 100, np.array([0.5]))["value"] == 1.0  # clipped
+    rows = [{"confidence": c, "ood_flag": False, "accept": True, "error": None} for c in (0.9, 0.7)]
+    out = label_free(rows, calibration=(0.85, 2000, cal_conf))
+    assert out["adjusted_accuracy"]["value"] == pytest.approx(0.85 + (0.8 - 0.75))
+    assert "adjusted_accuracy" not in label_free(rows)
