@@ -7,7 +7,7 @@ Per artifact, side by side in one run (every leg with the settings' defaults: th
   in one thread, at batch 16, 32, 64 and 128: the best rate, measured before and after the other legs (the better
   kept). Nothing else: no uncertainty, no guarantees, no output.
 * **batch**: ``python -m service.batch`` in-process (its ``scored_now`` rate: from its first input to its last part
-  written, the model loaded), at the raw model's best batch, twice (the better kept);
+  written, the model loaded), at the raw model's best batch, in parts of 500 rows, twice (the better kept);
 * **ray**: the same with ``--engine ray --actors 2`` (each actor one thread; Ray's own start left out, the actors'
   model loads in);
 * **server**: ``python -m service`` (``HYDRA_WORKERS=auto``) driven by ``wrk`` with one input per request at 64
@@ -39,7 +39,7 @@ import numpy as np
 import psutil
 from PIL import Image
 
-from benchmarks import harness
+from benchmarks import harness, result_json
 from benchmarks.bench_server import drive
 from benchmarks.bench_server import parse_args as server_args
 from benchmarks.cli_args import parse_positive, parser
@@ -51,6 +51,7 @@ from service.settings import Settings
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"image": "offline/configs/image-fast.yaml", "text": "offline/configs/text-fast.yaml"}
 BATCHES = (16, 32, 64, 128)
+PART = 500  # rows per part in every leg: 16 parts of the default 8,000 inputs, so that both Ray actors have work
 
 
 def test_split(modality: str) -> tuple[list[Any], list[str]]:
@@ -95,7 +96,8 @@ def raw_rate(artifact: Path, raws: list[Path | str]) -> dict[int, float]:
 def batch_run(artifact: Path, inp: Path, out: Path, batch: int, *extra: str, env: dict | None = None) -> dict:
     """One ``python -m service.batch`` run in a process of its own: its summary."""
     cmd = [sys.executable, "-m", "service.batch", str(inp), "--artifact", str(artifact), "--out", str(out)]
-    cmd += ["--batch-size", str(batch), "--no-progress", *(["--column", "text"] if inp.suffix == ".csv" else [])]
+    cmd += ["--batch-size", str(batch), "--part-size", str(PART), "--no-progress"]
+    cmd += ["--column", "text"] if inp.suffix == ".csv" else []
     done = subprocess.run([*cmd, *extra], cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"hydra-predict failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -145,14 +147,17 @@ def estimate_check(artifact: Path, modality: str, tmp: Path) -> dict[str, Any]:
     summary = batch_run(artifact, inp, tmp / f"{modality}-test-out", 64)
     rows = _rows(tmp / f"{modality}-test-out")
     accuracy = float(np.mean([r["label"] == y for r, y in zip(rows, labels, strict=True)]))
-    est = summary["estimated_accuracy"]
-    return {
+    est, adj = summary["estimated_accuracy"], summary.get("adjusted_accuracy")
+    out = {
         "inputs": len(rows),
         "accuracy": accuracy,
         "estimated": est,
         "gap_points": round(100 * (est["value"] - accuracy), 2),
         "interval_holds_it": est["low"] <= accuracy <= est["high"],
     }
+    if adj is not None:
+        out |= {"adjusted": adj, "adjusted_gap_points": round(100 * (adj["value"] - accuracy), 2)}
+    return out
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
@@ -193,6 +198,10 @@ def setting(name: str, artifact: Path, n: int, tmp: Path, server_s: float, ray: 
     return out
 
 
+def _figure(f: dict[str, Any] | None) -> str:
+    return "–" if f is None else f"{100 * f['value']:.1f} [{100 * f['low']:.1f}, {100 * f['high']:.1f}]"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
     lines = [
@@ -220,14 +229,15 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += [f"(flat: {mem['flat']})."]
     lines += [
         "",
-        "| artifact | test inputs | accuracy % | label-free estimate % [95 %] | gap (points) |",
-        "|---|---:|---:|---:|---:|",
+        "| artifact | test inputs | accuracy % | label-free estimate % [95 %] | gap (points) | adjusted (difference "
+        "of confidences) % [95 %] | gap (points) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, e in doc["estimates"].items():
-        est = e["estimated"]
+        adj_gap = e.get("adjusted_gap_points")
         lines.append(
-            f"| {name} | {e['inputs']} | {100 * e['accuracy']:.1f} | {100 * est['value']:.1f} "
-            f"[{100 * est['low']:.1f}, {100 * est['high']:.1f}] | {e['gap_points']:+.2f} |"
+            f"| {name} | {e['inputs']} | {100 * e['accuracy']:.1f} | {_figure(e['estimated'])} | "
+            f"{e['gap_points']:+.2f} | {_figure(e.get('adjusted'))} | {'–' if adj_gap is None else f'{adj_gap:+.2f}'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -240,24 +250,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-inputs", type=int, default=100_000)
     p.add_argument("--server-seconds", type=float, default=10.0)
     p.add_argument("--no-ray", action="store_true")
+    p.add_argument("--no-memory", action="store_true", help="skip the long memory run")
+    p.add_argument("--settings", nargs="+", default=["image", "text"], choices=["image", "text"])
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"], help="HYDRA_DEVICE of every leg")
     args = parse_positive(p, argv, "inputs", "memory_inputs")
+    if args.device:
+        os.environ["HYDRA_DEVICE"] = args.device  # the legs' processes and the raw model's settings read it
     with tempfile.TemporaryDirectory(prefix="hydra-batch-bench-") as tmp:
         t = Path(tmp)
         doc: dict[str, Any] = {
-            "command": "python -m benchmarks.batch_scoring " + " ".join(argv or sys.argv[1:]),
+            "command": " ".join(["python -m benchmarks.batch_scoring", *(argv or sys.argv[1:])]),
             "machine": harness.machine(),
             "settings": {},
             "estimates": {},
         }
-        for name in ("image", "text"):
+        for name in args.settings:
             art = getattr(args, name)
             doc["settings"][name] = setting(name, art, args.inputs, t, args.server_seconds, not args.no_ray)
             doc["estimates"][name] = estimate_check(art, name, t)
-        texts, _ = test_split("text")
-        doc["memory"] = memory_profile(args.text, texts, args.memory_inputs, t)
+        if not args.no_memory:
+            texts, _ = test_split("text")
+            doc["memory"] = memory_profile(args.text, texts, args.memory_inputs, t)
     out = args.out or ROOT / "benchmarks" / "results" / "batch" / "summary.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    result_json.write(out, doc)
     out.with_suffix(".md").write_text(markdown(doc))
     print(markdown(doc))
     return 0

@@ -7,7 +7,8 @@
 #   4. the server benchmarks with wrk (benchmarks/bench_server.py) on CUDA: that artifact and a ViT-B/16-sized one
 #      (random weights, 224 x 224 JPEG inputs), each with HYDRA_WORKERS auto, 1, 2, 4 and 8, at 1 and 256
 #      connections, beside the raw Hydra model and the raw Single model (benchmarks/single.py) on the same backend
-#      and precision: the served / raw Single ratio that decides what `auto` should be on a GPU.
+#      and precision: the served / raw Single ratio that decides what `auto` should be on a GPU;
+#   5. hydra-predict on CUDA against the raw model on that artifact (benchmarks/batch_scoring.py).
 # The device reaches no package registry: wrk comes as Debian packages in .deb/ (`make wrk-debs` downloads them
 # here); they are unpacked into .deb/root when wrk is not installed.
 # Results go to benchmarks/results/gpu/<GPU name>/ (or $OUT), each file naming the GPU. A failing CUDA test is
@@ -55,6 +56,8 @@ run "$PY" -m benchmarks.bench_server --artifact "$ART" --device cuda --workers a
     --connections 1 256 --seconds 6 --raw-seconds 1.5 --tag cuda --out "$OUT/server"
 run "$PY" -m benchmarks.bench_server --tiny vit_b16 --device cuda --workers auto 1 2 4 8 --no-floor \
     --connections 1 256 --seconds 6 --raw-seconds 1.5 --tag cuda --out "$OUT/server"
+run "$PY" -m benchmarks.batch_scoring --image "$ART" --settings image --device cuda --no-ray --no-memory \
+    --inputs 20000 --out "$OUT/batch/summary.json"
 run "$PY" -c "import json, torch; json.dump({'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__, 'cuda': torch.version.cuda}, open('$OUT/device.json', 'w'))"
 echo "results in $OUT"
 exit "$TESTS"

@@ -42,7 +42,7 @@ def _program(commands: list[list[str]], script: str) -> list[str]:
 def test_it_runs_the_cuda_tests_a_cuda_build_and_both_benchmarks(commands):
     programs = [_name(c) for c in commands]
     assert "pytest" in programs and any(c[1:4] == ["-m", "pytest", "-m"] and c[4] == "gpu" for c in commands)
-    for script in ("offline/build.py", "benchmarks.run", "benchmarks.bench_server"):
+    for script in ("offline/build.py", "benchmarks.run", "benchmarks.bench_server", "benchmarks.batch_scoring"):
         assert script in programs, script
     assert "gpu" in (ROOT / "pyproject.toml").read_text()  # the marker pytest -m gpu selects
 
@@ -58,7 +58,7 @@ def test_the_build_command_is_a_valid_cuda_build(commands):
     assert cfg.build.precision == "auto" and cfg.build.workers == 4
 
 
-@pytest.mark.parametrize("script", ["benchmarks.run", "benchmarks.bench_server"])
+@pytest.mark.parametrize("script", ["benchmarks.run", "benchmarks.bench_server", "benchmarks.batch_scoring"])
 def test_the_benchmark_commands_parse(commands, script, monkeypatch):
     """Each program's parser takes the arguments (``--help`` last: every argument before it is checked first)."""
     import importlib
