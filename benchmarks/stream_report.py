@@ -70,15 +70,19 @@ def _precision_cell(r: dict[str, Any]) -> str:
     return f"{round(r['recall_precision'] * r['recalled'])} / {r['recalled']}"
 
 
+def _section(title: str, *text: str) -> list[str]:
+    """A report section: its heading, a blank line, then ``text``, one line each."""
+    return [f"## {title}", "", *text]
+
+
 def _labelled_lines(doc: dict[str, Any]) -> list[str]:
-    lines = [
-        "## Labelled streams (adaptive requests, each label sent back before the next request)",
-        "",
+    lines = _section(
+        "Labelled streams (adaptive requests, each label sent back before the next request)",
         "| model | stream | inputs | accuracy % | online rule: accepted % / error % [95 %] | certified rule "
         "without alarm: accepted % / error % | hindsight threshold after the alarm: accepted % | labels until the "
         "online rule accepts half of it |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    )
     for r in doc["labelled"]:
         s, f = r["served"], r["certified_rule_without_alarm"]
         ci = "" if s["interval"] is None else f" [{_pct(s['interval'][0])}, {_pct(s['interval'][1])}]"
@@ -104,9 +108,8 @@ def _cached_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def _replica_lines(doc: dict[str, Any]) -> list[str]:
-    lines = [
-        "## Each replica's own alarm, or one shared by the fleet (simulated on cached outputs)",
-        "",
+    lines = _section(
+        "Each replica's own alarm, or one shared by the fleet (simulated on cached outputs)",
         "R replicas behind a random load balancer; a shift to 30 % of an OOD set's inputs reaching every "
         "replica or only one. Fleet inputs from the shift to the first suspended answer to shifted traffic "
         "(median), whether answers to unshifted replicas were suspended, and the runs with a false suspension "
@@ -115,7 +118,7 @@ def _replica_lines(doc: dict[str, Any]) -> list[str]:
         "| model | R | shift reaches | own alarm: first suspension | shared: first suspension | unshifted "
         "suspended (own / shared) |",
         "|---|---:|---|---:|---:|---:|",
-    ]
+    )
     for name, rows in doc["replicas"].items():
         for r in [x for x in rows if "shift_reaches" in x]:
             good = "–"

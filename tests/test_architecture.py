@@ -137,8 +137,24 @@ def test_the_installed_commands_name_the_documented_entry_points():
     assert scripts == {
         "hydra-build": "offline.build:main",
         "hydra-serve": "service.entrypoints.cli:main",
-        "hydra-predict": "service.batch.cli:main",
+        "hydra-predict": "service.batch.command:main",
     }
     for target in scripts.values():
         module, _, name = target.partition(":")
         assert callable(getattr(importlib.import_module(module), name))
+
+
+def shared_module_names(packages: tuple[str, ...] = PACKAGES) -> dict[str, list[str]]:
+    """Module file names that stand in more than one place of ``packages`` (package dunders aside: ``__init__``,
+    ``__main__``), each with its paths."""
+    by_name: dict[str, list[str]] = {}
+    for path in _sources(packages):
+        if not path.name.startswith("__"):
+            by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    return {name: paths for name, paths in by_name.items() if len(paths) > 1}
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says which one it is: no two files of the server, the builder and the benchmarks share one
+    (``guarantees.py`` was four files once: the mathematics, a build step, a report section and the core)."""
+    assert shared_module_names() == {}

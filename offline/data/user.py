@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from offline.data.common import (
     take,
 )
 from service.core.artifact import file_sha256
+from service.core.jsonl import json_objects
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".pgm", ".ppm"}
 USER_EVAL_FRACTION = 0.15  # share of user data (per split, capped by max_val / max_test) held out for val and test
@@ -109,17 +109,10 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}: no data rows (a header line and at least one row are needed)")
         return rows
     if suffix in (".jsonl", ".ndjson"):
-        rows = []
-        for i, line in enumerate(text.splitlines()):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e})") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path}: line {i + 1} is not a JSON object")
-            rows.append(obj)
+        try:
+            rows = [obj for _, obj in json_objects(text.splitlines())]
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
         if not rows:
             raise ValueError(f"{path}: no records")
         return rows

@@ -1,6 +1,6 @@
-"""``python -m service.batch``: :func:`service.batch.cli.main`."""
+"""``python -m service.batch``: :func:`service.batch.command.main`."""
 
-from service.batch.cli import main
+from service.batch.command import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

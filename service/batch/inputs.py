@@ -7,12 +7,12 @@ number; ``raw`` is the text, or the image file's bytes (a relative path is read 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from service.core.errors import InvalidInput
+from service.core.jsonl import json_objects
 
 __all__ = ["IMAGE_SUFFIXES", "Source", "open_source"]
 
@@ -99,18 +99,11 @@ class Source:
 
     def _jsonl(self) -> Iterator[tuple[str, str]]:
         with self.path.open(encoding="utf-8") as f:
-            n = 0
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise BatchInputError(f"{self.path}: line {lineno} is not JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise BatchInputError(f"{self.path}: line {lineno} is not a JSON object")
-                yield self._value(row, n, f"line {lineno}")
-                n += 1
+            try:
+                for n, (lineno, row) in enumerate(json_objects(f)):
+                    yield self._value(row, n, f"line {lineno}")
+            except ValueError as e:
+                raise BatchInputError(f"{self.path}: {e}") from None
 
     def _table_batches(self) -> Iterator[list[dict]]:
         import pyarrow.csv as pa_csv

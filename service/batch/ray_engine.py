@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from service.batch.inputs import BatchInputError, open_source
-from service.batch.parts import Parts
+from service.batch.part_files import Parts
 from service.batch.run_spec import guarantees_of, options_of, run_record
 from service.batch.scorer import BatchOptions, BatchScorer
 from service.core.artifact import artifact_version, load_manifest

@@ -4,8 +4,8 @@
 builds them (:func:`service.api.answers.build_predictions`). So a row's numbers are the server's for the same input.
 
 The online drift alarm is not fed (``Query.monitor`` false): a batch is tested once, as a whole, at its end
-(:mod:`service.batch.summary`). Inputs are decoded in a thread pool while the model runs the previous chunk; an input
-that cannot be decoded gets a row with its ``error`` and no answer, and the others go on.
+(:mod:`service.batch.batch_summary`). Inputs are decoded in a thread pool while the model runs the previous chunk;
+an input that cannot be decoded gets a row with its ``error`` and no answer, and the others go on.
 """
 
 from __future__ import annotations

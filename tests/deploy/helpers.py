@@ -271,3 +271,12 @@ def dockerignore_excludes(rules_text: str, rel_path: str) -> bool:
         if any(rx.match(c) for c in candidates):
             excluded = not negate
     return excluded
+
+
+def only_hydra_env(monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> None:
+    """The process's ``HYDRA_*`` variables replaced by ``env``'s, as a pod given that configuration has them."""
+    for key in list(os.environ):
+        if key.startswith("HYDRA_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)

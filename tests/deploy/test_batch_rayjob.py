@@ -4,7 +4,7 @@ KubeRay's CRDs are not in kubernetes-validate's schemas. The RayJob is checked a
 of KubeRay's ``ray.io/v1`` API that it uses (``RayJobSpec``, ``RayClusterSpec``, ``HeadGroupSpec``,
 ``WorkerGroupSpec``: names, types, the required ones, no unknown field), and each pod template in it (head, worker
 groups, submitter) is validated as a Pod with kubernetes-validate (strict). Then the rules: the entrypoint is a
-``hydra-predict --engine ray`` command line that ``service.batch.cli.parse_args`` accepts, whose artifact, input and
+``hydra-predict --engine ray`` command line that ``service.batch.command.parse_args`` accepts, whose artifact, input and
 output are on volumes every node mounts (the artifact read-only, as the server mounts it; the data on one
 ReadWriteMany claim); the settings pass ``Settings``; the cluster fits the actors it is asked for; its Ray version
 is the ``batch`` extra's, and the image is built with Ray's dashboard (the ``batch-cluster`` extra).
@@ -16,7 +16,6 @@ import copy
 import functools
 import importlib.util
 import math
-import os
 import re
 import shlex
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.helpers import DEPLOY, ROOT, by_kind, kustomize, one, parse_dockerfile
+from tests.deploy.helpers import DEPLOY, ROOT, by_kind, kustomize, one, only_hydra_env, parse_dockerfile
 
 tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ (the image runs 3.12)")
 
@@ -38,34 +37,29 @@ DIGEST = re.compile(r"[a-z0-9.-]+(:\d+)?/[a-z0-9./_-]+@sha256:[0-9a-f]{64}")
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
 _TEMPLATE = {"type": "object", "required": ["spec"], "properties": {"metadata": {"type": "object"}, "spec": {}}}
 _INT = {"type": "integer"}
-_HEAD_GROUP = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["rayStartParams", "template"],
-    "properties": {
-        "serviceType": {"type": "string"},
-        "headService": {"type": "object"},
-        "enableIngress": {"type": "boolean"},
-        "rayStartParams": _STR_MAP,
-        "template": _TEMPLATE,
-    },
-}
-_WORKER_GROUP = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"],
-    "properties": {
-        "groupName": {"type": "string", "minLength": 1},
-        "replicas": _INT,
-        "minReplicas": _INT,
-        "maxReplicas": _INT,
-        "numOfHosts": _INT,
-        "rayStartParams": _STR_MAP,
-        "template": _TEMPLATE,
-        "scaleStrategy": {"type": "object"},
-        "suspend": {"type": "boolean"},
-    },
-}
+_COUNT = {"type": "integer", "minimum": 0}
+_STRING = {"type": "string"}
+
+
+def _closed(required: list[str], **properties: Any) -> dict[str, Any]:
+    """A JSON schema of an object with exactly ``properties``, ``required`` of them required."""
+    return {"type": "object", "additionalProperties": False, "required": required, "properties": properties}
+
+
+_HEAD_GROUP = _closed(
+    ["rayStartParams", "template"],
+    serviceType={"type": "string"},
+    headService={"type": "object"},
+    enableIngress={"type": "boolean"},
+    rayStartParams=_STR_MAP,
+    template=_TEMPLATE,
+)
+_WORKER_GROUP = _closed(
+    ["groupName", "minReplicas", "maxReplicas", "rayStartParams", "template"],
+    **{"groupName": {"type": "string", "minLength": 1}, "rayStartParams": _STR_MAP, "template": _TEMPLATE},
+    **dict.fromkeys(("replicas", "minReplicas", "maxReplicas", "numOfHosts"), _INT),
+    **{"scaleStrategy": {"type": "object"}, "suspend": {"type": "boolean"}},
+)
 _CLUSTER = {
     "type": "object",
     "additionalProperties": False,
@@ -87,31 +81,17 @@ RAYJOB_SCHEMA: dict[str, Any] = {
         "apiVersion": {"const": "ray.io/v1"},
         "kind": {"const": "RayJob"},
         "metadata": {"type": "object", "required": ["name"]},
-        "spec": {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {
-                "activeDeadlineSeconds": {"type": "integer", "minimum": 1},
-                "backoffLimit": {"type": "integer", "minimum": 0},
-                "rayClusterSpec": _CLUSTER,
-                "submitterPodTemplate": _TEMPLATE,
-                "metadata": _STR_MAP,
-                "clusterSelector": _STR_MAP,
-                "submitterConfig": {"type": "object"},
-                "managedBy": {"type": "string"},
-                "deletionStrategy": {"type": "object"},
-                "entrypoint": {"type": "string"},
-                "runtimeEnvYAML": {"type": "string"},
-                "jobId": {"type": "string"},
-                "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode"]},
-                "entrypointResources": {"type": "string"},
-                "entrypointNumCpus": {"type": "number"},
-                "entrypointNumGpus": {"type": "number"},
-                "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
-                "shutdownAfterJobFinishes": {"type": "boolean"},
-                "suspend": {"type": "boolean"},
-            },
-        },
+        "spec": _closed(
+            [],
+            **{"activeDeadlineSeconds": {"type": "integer", "minimum": 1}, "rayClusterSpec": _CLUSTER},
+            **{"backoffLimit": _COUNT, "ttlSecondsAfterFinished": _COUNT, "submitterPodTemplate": _TEMPLATE},
+            **dict.fromkeys(("metadata", "clusterSelector"), _STR_MAP),
+            **dict.fromkeys(("submitterConfig", "deletionStrategy"), {"type": "object"}),
+            **dict.fromkeys(("managedBy", "entrypoint", "runtimeEnvYAML", "jobId", "entrypointResources"), _STRING),
+            **dict.fromkeys(("entrypointNumCpus", "entrypointNumGpus"), {"type": "number"}),
+            **dict.fromkeys(("shutdownAfterJobFinishes", "suspend"), {"type": "boolean"}),
+            submissionMode={"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode"]},
+        ),
     },
 }
 
@@ -232,11 +212,11 @@ def test_the_job_ends_and_deletes_its_cluster(job):
 
 
 def test_the_entrypoint_is_a_hydra_predict_command_line_on_ray(job):
-    from service.batch.cli import parse_args
+    from service.batch.command import parse_args
 
     command, *argv = entrypoint(job)
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["scripts"][command] == "service.batch.cli:main"
+    assert project["scripts"][command] == "service.batch.command:main"
     args = parse_args(argv)  # exits (SystemExit 2) on a flag the command does not have
     assert args.engine == "ray" and args.address == "auto"  # the cluster the job was submitted to
     assert args.no_progress  # no terminal in a pod: progress lines in the log only
@@ -244,7 +224,7 @@ def test_the_entrypoint_is_a_hydra_predict_command_line_on_ray(job):
 
 def test_parse_args_refuses_a_wrong_entrypoint(job):
     """The check above would see a flag hydra-predict does not have, or a missing one."""
-    from service.batch.cli import parse_args
+    from service.batch.command import parse_args
 
     _, *argv = entrypoint(job)
     with pytest.raises(SystemExit):
@@ -255,7 +235,7 @@ def test_parse_args_refuses_a_wrong_entrypoint(job):
 
 
 def test_every_ray_node_sees_the_artifact_the_input_and_the_output(job, docs):
-    from service.batch.cli import parse_args
+    from service.batch.command import parse_args
 
     args = parse_args(entrypoint(job)[1:])
     claim = one(docs, "PersistentVolumeClaim")
@@ -329,17 +309,13 @@ def test_the_probes_are_rays_health_check_over_http(job):
 def test_the_settings_pass_validation_and_size_the_actors(job, docs, monkeypatch):
     from pydantic import ValidationError
 
-    from service.batch.cli import parse_args
+    from service.batch.command import parse_args
     from service.settings import Settings
 
     config = one(docs, "ConfigMap")
     env = config["data"]
     assert env["HYDRA_STORE"] == "off"
-    for key in list(os.environ):
-        if key.startswith("HYDRA_"):
-            monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    only_hydra_env(monkeypatch, env)
     try:
         settings = Settings(_env_file=None)
     except ValidationError as e:

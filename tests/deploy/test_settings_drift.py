@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import re
 from typing import Any
 
 import pytest
 
-from tests.deploy.helpers import DEPLOY, OVERLAYS, ROOT, container, kustomize, one, parse_dockerfile
+from tests.deploy.helpers import DEPLOY, OVERLAYS, ROOT, container, kustomize, one, only_hydra_env, parse_dockerfile
 
 NOT_SETTINGS = {"HYDRA_DATA_DIR"}  # used by the offline builder's data scripts, not by the server
 
@@ -116,11 +115,7 @@ def test_configmap_values_pass_settings_validation(
     env = {k: v for k, v in _runtime_env().items() if k.startswith("HYDRA_")}
     env.update(one(docs, "ConfigMap")["data"])
     env.update(_container_env(container(one(docs, "Deployment"))))
-    for key in list(os.environ):
-        if key.startswith("HYDRA_"):
-            monkeypatch.delenv(key)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+    only_hydra_env(monkeypatch, env)
     try:
         settings = settings_cls(_env_file=None)
     except ValidationError as e:

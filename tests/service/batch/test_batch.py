@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 from fastapi.testclient import TestClient
 
-from service.batch.cli import main
+from service.batch.command import main
 from service.entrypoints.app import create_app
 from tests.fixtures.golden import close
 from tests.fixtures.tiny_artifact import make_tiny_artifact

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.batch.cli import main
+from service.batch.command import main
 from service.entrypoints.app import create_app
 from tests.fixtures.tiny_artifact import TINY_LABELS, make_tiny_artifact
 from tests.service.helpers import settings_for

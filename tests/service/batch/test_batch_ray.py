@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from service.batch.cli import main
+from service.batch.command import main
 from tests.fixtures.tiny_artifact import make_tiny_artifact
 
 pytest.importorskip("ray")  # the batch extra (make test installs it)

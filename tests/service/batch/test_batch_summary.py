@@ -1,4 +1,4 @@
-"""The batch's summary statistics (service/batch/summary.py): the shift test's p-value is SciPy's Mann-Whitney U
+"""The batch's summary statistics (service/batch/batch_summary.py): the shift test's p-value is SciPy's Mann-Whitney U
 (asymptotic, tie-corrected, continuity-corrected, one-sided) to float precision, its rejection rate under the null
 (batch and calibration drawn from one law) stays at its level by simulation, it rejects a shifted batch, and the
 label-free estimate is the /monitor estimator's."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import mannwhitneyu
 
-from service.batch.summary import batch_shift_test, difference_of_confidences, label_free, select
+from service.batch.batch_summary import batch_shift_test, difference_of_confidences, label_free, select
 from service.core.online import estimate_figure
 
 

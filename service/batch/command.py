@@ -20,12 +20,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from service.batch.batch_summary import SELECT_BY, batch_shift_test, label_free, select, suspend
 from service.batch.inputs import BatchInputError, open_source
-from service.batch.parts import FORMATS, Parts
+from service.batch.part_files import FORMATS, Parts
 from service.batch.ray_engine import run_ray
 from service.batch.run_spec import options_of, run_record
 from service.batch.scorer import BatchScorer
-from service.batch.summary import SELECT_BY, batch_shift_test, label_free, select, suspend
 from service.core.artifact import load_manifest
 from service.core.errors import ServiceError
 from service.core.progress import bar, set_enabled
@@ -164,8 +164,8 @@ def calibration_of(guarantees: Any, artifact: Path) -> tuple[float, int, Any] | 
 
 
 def suspend_parts(parts: Parts, policy: str, test: dict[str, Any]) -> None:
-    """Every answered row not yet suspended, suspended (:func:`~service.batch.summary.suspend`), part by part: a run
-    killed here and started again ends alike."""
+    """Every answered row not yet suspended, suspended (:func:`~service.batch.batch_summary.suspend`), part by
+    part: a run killed here and started again ends alike."""
     for k in range(parts.done()):
         rows = parts.read(k)
         if any(r["error"] is None and not r["suspended"] for r in rows):
