@@ -36,14 +36,14 @@ class Source:
 
     def count(self) -> int:
         """How many inputs there are (a pass over the table's ids alone; a folder's listing)."""
-        return sum(len(ids) for ids, _ in self._chunks(4096, read=False))
+        return sum(len(ids) for ids, _ in self._chunks(4096))
 
     def chunks(
         self, size: int, skip: int = 0, stop: int | None = None
     ) -> Iterator[tuple[list[str], list[str | bytes]]]:
         """``(ids, raws)`` of ``size`` inputs at a time, in order, inputs ``skip`` to ``stop`` (None: the end)."""
         seen = 0
-        for ids, raws in self._chunks(size, read=False):
+        for ids, raws in self._chunks(size):
             lo, hi = seen, seen + len(ids)
             seen = hi
             if hi <= skip:
@@ -66,7 +66,7 @@ class Source:
     def _root(self) -> Path:
         return self.path if self.kind == "folder" else self.path.parent
 
-    def _chunks(self, size: int, read: bool) -> Iterator[tuple[list[str], list[str]]]:
+    def _chunks(self, size: int) -> Iterator[tuple[list[str], list[str]]]:
         rows = {"folder": self._folder, "csv": self._csv, "jsonl": self._jsonl, "parquet": self._parquet}[self.kind]()
         ids: list[str] = []
         raws: list[str] = []
