@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 
 from service.batch.batch_summary import SELECT_BY, batch_shift_test, label_free, select, suspend
@@ -129,14 +130,14 @@ def open_recording(args: argparse.Namespace, settings: Settings) -> PredictionSt
 def finish(args: argparse.Namespace, parts: Parts, scorer_guarantees: Any, metric: str, policy: str) -> dict:
     """The summary of a run's parts: label-free accuracy, the shift test (and the suspension it brings), the K inputs
     to label first. Written to ``summary.json``; idempotent (a restarted run finishes alike)."""
-    rows = list(parts.all_rows(SUMMARY_COLUMNS))
-    summary: dict[str, Any] = {"rows": len(rows), "errors": sum(r["error"] is not None for r in rows)}
+    scores, errors = ood_scores(parts)
+    summary: dict[str, Any] = {"rows": len(scores) + errors, "errors": errors}
     scored, seconds = parts.rate
     summary["scored_now"] = {"inputs": scored, "seconds": round(seconds, 3), "inputs_per_s": _rate(scored, seconds)}
-    summary |= label_free(rows, calibration=calibration_of(scorer_guarantees, args.artifact))
+    calibration = calibration_of(scorer_guarantees, args.artifact)
+    summary |= label_free(parts.all_rows(SUMMARY_COLUMNS), calibration=calibration)
     test = None
     if scorer_guarantees is not None:
-        scores = [r["ood_score"] for r in rows if r["error"] is None]
         test = batch_shift_test(scores, scorer_guarantees.ood_scores, metric, args.shift_alpha)
         test["policy"] = policy
         summary["shift_test"] = test
@@ -149,6 +150,18 @@ def finish(args: argparse.Namespace, parts: Parts, scorer_guarantees: Any, metri
         summary["selected"] = {"k": len(chosen), "by": args.by, "file": path.name}
     (parts.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def ood_scores(parts: Parts) -> tuple[np.ndarray, int]:
+    """The answered rows' OOD scores ``(n,)`` and the count of rows with an error, read part by part: the rows are
+    never all in memory, only their scores (8 bytes each)."""
+    chunks, errors = [], 0
+    for k in range(parts.done()):
+        rows = parts.read(k, ("error", "ood_score"))
+        ok = [r["ood_score"] for r in rows if r["error"] is None]
+        chunks.append(np.asarray(ok, dtype=np.float64))
+        errors += len(rows) - len(ok)
+    return (np.concatenate(chunks) if chunks else np.zeros(0)), errors
 
 
 def calibration_of(guarantees: Any, artifact: Path) -> tuple[float, int, Any] | None:
