@@ -240,14 +240,41 @@ def labelled_items(path: Path) -> list[FeedbackItem]:
     return [FeedbackItem(r["answer_id"], 0, r["label"].strip()) for r in rows if r.get("label", "").strip()]
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to ``sys.stderr`` as it is when a record comes (a caller may replace it: a test's
+    capture, a notebook), not as it was when the handler was made."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["feedback"]:
         return feedback(argv[1:])
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    # INFO lines (the model's backend, the progress) on stderr while the command runs; the caller's logging after
+    root, handler, level = logging.getLogger(), _Stderr(), logging.getLogger().level
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
     if args.no_progress:
         set_enabled(False)
+    try:
+        return run(args)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        set_enabled(None)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command's run (:func:`main` sets up its logging): the rows, then the summary, printed."""
     try:
         settings = Settings()
     except ValidationError as e:
