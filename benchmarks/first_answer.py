@@ -72,7 +72,8 @@ def measure(
     first: dict[str, Any] | None = None
     seen: dict[str, float] = {}
     try:
-        while time.monotonic() - t0 < limit_s and proc.poll() is None and len(seen) < models:
+        # until every model is served and the printed command answered (its line may follow the readiness)
+        while time.monotonic() - t0 < limit_s and proc.poll() is None and (len(seen) < models or first is None):
             time.sleep(1.0)
             now = time.monotonic() - t0
             status, doc = _get(f"http://127.0.0.1:{port}/v1/models")

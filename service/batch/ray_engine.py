@@ -90,7 +90,9 @@ def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, s
         "run": run_record(args, described),
     }
     env = {k: v for k, v in os.environ.items() if k.startswith(("HYDRA_", "OMP_", "HF_", "TRANSFORMERS_"))}
-    ray.init(address=args.address, runtime_env={"env_vars": env}, log_to_driver=False, include_dashboard=False)
+    started = not ray.is_initialized()  # a caller's own Ray (a notebook, a test) is used as it is, and left running
+    if started:
+        ray.init(address=args.address, runtime_env={"env_vars": env}, log_to_driver=False, include_dashboard=False)
     try:
         gpu = 1 if settings.device.startswith("cuda") else 0
         start = min(done * args.part_size, total)
@@ -110,6 +112,7 @@ def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, s
         progress.close()
         parts.rate = (total - start, time.monotonic() - t0)  # Ray's start and the actors' model loads included
     finally:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
     guarantees, metric = guarantees_of(args.artifact)
     return parts, guarantees, metric

@@ -60,8 +60,8 @@ def test_feedback_of_a_run_not_recorded_fails_in_one_line(tmp_path, capsys):
     art = make_tiny_artifact(tmp_path / "bert", "bert")
     (tmp_path / "f.csv").write_text("position,id,predicted,mutual_information,label\n0,r0,cat,0.1,dog\n")
     assert main(["feedback", str(tmp_path / "f.csv"), "--artifact", str(art)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("hydra-predict feedback: ") and "run it with --record" in err and "\n" not in err
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # its one line (other tests' log handlers aside)
+    assert err.startswith("hydra-predict feedback: ") and "run it with --record" in err
 
 
 @pytest.mark.parametrize("store", ["false"])

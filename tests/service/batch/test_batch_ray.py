@@ -16,12 +16,16 @@ pytest.importorskip("ray")  # the batch extra (make test installs it)
 TEXTS = [f"order {i}: {'late' if i % 3 else 'broken'} and {'loud' if i % 2 else 'quiet'}" for i in range(45)]
 
 
-def test_ray_writes_the_in_process_parts_and_resumes(tmp_path, monkeypatch):
+def test_ray_writes_the_in_process_parts_and_resumes(tmp_path, monkeypatch, request):
     for k in [k for k in os.environ if k.startswith("HYDRA_")]:
         monkeypatch.delenv(k)
     for k, v in {"HYDRA_DEVICE": "cpu", "HYDRA_PRECISION": "fp32", "HYDRA_STORE": "off", "HYDRA_THREADS": "1"}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("RAY_num_cpus", "2")
+    import ray
+
+    env = {k: os.environ[k] for k in os.environ if k.startswith("HYDRA_")}
+    ray.init(num_cpus=2, runtime_env={"env_vars": env}, log_to_driver=False, include_dashboard=False)
+    request.addfinalizer(ray.shutdown)  # one local Ray of 2 CPUs for both runs, as a notebook's would be
     art = make_tiny_artifact(tmp_path / "bert", "bert", guarantees={})
     inp = tmp_path / "t.jsonl"
     inp.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
