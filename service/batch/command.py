@@ -27,7 +27,7 @@ from service.batch.part_files import FORMATS, Parts
 from service.batch.ray_engine import run_ray
 from service.batch.run_spec import options_of, run_record
 from service.batch.scorer import BatchScorer
-from service.core.artifact import load_manifest
+from service.core.artifact import Manifest, load_manifest
 from service.core.errors import ServiceError
 from service.core.progress import bar, set_enabled
 from service.settings import Settings, settings_errors
@@ -127,18 +127,18 @@ def open_recording(args: argparse.Namespace, settings: Settings) -> PredictionSt
     return store
 
 
-def finish(args: argparse.Namespace, parts: Parts, scorer_guarantees: Any, metric: str, policy: str) -> dict:
+def finish(args: argparse.Namespace, parts: Parts, manifest: Manifest, guarantees: Any, policy: str) -> dict:
     """The summary of a run's parts: label-free accuracy, the shift test (and the suspension it brings), the K inputs
     to label first. Written to ``summary.json``; idempotent (a restarted run finishes alike)."""
     scores, errors = ood_scores(parts)
     summary: dict[str, Any] = {"rows": len(scores) + errors, "errors": errors}
     scored, seconds = parts.rate
     summary["scored_now"] = {"inputs": scored, "seconds": round(seconds, 3), "inputs_per_s": _rate(scored, seconds)}
-    calibration = calibration_of(scorer_guarantees, args.artifact)
-    summary |= label_free(parts.all_rows(SUMMARY_COLUMNS), calibration=calibration)
+    metric = manifest.uncertainty.ood_score
+    summary |= label_free(parts.all_rows(SUMMARY_COLUMNS), calibration=calibration_of(guarantees, manifest))
     test = None
-    if scorer_guarantees is not None:
-        test = batch_shift_test(scores, scorer_guarantees.ood_scores, metric, args.shift_alpha)
+    if guarantees is not None:
+        test = batch_shift_test(scores, guarantees.ood_scores, metric, args.shift_alpha)
         test["policy"] = policy
         summary["shift_test"] = test
     summary["suspended"] = test is not None and test["rejected"] and policy != "off"
@@ -164,14 +164,12 @@ def ood_scores(parts: Parts) -> tuple[np.ndarray, int]:
     return (np.concatenate(chunks) if chunks else np.zeros(0)), errors
 
 
-def calibration_of(guarantees: Any, artifact: Path) -> tuple[float, int, Any] | None:
+def calibration_of(guarantees: Any, manifest: Manifest) -> tuple[float, int, Any] | None:
     """``(accuracy, n, confidences)`` of the artifact's calibration split (None: no split, or no confidences)."""
-    if guarantees is None or guarantees.ranks is None:
+    if guarantees is None or guarantees.ranks is None or manifest.guarantees is None:
         return None
-    spec = load_manifest(artifact).guarantees
-    errors = spec.calibration.get("errors") if spec is not None else None
-    n = guarantees.ranks.n
-    if not isinstance(errors, int) or isinstance(errors, bool) or not n:
+    errors, n = manifest.guarantees.calibration_errors, guarantees.ranks.n
+    if errors is None or not n:
         return None
     return 1 - errors / n, n, guarantees.ranks.confidences
 
@@ -285,11 +283,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.input.exists():
             raise BatchInputError(f"{args.input}: no such file or folder")
         if args.engine == "ray":
-            parts, guarantees, metric = run_ray(args, settings)
+            parts, manifest, guarantees = run_ray(args, settings)
         else:
             parts, scorer = run_local(args, settings)
-            guarantees, metric = scorer.rt.guarantees, scorer.rt.ood_metric
-        summary = finish(args, parts, guarantees, metric, settings.drift_policy)
+            manifest, guarantees = scorer.rt.manifest, scorer.rt.guarantees
+        summary = finish(args, parts, manifest, guarantees, settings.drift_policy)
     except (ServiceError, OSError) as e:
         print(f"hydra-predict: {e}", file=sys.stderr)
         return 2

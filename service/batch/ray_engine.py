@@ -21,9 +21,10 @@ from typing import Any
 
 from service.batch.inputs import BatchInputError, open_source
 from service.batch.part_files import Parts
-from service.batch.run_spec import guarantees_of, options_of, run_record
+from service.batch.run_spec import options_of, run_record
 from service.batch.scorer import BatchOptions, BatchScorer
-from service.core.artifact import artifact_version, load_manifest
+from service.core.artifact import Manifest, artifact_version, load_manifest
+from service.core.guarantees import load_guarantees
 from service.core.progress import bar
 from service.settings import Settings
 from service.store import open_store
@@ -62,8 +63,8 @@ class PartScorer:
         return {"part": [int(k) for k in batch["part"]], "rows": done}
 
 
-def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, str]:
-    """Score every part not yet written on Ray Data; ``(parts, the artifact's guarantees, its served score)``."""
+def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Manifest, Any]:
+    """Score every part not yet written on Ray Data; ``(parts, the artifact's manifest, its guarantees)``."""
     import ray  # the batch extra: imported when a Ray run starts
 
     manifest = load_manifest(args.artifact)
@@ -75,7 +76,8 @@ def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, s
     source = open_source(args.input, args.column, args.id_column, modality)
     options = options_of(args)
     described = {"model": manifest.name, "version": artifact_version(manifest), "options": vars(options)}
-    parts = Parts(args.out, args.format, args.part_size, run_record(args, described))
+    record = run_record(args, described)
+    parts = Parts(args.out, args.format, args.part_size, record)
     total, done = source.count(), parts.done()
     todo = [k for k in range(-(-total // args.part_size)) if not parts.path(k).exists()]
     spec = {
@@ -87,7 +89,7 @@ def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, s
         "part_size": args.part_size,
         "batch_size": args.batch_size,
         "threads": args.threads,
-        "run": run_record(args, described),
+        "run": record,
     }
     env = {k: v for k, v in os.environ.items() if k.startswith(("HYDRA_", "OMP_", "HF_", "TRANSFORMERS_"))}
     started = not ray.is_initialized()  # a caller's own Ray (a notebook, a test) is used as it is, and left running
@@ -114,5 +116,4 @@ def run_ray(args: argparse.Namespace, settings: Settings) -> tuple[Parts, Any, s
     finally:
         if started:
             ray.shutdown()
-    guarantees, metric = guarantees_of(args.artifact)
-    return parts, guarantees, metric
+    return parts, manifest, load_guarantees(args.artifact, manifest)

@@ -390,6 +390,13 @@ class GuaranteesSpec(_OpenRecord):
     selective: SelectiveSpec
     drift: DriftSpec
 
+    @property
+    def calibration_errors(self) -> int | None:
+        """The served model's wrong top labels on the calibration split (``calibration.errors``; None: an artifact
+        built before the builder counted them)."""
+        errors = self.calibration.get("errors")
+        return errors if isinstance(errors, int) and not isinstance(errors, bool) else None
+
     @model_validator(mode="after")
     def _targets(self) -> GuaranteesSpec:
         risks = [t.risk for t in self.selective.targets]

@@ -242,8 +242,7 @@ class Runtime(GuaranteedAnswers, abc.ABC):
     def attach_monitor(self, store: PredictionStore) -> LiveMonitor:
         """Record this model's answers in ``store`` and monitor them (:mod:`service.runtime.monitor`)."""
         spec = self.manifest.guarantees
-        errors = spec.calibration.get("errors") if spec is not None else None
-        errors = errors if isinstance(errors, int) and not isinstance(errors, bool) else None
+        errors = spec.calibration_errors if spec is not None else None
         self.monitor = LiveMonitor(store, self.name, self.version, self.guarantees, errors, self.metrics)
         return self.monitor
 
